@@ -1,0 +1,273 @@
+"""Engine configuration: the vLLM-named engine flags and the frozen configs derived from them.
+
+``EngineArgs`` mirrors ``vllm.EngineArgs`` (same field names, same CLI flags, same defaults
+where vLLM has one). ``EngineArgs.add_cli_args`` is the single place that defines the flags, so
+every entry point (``pdserve prefill|decode|up``, ``LLM(...)``) accepts exactly the same set.
+No torch import here: the router and the launcher use this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """An engine flag or a model directory is invalid."""
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse ``"4GiB"``, ``"512M"``, ``"1.5G"`` or a plain byte count."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = text.strip().lower().replace("ib", "").replace("b", "")
+    mult = 1
+    for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    try:
+        return int(float(s) * mult)
+    except ValueError as e:
+        raise ConfigError(f"cannot parse a byte size from {text!r}") from e
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about the checkpoint (read from config.json)."""
+
+    path: str
+    served_model_name: str
+    architecture: str
+    dtype: str  # resolved torch dtype name: float32 | bfloat16 | float16
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: tuple[int, ...]
+    hf_config: dict = field(hash=False, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_dtype: str  # "auto" (= model dtype) or "fp8_e4m3"
+    gpu_memory_utilization: float
+    kv_cache_memory: int | None  # bytes; overrides the utilization-based sizing
+    swap_space: int  # bytes of host memory for swapped-out blocks
+    num_gpu_blocks_override: int | None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    preemption_mode: str  # "recompute" | "swap"
+    long_prefill_token_threshold: int
+
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class EngineArgs:
+    """Engine flags with vLLM's names and defaults (``None`` = derived, as in vLLM)."""
+
+    model: str = ""
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: str | int | None = None
+    kv_cache_dtype: str = "auto"
+    swap_space: float = 4.0  # GiB, as in vLLM
+    preemption_mode: str | None = None  # vLLM: recompute unless told otherwise
+    num_gpu_blocks_override: int | None = None
+    device: str = "auto"
+    attention_backend: str | None = None  # torch | triton; default by device
+    enforce_eager: bool = False
+    disable_log_stats: bool = False
+
+    # ---- CLI ---------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+        g = parser.add_argument_group("engine (vLLM flag names)")
+        g.add_argument("--model", required=model_required, default=None,
+                       help="Hugging Face model directory")
+        g.add_argument("--served-model-name", default=None,
+                       help="model name in the API and the prefix-cache hash seed (default: --model)")
+        g.add_argument("--tokenizer", default=None)
+        g.add_argument("--dtype", default="auto", choices=_DTYPES,
+                       help="auto serves the checkpoint's torch_dtype (fp32 stays fp32)")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--max-num-seqs", type=int, default=None)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--kv-cache-memory", default=None,
+                       help="KV cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=_KV_DTYPES)
+        g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap per worker")
+        g.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"))
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+        g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
+        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--disable-log-stats", action="store_true")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that reproduce these args (``pdserve up`` passes them to its workers)."""
+        out: list[str] = []
+        defaults = EngineArgs()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(defaults, f.name):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                if value:
+                    out.append(flag)
+                elif f.name.startswith("enable_"):  # BooleanOptionalAction flags
+                    out.append("--no-" + flag[2:])
+            elif value is not None:
+                out += [flag, str(value)]
+        return out
+
+    # ---- resolution --------------------------------------------------------------------
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+
+    def create_model_config(self) -> ModelConfig:
+        path = Path(self.model)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{self.model!r} is not a Hugging Face model directory (no config.json)")
+        hf = json.loads(cfg_file.read_text())
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r} in {cfg_file}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"))
+        native_len = int(hf.get("max_position_embeddings", 2048))
+        max_len = self.max_model_len or native_len
+        if max_len > native_len:
+            raise ConfigError(
+                f"--max-model-len {max_len} exceeds the model's max_position_embeddings {native_len}")
+        n_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.is_file():
+            g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            if isinstance(g_eos, list):
+                eos_ids = tuple(dict.fromkeys(eos_ids + tuple(g_eos)))
+            elif g_eos is not None and g_eos not in eos_ids:
+                eos_ids = eos_ids + (g_eos,)
+        return ModelConfig(
+            path=str(path),
+            served_model_name=self.served_model_name or self.model,
+            architecture=arch,
+            dtype=dtype,
+            max_model_len=max_len,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=n_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(hf.get("head_dim") or hidden // n_heads),
+            eos_token_ids=eos_ids,
+            hf_config=hf,
+        )
+
+    def create_cache_config(self) -> CacheConfig:
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        return CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype="auto" if self.kv_cache_dtype == "auto" else "fp8_e4m3",
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory),
+            swap_space=int(self.swap_space * GiB),
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+
+    def create_scheduler_config(self, model_config: ModelConfig, device: str) -> SchedulerConfig:
+        # vLLM's usage-context defaults: CPU 128 seqs / 2048 tokens per step; CUDA 256 / 8192.
+        max_seqs = self.max_num_seqs or (128 if device == "cpu" else 256)
+        default_tokens = 2048 if device == "cpu" else 8192
+        max_tokens = self.max_num_batched_tokens or default_tokens
+        if not self.enable_chunked_prefill:
+            max_tokens = max(max_tokens, model_config.max_model_len)
+        if max_seqs < 1 or max_tokens < 1:
+            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        if max_tokens < max_seqs and self.max_num_batched_tokens:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({max_tokens}) must be >= --max-num-seqs ({max_seqs})")
+        return SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max_tokens,
+            max_model_len=model_config.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode or "recompute",
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+
+
+def resolve_dtype(requested: str, checkpoint: str | None) -> str:
+    """vLLM's ``--dtype`` rules: ``auto`` serves the checkpoint dtype (fp32 stays fp32)."""
+    aliases = {"float": "float32", "half": "float16", "float32": "float32",
+               "bfloat16": "bfloat16", "float16": "float16"}
+    if requested == "auto":
+        return aliases.get(str(checkpoint or "float32").replace("torch.", ""), "float32")
+    if requested not in aliases:
+        raise ConfigError(f"--dtype must be one of {_DTYPES}, got {requested!r}")
+    return aliases[requested]
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    return default if v is None else v.lower() in ("1", "true", "yes", "on")
