@@ -1,0 +1,355 @@
+"""The engine: ``EngineCore`` (the step loop the services drive) and the offline ``LLM`` API.
+
+``EngineCore`` is single-threaded by contract: call ``add_request`` / ``abort_request`` /
+``step`` from one thread (the services run it in a dedicated engine thread and talk to it
+through queues). Bad input raises ``InvalidRequestError`` before anything is queued, so one bad
+request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.config import EngineArgs, GiB
+from shared.hashing import hash_seed
+from shared.kv_cache_manager import KVCacheManager, cdiv
+from shared.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from shared.request import KVExport, Logprob, Request, RequestStatus
+from shared.sampling_params import SamplingParams, SamplingParamsError
+from shared.scheduler import SampledToken, Scheduler, SeqUpdate
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (empty or oversize prompt, bad token ids, bad params)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of blocks held by live requests
+    kv_utilization: float  # tokens held / token slots allocated to live requests
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    held: int
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        from shared.model_runner import ModelRunner
+
+        self.args = args
+        self.device = args.resolve_device()
+        self.model_config = args.create_model_config()
+        self.cache_config = args.create_cache_config()
+        self.scheduler_config = args.create_scheduler_config(self.model_config, self.device)
+        self.runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
+                                  self.device, args.attention_backend, args.seed)
+        cc = self.cache_config
+        if cc.num_gpu_blocks_override:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            num_blocks = self.runner.num_blocks_for(self.runner.kv_cache_budget())
+        if num_blocks < 1:
+            raise RuntimeError("the KV cache budget is smaller than one block")
+        num_host = cc.swap_space // self.runner.block_bytes if self.scheduler_config.preemption_mode == "swap" else 0
+        self.runner.allocate_kv_cache(num_blocks, num_host)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.hash_seeds: dict[str | None, int] = {}
+        self.parents: dict[str, list[Request]] = {}
+        self.capacity_line = self._capacity_line(num_blocks, num_host)
+        logger.info(self.capacity_line)
+
+    # ---- capacity ----------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
+    def _capacity_line(self, num_blocks: int, num_host: int) -> str:
+        bs = self.block_size
+        tokens = num_blocks * bs
+        gib = num_blocks * self.runner.block_bytes / GiB
+        max_len = self.model_config.max_model_len
+        line = (f"KV cache: {num_blocks:,} blocks x {bs} tokens = {tokens:,} tokens "
+                f"({gib:.2f} GiB, {self.cache_config.kv_cache_dtype if self.cache_config.kv_cache_dtype != 'auto' else self.model_config.dtype}); "
+                f"maximum concurrency for {max_len:,} tokens per request: {tokens / max_len:.1f}x")
+        if num_host:
+            line += f"; swap: {num_host:,} host blocks"
+        return line
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        remote_prefill: bool = False,
+        prefill_only: bool = False,
+        kv_export_first_block: int | None = None,
+        hold_blocks: bool = False,
+        resume: Sequence[Sequence[int]] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request (``params.n`` sequences).
+
+        ``remote_prefill``: decode role; reserve blocks and wait for a prefill worker's KV.
+        ``prefill_only``: prefill role; finish after the first token. ``kv_export_first_block``:
+        report blocks from that index on as they complete. ``hold_blocks``: keep the blocks
+        after finishing until ``release``. ``resume``: failover; per sample, output tokens
+        already produced elsewhere (continue after them).
+        Raises ``InvalidRequestError`` (nothing queued) on bad input.
+        """
+        mc = self.model_config
+        prompt = list(prompt_token_ids)
+        if request_id in self.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= mc.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {mc.vocab_size})")
+        if len(prompt) >= mc.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt)} tokens; the model's maximum context length is "
+                f"{mc.max_model_len} (prompt + at least one output token must fit)")
+        try:
+            params = params.clone()
+            params.validate()
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e)) from e
+        room = mc.max_model_len - len(prompt)
+        if params.max_tokens is None or params.max_tokens > room:
+            params.max_tokens = room
+        if resume is not None and len(resume) not in (0, params.n):
+            raise InvalidRequestError(f"resume has {len(resume)} entries for n={params.n}")
+        seed = self.hash_seeds.get(cache_salt)
+        if seed is None:
+            seed = self.hash_seeds[cache_salt] = hash_seed(mc.served_model_name, cache_salt)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs: list[Request] = []
+        for i in range(params.n):
+            done = list(resume[i]) if resume else []
+            seq_params = params.for_sample(i) if params.n > 1 else params
+            if done and seq_params.max_tokens is not None and len(done) >= seq_params.max_tokens:
+                raise InvalidRequestError(f"resume for sample {i} already has max_tokens tokens")
+            seqs.append(Request(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                parent_id=request_id, index=i, prompt_token_ids=prompt,
+                sampling_params=seq_params, eos_token_ids=mc.eos_token_ids,
+                block_size=self.block_size, hash_seed=seed, arrival_time=now,
+                output_token_ids=done, num_resumed_tokens=len(done),
+                prefill_only=prefill_only, wants_remote_prefill=remote_prefill and not done))
+        leader = seqs[0]
+        leader.hold_blocks = hold_blocks
+        if kv_export_first_block is not None:
+            n_blocks = cdiv(len(prompt), self.block_size) - kv_export_first_block
+            leader.kv_export = KVExport(kv_export_first_block, max(0, n_blocks))
+        self.parents[request_id] = seqs
+        if resume:  # each sample has its own tokens: independent sequences, no fork
+            for s in seqs:
+                self.scheduler.add(s)
+        else:
+            leader.siblings = seqs[1:]
+            self.scheduler.add(leader)
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
+        """Abort parents by id (unknown ids are ignored); returns their final outputs."""
+        seq_ids = []
+        for rid in request_ids:
+            for s in self.parents.get(rid, ()):
+                seq_ids.append(s.request_id)
+        aborted = self.scheduler.abort(seq_ids)
+        outs = [self._output(SeqUpdate(s, [], [], True)) for s in aborted]
+        self._forget_finished(rid for rid in request_ids)
+        return outs
+
+    def release(self, request_id: str) -> None:
+        """Free the held blocks of a finished ``hold_blocks`` request."""
+        for s in self.parents.get(request_id, ()) or ():
+            self.scheduler.release(s.request_id)
+        self.scheduler.release(request_id)
+        self._forget_finished([request_id])
+
+    def finish_remote_prefill(self, request_id: str,
+                              first_tokens: list[SampledToken] | None) -> list[EngineCoreOutput]:
+        seqs = self.parents.get(request_id)
+        if not seqs:
+            return []
+        updates = self.scheduler.finish_remote_prefill(seqs[0].request_id, first_tokens)
+        return self._outputs(updates)
+
+    # ---- stepping ----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run one forward pass, sample; returns this step's per-sequence deltas."""
+        out = self.scheduler.schedule()
+        self.last_schedule = out
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        updates = self.scheduler.update_from_output(out, sampled)
+        return self._outputs(updates)
+
+    def _outputs(self, updates: list[SeqUpdate]) -> list[EngineCoreOutput]:
+        outs = [self._output(u) for u in updates]
+        self._forget_finished(u.request.parent_id for u in updates if u.finished)
+        return outs
+
+    def _output(self, u: SeqUpdate) -> EngineCoreOutput:
+        r = u.request
+        return EngineCoreOutput(
+            request_id=r.parent_id, index=r.index, new_token_ids=u.new_token_ids,
+            new_logprobs=u.new_logprobs, finish_reason=r.finish_reason() if u.finished else None,
+            stop_token_id=r.stop_token_id, num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_tokens=max(r.num_cached_tokens, 0), kv_blocks_ready=u.kv_blocks_ready,
+            arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
+            first_token_time=r.first_token_time, finished_time=r.finished_time)
+
+    def _forget_finished(self, parent_ids) -> None:
+        for pid in set(parent_ids):
+            seqs = self.parents.get(pid)
+            if seqs and all(s.is_finished for s in seqs) and not any(
+                    s.request_id in self.scheduler.held for s in seqs):
+                del self.parents[pid]
+
+    # ---- introspection -----------------------------------------------------------------
+    def block_ids_of(self, request_id: str) -> list[int]:
+        seqs = self.parents.get(request_id)
+        return self.kv.block_ids(seqs[0].request_id) if seqs else []
+
+    def take_kv_events(self):
+        return self.kv.pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` if a pool/table invariant is broken (tests call it per step)."""
+        self.kv.check_integrity(self.scheduler.live_request_ids())
+
+    def stats(self) -> EngineStats:
+        sch = self.scheduler
+        held_tokens = slots = 0
+        for r in sch.running:
+            held_tokens += r.num_computed_tokens
+            slots += self.kv.num_blocks_of(r.request_id) * self.block_size
+        return EngineStats(
+            num_blocks=self.num_blocks, block_size=self.block_size,
+            free_blocks=self.kv.pool.num_free_blocks, running=sch.num_running,
+            waiting=sch.num_waiting, kv_cache_usage=self.kv.pool.usage(),
+            kv_utilization=held_tokens / slots if slots else 0.0,
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=sch.num_preemptions, held=len(sch.held))
+
+
+class LLM:
+    """Offline batch generation, like ``vllm.LLM``."""
+
+    def __init__(self, model: str, **engine_args) -> None:
+        from tokenizers import Tokenizer
+
+        self.engine = EngineCore(EngineArgs(model=model, **engine_args))
+        tok_path = engine_args.get("tokenizer") or model
+        self.tokenizer = Tokenizer.from_file(f"{tok_path}/tokenizer.json")
+        self._counter = 0
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (a string, a token-id list, or ``{"prompt_token_ids": ...}``).
+
+        Outputs come back in prompt order. A prompt the engine refuses raises
+        ``InvalidRequestError`` before any prompt is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        token_lists, texts = [], []
+        for p in prompts:
+            if isinstance(p, str):
+                token_lists.append(self.tokenizer.encode(p).ids)
+                texts.append(p)
+            elif isinstance(p, dict):
+                token_lists.append(list(p["prompt_token_ids"]))
+                texts.append(p.get("prompt"))
+            else:
+                token_lists.append(list(p))
+                texts.append(None)
+        ids = []
+        added = []
+        try:
+            for toks, sp in zip(token_lists, plist):
+                rid = str(self._counter)
+                self._counter += 1
+                self.engine.add_request(rid, toks, sp)
+                ids.append(rid)
+                added.append(rid)
+        except InvalidRequestError:
+            self.engine.abort_request(added)
+            raise
+        return self._run(ids, texts, token_lists, plist, use_tqdm)
+
+    def _run(self, ids, texts, token_lists, plist, use_tqdm) -> list[RequestOutput]:
+        acc: dict[str, dict[int, dict]] = {rid: {} for rid in ids}
+        cached: dict[str, int] = {}
+        pending = set(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts")
+        while pending:
+            for o in self.engine.step():
+                if o.request_id not in acc:
+                    continue
+                seq = acc[o.request_id].setdefault(o.index, {"ids": [], "lps": [], "finish": None,
+                                                              "stop": None})
+                seq["ids"] += o.new_token_ids
+                seq["lps"] += o.new_logprobs
+                cached[o.request_id] = o.num_cached_tokens
+                if o.finished:
+                    seq["finish"], seq["stop"] = o.finish_reason, o.stop_token_id
+                    n = plist[ids.index(o.request_id)].n
+                    if len([s for s in acc[o.request_id].values() if s["finish"]]) == n:
+                        pending.discard(o.request_id)
+                        if bar:
+                            bar.update(1)
+            if not self.engine.has_unfinished_requests() and pending:
+                raise RuntimeError(f"engine idle with {len(pending)} unfinished requests")
+        if bar:
+            bar.close()
+        results = []
+        for rid, text, toks, sp in zip(ids, texts, token_lists, plist):
+            outs = []
+            for idx in range(sp.n):
+                s = acc[rid][idx]
+                lps: list[Logprob] | None = s["lps"] if sp.logprobs is not None else None
+                outs.append(CompletionOutput(
+                    index=idx, text=self.tokenizer.decode(s["ids"], skip_special_tokens=True),
+                    token_ids=s["ids"],
+                    cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
+                    logprobs=lps, finish_reason=s["finish"], stop_reason=s["stop"]))
+            results.append(RequestOutput(rid, text, toks, outs, True, cached.get(rid, 0)))
+        return results
+
+
+__all__ = ["LLM", "EngineCore", "EngineArgs", "SamplingParams", "InvalidRequestError",
+           "PromptTooLongError", "RequestStatus"]

@@ -1,0 +1,228 @@
+"""The model runner: the only place that turns a ``SchedulerOutput`` into tensors.
+
+It owns the model, the KV pool tensor (block-major, see docs/architecture.md), the host swap
+pool and the sampler. ``execute`` runs block copies/swaps, one forward pass over the packed
+tokens of every scheduled sequence, and samples the sequences that reached their last token.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from kernels import get_backend
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.models.llama import AttentionMetadata
+from shared.models.loader import load_model
+from shared.sampler import SampleRow, Sampler
+from shared.scheduler import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+def default_attention_backend(device: str) -> str:
+    if device.startswith("cuda"):
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            return "torch"
+    return "torch"
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages are committed only when first written.
+
+    Backed by an anonymous mmap, so a large KV pool costs memory only as blocks are used, and
+    its address never moves (the UCX transport registers it once).
+    """
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if pin:
+        return torch.zeros(shape, dtype=dtype).pin_memory()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    t._pdserve_mmap = buf  # keep the mapping alive with the tensor
+    return t.view(dtype).view(shape)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, device: str, attention_backend: str | None,
+                 seed: int | None) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            threads = os.environ.get("PDSERVE_NUM_THREADS")
+            if threads:
+                torch.set_num_threads(int(threads))
+        self.backend_name = attention_backend or default_attention_backend(device)
+        self.backend = get_backend(self.backend_name)
+        self.dtype = getattr(torch, model_config.dtype)
+        self.kv_dtype = (torch.float8_e4m3fn if cache_config.kv_cache_dtype == "fp8_e4m3"
+                         else self.dtype)
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.model = load_model(model_config, device, self.backend)
+        self.sampler = Sampler(model_config.vocab_size, self.device, seed)
+        self.block_size = cache_config.block_size
+        self.kv_cache: torch.Tensor | None = None
+        self.host_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+
+    # ---- KV pool -----------------------------------------------------------------------
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        m = self.model_config
+        return (m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
+
+    def kv_cache_budget(self) -> int:
+        """Bytes available for the KV pool (``--kv-cache-memory`` or by memory sizing)."""
+        cc = self.cache_config
+        if cc.kv_cache_memory is not None:
+            return cc.kv_cache_memory
+        if self.device.type == "cuda":
+            return self._profile_cuda_budget()
+        # CPU: vLLM's default KV space is 4 GiB; never more than a fifth of the machine.
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(min(4 * GiB, 0.2 * total))
+
+    def _profile_cuda_budget(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.scheduler_config.max_num_batched_tokens, self.model_config.max_model_len)
+        nb = -(-n // self.block_size)
+        dummy = torch.zeros((nb, *self.block_shape), dtype=self.kv_dtype, device=self.device)
+        saved = self.kv_cache
+        self.kv_cache = dummy
+        self._init_scales()
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=self.device).unsqueeze(0),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            decode_only=False, k_scale=self.k_scale, v_scale=self.v_scale)
+        with torch.inference_mode():
+            h = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                           torch.arange(n, device=self.device), dummy, meta)
+            self.model.compute_logits(h[-self.scheduler_config.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del dummy, h
+        self.kv_cache = saved
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.cache_config.gpu_memory_utilization) - peak - used_by_others
+        if budget <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: --gpu-memory-utilization "
+                f"{self.cache_config.gpu_memory_utilization} of {total / GiB:.1f} GiB is taken by "
+                f"weights and activations ({peak / GiB:.2f} GiB)")
+        return budget
+
+    def num_blocks_for(self, budget: int) -> int:
+        return max(0, budget // self.block_bytes)
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        shape = (num_blocks, *self.block_shape)
+        if self.device.type == "cpu":
+            self.kv_cache = zeroed_host_tensor(shape, self.kv_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if num_host_blocks:
+            self.host_cache = zeroed_host_tensor((num_host_blocks, *self.block_shape),
+                                                 self.kv_dtype, pin=self.device.type == "cuda")
+        self._init_scales()
+
+    def _init_scales(self) -> None:
+        if self.kv_dtype == torch.float8_e4m3fn:
+            # No calibration data: scale 1.0 per tensor, as vLLM does without kv-scale checkpoints.
+            self.k_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+            self.v_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+
+    # ---- one step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        assert self.kv_cache is not None, "allocate_kv_cache() first"
+        self._move_blocks(out)
+        if not out.scheduled:
+            return {}
+        bs = self.block_size
+        n_seqs = len(out.scheduled)
+        total = out.num_batched_tokens
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        seq_lens = np.empty(n_seqs, dtype=np.int32)
+        qsl = np.zeros(n_seqs + 1, dtype=np.int32)
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = np.zeros((n_seqs, max_blocks), dtype=np.int32)
+        logit_rows: list[int] = []
+        rows: list[SampleRow] = []
+        t = 0
+        for i, s in enumerate(out.scheduled):
+            req, n = s.request, s.num_new_tokens
+            c = req.num_computed_tokens
+            ids = np.asarray(s.block_ids, dtype=np.int64)
+            tables[i, : len(ids)] = ids
+            if n == 1:
+                input_ids[t] = req.all_token_ids[c]
+                positions[t] = c
+                slots[t] = ids[c // bs] * bs + c % bs
+            else:
+                pos = np.arange(c, c + n)
+                input_ids[t:t + n] = req.all_token_ids[c:c + n]
+                positions[t:t + n] = pos
+                slots[t:t + n] = ids[pos // bs] * bs + pos % bs
+            t += n
+            seq_lens[i] = c + n
+            qsl[i + 1] = t
+            if s.sample:
+                first = req.num_output_tokens == req.num_resumed_tokens
+                for seq in [req] + (req.siblings if first else []):
+                    logit_rows.append(t - 1)
+                    rows.append(SampleRow(seq.request_id, seq.sampling_params,
+                                          seq.prompt_token_ids, seq.output_token_ids,
+                                          seq.eos_token_ids))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            decode_only=total == n_seqs,
+            k_scale=self.k_scale, v_scale=self.v_scale)
+        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
+                            self.kv_cache, meta)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        sampled = self.sampler(logits, rows)
+        return {r.request_id: tok for r, tok in zip(rows, sampled)}
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        # Byte views: index_put is not implemented for every dtype (fp8), bytes always are.
+        kv = self.kv_cache.view(torch.uint8)
+        host = self.host_cache.view(torch.uint8) if self.host_cache is not None else None
+        if out.blocks_to_swap_out:
+            d, h = zip(*out.blocks_to_swap_out)
+            host[list(h)] = kv[list(d)].to(host.device)
+        if out.blocks_to_swap_in:
+            h, d = zip(*out.blocks_to_swap_in)
+            kv[list(d)] = host[list(h)].to(kv.device)
+        if out.blocks_to_copy:
+            s, d = zip(*out.blocks_to_copy)
+            kv[list(d)] = kv[list(s)]

@@ -1,0 +1,205 @@
+"""Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM) over a paged KV pool.
+
+One implementation covers the three architectures: Qwen2 adds q/k/v biases and ties the LM head
+to the embedding; Mistral is Llama with its own defaults; Llama-3 adds rope scaling. The math
+follows the Hugging Face reference (RMSNorm in fp32, rotate-half RoPE with cos/sin cast to the
+activation dtype) so greedy outputs match ``transformers`` token for token.
+
+Tokens of every scheduled sequence are packed into one ``[T]`` batch (no padding); attention reads
+and writes the paged pool through ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs built by the model runner."""
+
+    slot_mapping: torch.Tensor  # [T] int64: slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: context length per sequence incl. new tokens
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    decode_only: bool  # every sequence has exactly one new token
+    k_scale: torch.Tensor | None = None  # fp8 KV scales, [1] or [Hkv]
+    v_scale: torch.Tensor | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3 frequency-dependent scaling if asked."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary,
+                 bias: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+        self.backend = backend
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        be = self.backend
+        be.write_kv(k, v, kv_cache, self.layer, meta.slot_mapping, meta.k_scale, meta.v_scale)
+        if meta.decode_only:
+            o = be.paged_decode_attention(q, kv_cache, self.layer, meta.block_tables,
+                                          meta.seq_lens, self.scale, meta.k_scale, meta.v_scale)
+        else:
+            o = be.paged_attention(q, kv_cache, self.layer, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, self.scale, meta.k_scale, meta.v_scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary,
+                 bias: bool) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg, layer, backend, rotary, bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.mlp = MLP(cfg.hidden_size, int(hf["intermediate_size"]))
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2ForCausalLM (q/k/v bias) and MistralForCausalLM."""
+
+    def __init__(self, cfg: ModelConfig, backend: ModuleType) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        if hf.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
+        bias = cfg.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
+        self.config = cfg
+        rotary = Rotary(cfg.head_dim, int(hf.get("max_position_embeddings", cfg.max_model_len)),
+                        float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling"))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, backend, rotary, bias) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, float(hf.get("rms_norm_eps", 1e-6)))
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, H]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> logits [N, V] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def fused_param_name(hf_name: str) -> tuple[str, int | None]:
+    """Map a Hugging Face weight name to (our parameter, shard index within a fused weight)."""
+    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        if f"self_attn.{proj}." in name:
+            return name.replace(proj, "qkv_proj"), i
+    for i, proj in enumerate(("gate_proj", "up_proj")):
+        if f"mlp.{proj}." in name:
+            return name.replace(proj, "gate_up_proj"), i
+    return name, None

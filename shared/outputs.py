@@ -1,0 +1,55 @@
+"""Engine outputs: per-step deltas for the services and vLLM-shaped results for ``LLM``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.request import Logprob
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one sequence (``index`` of parent ``request_id``) produced in one step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_blocks_ready: list[tuple[int, int]] = field(default_factory=list)  # (block index, id)
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[Logprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

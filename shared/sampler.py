@@ -1,0 +1,148 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+A seeded row draws its token with noise from a generator keyed by ``(seed, position)``, where
+position is the index of the output token being drawn. The draw is the exponential race
+``argmax(p / E)``, ``E ~ Exp(1)``, which samples exactly from ``p`` and depends on nothing but
+the row's own probabilities and noise, so outputs do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from shared.request import Logprob
+from shared.sampling_params import SamplingParams
+from shared.scheduler import SampledToken
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One token to draw: the logits row comes from ``logits[i]`` for the i-th row."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+def _row_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    key = xxhash.xxh3_64_intdigest(struct.pack("<qq", seed, position)) & ((1 << 63) - 1)
+    return torch.Generator(device=device).manual_seed(key)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+        # logits: [N, V] float32, row i belongs to rows[i]
+        n = len(rows)
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.needs_penalties:
+                self._apply_penalties(logits, i, r)
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if len(greedy) == n:
+            tokens = logits.argmax(dim=-1)
+        else:
+            if greedy:
+                g = torch.tensor(greedy, device=logits.device)
+                tokens[g] = logits[g].argmax(dim=-1)
+            rand = [i for i in range(n) if not rows[i].params.greedy]
+            tokens[torch.tensor(rand, device=logits.device)] = self._sample(
+                logits[rand], [rows[i] for i in rand])
+        token_list = tokens.tolist()
+        out = []
+        for i, r in enumerate(rows):
+            lp = None
+            if want_lp[i]:
+                lp = self._logprob(raw_logprobs[i], token_list[i], r.params.logprobs)
+            out.append(SampledToken(token_list[i], lp))
+        return out
+
+    @staticmethod
+    def _needs_processing(r: SampleRow) -> bool:
+        p = r.params
+        return p.needs_penalties or (p.min_tokens > 0 and len(r.output_token_ids) < p.min_tokens)
+
+    def _apply_penalties(self, logits: torch.Tensor, i: int, r: SampleRow) -> None:
+        p = r.params
+        row = logits[i]
+        dev = logits.device
+        out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
+            seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)] = True
+            if out_ids.numel():
+                seen[out_ids] = True
+            pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, pen, row))
+        if out_ids.numel() and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(out_ids, minlength=self.vocab_size)[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        # logits: [M, V] for non-greedy rows -> sampled ids [M]
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
+        logits = logits / temps
+        top_k = [r.params.top_k for r in rows]
+        if any(top_k):
+            k = torch.tensor([kk if kk > 0 else logits.shape[1] for kk in top_k], device=dev)
+            k = k.clamp(max=logits.shape[1])
+            sorted_vals = logits.sort(dim=-1, descending=True).values
+            kth = sorted_vals.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_p = [r.params.top_p for r in rows]
+        if any(tp < 1.0 for tp in top_p):
+            sp, si = probs.sort(dim=-1, descending=True)
+            cum = sp.cumsum(dim=-1)
+            tp = torch.tensor(top_p, device=dev).unsqueeze(1)
+            drop = (cum - sp) > tp  # keep the smallest prefix whose mass reaches top_p
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, si, sp)
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            mp = torch.tensor(min_p, device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = _row_generator(r.params.seed, len(r.output_token_ids), dev)
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprob(raw: torch.Tensor, token: int, top_n: int) -> Logprob:
+        lp = raw[token]
+        rank = int((raw > lp).sum().item()) + 1
+        top: list[tuple[int, float]] = []
+        if top_n:
+            vals, ids = raw.topk(top_n)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        return Logprob(float(lp), rank, top)

@@ -1,0 +1,401 @@
+"""The scheduler: sole owner of the queues and the per-step token budget (vLLM V1 semantics).
+
+There is no prefill or decode phase. Each step, every running request asks for
+``num_tokens - num_computed_tokens`` tokens (1 for a decode, up to the rest of the prompt for a
+prefill, capped by the budget: chunked prefill); then waiting requests are admitted while the
+budget, ``max_num_seqs`` and the pool allow. When a running request cannot get a block, the
+most recently admitted running request is preempted (swapped to the host pool when
+``preemption_mode == "swap"`` and it fits, else dropped for recompute).
+
+``schedule()`` returns plain data; ``update_from_output()`` applies the sampled tokens. No
+torch import.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared.config import SchedulerConfig
+from shared.kv_cache_manager import KVCacheManager, cdiv
+from shared.request import KVExport, Logprob, RemotePrefill, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # computed this step, starting at request.num_computed_tokens
+    sample: bool  # this step reaches the last known token: sample the next one
+    block_ids: list[int]  # the request's whole block table
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    remote_prefills: list[Request] = field(default_factory=list)  # now WAITING_FOR_REMOTE_KV
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_out
+                    or self.blocks_to_swap_in)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: Logprob | None = None
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What one sequence gained this step (the engine turns these into outputs)."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob]
+    finished: bool
+    kv_blocks_ready: list[tuple[int, int]] = field(default_factory=list)  # (block index, id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.remote_waiting: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # finished, blocks kept until release()
+        self.requests: dict[str, Request] = {}  # every live sequence by request_id
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    # ---- intake ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a sequence (its pending ``n > 1`` siblings are tracked, not queued)."""
+        self.requests[request.request_id] = request
+        for sib in request.siblings:
+            self.requests[sib.request_id] = sib
+        self.waiting.append(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.remote_waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self.pending_copies)
+
+    # ---- scheduling --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(blocks_to_copy=self.pending_copies)
+        self.pending_copies = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv.allocate_slots(req, num_new) is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                scheduled.pop(victim.request_id, None)
+                if victim is req:
+                    req = None
+                    break
+            if req is None:
+                break
+            scheduled[req.request_id] = self._scheduled(req, num_new)
+            budget -= num_new
+            i += 1
+        # Recount: preemption may have removed already-scheduled requests from the budget.
+        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled.values())
+
+        if not preempted:
+            budget = self._schedule_swapped(out, scheduled, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, scheduled, budget)
+
+        out.scheduled = list(scheduled.values())
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        num_new = req.num_tokens - req.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        sample = req.num_computed_tokens + num_new >= req.num_tokens
+        return ScheduledRequest(req, num_new, sample, self.kv.block_ids(req.request_id))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        req.num_preemptions += 1
+        pairs = None
+        if self.config.preemption_mode == "swap":
+            pairs = self.kv.swap_out(req)
+        if pairs is not None:
+            out.blocks_to_swap_out.extend(pairs)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            logger.debug("request %s swapped out (%d blocks)", req.request_id, len(pairs))
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+            logger.debug("request %s preempted for recompute", req.request_id)
+
+    def _schedule_swapped(self, out: SchedulerOutput, scheduled: dict, budget: int) -> int:
+        while self.swapped and budget > 0 and self.num_running < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = self._num_new_tokens(req, budget)
+            extra = cdiv(req.num_computed_tokens + num_new, self.block_size) - len(
+                self.kv.swapped[req.request_id])
+            if not self.kv.can_swap_in(req, max(0, extra)):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.kv.swap_in(req))
+            if self.kv.allocate_slots(req, num_new) is None:  # cannot happen after the check
+                raise RuntimeError("swap-in accounting error")
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = self._scheduled(req, num_new)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, scheduled: dict, budget: int) -> None:
+        cfg = self.config
+        while self.waiting and budget > 0 and self.num_running < cfg.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_computed = self.kv.get_computed_blocks(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.wants_remote_prefill and req.num_output_tokens == 0:
+                # Reserve blocks for the whole prompt; a prefill worker pushes the KV.
+                num_new = req.num_tokens - num_computed
+                new_blocks = self.kv.allocate_slots(req, num_new, computed, cache=False)
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = num_computed
+                first = num_computed // self.block_size
+                ids = self.kv.block_ids(req.request_id)
+                req.remote_prefill = RemotePrefill(first, ids[first:])
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.remote_waiting[req.request_id] = req
+                out.remote_prefills.append(req)
+                continue
+            num_new = req.num_tokens - num_computed
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._num_new_tokens_from(req, num_computed, budget)
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = self._scheduled(req, num_new)
+            budget -= num_new
+
+    def _num_new_tokens_from(self, req: Request, num_computed: int, budget: int) -> int:
+        num_new = req.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        return min(num_new, budget)
+
+    # ---- results -----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[SeqUpdate]:
+        """Advance every scheduled request by its computed tokens and append sampled ones.
+
+        ``sampled`` maps request ids (including pending siblings of an ``n > 1`` request at
+        its first token) to their new token. Finished requests release their blocks.
+        """
+        updates: list[SeqUpdate] = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:  # aborted meanwhile
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            ready = self._export_ready(req)
+            if not s.sample:
+                if ready:
+                    updates.append(SeqUpdate(req, [], [], False, ready))
+                continue
+            first = req.num_output_tokens == req.num_resumed_tokens
+            updates.append(self._append(req, sampled[req.request_id], now, ready))
+            if first and req.siblings:
+                for sib in req.siblings:
+                    if not sib.is_finished:
+                        updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
+                req.siblings = []
+        return updates
+
+    def _export_ready(self, req: Request) -> list[tuple[int, int]]:
+        exp = req.kv_export
+        if exp is None:
+            return []
+        computed = min(req.num_computed_tokens, req.num_prompt_tokens)
+        complete = computed // self.block_size
+        if computed == req.num_prompt_tokens:
+            complete = cdiv(computed, self.block_size)
+        end = min(complete - exp.first_block_index, exp.num_blocks)
+        if end <= exp.next_to_report:
+            return []
+        ids = self.kv.block_ids(req.request_id)
+        ready = [(exp.first_block_index + j, ids[exp.first_block_index + j])
+                 for j in range(exp.next_to_report, end)]
+        exp.next_to_report = end
+        return ready
+
+    def _append(self, req: Request, tok: SampledToken, now: float,
+                ready: list[tuple[int, int]] | None = None) -> SeqUpdate:
+        req.append_output_token(tok.token_id)
+        if tok.logprob is not None:
+            req.logprobs.append(tok.logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        finished = self._check_stop(req, tok.token_id)
+        if finished:
+            self._finish(req, now)
+        return SeqUpdate(req, [tok.token_id], [tok.logprob] if tok.logprob else [], finished,
+                         ready or [])
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        p = req.sampling_params
+        if req.prefill_only:
+            req.status = RequestStatus.FINISHED_LENGTH
+        elif not p.ignore_eos and token in req.eos_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif token in p.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_token_id = token
+        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+        elif req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+        else:
+            return False
+        return True
+
+    def _start_sibling(self, leader: Request, sib: Request, tok: SampledToken,
+                       now: float) -> SeqUpdate:
+        """Fork an ``n > 1`` sibling off its leader's computed prompt, then give it its token."""
+        sib.num_cached_tokens = leader.num_cached_tokens
+        sib.first_scheduled_time = leader.first_scheduled_time
+        update = self._append(sib, tok, now)
+        if sib.is_finished or leader.prefill_only:
+            return update
+        copies = self.kv.fork(leader, sib)
+        if copies is None:  # no block for the copy: recompute it later (prefix cache helps)
+            sib.status = RequestStatus.WAITING
+            self.waiting.append(sib)
+        else:
+            self.pending_copies.extend(copies)
+            sib.status = RequestStatus.RUNNING
+            self.running.append(sib)
+        return update
+
+    def _finish(self, req: Request, now: float) -> None:
+        req.finished_time = now
+        if req in self.running:
+            self.running.remove(req)
+        if req.hold_blocks:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # ---- remote prefill (decode role) --------------------------------------------------
+    def finish_remote_prefill(self, request_id: str,
+                              first_tokens: list[SampledToken] | None) -> list[SeqUpdate]:
+        """The prefill worker's KV for ``request_id`` arrived (``first_tokens``: one per
+        sample) or failed (``None``: prefill the missing blocks locally)."""
+        req = self.remote_waiting.pop(request_id, None)
+        if req is None:
+            return []
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if first_tokens is None:
+            return []  # num_computed_tokens stays at the local prefix: scheduled as a prefill
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req, req.num_prompt_tokens)
+        now = time.monotonic()
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        updates = [self._append(req, first_tokens[0], now)]
+        for sib, tok in zip(req.siblings, first_tokens[1:]):
+            if not sib.is_finished:
+                updates.append(self._start_sibling(req, sib, tok, now))
+        req.siblings = []
+        return updates
+
+    # ---- abort / release ---------------------------------------------------------------
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.remote_waiting.pop(rid, None)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass  # a pending sibling: not queued yet
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finished_time = time.monotonic()
+            if req.hold_blocks and self.kv.num_blocks_of(rid):
+                self.held[rid] = req
+            else:
+                self.kv.free(req)
+            aborted.append(req)
+        return aborted
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request's held blocks (prefill role, once its sends are done)."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+
+    def live_request_ids(self) -> set[str]:
+        return set(self.requests) | set(self.held)
