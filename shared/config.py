@@ -190,6 +190,11 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"))
         native_len = int(hf.get("max_position_embeddings", 2048))
         max_len = self.max_model_len or native_len
+        window = hf.get("sliding_window")
+        if window and hf.get("use_sliding_window", True) and int(window) < native_len:
+            # Sliding-window attention is not implemented: serve only what full attention covers.
+            native_len = int(window)
+            max_len = min(max_len, native_len)
         if max_len > native_len:
             raise ConfigError(
                 f"--max-model-len {max_len} exceeds the model's max_position_embeddings {native_len}")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.config import EngineArgs, GiB
+from shared.config import ConfigError, EngineArgs, GiB
 from shared.hashing import hash_seed
 from shared.kv_cache_manager import KVCacheManager, cdiv
 from shared.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
@@ -63,8 +63,11 @@ class EngineCore:
             num_blocks = cc.num_gpu_blocks_override
         else:
             num_blocks = self.runner.num_blocks_for(self.runner.kv_cache_budget())
-        if num_blocks < 1:
-            raise RuntimeError("the KV cache budget is smaller than one block")
+        if num_blocks * cc.block_size < self.model_config.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * cc.block_size} tokens ({num_blocks} blocks), "
+                f"fewer than --max-model-len {self.model_config.max_model_len}: raise "
+                f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
         num_host = cc.swap_space // self.runner.block_bytes if self.scheduler_config.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, num_host)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)

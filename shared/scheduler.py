@@ -80,6 +80,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every live sequence by request_id
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     # ---- intake ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -165,6 +166,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             pairs = self.kv.swap_out(req)
         if pairs is not None:
+            self.num_swapped_out += 1
             out.blocks_to_swap_out.extend(pairs)
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)

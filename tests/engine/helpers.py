@@ -1,0 +1,65 @@
+"""Reference generation with ``transformers`` and prompt factories for engine tests."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import torch
+
+PROMPT_LENGTHS = [1, 2, 3, 5, 7, 11, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 96, 127, 128,
+                  129, 200, 255, 256, 257, 384, 500, 640, 777, 850, 960, 1000]
+
+
+def random_prompts(seed: int, lengths=PROMPT_LENGTHS, vocab: int = 2048) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def shared_prefix_prompts(seed: int, n: int = 32, vocab: int = 2048) -> list[list[int]]:
+    """``n`` prompts built from 4 long shared prefixes plus short unique suffixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(L)] for L in (160, 333, 512, 700)]
+    out = []
+    for i in range(n):
+        p = prefixes[i % 4]
+        out.append(p + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 90))])
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # compare fixed-length outputs
+    return model
+
+
+_cache: dict[tuple, list[int]] = {}
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from ``transformers``' own ``generate``, one prompt at a time."""
+    model = _hf_model(str(model_dir))
+    outs = []
+    for p in prompts:
+        key = (str(model_dir), tuple(p), max_new_tokens)
+        if key not in _cache:
+            ids = torch.tensor([p])
+            with torch.no_grad():
+                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_new_tokens, pad_token_id=0)
+            _cache[key] = gen[0, len(p):].tolist()
+        outs.append(_cache[key])
+    return outs
+
+
+def mismatches(ours: list[list[int]], ref: list[list[int]]) -> list[str]:
+    bad = []
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            bad.append(f"prompt {i}: first difference at output token {j}: ours {a[j:j+4]} vs hf {b[j:j+4]}")
+    return bad
