@@ -1,0 +1,14 @@
+# The two commands of the README. Both set up ./.venv on first use.
+.PHONY: up test setup setup-test
+
+up: setup
+	.venv/bin/pdserve up
+
+test: setup-test
+	.venv/bin/python -m pytest -q
+
+setup:
+	@scripts/setup.sh
+
+setup-test:
+	@scripts/setup.sh --test
