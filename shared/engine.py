@@ -74,6 +74,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.hash_seeds: dict[str | None, int] = {}
         self.parents: dict[str, list[Request]] = {}
+        self.pending_remote: list[Request] = []
         self.capacity_line = self._capacity_line(num_blocks, num_host)
         logger.info(self.capacity_line)
 
@@ -207,7 +208,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run one forward pass, sample; returns this step's per-sequence deltas."""
         out = self.scheduler.schedule()
-        self.last_schedule = out
+        self.pending_remote.extend(out.remote_prefills)
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
@@ -235,6 +236,12 @@ class EngineCore:
             if seqs and all(s.is_finished for s in seqs) and not any(
                     s.request_id in self.scheduler.held for s in seqs):
                 del self.parents[pid]
+
+    def take_remote_prefills(self) -> list[Request]:
+        """Requests admitted since the last call that now wait for a prefill worker's KV
+        (read ``request.remote_prefill`` for the block range; ``parent_id`` names them)."""
+        out, self.pending_remote = self.pending_remote, []
+        return [r for r in out if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
 
     # ---- introspection -----------------------------------------------------------------
     def block_ids_of(self, request_id: str) -> list[int]:

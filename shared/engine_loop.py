@@ -1,0 +1,122 @@
+"""Runs an ``EngineCore`` on a dedicated thread so network I/O never stalls a step.
+
+Services talk to the engine only through this class: ``submit(fn)`` runs ``fn(engine)`` on the
+engine thread between steps and returns a ``concurrent.futures.Future`` (so validation errors
+reach the caller as exceptions), and every step's outputs go to the per-request sink registered
+with ``add_sink``. After each step, ``on_step(engine, outputs)`` runs on the engine thread (the
+services hand KV events, remote-prefill requests and ready blocks to their I/O threads there;
+it must not block).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from shared.engine import EngineCore
+from shared.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[EngineCoreOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore,
+                 on_step: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None,
+                 idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self.idle_wait_s = idle_wait_s
+        self._commands: deque[tuple[Callable[[EngineCore], Any], Future]] = deque()
+        self._sinks: dict[str, Sink] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, fn: Callable[[EngineCore], Any]) -> Future:
+        """Run ``fn(engine)`` on the engine thread before the next step."""
+        fut: Future = Future()
+        if not self.alive and self._thread.ident is not None:
+            fut.set_exception(RuntimeError(f"engine loop is not running: {self.error!r}"))
+            return fut
+        self._commands.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def add_sink(self, request_id: str, sink: Sink) -> None:
+        self._sinks[request_id] = sink
+
+    def remove_sink(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, fut = self._commands.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # delivered to the caller
+                fut.set_exception(e)
+
+    def deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        """Hand outputs to their sinks (engine thread; also used by command functions)."""
+        for o in outputs:
+            sink = self._sinks.get(o.request_id)
+            if sink is not None:
+                try:
+                    sink(o)
+                except Exception:
+                    logger.exception("output sink of %s failed", o.request_id)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                if engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    outputs = engine.step()
+                    self.step_seconds += time.perf_counter() - t0
+                    self.num_steps += 1
+                    self.deliver(outputs)
+                    if self.on_step is not None:
+                        self.on_step(engine, outputs)
+                else:
+                    if self.on_step is not None:
+                        self.on_step(engine, [])
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # a broken invariant: fail every caller, never hang them
+            logger.exception("engine loop died")
+            self.error = e
+            while self._commands:
+                _, fut = self._commands.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError(f"engine loop died: {e!r}"))
+            for rid, sink in list(self._sinks.items()):  # end every open stream
+                try:
+                    sink(EngineCoreOutput(rid, -1, [], [], finish_reason="abort"))
+                except Exception:
+                    logger.exception("output sink of %s failed", rid)

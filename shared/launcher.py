@@ -1,0 +1,275 @@
+"""``pdserve up``: a whole local cluster in one command.
+
+Starts Redis (embedded unless ``--redis-url``), N prefill and M decode workers and the router
+as child processes, waits until each is healthy, prints the router and dashboard URLs and every
+worker's KV capacity, and stops everything on Ctrl-C / SIGTERM. Children die with the launcher
+(PR_SET_PDEATHSIG), so nothing is left behind even if it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "models"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser, model_required=False)
+    g = parser.add_argument_group("cluster")
+    g.add_argument("--prefill", type=int, default=1, help="number of prefill workers (0 = colocated)")
+    g.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    g.add_argument("--redis-url", default=None, help="use this Redis (default: start an embedded one)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="router port")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--preset", default="tiny", choices=("tiny", "small"),
+                   help="test model to make and serve when --model is not given")
+    g.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads per worker (default: cores / workers, at least 1)")
+    g.add_argument("--run-dir", default=None, help="logs and ready files (default: a temp dir)")
+    g.add_argument("--startup-timeout", type=float, default=300.0)
+    g.add_argument("--router-arg", action="append", default=[],
+                   help="extra flag passed to the router (repeatable), e.g. --router-arg=--max-inflight=512")
+    g.add_argument("--worker-arg", action="append", default=[],
+                   help="extra flag passed to every worker (repeatable)")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    ready_file: Path | None = None
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setpgid(0, 0)
+
+
+class Cluster:
+    """The processes of one local cluster; ``start()`` then ``stop()``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.children: list[Child] = []
+        self.redis = None
+        self.redis_url = args.redis_url
+        import tempfile
+
+        self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ready: dict[str, dict] = {}
+
+    def _spawn(self, name: str, argv: list[str], threads: int | None = None,
+               ready: bool = True) -> Child:
+        log = self.run_dir / f"{name}.log"
+        ready_file = self.run_dir / f"{name}.ready.json" if ready else None
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+            argv = argv + ["--ready-file", str(ready_file)]
+        env = dict(os.environ)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if threads:
+            env["PDSERVE_NUM_THREADS"] = str(threads)
+            env["OMP_NUM_THREADS"] = str(threads)
+        f = open(log, "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        f.close()
+        child = Child(name, proc, log, ready_file)
+        self.children.append(child)
+        return child
+
+    def start(self) -> str:
+        """Start Redis, the workers and the router; return the router's base URL."""
+        a = self.args
+        self.start_redis()
+        workers = [self.spawn_worker("prefill", i) for i in range(a.prefill)]
+        workers += [self.spawn_worker("decode", i) for i in range(a.decode)]
+        self.wait_ready(workers)
+        return self.start_router()
+
+    @property
+    def model(self) -> str:
+        if not self.args.model:
+            self.args.model = ensure_test_model(self.args.preset)
+        return self.args.model
+
+    @property
+    def served_model_name(self) -> str:
+        return self.args.served_model_name or self.model
+
+    def start_redis(self) -> str:
+        if not self.redis_url:
+            from shared.directory import EmbeddedRedis
+
+            self.redis = EmbeddedRedis()
+            self.redis_url = self.redis.start()
+            print(f"[pdserve] embedded Redis at {self.redis_url}", flush=True)
+        return self.redis_url
+
+    def spawn_worker(self, role: str, index: int, extra: list[str] | None = None,
+                     name: str | None = None) -> Child:
+        """Start one worker process (not waiting for it: see ``wait_ready``)."""
+        a = self.args
+        engine = EngineArgs.from_cli_args(a)
+        engine.model = self.model
+        engine.served_model_name = self.served_model_name
+        n_workers = max(1, a.prefill + a.decode)
+        threads = a.threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
+        name = name or f"{role}-{index}"
+        argv = [role, *engine.to_cli_args(), "--redis-url", self.start_redis(), "--host", a.host,
+                "--worker-id", name, *a.worker_arg, *(extra or [])]
+        return self._spawn(name, argv, threads)
+
+    def start_router(self, extra: list[str] | None = None) -> str:
+        a = self.args
+        argv = ["router", "--model", self.model, "--served-model-name", self.served_model_name,
+                "--redis-url", self.start_redis(), "--host", a.host, "--port", str(a.port),
+                *a.router_arg, *(extra or [])]
+        if a.api_key:
+            argv += ["--api-key", a.api_key]
+        router = self._spawn("router", argv, ready=False)
+        url = f"http://{a.host}:{a.port}"
+        self._wait_http(router, f"{url}/health")
+        return url
+
+    def wait_ready(self, workers: list[Child]) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        pending = list(workers)
+        t0 = time.monotonic()
+        while pending:
+            for c in list(pending):
+                if c.ready_file is not None and c.ready_file.exists():
+                    info = json.loads(c.ready_file.read_text())
+                    self.ready[c.name] = info
+                    print(f"[pdserve] {c.name:<10} ready  gRPC {info['grpc']}  {info['kv_capacity']}",
+                          flush=True)
+                    pending.remove(c)
+                elif c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; log:\n{_tail(c.log)}")
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(c.name for c in pending)} not ready after "
+                                   f"{self.args.startup_timeout:.0f}s")
+            if pending:
+                print(f"\r[pdserve] starting {len(pending)} worker(s)... {time.monotonic() - t0:4.0f}s",
+                      end="", flush=True)
+                time.sleep(0.2)
+        print("\r", end="")
+
+    def _wait_http(self, child: Child, url: str) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; log:\n{_tail(child.log)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.name} not healthy at {url}")
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM everyone (router first, so no new work reaches the workers), then KILL
+        whatever is still alive after ``timeout_s``; stop the embedded Redis last."""
+        order = sorted(self.children, key=lambda c: c.name != "router")
+        for c in order:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for c in order:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.proc.wait(5)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def ensure_test_model(preset: str = "tiny") -> str:
+    """Make the test model once (under ~/.cache/pdserve/models) and return its path."""
+    path = DEFAULT_MODEL_DIR / f"{preset}-llama"
+    if not (path / "model.safetensors").exists():
+        from shared.tiny_model import make_tiny_model
+
+        print(f"[pdserve] making the {preset} test model in {path}", flush=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, preset=preset)
+        tmp.rename(path)
+    return str(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = Cluster(args)
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        url = cluster.start()
+        print(f"[pdserve] router     {url}/v1  (OpenAI API; model {args.served_model_name or args.model or 'the test model'})")
+        print(f"[pdserve] dashboard  {url}/dashboard")
+        print(f"[pdserve] metrics    {url}/metrics   logs in {cluster.run_dir}")
+        print("[pdserve] Ctrl-C to stop", flush=True)
+        while not stop["flag"]:
+            for c in cluster.children:
+                if c.proc.poll() is not None:
+                    print(f"[pdserve] {c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
+                          f"{_tail(c.log)}", flush=True)
+                    stop["flag"] = True
+                    break
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"[pdserve] failed to start: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("[pdserve] stopping...", flush=True)
+        cluster.stop()
+        print("[pdserve] stopped", flush=True)
+
+
+def cluster_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``pdserve up`` flags (tests and scripts build clusters with this)."""
+    parser = argparse.ArgumentParser(prog="pdserve up")
+    add_cli_args(parser)
+    return parser.parse_args(argv)

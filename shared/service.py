@@ -1,0 +1,288 @@
+"""Plumbing shared by the two worker roles: flags, engine thread, KV pool transport geometry,
+Redis lease and KV-event publishing, Prometheus endpoint, gRPC health, graceful drain.
+
+The services (``prefill_service``, ``decode_service``) build a ``WorkerRuntime`` and add their
+gRPC servicer; they never import each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.config import EngineArgs
+from shared.engine import EngineCore
+from shared.engine_loop import EngineLoop
+from shared.metrics import WorkerMetrics
+from shared.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group(f"{role} worker")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC, metrics, KV)")
+    g.add_argument("--advertise-host", default=None,
+                   help="address other processes use to reach this worker (default: --host)")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    g.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any)")
+    g.add_argument("--kv-port", type=int, default=0, help="UCX listener port (decode role)")
+    g.add_argument("--kv-transport", default="ucx", choices=("ucx",))
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a KV transfer may take before it fails (and D prefills locally)")
+    g.add_argument("--no-kv-checksums", dest="kv_checksums", action="store_false",
+                   help="skip per-block xxh3 checksums of transferred KV")
+    g.add_argument("--redis-url", default=None, help="registry/directory Redis (none: standalone)")
+    g.add_argument("--directory-prefix", default="pds:")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to finish in-flight requests before exiting")
+    g.add_argument("--ready-file", default=None,
+                   help="write a JSON file with the bound addresses once serving")
+    g.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class WorkerRuntime:
+    """Engine + engine thread + metrics + Redis lease/publisher for one worker process."""
+
+    def __init__(self, role: str, args: argparse.Namespace) -> None:
+        self.role = role
+        self.args = args
+        self.worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.engine = EngineCore(EngineArgs.from_cli_args(args))
+        mc = self.engine.model_config
+        self.model_name = mc.served_model_name
+        self.metrics = WorkerMetrics(role, self.worker_id, self.model_name, self.engine.stats)
+        self.role_hook: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None
+        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._redis_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.lease = None
+        self.publisher = None
+        self.draining = False
+        self.inflight = 0
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
+        events = engine.take_kv_events()
+        if events:
+            self._events.put(events)
+        if self.role_hook is not None:
+            self.role_hook(engine, outputs)
+
+    def kv_geometry(self):
+        from kvtransfer.geometry import KVGeometry
+
+        mc = self.engine.model_config
+        kv = self.engine.runner.kv_cache
+        return KVGeometry(model=self.model_name, dtype=str(kv.dtype).replace("torch.", ""),
+                          block_size=self.engine.block_size, num_layers=mc.num_layers,
+                          num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+    # ---- Redis -------------------------------------------------------------------------
+    def start_registry(self, grpc_addr: str, ucx_addr: str, metrics_url: str) -> None:
+        if not self.args.redis_url:
+            logger.info("no --redis-url: running without registry")
+            return
+        from shared.directory import (DirectoryKeys, KVEventPublisher, WorkerInfo, WorkerLease,
+                                      connect_sync)
+
+        client = connect_sync(self.args.redis_url)
+        info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
+                          grpc=grpc_addr, block_size=self.engine.block_size,
+                          num_blocks=self.engine.num_blocks, ucx=ucx_addr, metrics=metrics_url,
+                          max_model_len=self.engine.model_config.max_model_len)
+        self.lease = WorkerLease(client, info, keys=DirectoryKeys(self.args.directory_prefix))
+        self.publisher = KVEventPublisher(client, self.lease)
+        self.lease.register(self.load())
+        self.lease.start(self.load)
+        self._redis_thread = threading.Thread(target=self._publish_loop, name="kv-events",
+                                              daemon=True)
+        self._redis_thread.start()
+
+    def load(self):
+        from shared.directory import WorkerLoad
+
+        s = self.engine.stats()
+        return WorkerLoad(free_blocks=s.free_blocks, running=s.running, waiting=s.waiting)
+
+    def _publish_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = self._events.get(timeout=1.0)
+            except queue.Empty:
+                self.publisher.publish([])  # retries anything a Redis outage left pending
+                continue
+            while True:  # catch up: fold every queued step into this flush
+                try:
+                    batch = batch + self._events.get_nowait()
+                except queue.Empty:
+                    break
+            self.publisher.publish(batch)
+
+    def stop_registry(self) -> None:
+        self._stop.set()
+        if self._redis_thread is not None:
+            self._redis_thread.join(3.0)
+        if self.publisher is not None:
+            self.publisher.clear()
+        if self.lease is not None:
+            self.lease.stop()
+            self.lease.deregister()
+
+
+def advertise(args: argparse.Namespace, port: int) -> str:
+    return f"{args.advertise_host or args.host}:{port}"
+
+
+async def serve_worker(
+    runtime: WorkerRuntime,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    extra_ready: dict | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    ucx_address: str = "",
+) -> None:
+    """Start gRPC + health + metrics, register, wait for SIGTERM/SIGINT, drain, stop."""
+    from prometheus_client import start_http_server
+
+    args = runtime.args
+    runtime.loop.start()
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    httpd, _ = start_http_server(args.metrics_port, addr=args.host, registry=runtime.metrics.registry)
+    metrics_port = httpd.server_port
+    grpc_addr = advertise(args, port)
+    metrics_url = f"http://{advertise(args, metrics_port)}/metrics"
+    runtime.start_registry(grpc_addr, ucx_address, metrics_url)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    ready = {"worker_id": runtime.worker_id, "role": runtime.role, "grpc": grpc_addr,
+             "metrics": metrics_url, "kv_capacity": runtime.engine.capacity_line,
+             "num_blocks": runtime.engine.num_blocks, "pid": os.getpid(), **(extra_ready or {})}
+    logger.info("%s worker %s serving gRPC on %s, metrics on %s", runtime.role,
+                runtime.worker_id, grpc_addr, metrics_url)
+    logger.info(runtime.engine.capacity_line)
+    if args.ready_file:
+        tmp = Path(args.ready_file + ".tmp")
+        tmp.write_text(json.dumps(ready))
+        tmp.replace(args.ready_file)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            if not runtime.loop.alive:
+                logger.error("engine loop died: exiting")
+                break
+
+    # Drain: stop admitting, leave the registry so routers stop choosing us, finish in flight.
+    logger.info("draining (%d in flight, up to %.0fs)", runtime.inflight, args.drain_timeout)
+    runtime.draining = True
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await asyncio.to_thread(runtime.stop_registry)
+    deadline = time.monotonic() + args.drain_timeout
+    while runtime.inflight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if on_shutdown is not None:
+        await on_shutdown()
+    await server.stop(grace=2.0)
+    httpd.shutdown()
+    runtime.loop.stop()
+    logger.info("worker %s stopped", runtime.worker_id)
+
+
+async def _set_health(servicer, status) -> None:
+    result = servicer.set("", status)
+    if asyncio.iscoroutine(result):
+        await result
+
+
+# ---- helpers for both roles -------------------------------------------------------------
+
+async def wait_transfer(handle, timeout_s: float) -> None:
+    """Wait (without blocking the event loop) until a kvtransfer handle is terminal; raise its
+    error, or ``TimeoutError`` after ``timeout_s``."""
+    if not handle.done:
+        async def terminal():
+            return await handle
+
+        await asyncio.wait_for(terminal(), timeout_s)
+    handle.raise_for_state()
+
+
+async def cancel_transfer(handle) -> None:
+    """Cancel and wait until the handle is terminal: after that no byte of the transfer is read
+    from or written to the pool any more (the kvtransfer contract)."""
+    handle.cancel()
+    if not handle.done:
+        async def terminal():
+            return await handle
+
+        try:
+            await asyncio.wait_for(terminal(), 10.0)
+        except asyncio.TimeoutError:
+            logger.error("transfer %s did not settle 10 s after cancel", handle.transfer_id)
+
+
+async def worker_stats(rt: WorkerRuntime, request, fallbacks: int = 0,
+                       transfer=None, pending_sends: int = 0):
+    from shared.proto import pdserve_pb2 as pb
+
+    def collect(e: EngineCore):
+        err = ""
+        if request.check_integrity:
+            try:
+                e.check_integrity()
+            except AssertionError as ex:
+                err = str(ex) or type(ex).__name__
+        s = e.stats()
+        used = sum(1 for b in e.kv.pool.blocks if b.ref_cnt > 0)
+        return s, err, used
+
+    s, err, used = await asyncio.wrap_future(rt.loop.submit(collect))
+    out = pb.WorkerStats(
+        worker_id=rt.worker_id, role=rt.role, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
+        running=s.running, waiting=s.waiting, integrity_ok=not err, integrity_error=err,
+        used_blocks=used, prefill_fallbacks=fallbacks, prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits, pending_sends=pending_sends)
+    if transfer is not None:  # kvtransfer TransferCounters
+        out.kv_transfer_bytes = int(transfer.bytes_total)
+        out.kv_transfer_blocks = int(transfer.bytes_total // max(1, rt.engine.runner.block_bytes))
+        out.kv_transfer_failures = int(transfer.failures_total)
+    return out
