@@ -171,10 +171,12 @@ class Cluster:
                 raise TimeoutError(f"{', '.join(c.name for c in pending)} not ready after "
                                    f"{self.args.startup_timeout:.0f}s")
             if pending:
-                print(f"\r[pdserve] starting {len(pending)} worker(s)... {time.monotonic() - t0:4.0f}s",
-                      end="", flush=True)
+                if sys.stdout.isatty():
+                    print(f"\r[pdserve] starting {len(pending)} worker(s)... "
+                          f"{time.monotonic() - t0:4.0f}s", end="", flush=True)
                 time.sleep(0.2)
-        print("\r", end="")
+        if sys.stdout.isatty():
+            print("\r", end="")
 
     def _wait_http(self, child: Child, url: str) -> None:
         deadline = time.monotonic() + self.args.startup_timeout

@@ -1,0 +1,484 @@
+"""Decode side of the KV transfer protocol, written once against the transport SPI.
+
+``expect`` registers a transfer before the prefill worker is asked to send (no I/O). On the
+reactor thread, for each connection (:class:`_InLink`):
+
+* the first message must be ``hello``; the receiver compares geometry, protocol version and
+  checksum setting and answers ``hello_ok`` (with the connection's tag id) or ``refuse``
+  naming both sides' values;
+* ``open`` binds a transfer number to an expected transfer; the sender's destination ids must
+  equal the expected ones (the receiver only ever writes to blocks it was told to expect);
+* each ``data`` header is validated (range, not seen before, contiguous destination run) and a
+  receive is posted straight into those pool blocks; at most ``max_posted_receives`` are
+  outstanding, later headers wait (which holds back the sender's sends: backpressure);
+* on completion each block's xxh3_64 is checked against the header; a mismatch fails that
+  transfer only (``fail`` with code ``checksum``); data for unknown, rejected or finished
+  transfers is read and discarded so it never lingers in the transport;
+* a transfer is DONE when every block verified and ``fin`` arrived (then ``done`` goes back),
+  FAILED/CANCELLED once its posted receives have completed, so nothing is written to its
+  blocks after the handle turns terminal.
+
+Malformed or out-of-place messages are answered with an ``error`` op and otherwise ignored:
+the connection and every other transfer keep going.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import uuid
+import weakref
+from functools import partial
+from typing import Any
+
+from kvtransfer.base import KVReceiver, Link, TransferState, Transport
+from kvtransfer.errors import (ChecksumMismatchError, KVTransferError, PeerCancelledError, PeerLostError,
+                               ProtocolError, TransferCancelledError, TransferTimeoutError,
+                               TransportClosedError)
+from kvtransfer.geometry import KVGeometry
+from kvtransfer.handles import RecvHandle, _as_int_list
+from kvtransfer.metrics import TransferCounters, TransferMetrics
+from kvtransfer.pool import PoolView
+from kvtransfer.protocol import (LINK_ID_LIMIT, MAX_BLOCKS_PER_TRANSFER, PROTOCOL_VERSION, Cancel, Data,
+                                 Done, Error, Fail, Fin, Hello, HelloOk, Op, Open, ReceiverAddress, Refuse,
+                                 data_tag, decode_ops, encode_ops)
+
+logger = logging.getLogger("kvtransfer")
+
+_REJECTED_MEMORY = 4096  # per connection: recently finished/rejected transfer numbers
+
+
+class _InLink:
+    """One sender's connection."""
+
+    def __init__(self, link: Link, link_id: int):
+        self.link = link
+        self.link_id = link_id
+        self.ready = False
+        self.closed = False
+        self.transfers: dict[int, _In] = {}
+        # Transfer numbers whose late data is drained silently (bounded, oldest dropped).
+        self.retired: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.peer = "unknown sender"
+
+    def retire(self, x: int) -> None:
+        self.retired[x] = None
+        self.retired.move_to_end(x)
+        while len(self.retired) > _REJECTED_MEMORY:
+            self.retired.popitem(last=False)
+
+
+class _In:
+    """Reactor-side state of one expected transfer."""
+
+    def __init__(self, transfer_id: str, ids: list[int], timeout_s: float):
+        self.transfer_id = transfer_id
+        self.ids = ids
+        self.timeout_s = timeout_s
+        self.handle: RecvHandle = None  # type: ignore[assignment]
+        self.link: _InLink | None = None
+        self.x: int | None = None
+        self.seen = bytearray(len(ids))  # header received for this position
+        self.verified = 0
+        self.posted = 0  # receives into the pool not yet completed
+        self.fin_count: int | None = None
+        self.outcome: tuple[TransferState, KVTransferError | None, str | None] | None = None
+        self.deadline_timer: Any = None
+        self.settle_timer: Any = None
+
+
+class Receiver(KVReceiver):
+    """Receives blocks into ``pool`` over ``transport``; see the module docstring.
+
+    Options: ``verify_checksums`` (default on; a sender with checksums off is then refused),
+    ``max_posted_receives``, ``settle_timeout_s``, ``metrics``. ``host`` is the address
+    advertised to senders; ``port`` 0 picks a free port.
+    """
+
+    def __init__(self, transport: Transport, pool: Any, geometry: KVGeometry, *, host: str = "127.0.0.1",
+                 port: int = 0, verify_checksums: bool = True, max_posted_receives: int = 64,
+                 settle_timeout_s: float = 5.0, metrics: TransferMetrics | None = None):
+        if max_posted_receives < 1:
+            raise ValueError("max_posted_receives must be >= 1")
+        self._geometry = geometry
+        self._pool = PoolView(pool, geometry)
+        self._transport = transport
+        self._reactor = transport.reactor
+        self._verify = verify_checksums
+        self._max_posted = max_posted_receives
+        self._settle_timeout_s = settle_timeout_s
+        self._metrics = metrics if metrics is not None else TransferMetrics()
+        self.receiver_id = uuid.uuid4().hex[:16]
+        # Shared with caller threads (guarded by _lock).
+        self._lock = threading.Lock()
+        self._expected: dict[str, _In] = {}  # registered, not yet opened by a sender
+        self._ids: set[str] = set()  # every transfer id not yet terminal
+        self._closed = False
+        # Reactor-thread state.
+        self._live: set[_In] = set()
+        self._links: dict[int, _InLink] = {}
+        self._next_link_id = 1
+        self._posted_total = 0
+        self._backlog: collections.deque[tuple] = collections.deque()
+        self._closing = False
+        self.protocol_errors = 0
+        self._finalizer = weakref.finalize(self, transport.close)
+        bound_host, bound_port = self._reactor.run_sync(self._transport.listen, host, port, self._on_accept)
+        self._address = ReceiverAddress(transport.kind, bound_host, bound_port, self.receiver_id)
+        self._address_bytes = self._address.encode()
+
+    # ---- public API (any thread) -------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        """Opaque address for senders (msgpack: kind, host, port, receiver instance id)."""
+        return self._address_bytes
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self._geometry
+
+    @property
+    def stats(self) -> TransferCounters:
+        return self._metrics.recv
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._links)
+
+    def expect(self, transfer_id: str, block_ids: list[int], timeout_s: float) -> RecvHandle:
+        """Reserve ``block_ids`` of this pool for ``transfer_id`` (call before the sender opens).
+
+        Non-blocking. The handle turns DONE once every block arrived and verified; FAILED on
+        ``timeout_s`` expiry, checksum mismatch, protocol violation or a lost sender; CANCELLED
+        after ``handle.cancel()``. Raises ``ValueError`` on a transfer id already expected, an
+        empty or duplicate block list or ids outside the pool, and
+        :class:`TransportClosedError` after :meth:`close`.
+        """
+        if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 1024:
+            raise ValueError("transfer_id must be a non-empty string of at most 1024 chars")
+        ids = _as_int_list(block_ids, "block_ids", self._pool.num_blocks)
+        if not 0 < len(ids) <= MAX_BLOCKS_PER_TRANSFER:
+            raise ValueError(f"block_ids must hold 1 to {MAX_BLOCKS_PER_TRANSFER} ids, got {len(ids)}")
+        if len(set(ids)) != len(ids):
+            raise ValueError("block_ids must not repeat a block")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        t = _In(transfer_id, ids, float(timeout_s))
+        t.handle = RecvHandle(transfer_id, ids, self._reactor.call_soon_threadsafe, partial(self._on_cancel, t))
+        with self._lock:
+            if self._closed:
+                raise TransportClosedError("receiver is closed")
+            if transfer_id in self._ids:
+                raise ValueError(f"transfer {transfer_id!r} is already expected by this receiver")
+            self._ids.add(transfer_id)
+            self._expected[transfer_id] = t  # visible to 'open' at once, before _register runs
+        self._reactor.call_soon_threadsafe(self._register, t)
+        return t.handle
+
+    def close(self) -> None:
+        """Fail unfinished transfers with :class:`TransportClosedError`, close connections and
+        the listener, stop the I/O thread. Idempotent and bounded."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._reactor.running:
+            try:
+                self._reactor.run_sync(self._begin_close)
+            except (TimeoutError, RuntimeError) as e:
+                logger.warning("kvtransfer receiver close: %s", e)
+        self._finalizer()  # transport.close(): completes every outstanding receive, stops the reactor
+        for t in list(self._live):  # the reactor is stopped: nothing can write to the pool now
+            if t.outcome is None:
+                t.outcome = (TransferState.FAILED, TransportClosedError("receiver closed"), "closed")
+            self._finalize(t)
+
+    # ---- transfer lifecycle (reactor thread) ---------------------------------------------
+
+    def _register(self, t: _In) -> None:
+        self._live.add(t)
+        if t.outcome is None:
+            t.deadline_timer = self._reactor.call_later(t.timeout_s, self._on_deadline, t)
+
+    def _on_deadline(self, t: _In) -> None:
+        self._decide(t, TransferState.FAILED, TransferTimeoutError(
+            f"transfer {t.transfer_id!r}: {t.verified}/{len(t.ids)} blocks received within {t.timeout_s}s"
+            + ("" if t.link is not None else " (the sender never opened it)")), "timeout", code="timeout")
+
+    def _on_cancel(self, t: _In, _handle: RecvHandle) -> None:
+        self._decide(t, TransferState.CANCELLED,
+                     TransferCancelledError(f"transfer {t.transfer_id!r} cancelled by the receiver"), None,
+                     code="cancelled")
+
+    def _decide(self, t: _In, state: TransferState, error: KVTransferError | None, reason: str | None,
+                *, code: str | None = None, index: int | None = None) -> None:
+        """Fix the outcome of ``t`` and tell the sender (``code``); it settles once no receive
+        into its blocks is outstanding."""
+        if t.outcome is not None:
+            return
+        t.outcome = (state, error, reason)
+        with self._lock:
+            if self._expected.get(t.transfer_id) is t:
+                del self._expected[t.transfer_id]
+        link = t.link
+        if code is not None and link is not None and not link.closed and t.x is not None:
+            self._send(link, Fail(t.x, code, str(error)[:1000], index))
+        if t.posted == 0:
+            self._finalize(t)
+        elif t.settle_timer is None:
+            t.settle_timer = self._reactor.call_later(self._settle_timeout_s, self._on_settle_timeout, t)
+
+    def _on_settle_timeout(self, t: _In) -> None:
+        if not t.handle.done and t.link is not None:
+            logger.warning("kvtransfer: %d receives of transfer %r did not settle within %.1fs; closing "
+                           "the connection from %s", t.posted, t.transfer_id, self._settle_timeout_s, t.link.peer)
+            t.link.link.close()
+
+    def _finalize(self, t: _In) -> None:
+        if t.handle.done:
+            return
+        state, error, reason = t.outcome  # type: ignore[misc]
+        for timer in (t.deadline_timer, t.settle_timer):
+            if timer is not None:
+                timer.cancel()
+        link = t.link
+        if link is not None and t.x is not None:
+            if link.transfers.get(t.x) is t:
+                del link.transfers[t.x]
+            link.retire(t.x)
+        self._live.discard(t)
+        t.handle._settle(state, error)
+        if state is TransferState.DONE:
+            self._metrics.transfer_done("recv", t.handle.seconds)
+        elif state is TransferState.CANCELLED:
+            self._metrics.transfer_cancelled("recv")
+        else:
+            self._metrics.transfer_failed("recv", reason or "protocol")
+        with self._lock:
+            self._ids.discard(t.transfer_id)
+
+    # ---- connections (reactor thread) --------------------------------------------------
+
+    def _on_accept(self, link: Link) -> None:
+        if self._closing:
+            link.close()
+            return
+        link_id = self._next_link_id
+        while link_id in self._links or link_id == 0:
+            link_id = (link_id + 1) % LINK_ID_LIMIT
+        self._next_link_id = (link_id + 1) % LINK_ID_LIMIT
+        il = _InLink(link, link_id)
+        self._links[link_id] = il
+        link.on_ctrl = partial(self._on_ctrl, il)
+        link.on_closed = partial(self._on_link_closed, il)
+        link.start()
+
+    def _on_link_closed(self, il: _InLink, error: BaseException) -> None:
+        if il.closed:
+            return
+        il.closed = True
+        self._links.pop(il.link_id, None)
+        for t in list(il.transfers.values()):
+            self._decide(t, TransferState.FAILED, PeerLostError(
+                f"transfer {t.transfer_id!r}: connection from {il.peer} lost: {error}"), "peer_lost")
+
+    def _send(self, il: _InLink, *ops: Op) -> None:
+        if not il.closed:
+            il.link.send_ctrl(encode_ops(list(ops)))
+
+    def _reject(self, il: _InLink, reason: str) -> None:
+        self.protocol_errors += 1
+        logger.warning("kvtransfer: from %s: %s", il.peer, reason)
+        self._send(il, Error(reason[:1000]))
+
+    def _on_ctrl(self, il: _InLink, payload: bytes) -> None:
+        try:
+            ops = decode_ops(payload)
+        except ProtocolError as e:
+            self._reject(il, f"malformed control message: {e}")
+            return
+        for op in ops:
+            if il.closed:
+                return
+            if not il.ready and not isinstance(op, (Hello, Error)):
+                self._reject(il, f"{type(op).__name__.lower()} op before the handshake")
+            elif isinstance(op, Hello):
+                self._on_hello(il, op)
+            elif isinstance(op, Open):
+                self._on_open(il, op)
+            elif isinstance(op, Data):
+                self._on_data(il, op)
+            elif isinstance(op, Fin):
+                self._on_fin(il, op)
+            elif isinstance(op, Cancel):
+                t = il.transfers.get(op.x)
+                if t is not None:
+                    self._decide(t, TransferState.FAILED, PeerCancelledError(
+                        f"sender cancelled transfer {t.transfer_id!r}: {op.reason}"), "peer_cancelled")
+                elif op.x not in il.retired:
+                    self._reject(il, f"cancel for unknown transfer number {op.x}")
+            elif isinstance(op, Error):
+                self.protocol_errors += 1
+                logger.warning("kvtransfer: sender %s rejected a message: %s", il.peer, op.reason)
+            else:
+                self._reject(il, f"unexpected {type(op).__name__.lower()} op from a sender")
+
+    def _on_hello(self, il: _InLink, op: Hello) -> None:
+        if il.ready:
+            self._reject(il, "duplicate hello")
+            return
+        il.peer = f"sender {op.sender_id[:64]}"
+        mine = self._geometry.to_wire()
+        if op.proto != PROTOCOL_VERSION:
+            self._send(il, Refuse(f"protocol version differs (sender={op.proto}, receiver={PROTOCOL_VERSION})", None))
+            return
+        try:
+            theirs = KVGeometry.from_wire(op.geometry)
+            diffs = theirs.mismatches(self._geometry, local="sender", remote="receiver")
+        except ProtocolError:
+            diffs = [f"{k} (sender={op.geometry.get(k)!r}, receiver={v!r})"
+                     for k, v in mine.items() if op.geometry.get(k) != v] or [f"sender geometry {op.geometry!r}"]
+        if not diffs and self._verify and not op.checksums:
+            diffs = ["checksums (sender=off, receiver=on)"]
+        if diffs:
+            self._send(il, Refuse("KV geometry mismatch: " + "; ".join(diffs), mine))
+            logger.warning("kvtransfer: refused %s: %s", il.peer, "; ".join(diffs))
+            return
+        il.ready = True
+        self._send(il, HelloOk(self.receiver_id, il.link_id))
+
+    def _on_open(self, il: _InLink, op: Open) -> None:
+        if op.x in il.transfers:
+            self._reject(il, f"transfer number {op.x} is already open")
+            return
+        with self._lock:
+            t = self._expected.pop(op.transfer_id, None)
+        if t is None:
+            il.retire(op.x)
+            self._send(il, Fail(op.x, "unknown_transfer",
+                                f"no transfer {op.transfer_id!r} is expected (never, or already ended)"))
+            return
+        t.link, t.x = il, op.x
+        il.transfers[op.x] = t
+        if op.dst != t.ids:
+            self._decide(t, TransferState.FAILED, ProtocolError(
+                f"transfer {t.transfer_id!r}: sender's destination blocks differ from the expected ones"),
+                "protocol", code="mismatch")
+
+    def _on_data(self, il: _InLink, op: Data) -> None:
+        tag = data_tag(il.link_id, op.x, op.index)
+        t = il.transfers.get(op.x)
+        if t is None or t.outcome is not None:
+            if t is None and op.x not in il.retired:
+                self._reject(il, f"data for unknown transfer number {op.x}")
+            self._drain(il, tag)
+            return
+        n, i, k = len(t.ids), op.index, op.count
+        problem = None
+        if i + k > n:
+            problem = f"data positions [{i}, {i + k}) outside the transfer's {n} blocks"
+        elif any(t.seen[i:i + k]):
+            problem = f"data positions [{i}, {i + k}) overlap positions already received"
+        elif t.ids[i + k - 1] - t.ids[i] != k - 1 or any(t.ids[i + j] != t.ids[i] + j for j in range(k)):
+            problem = f"data positions [{i}, {i + k}) are not adjacent in the receiver's pool"
+        elif self._verify and op.checksums is None:
+            problem = "data without checksums"
+        if problem is not None:
+            self._drain(il, tag)
+            self._decide(t, TransferState.FAILED, ProtocolError(f"transfer {t.transfer_id!r}: {problem}"),
+                         "protocol", code="protocol")
+            return
+        t.seen[i:i + k] = b"\x01" * k
+        t.posted += 1
+        self._backlog.append((t, il, tag, i, k, op.checksums))
+        self._post_backlog()
+
+    def _drain(self, il: _InLink, tag: int) -> None:
+        if not il.closed:
+            il.link.recv_data(tag, None, _ignore)
+
+    def _post_backlog(self) -> None:
+        while self._backlog and self._posted_total < self._max_posted:
+            t, il, tag, i, k, checksums = self._backlog.popleft()
+            if t.outcome is not None or il.closed:
+                t.posted -= 1
+                self._drain(il, tag)
+                if t.outcome is not None and t.posted == 0:
+                    self._finalize(t)
+                continue
+            region = self._pool.region(t.ids[i], k)
+            self._posted_total += 1
+            il.link.recv_data(tag, region, partial(self._on_received, t, region, i, checksums))
+
+    def _on_received(self, t: _In, region: Any, first: int, checksums: list[int] | None,
+                     error: BaseException | None) -> None:
+        self._posted_total -= 1
+        t.posted -= 1
+        if error is not None:
+            self._decide(t, TransferState.FAILED, PeerLostError(
+                f"transfer {t.transfer_id!r}: receiving blocks failed: {error}"), "peer_lost")
+        else:
+            self._metrics.add_bytes("recv", region.nbytes)
+            t.handle.bytes_received += region.nbytes
+            if t.outcome is None:
+                self._verify_region(t, region, first, checksums)
+        if t.outcome is not None and t.posted == 0:
+            self._finalize(t)
+        self._post_backlog()
+
+    def _verify_region(self, t: _In, region: Any, first: int, checksums: list[int] | None) -> None:
+        k = region.count
+        if checksums is not None and self._verify:
+            actual = self._pool.checksums(region)
+            bad = [j for j in range(k) if actual[j] != checksums[j]]
+            if bad:
+                self._metrics.checksum_mismatches("recv", len(bad))
+                j = bad[0]
+                self._decide(t, TransferState.FAILED,
+                             ChecksumMismatchError(t.transfer_id, first + j, checksums[j], actual[j]),
+                             "checksum", code="checksum", index=first + j)
+                return
+        if checksums is not None:
+            t.handle._checksums[first:first + k] = checksums
+        t.verified += k
+        t.handle.blocks_done = t.verified
+        self._maybe_done(t)
+
+    def _on_fin(self, il: _InLink, op: Fin) -> None:
+        t = il.transfers.get(op.x)
+        if t is None:
+            if op.x not in il.retired:
+                self._reject(il, f"fin for unknown transfer number {op.x}")
+            return
+        if op.count != len(t.ids):
+            self._decide(t, TransferState.FAILED, ProtocolError(
+                f"transfer {t.transfer_id!r}: sender finished after {op.count} of {len(t.ids)} blocks"),
+                "protocol", code="protocol")
+            return
+        t.fin_count = op.count
+        self._maybe_done(t)
+
+    def _maybe_done(self, t: _In) -> None:
+        if t.outcome is None and t.fin_count is not None and t.verified == len(t.ids):
+            self._send(t.link, Done(t.x))  # type: ignore[arg-type]
+            self._decide(t, TransferState.DONE, None, None)
+
+    # ---- shutdown (reactor thread) -----------------------------------------------------
+
+    def _begin_close(self) -> None:
+        self._closing = True
+        with self._lock:
+            pending = list(self._expected.values())
+        for t in list(self._live) + pending:
+            self._decide(t, TransferState.FAILED, TransportClosedError("receiver closed"), "closed",
+                         code="closed")
+        for il in list(self._links.values()):
+            il.link.close()
+
+
+def _ignore(_error: BaseException | None) -> None:
+    """Completion of a discarded data message (a truncation error is the expected outcome)."""
+

@@ -1,0 +1,601 @@
+"""Prefill side of the KV transfer protocol, written once against the transport SPI.
+
+The engine thread calls :meth:`Sender.open` and the handle's ``send_blocks``/``finish``; all of
+them validate, enqueue work for the reactor thread and return. On the reactor thread:
+
+* one :class:`_Conn` per receiver (host, port), reused across transfers, opened with a
+  ``hello`` handshake that the receiver accepts or refuses (geometry, checksum setting);
+* at most ``max_active_transfers`` transfers run at once, the others wait in FIFO order
+  (their deadline keeps running), and at most ``max_inflight_messages`` data messages are
+  outstanding; a data send completes only once the receiver has posted the matching receive,
+  so a slow receiver holds the sender back (backpressure) instead of piling up data;
+* queued positions are coalesced into runs adjacent in both the source and destination pools,
+  each run sent as one ``data`` header plus one tagged data message straight from the pool;
+* a transfer is DONE when all its sends completed and the receiver acknowledged with
+  ``done``; FAILED/CANCELLED once its outstanding sends have settled (no further reads of
+  the source blocks).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import uuid
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
+from typing import Any
+
+from kvtransfer.base import FaultInjector, KVSender, Link, TransferState, Transport
+from kvtransfer.errors import (ChecksumMismatchError, GeometryMismatchError, HandshakeError,
+                               KVTransferError, PeerCancelledError, PeerLostError, ProtocolError,
+                               StaleAddressError, TransferCancelledError, TransferRejectedError,
+                               TransferTimeoutError, TransportClosedError)
+from kvtransfer.geometry import KVGeometry
+from kvtransfer.handles import SendHandle, _as_int_list
+from kvtransfer.metrics import TransferCounters, TransferMetrics
+from kvtransfer.pool import PoolView
+from kvtransfer.protocol import (MAX_BLOCKS_PER_TRANSFER, PROTOCOL_VERSION, TRANSFER_NUMBER_LIMIT,
+                                 Cancel, Data, Done, Error, Fail, Fin, Hello, HelloOk, Op, Open,
+                                 ReceiverAddress, Refuse, data_tag, decode_ops, encode_ops)
+
+logger = logging.getLogger("kvtransfer")
+
+_CONNECTING, _READY, _DEAD = "connecting", "ready", "dead"
+
+
+class _Conn:
+    """A connection to one receiver, shared by all transfers to it."""
+
+    def __init__(self, address: ReceiverAddress, link: Link):
+        self.address = address
+        self.key = (address.kind, address.host, address.port)
+        self.link = link
+        self.state = _CONNECTING
+        self.link_id = 0
+        self.transfers: dict[int, _Out] = {}  # by transfer number, once opened
+        self.waiting: list[_Out] = []  # activated before the handshake finished
+        self.cancel_on_ready: list[tuple[str, list[int], str]] = []  # gave up while connecting
+        self.outbox: list[Op] = []
+        self.next_x = 0
+        self.handshake_timer: Any = None
+        self.connect_waiters: list[Future] = []
+
+
+class _Out:
+    """Reactor-side state of one outgoing transfer."""
+
+    def __init__(self, transfer_id: str, address: ReceiverAddress, dst: list[int], timeout_s: float):
+        self.transfer_id = transfer_id
+        self.address = address
+        self.dst = dst
+        self.timeout_s = timeout_s
+        self.handle: SendHandle = None  # type: ignore[assignment]  # set right after creation
+        self.conn: _Conn | None = None
+        self.x: int | None = None
+        self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (src block, position)
+        self.fin_requested = False
+        self.fin_sent = False
+        self.acked = False
+        self.active = False
+        self.sendable = False
+        self.inflight = 0
+        self.outcome: tuple[TransferState, KVTransferError | None, str | None] | None = None
+        self.deadline_timer: Any = None
+        self.settle_timer: Any = None
+
+
+class Sender(KVSender):
+    """Pushes blocks of ``pool`` to receivers over ``transport``; see the module docstring.
+
+    Options: ``checksums`` (send xxh3_64 per block, default on), ``max_active_transfers``,
+    ``max_inflight_messages``, ``max_message_bytes`` (coalescing cap, at least one block),
+    ``connect_timeout_s`` (handshake), ``settle_timeout_s`` (how long a failed transfer waits
+    for its outstanding sends before the connection is closed to force them), ``metrics``,
+    ``fault_injector`` (tests only).
+    """
+
+    def __init__(self, transport: Transport, pool: Any, geometry: KVGeometry, *,
+                 checksums: bool = True, max_active_transfers: int = 64,
+                 max_inflight_messages: int = 64, max_message_bytes: int = 64 << 20,
+                 connect_timeout_s: float = 5.0, settle_timeout_s: float = 5.0,
+                 metrics: TransferMetrics | None = None, fault_injector: FaultInjector | None = None):
+        if max_active_transfers < 1 or max_inflight_messages < 1:
+            raise ValueError("max_active_transfers and max_inflight_messages must be >= 1")
+        self.geometry = geometry
+        self._pool = PoolView(pool, geometry)
+        self._transport = transport
+        self._reactor = transport.reactor
+        self._checksums = checksums
+        self._max_active = max_active_transfers
+        self._max_inflight = max_inflight_messages
+        self._max_blocks_per_msg = max(1, max_message_bytes // geometry.block_bytes)
+        self._connect_timeout_s = connect_timeout_s
+        self._settle_timeout_s = settle_timeout_s
+        self._metrics = metrics if metrics is not None else TransferMetrics()
+        self._faults = fault_injector
+        self.sender_id = uuid.uuid4().hex[:16]
+        # Shared with caller threads (guarded by _lock): ids of transfers not yet terminal.
+        self._lock = threading.Lock()
+        self._ids: set[str] = set()
+        self._closed = False
+        self._drained = threading.Event()
+        # Reactor-thread state.
+        self._conns: dict[tuple, _Conn] = {}
+        self._live: set[_Out] = set()  # started and not yet settled
+        self._slot_queue: collections.deque[_Out] = collections.deque()
+        self._active = 0
+        self._inflight_msgs = 0
+        self._sendable: collections.deque[_Out] = collections.deque()
+        self._dirty: list[_Conn] = []
+        self._pump_scheduled = False
+        self._in_pump = False
+        self._closing = False
+        self.connections_opened = 0
+        self.protocol_errors = 0
+        self._finalizer = weakref.finalize(self, transport.close)
+
+    # ---- public API (any thread) -------------------------------------------------------
+
+    @property
+    def stats(self) -> TransferCounters:
+        return self._metrics.send
+
+    @property
+    def active_transfers(self) -> int:
+        """Transfers holding a slot (at most ``max_active_transfers``)."""
+        return self._active
+
+    @property
+    def queued_transfers(self) -> int:
+        """Transfers waiting for a slot."""
+        return len(self._slot_queue)
+
+    def open(self, transfer_id: str, remote_address: bytes, dst_block_ids: list[int],
+             timeout_s: float) -> SendHandle:
+        """Start a transfer into ``dst_block_ids`` of the receiver at ``remote_address``.
+
+        Non-blocking: connecting (or reusing the cached connection), the handshake and the
+        sends happen on the reactor thread. ``timeout_s`` bounds the whole transfer, including
+        waiting for a slot; on expiry the handle becomes FAILED with
+        :class:`TransferTimeoutError`. Raises ``ValueError`` on a duplicate ``transfer_id``
+        or bad ids, :class:`InvalidAddressError` on a bad address, and
+        :class:`TransportClosedError` after :meth:`close`.
+        """
+        address = ReceiverAddress.decode(remote_address)
+        if address.kind != self._transport.kind:
+            raise ValueError(f"address is for a {address.kind} receiver, this sender uses {self._transport.kind}")
+        if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 1024:
+            raise ValueError("transfer_id must be a non-empty string of at most 1024 chars")
+        dst = _as_int_list(dst_block_ids, "dst_block_ids", 1 << 62)
+        if not 0 < len(dst) <= MAX_BLOCKS_PER_TRANSFER:
+            raise ValueError(f"dst_block_ids must hold 1 to {MAX_BLOCKS_PER_TRANSFER} ids, got {len(dst)}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        with self._lock:
+            if self._closed:
+                raise TransportClosedError("sender is closed")
+            if transfer_id in self._ids:
+                raise ValueError(f"transfer {transfer_id!r} is already in progress on this sender")
+            self._ids.add(transfer_id)
+        t = _Out(transfer_id, address, dst, float(timeout_s))
+        t.handle = SendHandle(transfer_id, dst, self._pool.num_blocks, self._reactor.call_soon_threadsafe,
+                              partial(self._on_cancel, t), partial(self._on_blocks, t),
+                              partial(self._on_finish, t))
+        self._reactor.call_soon_threadsafe(self._start, t)
+        return t.handle
+
+    def connect(self, remote_address: bytes, timeout_s: float = 5.0) -> None:
+        """Connect and handshake now (blocking), e.g. at startup to surface a geometry mismatch.
+
+        Raises :class:`GeometryMismatchError`, :class:`StaleAddressError`,
+        :class:`HandshakeError` or :class:`PeerLostError`; returns once the connection is ready.
+        """
+        address = ReceiverAddress.decode(remote_address)
+        if self._closed:
+            raise TransportClosedError("sender is closed")
+        fut: Future = Future()
+        self._reactor.call_soon_threadsafe(self._connect_cmd, address, fut)
+        try:
+            fut.result(timeout_s)
+        except FutureTimeout:
+            raise HandshakeError(f"no handshake with {address} within {timeout_s}s") from None
+
+    def close(self) -> None:
+        """Fail every unfinished transfer with :class:`TransportClosedError`, close all
+        connections and stop the I/O thread. Idempotent; bounded by ``settle_timeout_s``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._reactor.running:
+            try:
+                self._reactor.run_sync(self._begin_close)
+                self._drained.wait(self._settle_timeout_s)
+            except (TimeoutError, RuntimeError) as e:
+                logger.warning("kvtransfer sender close: %s", e)
+        self._finalizer()  # transport.close(): completes every outstanding send, stops the reactor
+        self._force_close()  # the reactor is stopped: nothing can read the pool now
+
+    # ---- transfer lifecycle (reactor thread) ---------------------------------------------
+
+    def _start(self, t: _Out) -> None:
+        self._live.add(t)
+        if self._closing:
+            self._decide(t, TransferState.FAILED, TransportClosedError("sender is closed"), "closed")
+            return
+        t.deadline_timer = self._reactor.call_later(t.timeout_s, self._on_deadline, t)
+        if self._active < self._max_active:
+            self._activate(t)
+        else:
+            self._slot_queue.append(t)
+
+    def _activate(self, t: _Out) -> None:
+        t.active = True
+        self._active += 1
+        conn = self._get_conn(t.address)
+        t.conn = conn
+        if conn.state == _READY:
+            self._attach(conn, t)
+        else:
+            conn.waiting.append(t)
+
+    @staticmethod
+    def _next_x(conn: _Conn) -> int:
+        x = conn.next_x
+        while x in conn.transfers:
+            x = (x + 1) % TRANSFER_NUMBER_LIMIT
+        conn.next_x = (x + 1) % TRANSFER_NUMBER_LIMIT
+        return x
+
+    def _attach(self, conn: _Conn, t: _Out) -> None:
+        x = t.x = self._next_x(conn)
+        conn.transfers[x] = t
+        self._queue_op(conn, Open(x, t.transfer_id, t.dst))
+        if t.pending or t.fin_requested:
+            self._mark_sendable(t)
+
+    def _on_blocks(self, t: _Out, _handle: SendHandle, src: list[int], first: int) -> None:
+        if t.outcome is None:
+            t.pending.extend(zip(src, range(first, first + len(src))))
+            self._mark_sendable(t)
+
+    def _on_finish(self, t: _Out, _handle: SendHandle) -> None:
+        if t.outcome is None:
+            t.fin_requested = True
+            self._mark_sendable(t)
+
+    def _on_cancel(self, t: _Out, _handle: SendHandle) -> None:
+        self._decide(t, TransferState.CANCELLED, TransferCancelledError(
+            f"transfer {t.transfer_id!r} cancelled by the sender"), None, notify=True)
+
+    def _on_deadline(self, t: _Out) -> None:
+        h = t.handle
+        self._decide(t, TransferState.FAILED, TransferTimeoutError(
+            f"transfer {t.transfer_id!r} to {t.address} did not complete within {t.timeout_s}s "
+            f"({h.blocks_sent}/{h.num_blocks} blocks sent, "
+            f"{'finished' if t.fin_sent else 'not finished'}, {'acknowledged' if t.acked else 'no ack'})"),
+            "timeout", notify=True)
+
+    def _decide(self, t: _Out, state: TransferState, error: KVTransferError | None, reason: str | None,
+                *, notify: bool = False) -> None:
+        """Fix the outcome of ``t``; it settles once no send of it is outstanding."""
+        if t.outcome is not None:
+            return
+        t.outcome = (state, error, reason)
+        t.pending.clear()
+        if t in self._slot_queue:
+            self._slot_queue.remove(t)
+        conn = t.conn
+        if notify and conn is not None and conn.state == _READY and t.x is not None:
+            self._queue_op(conn, Cancel(t.x, str(error)[:1000]))
+        elif notify and conn is not None and conn.state == _CONNECTING and t in conn.waiting:
+            # The receiver is waiting for this transfer: tell it as soon as we can talk.
+            conn.cancel_on_ready.append((t.transfer_id, t.dst, str(error)[:1000]))
+        if t.inflight == 0:
+            self._finalize(t)
+        elif t.settle_timer is None:
+            t.settle_timer = self._reactor.call_later(self._settle_timeout_s, self._on_settle_timeout, t)
+
+    def _maybe_done(self, t: _Out) -> None:
+        if t.outcome is None and t.acked and t.fin_sent and t.inflight == 0:
+            self._decide(t, TransferState.DONE, None, None)
+        elif t.outcome is not None and t.inflight == 0:
+            self._finalize(t)
+
+    def _on_settle_timeout(self, t: _Out) -> None:
+        if not t.handle.done and t.conn is not None:
+            logger.warning("kvtransfer: %d sends of transfer %r did not settle within %.1fs; closing "
+                           "the connection to %s", t.inflight, t.transfer_id, self._settle_timeout_s, t.address)
+            self._fail_conn(t.conn, PeerLostError(f"receiver {t.address} stopped consuming data"), "peer_lost")
+
+    def _finalize(self, t: _Out) -> None:
+        if t.handle.done:
+            return
+        state, error, reason = t.outcome  # type: ignore[misc]
+        for timer in (t.deadline_timer, t.settle_timer):
+            if timer is not None:
+                timer.cancel()
+        conn = t.conn
+        if conn is not None:
+            if t.x is not None and conn.transfers.get(t.x) is t:
+                del conn.transfers[t.x]
+            if t in conn.waiting:
+                conn.waiting.remove(t)
+        self._live.discard(t)
+        t.handle._settle(state, error)
+        if state is TransferState.DONE:
+            self._metrics.transfer_done("send", t.handle.seconds)
+        elif state is TransferState.CANCELLED:
+            self._metrics.transfer_cancelled("send")
+        else:
+            self._metrics.transfer_failed("send", reason or "protocol")
+        with self._lock:
+            self._ids.discard(t.transfer_id)
+            drained = self._closing and not self._ids
+        if t.active:
+            t.active = False
+            self._active -= 1
+            while self._slot_queue and self._active < self._max_active and not self._closing:
+                self._activate(self._slot_queue.popleft())
+        if drained:
+            self._drained.set()
+
+    # ---- sending (reactor thread) ------------------------------------------------------
+
+    def _mark_sendable(self, t: _Out) -> None:
+        if not t.sendable and t.conn is not None and t.conn.state == _READY and t.x is not None:
+            t.sendable = True
+            self._sendable.append(t)
+            self._schedule_pump()
+
+    def _queue_op(self, conn: _Conn, op: Op) -> None:
+        if not conn.outbox:
+            self._dirty.append(conn)
+        conn.outbox.append(op)
+        self._schedule_pump()
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_scheduled and not self._in_pump:
+            self._pump_scheduled = True
+            self._reactor.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Turn queued positions into data messages (within the in-flight cap), then flush
+        each connection's control ops as one message, then post the data sends."""
+        self._pump_scheduled = False
+        self._in_pump = True
+        try:
+            self._pump_once()
+        finally:
+            self._in_pump = False
+
+    def _pump_once(self) -> None:
+        sends = []
+        # Each iteration either sends one message (bounded by the in-flight cap) or drops a
+        # transfer from the round-robin queue, so the loop ends.
+        while self._sendable and self._inflight_msgs < self._max_inflight:
+            t = self._sendable.popleft()
+            t.sendable = False
+            if t.outcome is not None or t.conn is None or t.conn.state != _READY:
+                continue
+            if t.pending:
+                sends.append(self._build_message(t))
+            if t.pending:
+                t.sendable = True
+                self._sendable.append(t)
+            elif t.fin_requested and not t.fin_sent:
+                t.fin_sent = True
+                self._queue_op(t.conn, Fin(t.x, len(t.dst)))  # type: ignore[arg-type]
+        dirty, self._dirty = self._dirty, []
+        for conn in dirty:
+            ops, conn.outbox = conn.outbox, []
+            if ops and conn.state != _DEAD:
+                conn.link.send_ctrl(encode_ops(ops))
+        for link, tag, region, done in sends:
+            link.send_data(tag, region, done)
+
+    def _build_message(self, t: _Out) -> tuple[Link, int, Any, Any]:
+        src0, i0 = t.pending.popleft()
+        k, dst = 1, t.dst
+        while t.pending and k < self._max_blocks_per_msg:
+            src, i = t.pending[0]
+            if src != src0 + k or i != i0 + k or dst[i] != dst[i0] + k:
+                break
+            t.pending.popleft()
+            k += 1
+        region = self._pool.region(src0, k)
+        checksums = self._pool.checksums(region) if self._checksums else None
+        if checksums is not None:
+            t.handle._checksums[i0:i0 + k] = checksums
+        to_send = region
+        if self._faults is not None:
+            bad = [j for j in range(k) if self._faults.corrupt(t.transfer_id, i0 + j)]
+            if bad:
+                to_send = self._pool.corrupted_copy(region, bad)
+        conn = t.conn
+        assert conn is not None and t.x is not None
+        self._queue_op(conn, Data(t.x, i0, k, checksums))
+        t.inflight += 1
+        self._inflight_msgs += 1
+        tag = data_tag(conn.link_id, t.x, i0)
+        return conn.link, tag, to_send, partial(self._on_sent, t, k, region.nbytes)
+
+    def _on_sent(self, t: _Out, blocks: int, nbytes: int, error: BaseException | None) -> None:
+        t.inflight -= 1
+        self._inflight_msgs -= 1
+        if error is None:
+            t.handle.bytes_sent += nbytes
+            t.handle.blocks_sent += blocks
+            self._metrics.add_bytes("send", nbytes)
+        else:
+            self._decide(t, TransferState.FAILED, PeerLostError(
+                f"transfer {t.transfer_id!r}: sending to {t.address} failed: {error}"), "peer_lost")
+        self._maybe_done(t)
+        if self._sendable:
+            self._schedule_pump()
+
+    # ---- connections (reactor thread) --------------------------------------------------
+
+    def _get_conn(self, address: ReceiverAddress) -> _Conn:
+        key = (address.kind, address.host, address.port)
+        conn = self._conns.get(key)
+        if conn is not None and conn.state != _DEAD:
+            if conn.address.receiver_id == address.receiver_id:
+                return conn
+            self._fail_conn(conn, PeerLostError(
+                f"receiver at {address.host}:{address.port} restarted "
+                f"(instance {conn.address.receiver_id} -> {address.receiver_id})"), "peer_lost")
+        link = self._transport.connect(address)
+        conn = _Conn(address, link)
+        self._conns[key] = conn
+        self.connections_opened += 1
+        link.on_ctrl = partial(self._on_ctrl, conn)
+        link.on_closed = partial(self._on_link_closed, conn)
+        link.start()
+        self._queue_op(conn, Hello(self.geometry.to_wire(), self._checksums, self.sender_id))
+        conn.handshake_timer = self._reactor.call_later(self._connect_timeout_s, self._on_handshake_timeout, conn)
+        return conn
+
+    def _connect_cmd(self, address: ReceiverAddress, fut: Future) -> None:
+        if self._closing:
+            fut.set_exception(TransportClosedError("sender is closed"))
+            return
+        conn = self._get_conn(address)
+        if conn.state == _READY:
+            fut.set_result(None)
+        else:
+            conn.connect_waiters.append(fut)
+
+    def _on_handshake_timeout(self, conn: _Conn) -> None:
+        if conn.state == _CONNECTING:
+            self._fail_conn(conn, HandshakeError(
+                f"no handshake reply from receiver {conn.address} within {self._connect_timeout_s}s"), "handshake")
+
+    def _on_link_closed(self, conn: _Conn, error: BaseException) -> None:
+        what = "could not connect to" if conn.state == _CONNECTING else "lost connection to"
+        self._fail_conn(conn, PeerLostError(f"{what} receiver {conn.address}: {error}"), "peer_lost")
+
+    def _fail_conn(self, conn: _Conn, error: KVTransferError, reason: str) -> None:
+        """Mark ``conn`` dead, fail every transfer on it and close the link."""
+        if conn.state == _DEAD:
+            return
+        conn.state = _DEAD
+        if self._conns.get(conn.key) is conn:
+            del self._conns[conn.key]
+        if conn.handshake_timer is not None:
+            conn.handshake_timer.cancel()
+        for t in list(conn.waiting) + list(conn.transfers.values()):
+            self._decide(t, TransferState.FAILED, error, reason)
+        for fut in conn.connect_waiters:
+            if not fut.done():
+                fut.set_exception(error)
+        conn.connect_waiters.clear()
+        conn.outbox.clear()
+        conn.link.close()
+
+    def _on_ctrl(self, conn: _Conn, payload: bytes) -> None:
+        try:
+            ops = decode_ops(payload)
+        except ProtocolError as e:
+            self._protocol_error(conn, f"malformed control message: {e}")
+            return
+        for op in ops:
+            if conn.state == _DEAD:
+                return
+            self._handle_op(conn, op)
+
+    def _handle_op(self, conn: _Conn, op: Op) -> None:
+        if isinstance(op, HelloOk) and conn.state == _CONNECTING:
+            if op.proto != PROTOCOL_VERSION:
+                self._fail_conn(conn, HandshakeError(
+                    f"receiver speaks protocol {op.proto}, sender {PROTOCOL_VERSION}"), "handshake")
+            elif op.receiver_id != conn.address.receiver_id:
+                self._fail_conn(conn, StaleAddressError(
+                    f"receiver at {conn.address.host}:{conn.address.port} is instance {op.receiver_id}, "
+                    f"the address names {conn.address.receiver_id}: it restarted, ask for a fresh address"),
+                    "handshake")
+            else:
+                self._on_ready(conn, op)
+        elif isinstance(op, Refuse) and conn.state == _CONNECTING:
+            cls = GeometryMismatchError if op.geometry is not None else HandshakeError
+            self._fail_conn(conn, cls(f"receiver {conn.address} refused the connection: {op.reason}"), "handshake")
+        elif isinstance(op, Done) and conn.state == _READY:
+            t = conn.transfers.get(op.x)
+            if t is None:
+                logger.debug("kvtransfer: 'done' for finished transfer number %d", op.x)
+            elif not t.fin_sent:
+                self._protocol_error(conn, f"'done' for transfer number {op.x} before its 'fin'")
+            else:
+                t.acked = True
+                self._maybe_done(t)
+        elif isinstance(op, Fail) and conn.state == _READY:
+            t = conn.transfers.get(op.x)
+            if t is not None:
+                self._decide(t, TransferState.FAILED, *self._remote_failure(t, op))
+        elif isinstance(op, Error):
+            self.protocol_errors += 1
+            logger.warning("kvtransfer: receiver %s rejected a message: %s", conn.address, op.reason)
+        else:
+            self._protocol_error(conn, f"unexpected {type(op).__name__.lower()} op from the receiver "
+                                       f"(connection {conn.state})")
+
+    def _on_ready(self, conn: _Conn, op: HelloOk) -> None:
+        conn.state = _READY
+        conn.link_id = op.link_id
+        conn.handshake_timer.cancel()
+        for transfer_id, dst, reason in conn.cancel_on_ready:
+            x = self._next_x(conn)
+            self._queue_op(conn, Open(x, transfer_id, dst))
+            self._queue_op(conn, Cancel(x, reason))
+        conn.cancel_on_ready.clear()
+        waiting, conn.waiting = conn.waiting, []
+        for t in waiting:
+            if t.outcome is None:
+                self._attach(conn, t)
+        for fut in conn.connect_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        conn.connect_waiters.clear()
+
+    def _remote_failure(self, t: _Out, op: Fail) -> tuple[KVTransferError, str]:
+        if op.code == "checksum" and op.index is not None and op.index < len(t.dst):
+            self._metrics.checksum_mismatches("send", 1)
+            expected = t.handle._checksums[op.index]
+            return ChecksumMismatchError(t.transfer_id, op.index, expected or 0, None), "checksum"
+        if op.code == "timeout":
+            return TransferTimeoutError(f"receiver timed out transfer {t.transfer_id!r}: {op.reason}"), "timeout"
+        if op.code == "cancelled":
+            return PeerCancelledError(f"receiver cancelled transfer {t.transfer_id!r}: {op.reason}"), "peer_cancelled"
+        if op.code == "closed":
+            return PeerLostError(f"receiver closed: {op.reason}"), "peer_lost"
+        return TransferRejectedError(op.code, op.reason), "rejected"
+
+    def _protocol_error(self, conn: _Conn, reason: str) -> None:
+        self.protocol_errors += 1
+        logger.warning("kvtransfer: from receiver %s: %s", conn.address, reason)
+        if conn.state != _DEAD:
+            self._queue_op(conn, Error(reason[:1000]))
+
+    # ---- shutdown (reactor thread) -----------------------------------------------------
+
+    def _begin_close(self) -> None:
+        self._closing = True
+        for t in list(self._live):
+            self._decide(t, TransferState.FAILED, TransportClosedError("sender closed"), "closed", notify=True)
+        self._pump()  # deliver the cancels before closing the connections
+        for conn in list(self._conns.values()):
+            self._fail_conn(conn, TransportClosedError("sender closed"), "closed")
+        with self._lock:
+            if not self._ids:
+                self._drained.set()
+
+    def _force_close(self) -> None:
+        """Settle whatever is left once the transport is destroyed (called from close())."""
+        for t in list(self._live):
+            if t.outcome is None:
+                t.outcome = (TransferState.FAILED, TransportClosedError("sender closed"), "closed")
+            self._finalize(t)

@@ -1,0 +1,1 @@
+"""Prefill worker: the PrefillWorker gRPC service over a paged-KV engine (prefill role)."""
