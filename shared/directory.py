@@ -69,6 +69,35 @@ for i, key in ipairs(KEYS) do
 end
 return removed
 """
+# Longest cached prefix per live member, scanned server-side: KEYS = the chain's block keys in
+# order, ARGV = live members. Stops at the first block no still-matching member holds. Returns
+# {member, count, ...} for members with count > 0, then "", then up to 256 (key, member) pairs
+# of members seen that are not live (stale: expired lease or older generation).
+_PREFIX_MATCH_LUA = """
+local live, active = {}, {}
+local n_active = 0
+for i = 1, #ARGV do live[ARGV[i]] = true; active[ARGV[i]] = 0; n_active = n_active + 1 end
+local stale = {}
+for i, key in ipairs(KEYS) do
+  if n_active == 0 then break end
+  local holders = {}
+  for _, m in ipairs(redis.call('SMEMBERS', key)) do
+    if live[m] then holders[m] = true
+    elseif #stale < 512 then stale[#stale + 1] = key; stale[#stale + 1] = m end
+  end
+  for m, c in pairs(active) do
+    if holders[m] and c == i - 1 then active[m] = i
+    elseif c == i - 1 then n_active = n_active - 1 end
+  end
+end
+local out = {}
+for m, c in pairs(active) do
+  if c > 0 then out[#out + 1] = m; out[#out + 1] = c end
+end
+out[#out + 1] = ""
+for _, x in ipairs(stale) do out[#out + 1] = x end
+return out
+"""
 # Write the step sequence number only while the lease exists (never resurrect an expired hash).
 _SET_SEQ_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], 'seq', ARGV[1]) end
@@ -518,6 +547,7 @@ class DirectoryReader:
         self.client = client
         self.keys = keys
         self._remove_stale = client.register_script(_REMOVE_STALE_LUA)
+        self._prefix_match = client.register_script(_PREFIX_MATCH_LUA)
 
     async def live_workers(self, roles: Iterable[str] = ROLES) -> list[WorkerRecord]:
         """Every worker whose lease exists, in the given roles (two round trips).
@@ -560,34 +590,22 @@ class DirectoryReader:
                            live: Mapping[str, str]) -> PrefixMatch:
         """Leading prompt blocks held by each live worker (``live``: worker_id -> generation).
 
-        Fetches the member set of every chained hash in ONE pipeline, then scans the chain and
-        stops at the first block that no live worker holds any more. Members of unknown
-        workers or stale generations are ignored and returned in ``stale`` (up to the stop).
+        One round trip: a server-side script reads the member set of each chained hash in
+        order and stops at the first block that no still-matching live worker holds (so a miss
+        costs one SMEMBERS however long the prompt). Members of unknown workers or stale
+        generations are ignored and returned in ``stale`` (at most 256, up to the stop).
         """
         counts = dict.fromkeys(live, 0)
         if not block_hashes or not live:
             return PrefixMatch(counts, [])
-        keys = [self.keys.block(model, h) for h in block_hashes]
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.smembers(k)
-        member_sets = await pipe.execute()
-        active = set(live)
-        stale: list[tuple[str, str]] = []
-        for key, members in zip(keys, member_sets):
-            holders: set[str] = set()
-            for m in members:
-                m = _s(m)
-                wid, _, gen = m.rpartition(":")
-                if live.get(wid) == gen:
-                    holders.add(wid)
-                else:
-                    stale.append((key, m))
-            active &= holders
-            if not active:
-                break
-            for wid in active:
-                counts[wid] += 1
+        members = {make_member(wid, gen): wid for wid, gen in live.items()}
+        reply = await self._prefix_match(keys=[self.keys.block(model, h) for h in block_hashes],
+                                         args=list(members))
+        reply = [_s(x) for x in reply]
+        sep = reply.index("")
+        for i in range(0, sep, 2):
+            counts[members[reply[i]]] = int(reply[i + 1])
+        stale = [(reply[i], reply[i + 1]) for i in range(sep + 1, len(reply) - 1, 2)]
         return PrefixMatch(counts, stale)
 
     async def remove_stale(self, pairs: Sequence[tuple[str, str]]) -> int:

@@ -1,0 +1,143 @@
+"""Router configuration: the ``pdserve router`` flags and the frozen config built from them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from router.policy import PolicyConfig
+from shared.config import parse_bytes
+from shared.directory import DEFAULT_PREFIX
+
+
+def _addresses(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return ()
+    out = tuple(a.strip() for a in text.split(",") if a.strip())
+    for a in out:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"worker address {a!r} is not host:port")
+    return out
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    max_model_len: int | None = None
+    redis_url: str | None = None
+    directory_prefix: str = DEFAULT_PREFIX
+    decode_workers: tuple[str, ...] = ()
+    prefill_workers: tuple[str, ...] = ()
+    block_size: int = 16  # for static workers the registry does not describe
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    max_retries: int = 2
+    stall_timeout_s: float = 60.0
+    max_inflight_requests: int = 0
+    max_waiting_per_worker: int = 0
+    max_request_body_bytes: int = 32 << 20
+    worker_refresh_interval_s: float = 0.5
+    worker_cooldown_s: float = 5.0
+    directory_timeout_s: float = 0.1
+    directory_sweep_interval_s: float = 60.0
+    max_logprobs: int = 20
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    uvicorn_log_level: str = "info"
+    access_log: bool = True
+
+    @property
+    def name(self) -> str:
+        """The model name clients send and the block-hash seed (same as the workers')."""
+        return self.served_model_name or self.model
+
+    def __post_init__(self) -> None:
+        if not self.redis_url and not self.decode_workers:
+            raise ValueError("give --redis-url (worker discovery) or --decode-workers (static)")
+        if self.request_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError("--request-timeout and --stall-timeout must be positive")
+        if self.max_retries < 0:
+            raise ValueError("--max-retries must be >= 0")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("model")
+        g.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer, "
+                       "chat template, config.json)")
+        g.add_argument("--served-model-name", default=None,
+                       help="name in the API; must equal the workers' (default: --model)")
+        g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+        g.add_argument("--chat-template", default=None, help="chat template file or inline text")
+        g.add_argument("--max-model-len", type=int, default=None)
+        g = parser.add_argument_group("workers")
+        g.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL"),
+                       help="worker registry and prefix directory (env PDSERVE_REDIS_URL)")
+        g.add_argument("--directory-prefix", default=DEFAULT_PREFIX)
+        g.add_argument("--decode-workers", type=_addresses, default=(),
+                       help="static decode workers host:port,... (overrides discovery)")
+        g.add_argument("--prefill-workers", type=_addresses, default=(),
+                       help="static prefill workers host:port,... (overrides discovery)")
+        g.add_argument("--block-size", type=int, default=16,
+                       help="block size of static workers missing from the registry")
+        g.add_argument("--worker-refresh-interval", type=float, default=0.5, help="seconds")
+        g.add_argument("--worker-cooldown", type=float, default=5.0,
+                       help="seconds a failed worker is kept out of routing")
+        g = parser.add_argument_group("routing")
+        d = PolicyConfig()
+        g.add_argument("--local-prefill-threshold", type=int, default=d.local_prefill_threshold,
+                       help="prefill on the decode worker when it lacks at most this many prompt "
+                            "tokens (conditional disaggregation)")
+        g.add_argument("--transfer-cost", type=float, default=d.transfer_cost,
+                       help="cost of moving one token of KV to the decode worker, in prefill tokens")
+        g.add_argument("--local-prefill-penalty", type=float, default=d.local_prefill_penalty,
+                       help="cost of one token prefilled on a decode worker, in prefill tokens")
+        g.add_argument("--directory-timeout", type=float, default=0.1,
+                       help="seconds; past it, route on load alone")
+        g.add_argument("--directory-sweep-interval", type=float, default=60.0,
+                       help="seconds between stale-entry sweeps of the directory (0 = off)")
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default="0.0.0.0")
+        g.add_argument("--port", type=int, default=8000)
+        g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)")
+        g.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds a request may take end to end")
+        g.add_argument("--stall-timeout", type=float, default=60.0,
+                       help="seconds without output before a decode worker counts as failed")
+        g.add_argument("--max-retries", type=int, default=2,
+                       help="re-routes per request after worker failures")
+        g.add_argument("--max-inflight-requests", type=int, default=0,
+                       help="429 beyond this many requests in flight (0 = unlimited)")
+        g.add_argument("--max-waiting-per-worker", type=int, default=0,
+                       help="429 when every decode worker has this many waiting (0 = off)")
+        g.add_argument("--max-request-body", default="32MiB", help="413 above this body size")
+        g.add_argument("--max-logprobs", type=int, default=20)
+        g.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"))
+        g.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> RouterConfig:
+        return cls(
+            model=ns.model, served_model_name=ns.served_model_name, tokenizer=ns.tokenizer,
+            chat_template=ns.chat_template, max_model_len=ns.max_model_len,
+            redis_url=ns.redis_url, directory_prefix=ns.directory_prefix,
+            decode_workers=tuple(ns.decode_workers), prefill_workers=tuple(ns.prefill_workers),
+            block_size=ns.block_size, host=ns.host, port=ns.port, api_key=ns.api_key,
+            request_timeout_s=ns.request_timeout, max_retries=ns.max_retries,
+            stall_timeout_s=ns.stall_timeout, max_inflight_requests=ns.max_inflight_requests,
+            max_waiting_per_worker=ns.max_waiting_per_worker,
+            max_request_body_bytes=parse_bytes(ns.max_request_body),
+            worker_refresh_interval_s=ns.worker_refresh_interval,
+            worker_cooldown_s=ns.worker_cooldown, directory_timeout_s=ns.directory_timeout,
+            directory_sweep_interval_s=ns.directory_sweep_interval, max_logprobs=ns.max_logprobs,
+            policy=PolicyConfig(local_prefill_threshold=ns.local_prefill_threshold,
+                                transfer_cost=ns.transfer_cost,
+                                local_prefill_penalty=ns.local_prefill_penalty),
+            uvicorn_log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log)

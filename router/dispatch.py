@@ -1,0 +1,327 @@
+"""Route one prompt to a (prefill, decode) pair and stream its tokens, with failover.
+
+Steps 1-3 of the request lifecycle: hash the prompt's full blocks (``shared/hashing.py``, one
+block size per worker group), read the directory (one Redis pipeline, bounded by
+``directory_timeout_s``; without it routing falls back to load only), let
+``router/policy.py`` pick the pair, and open ``DecodeWorker.Generate`` on D.
+
+Failure rules:
+
+- D fails before any token: re-route to another pair (D excluded, and cooling down).
+- D fails after tokens: re-issue the prompt with ``resume`` = every token received so far per
+  sample to another D (local prefill, since P has no resume semantics); the new D continues
+  from there, so nothing is sent twice or lost.
+- ``RESOURCE_EXHAUSTED`` tries the next D, then ends in 429; ``INVALID_ARGUMENT`` ends in 400
+  without a retry; retries are capped by ``max_retries``; no output for ``stall_timeout_s``
+  counts as a failure; the request deadline bounds everything (504).
+- Closing the event generator (client gone, stop string) cancels the gRPC call, which
+  aborts the request on D.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from router.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    NoWorkerError,
+    OverloadedError,
+    UpstreamError,
+)
+from router.metrics import RouterMetrics
+from router.policy import Candidate, PolicyConfig, RouteDecision, choose_route
+from router.workers import WorkerPool
+from shared.directory import ROLE_DECODE, ROLE_PREFILL, DirectoryReader, WorkerRecord
+from shared.hashing import block_hashes, hash_seed
+from shared.proto import pdserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_SC = grpc.StatusCode
+_RETRYABLE = {_SC.UNAVAILABLE, _SC.INTERNAL, _SC.UNKNOWN, _SC.ABORTED, _SC.DATA_LOSS, _SC.CANCELLED}
+_BAD_INPUT = {_SC.INVALID_ARGUMENT, _SC.OUT_OF_RANGE, _SC.FAILED_PRECONDITION}
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    max_retries: int = 2
+    stall_timeout_s: float = 60.0
+    directory_timeout_s: float = 0.1
+    max_waiting_per_worker: int = 0  # 0 = no bound; else 429 when every D has this many waiting
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: pb.SamplingParams
+    deadline: float  # time.monotonic() value
+    cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """Last event of a stream. ``cached_tokens`` is None when D did not report usage."""
+
+    path: str
+    worker_id: str
+    cached_tokens: int | None = None
+
+
+class _Retryable(Exception):
+    """This D failed in a way another D may not."""
+
+    def __init__(self, reason: str, overloaded: bool = False) -> None:
+        super().__init__(reason)
+        self.overloaded = overloaded
+
+
+class Dispatcher:
+    """Owns routing decisions; one per app."""
+
+    def __init__(self, pool: WorkerPool, reader: DirectoryReader | None, model: str,
+                 cfg: DispatchConfig, metrics: RouterMetrics, rng: random.Random | None = None) -> None:
+        self.pool = pool
+        self.reader = reader
+        self.model = model
+        self.cfg = cfg
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self._cleanup: asyncio.Task | None = None
+        self._lookup_failing = False
+
+    async def close(self) -> None:
+        if self._cleanup is not None and not self._cleanup.done():
+            self._cleanup.cancel()
+            await asyncio.gather(self._cleanup, return_exceptions=True)
+
+    def stream(self, inp: GenerationInput) -> GenerationStream:
+        return GenerationStream(self, inp)
+
+    async def route(self, prompt: Sequence[int], cache_salt: str = "",
+                    exclude: set[str] | frozenset[str] = frozenset(),
+                    allow_prefill: bool = True) -> tuple[RouteDecision, WorkerRecord]:
+        """Choose the pair for ``prompt``; raises NoWorkerError / OverloadedError."""
+        decode = self.pool.healthy(ROLE_DECODE, exclude)
+        if not decode:
+            raise NoWorkerError(f"no healthy decode worker is serving model {self.model!r}"
+                                + (f" ({len(exclude)} failed during this request)" if exclude else ""))
+        bound = self.cfg.max_waiting_per_worker
+        if bound and all(r.load.waiting >= bound for r in decode):
+            raise OverloadedError(f"every decode worker has at least {bound} requests waiting; "
+                                  "retry later")
+        prefill = self.pool.healthy(ROLE_PREFILL) if allow_prefill else []
+        cached = await self._cached_tokens(prompt, cache_salt, decode + prefill)
+
+        def cand(r: WorkerRecord) -> Candidate:
+            return Candidate(r.worker_id, r.info.grpc, cached.get(r.worker_id, 0), r.load.running,
+                             r.load.waiting, r.load.free_blocks, r.info.block_size,
+                             self.pool.inflight(r.worker_id))
+
+        decision = choose_route(len(prompt), [cand(r) for r in decode], [cand(r) for r in prefill],
+                                self.cfg.policy, self.rng)
+        assert decision is not None  # decode is non-empty
+        record = next(r for r in decode if r.worker_id == decision.decode.worker_id)
+        return decision, record
+
+    async def _cached_tokens(self, prompt: Sequence[int], cache_salt: str,
+                             workers: list[WorkerRecord]) -> dict[str, int]:
+        """Leading prompt tokens each worker holds, from the directory ({} when unknown)."""
+        if self.reader is None:
+            return {}
+        groups: dict[int, dict[str, str]] = {}
+        for r in workers:
+            if r.generation:  # registry-backed (static workers polled over gRPC are not)
+                groups.setdefault(r.info.block_size, {})[r.worker_id] = r.generation
+        out: dict[str, int] = {}
+        seed = hash_seed(self.model, cache_salt or None)
+        for bs, live in groups.items():
+            hashes = block_hashes(prompt, bs, seed)
+            if not hashes:
+                continue
+            t0 = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.cfg.directory_timeout_s):
+                    m = await self.reader.prefix_match(self.model, hashes, live)
+            except Exception as e:  # Redis down or slow: route on load alone
+                if not self._lookup_failing:
+                    logger.warning("prefix directory lookup failed (%r); routing on load", e)
+                self._lookup_failing = True
+                continue
+            self._lookup_failing = False
+            self.metrics.c_lookup.observe(time.perf_counter() - t0)
+            for wid, n in m.blocks.items():
+                out[wid] = n * bs
+            if m.stale and (self._cleanup is None or self._cleanup.done()):
+                self._cleanup = asyncio.create_task(self._remove_stale(m.stale[:1000]))
+        return out
+
+    async def _remove_stale(self, pairs: list[tuple[str, str]]) -> None:
+        try:
+            n = await self.reader.remove_stale(pairs)
+            logger.debug("removed %d stale directory members", n)
+        except Exception as e:
+            logger.debug("stale member cleanup failed: %r", e)
+
+
+class GenerationStream:
+    """One prompt's generation across attempts. Iterate :meth:`events` once.
+
+    Yields lists of ``pb.SeqDelta`` (only for samples not finished yet) and finally one
+    :class:`StreamEnd`; raises a :class:`RouterError` on failure. The consumer calls
+    :meth:`finish` when it ends a sample itself (stop string); once every sample is finished
+    the call is cancelled and the stream ends.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, inp: GenerationInput) -> None:
+        self.d = dispatcher
+        self.inp = inp
+        self.n = max(1, inp.sampling.n)
+        self.tokens: list[list[int]] = [[] for _ in range(self.n)]
+        self.finished: set[int] = set()
+        self._finished_here: set[int] = set()
+        self.path: str | None = None
+        self.worker_id = ""
+        self.attempts = 0
+        self.decision: RouteDecision | None = None
+
+    def finish(self, index: int) -> None:
+        self.finished.add(index)
+        self._finished_here.add(index)
+
+    def _remaining(self) -> float:
+        return self.inp.deadline - time.monotonic()
+
+    async def events(self) -> AsyncIterator[list[pb.SeqDelta] | StreamEnd]:
+        exclude: set[str] = set()
+        overloaded = False
+        last_error = ""
+        try:
+            while True:
+                if self._remaining() <= 0:
+                    raise DeadlineExceededError("the request timed out before it finished")
+                resumed = any(self.tokens)
+                prompt = self.inp.prompt_token_ids
+                if resumed and self.n == 1:
+                    prompt = prompt + self.tokens[0]
+                try:
+                    decision, record = await self.d.route(prompt, self.inp.cache_salt, exclude,
+                                                          allow_prefill=not resumed)
+                except NoWorkerError as e:
+                    if overloaded:
+                        raise OverloadedError("every decode worker is at capacity; retry later") from e
+                    if exclude:
+                        raise UpstreamError(f"{e.message}; last failure: {last_error}") from e
+                    raise
+                self.decision, self.path, self.worker_id = decision, decision.path, record.worker_id
+                if not resumed:
+                    self.d.metrics.c_hit.inc(decision.decode.cached_tokens)
+                try:
+                    async with contextlib.aclosing(self._attempt(decision, record)) as attempt:
+                        async for ev in attempt:
+                            yield ev
+                    return
+                except _Retryable as e:
+                    last_error = f"{record.worker_id}: {e}"
+                    overloaded = overloaded or e.overloaded
+                    exclude.add(record.worker_id)
+                    if not e.overloaded:
+                        self.d.pool.mark_failed(record.worker_id, str(e))
+                    self.attempts += 1
+                    if self.attempts > self.d.cfg.max_retries:
+                        if overloaded and not any(self.tokens):
+                            raise OverloadedError("decode workers are at capacity; retry later")
+                        raise UpstreamError(f"generation failed after {self.attempts} attempts; "
+                                            f"last failure: {last_error}") from None
+                    self.d.metrics.c_retries.inc()
+                    logger.warning("request %s: %s; retrying (%s)", self.inp.request_id, last_error,
+                                   "resuming after %d tokens" % sum(map(len, self.tokens))
+                                   if any(self.tokens) else "no token sent yet")
+        finally:
+            if self.path is not None:
+                self.d.metrics.routed(self.path)
+
+    def _request(self, decision: RouteDecision) -> pb.GenerateRequest:
+        rid = self.inp.request_id if self.attempts == 0 else f"{self.inp.request_id}.{self.attempts}"
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=self.inp.prompt_token_ids,
+                                 sampling=self.inp.sampling, cache_salt=self.inp.cache_salt,
+                                 deadline_s=max(0.001, self._remaining()))
+        if decision.prefill is not None:
+            req.prefill_address = decision.prefill.address
+            req.prefill_worker_id = decision.prefill.worker_id
+        for i, toks in enumerate(self.tokens):
+            if toks:
+                req.resume.append(pb.ResumeTokens(index=i, token_ids=toks))
+        return req
+
+    async def _attempt(self, decision: RouteDecision,
+                       record: WorkerRecord) -> AsyncIterator[list[pb.SeqDelta] | StreamEnd]:
+        pool = self.d.pool
+        pool.acquire(record)
+        call = pool.decode_stub(record.info.grpc).Generate(self._request(decision),
+                                                           timeout=max(0.001, self._remaining()))
+        done = False
+        got_output = False
+        stall = self.d.cfg.stall_timeout_s
+        try:
+            while True:
+                remaining = self._remaining()
+                wait = min(remaining, stall) if got_output else remaining
+                try:
+                    async with asyncio.timeout(max(0.0, wait)):
+                        chunk = await call.read()
+                except TimeoutError:
+                    if self._remaining() <= 0:
+                        raise DeadlineExceededError("the request timed out before it finished") from None
+                    raise _Retryable(f"no output for {stall:.0f} s") from None
+                except grpc.aio.AioRpcError as e:
+                    raise self._classify(e, got_output) from None
+                if chunk is grpc.aio.EOF:
+                    raise _Retryable("the stream ended before the request finished")
+                outputs = []
+                for sd in chunk.outputs:
+                    if sd.index >= self.n or sd.index in self.finished:
+                        continue
+                    self.tokens[sd.index].extend(sd.token_ids)
+                    if sd.finish_reason:
+                        self.finished.add(sd.index)
+                    outputs.append(sd)
+                if outputs:
+                    got_output = True
+                    yield outputs
+                if chunk.finished:
+                    done = True
+                    path = chunk.timings.path or decision.path
+                    self.path = path
+                    cached = chunk.usage.cached_tokens if chunk.HasField("usage") else None
+                    yield StreamEnd(path, chunk.worker_id or record.worker_id, cached)
+                    return
+                if self._finished_here and len(self.finished) >= self.n:
+                    yield StreamEnd(self.path or decision.path, record.worker_id, None)
+                    return
+        finally:
+            if not done:
+                call.cancel()
+            pool.release(record)
+
+    def _classify(self, e: grpc.aio.AioRpcError, got_output: bool) -> Exception:
+        code, details = e.code(), e.details() or ""
+        if code == _SC.DEADLINE_EXCEEDED:
+            return DeadlineExceededError("the request timed out before it finished")
+        if code == _SC.RESOURCE_EXHAUSTED:
+            return _Retryable(f"worker at capacity: {details}", overloaded=True)
+        if code in _RETRYABLE:
+            return _Retryable(f"{code.name}: {details}")
+        if code in _BAD_INPUT and not got_output and not any(self.tokens):
+            return InvalidRequestError(f"the decode worker rejected the request: {details}")
+        return UpstreamError(f"the decode worker failed: {code.name}: {details}")

@@ -1,0 +1,105 @@
+"""Routing policy: pick the (prefill, decode) pair of lowest estimated cost. Pure logic.
+
+Costs are in prompt-token equivalents of prefill compute (``docs/notes/router.md``):
+
+- prefill on P: the prompt tokens P has not cached (``N - cached_P``);
+- transfer to D: ``transfer_cost`` per prompt token D lacks (``N - cached_D``), the blocks
+  P must push over UCX;
+- local prefill on D: ``local_prefill_penalty`` per token D lacks (prefill on D stalls the
+  decode batch it is running);
+- load: ``prefill_queue_cost`` per request queued or running on P, ``decode_waiting_cost``
+  per request waiting on D, ``decode_running_cost`` per request D is decoding, plus
+  ``decode_waiting_cost`` when D lacks the free KV blocks for the prompt (it would queue or
+  preempt).
+
+Conditional disaggregation: when D lacks at most ``local_prefill_threshold`` tokens, or no
+prefill worker is healthy, the only option for D is a local prefill (no P).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PATH_DISAGG = "disagg"
+PATH_LOCAL = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    local_prefill_threshold: int = 512
+    transfer_cost: float = 0.25
+    local_prefill_penalty: float = 2.0
+    prefill_queue_cost: float = 512.0
+    decode_waiting_cost: float = 512.0
+    decode_running_cost: float = 16.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One healthy worker as the policy sees it."""
+
+    worker_id: str
+    address: str
+    cached_tokens: int  # leading prompt tokens in its prefix cache (full blocks only)
+    running: int
+    waiting: int
+    free_blocks: int
+    block_size: int
+    inflight: int = 0  # requests this router sent it and has not seen finish
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    decode: Candidate
+    prefill: Candidate | None
+    cost: float
+    uncached_tokens: int  # prompt tokens D lacks (transferred, or prefilled locally)
+
+    @property
+    def path(self) -> str:
+        return PATH_LOCAL if self.prefill is None else PATH_DISAGG
+
+
+def _uncached(prompt_len: int, cached: int) -> int:
+    # even a full hit recomputes the last token (the engine needs its logits)
+    return max(1, prompt_len - cached)
+
+
+def decode_load(c: Candidate, prompt_len: int, cfg: PolicyConfig) -> float:
+    """Queue and KV pressure on a decode worker, in token equivalents."""
+    # requests sent here since the last load report count as running (the report lags ~1 s)
+    unreported = max(0, c.inflight - c.running - c.waiting)
+    cost = cfg.decode_running_cost * (c.running + unreported) + cfg.decode_waiting_cost * c.waiting
+    needed = -(-_uncached(prompt_len, c.cached_tokens) // c.block_size)
+    if c.free_blocks < needed:
+        cost += cfg.decode_waiting_cost
+    return cost
+
+
+def prefill_load(c: Candidate, cfg: PolicyConfig) -> float:
+    return cfg.prefill_queue_cost * max(c.running + c.waiting, c.inflight)
+
+
+def choose_route(prompt_len: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
+                 cfg: PolicyConfig, rng: random.Random | None = None) -> RouteDecision | None:
+    """The cheapest option; ``None`` when there is no decode candidate. Ties break at random."""
+    if prompt_len <= 0:
+        raise ValueError("prompt_len must be positive")
+    options: list[RouteDecision] = []
+    p_costs = [(p, _uncached(prompt_len, p.cached_tokens) + prefill_load(p, cfg)) for p in prefill]
+    for d in decode:
+        lacking = _uncached(prompt_len, d.cached_tokens)
+        d_load = decode_load(d, prompt_len, cfg)
+        options.append(RouteDecision(d, None, cfg.local_prefill_penalty * lacking + d_load, lacking))
+        if lacking <= cfg.local_prefill_threshold:
+            continue  # D holds nearly all of the prompt: conditional disaggregation says local
+        for p, p_cost in p_costs:
+            cost = p_cost + cfg.transfer_cost * lacking + d_load
+            options.append(RouteDecision(d, p, cost, lacking))
+    if not options:
+        return None
+    best = min(o.cost for o in options)
+    ties = [o for o in options if o.cost <= best + 1e-9]
+    return ties[0] if len(ties) == 1 else (rng or random).choice(ties)

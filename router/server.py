@@ -1,0 +1,313 @@
+"""The router's HTTP server: ``create_app(config)`` and the ``pdserve router`` entry point.
+
+Routes are thin; the logic lives in ``router/serving*.py``. Everything stateful (tokenizer,
+Redis client, worker pool with its gRPC channels, dispatcher, metrics) is built in the app's
+lifespan and closed in ``finally``. This module must never import torch (``pdserve router``
+runs in images without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as pkg_version
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from router.config import RouterConfig
+from router.dispatch import DispatchConfig, Dispatcher
+from router.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestTooLargeError,
+    RouterError,
+)
+from router.metrics import RouterMetrics
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.sampling import Limits
+from router.serving import ClientDisconnected, ServingContext
+from router.serving_chat import create_chat_completion
+from router.serving_completions import create_completion
+from router.serving_tokens import detokenize, models, tokenize
+from router.tokenizer import RouterTokenizer
+from router.workers import WorkerPool
+from shared.config import ConfigError, EngineArgs, ModelConfig
+from shared.directory import ROLE_DECODE, ROLE_PREFILL, DirectoryKeys, DirectoryReader, connect_async
+
+logger = logging.getLogger(__name__)
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+def load_model_files(config: RouterConfig) -> tuple[RouterTokenizer, ModelConfig, dict]:
+    """Tokenizer, model config and sampling defaults; raises ConfigError/ValueError if unusable."""
+    model_cfg = EngineArgs(model=config.model, served_model_name=config.name,
+                           max_model_len=config.max_model_len).create_model_config()
+    tok = RouterTokenizer.from_model_dir(config.model, config.tokenizer, config.chat_template)
+    gen_file = Path(config.model) / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    defaults = {k: gen[k] for k in _GENERATION_KEYS if isinstance(gen.get(k), (int, float))}
+    return tok, model_cfg, defaults
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for bodies over ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(scope, send)
+        if declared is not None:
+            return await self.app(scope, receive, send)
+        body, more = [], True  # chunked: buffer up to the limit, then replay
+        size = 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._reject(scope, send)
+            body.append(message)
+            more = message.get("more_body", False)
+        return await self.app(scope, _replay(body, receive), send)
+
+    async def _reject(self, scope, send) -> None:
+        err = RequestTooLargeError(f"request body exceeds {self.max_bytes} bytes")
+        await JSONResponse(err.to_dict(), status_code=err.status)(scope, _replay([]), send)
+
+
+def _replay(messages, then=None):
+    queue = list(messages)
+
+    async def receive():
+        if queue:
+            return queue.pop(0)
+        if then is not None:
+            return await then()
+        await asyncio.Event().wait()  # never returns: nothing more will come
+
+    return receive
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    """A new router app; nothing is shared between apps."""
+    metrics = RouterMetrics(config.name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tok, model_cfg, defaults = await asyncio.to_thread(load_model_files, config)
+        redis_client = connect_async(config.redis_url) if config.redis_url else None
+        reader = (DirectoryReader(redis_client, DirectoryKeys(config.directory_prefix))
+                  if redis_client is not None else None)
+        pool = WorkerPool(model=config.name, reader=reader, static_decode=config.decode_workers,
+                          static_prefill=config.prefill_workers, static_block_size=config.block_size,
+                          refresh_interval_s=config.worker_refresh_interval_s,
+                          cooldown_s=config.worker_cooldown_s)
+        dispatcher = Dispatcher(pool, reader, config.name, DispatchConfig(
+            max_retries=config.max_retries, stall_timeout_s=config.stall_timeout_s,
+            directory_timeout_s=config.directory_timeout_s,
+            max_waiting_per_worker=config.max_waiting_per_worker, policy=config.policy), metrics)
+        eos = set(model_cfg.eos_token_ids)
+        if tok.eos_token_id is not None:
+            eos.add(tok.eos_token_id)
+        limits = Limits(max_model_len=model_cfg.max_model_len,
+                        vocab_size=max(model_cfg.vocab_size, tok.vocab_size),
+                        max_logprobs=config.max_logprobs, eos_token_ids=frozenset(eos),
+                        generation_defaults=defaults)
+        sweeper = None
+        try:
+            await pool.start()
+            if reader is not None and config.directory_sweep_interval_s > 0:
+                sweeper = asyncio.create_task(_sweep(reader, config))
+            app.state.ctx = ServingContext(config.name, tok, dispatcher, limits, metrics,
+                                           config.request_timeout_s, config.max_inflight_requests)
+            app.state.pool = pool
+            logger.info("router for %r: max_model_len %d, %d decode / %d prefill workers known",
+                        config.name, limits.max_model_len, len(pool.records(ROLE_DECODE)),
+                        len(pool.records(ROLE_PREFILL)))
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                await asyncio.gather(sweeper, return_exceptions=True)
+            await dispatcher.close()
+            await pool.close()
+            if redis_client is not None:
+                await redis_client.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.config = config
+    app.state.metrics = metrics
+    _install_error_handlers(app, metrics)
+    app.add_middleware(_BodyLimit, max_bytes=config.max_request_body_bytes)
+    if config.api_key:  # outermost: unauthenticated bodies are not even read
+        app.add_middleware(_ApiKey, api_key=config.api_key, metrics=metrics)
+    _add_routes(app, config)
+    return app
+
+
+def _add_routes(app: FastAPI, config: RouterConfig) -> None:
+    started = int(time.time())
+
+    def ctx(request: Request) -> ServingContext:
+        return request.app.state.ctx
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx(request), body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx(request), body, request)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        return JSONResponse(models(ctx(request), config.model, started).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
+        return JSONResponse((await tokenize(ctx(request), body)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> Response:
+        return JSONResponse((await detokenize(ctx(request), body)).model_dump())
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """200 when at least one decode worker is routable, else 503 (readiness)."""
+        pool: WorkerPool = request.app.state.pool
+        decode, prefill = pool.healthy(ROLE_DECODE), pool.healthy(ROLE_PREFILL)
+        body = {"status": "ok" if decode else "no_decode_workers",
+                "decode_workers": len(decode), "prefill_workers": len(prefill),
+                "registry": pool.last_error or "ok"}
+        return JSONResponse(body, status_code=200 if decode else 503)
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        try:
+            v = pkg_version("pdserve")
+        except PackageNotFoundError:
+            v = "unknown"
+        return JSONResponse({"version": v})
+
+
+class _ApiKey:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` on the OpenAI paths."""
+
+    def __init__(self, app, api_key: str, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith(_PROTECTED)):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = AuthenticationError("invalid or missing API key (Authorization: Bearer ...)")
+                self.metrics.error(err.status)
+                return await JSONResponse(err.to_dict(), status_code=err.status,
+                                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
+    @app.exception_handler(RouterError)
+    async def router_error(_: Request, e: RouterError) -> Response:
+        metrics.error(e.status)
+        if e.status >= 500:
+            logger.warning("%s: %s", type(e).__name__, e.message)
+        return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+        errors = e.errors()
+        parts = [f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
+                 for err in errors[:5]]
+        first = errors[0].get("loc", ()) if errors else ()
+        param = ".".join(str(x) for x in first if x != "body") or None
+        err = InvalidRequestError("invalid request: " + "; ".join(parts), param=param)
+        metrics.error(err.status)
+        return JSONResponse(err.to_dict(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        if e.status_code == 404:
+            body = NotFoundError(f"no such endpoint: {request.method} {request.url.path}").to_dict()
+        else:
+            body = {"error": {"message": str(e.detail), "type": "invalid_request_error",
+                              "param": None, "code": e.status_code}}
+        return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> Response:
+        logger.exception("unhandled error")
+        metrics.error(500)
+        err = RouterError("internal server error")
+        return JSONResponse(err.to_dict(), status_code=500)
+
+
+async def _sweep(reader: DirectoryReader, config: RouterConfig) -> None:
+    """Janitor: clean stale directory members a bounded batch at a time."""
+    cursor = 0
+    while True:
+        await asyncio.sleep(config.directory_sweep_interval_s if cursor == 0 else 0.05)
+        try:
+            cursor, removed = await reader.sweep(config.name, cursor, count=500)
+            if removed:
+                logger.info("directory sweep removed %d stale entries", removed)
+        except Exception as e:
+            logger.debug("directory sweep failed: %r", e)
+            cursor = 0
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    RouterConfig.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = RouterConfig.from_cli_args(args)
+        load_model_files(config)  # fail fast with a clear message, before binding the port
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"pdserve router: error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=config.uvicorn_log_level, access_log=config.access_log,
+                timeout_keep_alive=30)
+    return 0

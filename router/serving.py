@@ -1,0 +1,385 @@
+"""The serving layer shared by ``/v1/completions`` and ``/v1/chat/completions``.
+
+:class:`ServingContext` holds what a request needs (tokenizer, dispatcher, limits, metrics,
+admission); :class:`Generation` drives one HTTP request: one or more prompts times ``n``
+samples. ``start()`` routes every prompt and waits for its first output, so a failure before
+any token becomes a proper HTTP status; ``steps()`` then yields the per-sample deltas as they
+come; ``aclose()`` cancels everything still running (client gone). The request's TTFT, ITL and
+e2e latency go to the metrics here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from router.dispatch import Dispatcher, GenerationInput, GenerationStream, StreamEnd
+from router.errors import InvalidRequestError, ModelNotFoundError, OverloadedError, RouterError
+from router.metrics import RouterMetrics
+from router.output import OutputParams, SampleDelta, SampleOutput, TokenEntry
+from router.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from router.sampling import Limits, build_params, resolve_max_tokens
+from router.tokenizer import RouterTokenizer
+from shared.proto import pdserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_LONG_TEXT = 8192  # characters; longer prompts are tokenized off the event loop
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+@dataclass
+class ServingContext:
+    model_name: str
+    tokenizer: RouterTokenizer
+    dispatcher: Dispatcher
+    limits: Limits
+    metrics: RouterMetrics
+    request_timeout_s: float
+    max_inflight: int = 0  # 0 = unlimited
+    inflight: int = 0
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def admit(self) -> Ticket:
+        """Count one in-flight generation request; 429 beyond ``max_inflight``.
+        The returned ticket's ``release()`` (idempotent) ends it."""
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise OverloadedError(f"the router already has {self.inflight} requests in flight "
+                                  f"(--max-inflight-requests {self.max_inflight}); retry later")
+        self.inflight += 1
+        self.metrics.c_inflight.inc()
+        return Ticket(self)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > _LONG_TEXT:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.limits.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                                      param="prompt")
+
+
+class Ticket:
+    """One admitted request; ``release()`` may be called any number of times."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self._ctx: ServingContext | None = ctx
+
+    def release(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.inflight -= 1
+            ctx.metrics.c_inflight.dec()
+
+
+class GuardedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its iterator and runs ``on_close``, also when
+    the client leaves before the first byte (when the iterator may never have started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            await self._on_close()
+
+
+def base_request_id(raw: Request) -> str:
+    return raw.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def warn_unknown_fields(req: SamplingFields) -> None:
+    extra = req.unknown_fields()
+    if extra:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+
+
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` tokens (-1 = max_model_len)."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or at least 1",
+                                  param="truncate_prompt_tokens")
+    return ids[-k:]
+
+
+async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected()
+
+
+def safe_logprob(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+class Generation:
+    """One HTTP request's generation over ``prompts`` x ``n`` samples (choice index
+    ``prompt_index * n + sample``)."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, prompts: list[list[int]],
+                 samplings: list[pb.SamplingParams], params: OutputParams, cache_salt: str,
+                 arrival: float) -> None:
+        self.ctx = ctx
+        self.n = params.n
+        self.prompts = prompts
+        self.arrival = arrival
+        deadline = arrival + ctx.request_timeout_s
+        self.streams: list[GenerationStream] = [
+            ctx.dispatcher.stream(GenerationInput(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sp, deadline,
+                cache_salt))
+            for i, (p, sp) in enumerate(zip(prompts, samplings, strict=True))]
+        self.samples = [SampleOutput(i, ctx.tokenizer, params)
+                        for i in range(len(prompts) * self.n)]
+        self.ends: list[StreamEnd | None] = [None] * len(prompts)
+        self._iters: list[AsyncIterator] = []
+        self._queue: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._first: list[tuple[int, Any]] = []
+        self._last_token_time: float | None = None
+        self._closed = False
+
+    # ---- driving the streams ----------------------------------------------------------
+    async def start(self) -> None:
+        """Route every prompt and wait for its first event; raises RouterError on failure."""
+        if len(self.streams) == 1:
+            it = self.streams[0].events()
+            self._iters.append(it)
+            try:
+                self._first.append((0, await it.__anext__()))
+            except StopAsyncIteration:
+                raise RouterError("the decode stream ended without output") from None
+            return
+        self._queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.streams))]
+        seen: set[int] = set()
+        while len(seen) < len(self.streams):
+            i, ev, err = await self._queue.get()
+            if err is not None:
+                raise err
+            seen.add(i)
+            self._first.append((i, ev))
+
+    async def _pump(self, i: int) -> None:
+        assert self._queue is not None
+        try:
+            async with contextlib.aclosing(self.streams[i].events()) as it:
+                async for ev in it:
+                    await self._queue.put((i, ev, None))
+        except RouterError as e:
+            await self._queue.put((i, None, e))
+        except Exception as e:  # keep the consumer from waiting forever
+            logger.exception("stream %d failed", i)
+            await self._queue.put((i, None, RouterError(f"internal error: {e!r}")))
+
+    async def steps(self) -> AsyncIterator[list[SampleDelta]]:
+        """Per-sample deltas, step by step, until every prompt's stream ended."""
+        for i, ev in self._first:
+            yield self._process(i, ev)
+        self._first = []
+        if self._queue is None:
+            async for ev in self._iters[0]:
+                yield self._process(0, ev)
+        else:
+            while any(e is None for e in self.ends):
+                i, ev, err = await self._queue.get()
+                if err is not None:
+                    raise err
+                yield self._process(i, ev)
+        now = time.monotonic()
+        self.ctx.metrics.c_e2e.observe(now - self.arrival)
+        self.ctx.metrics.c_gen.inc(self.completion_tokens)
+
+    def _process(self, prompt_index: int, ev: list[pb.SeqDelta] | StreamEnd) -> list[SampleDelta]:
+        base = prompt_index * self.n
+        out: list[SampleDelta] = []
+        if isinstance(ev, StreamEnd):
+            self.ends[prompt_index] = ev
+            for s in self.samples[base:base + self.n]:
+                if not s.finished:  # the worker ended without saying why: report the cut
+                    s.add((), (), "abort")
+                if (d := s.take()) is not None:
+                    out.append(d)
+            return out
+        now = time.monotonic()
+        if self._last_token_time is None:
+            self.ctx.metrics.c_ttft.observe(now - self.arrival)
+        else:
+            self.ctx.metrics.c_itl.observe(now - self._last_token_time)
+        self._last_token_time = now
+        stream = self.streams[prompt_index]
+        for sd in ev:
+            s = self.samples[base + sd.index]
+            was_finished = s.finished
+            s.add(sd.token_ids, sd.logprobs, sd.finish_reason,
+                  sd.stop_token_id if sd.HasField("stop_token_id") else None)
+            if s.finished and not was_finished and not sd.finish_reason:
+                stream.finish(sd.index)  # a stop string matched here: stop generating it
+            if (d := s.take()) is not None:
+                out.append(d)
+        return out
+
+    async def aclose(self) -> None:
+        """Cancel whatever still runs (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for it in self._iters:
+            with contextlib.suppress(Exception):
+                await it.aclose()
+
+    # ---- accounting ---------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def usage(self) -> UsageInfo:
+        cached = [e.cached_tokens for e in self.ends if e is not None]
+        details = None
+        if cached and len(cached) == len(self.ends) and all(c is not None for c in cached):
+            details = PromptTokensDetails(cached_tokens=sum(cached))
+        p, c = self.prompt_tokens, self.completion_tokens
+        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                         prompt_tokens_details=details)
+
+
+async def run_generation(ctx: ServingContext, gen: Generation,
+                         on_step: Callable[[list[SampleDelta]], None] | None = None) -> None:
+    """Drive ``gen`` to the end (non-streaming responses)."""
+    try:
+        await gen.start()
+        async for deltas in gen.steps():
+            if on_step is not None:
+                on_step(deltas)
+    finally:
+        await gen.aclose()
+
+
+def token_text(ctx: ServingContext, params: OutputParams, token_id: int) -> str:
+    if params.return_tokens_as_token_ids:
+        return f"token_id:{token_id}"
+    return ctx.tokenizer.token_str(token_id)
+
+
+def completion_logprobs(ctx: ServingContext, params: OutputParams, entries: list[TokenEntry],
+                        offset_base: int = 0) -> dict:
+    """OpenAI completions ``logprobs`` object for ``entries``."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(token_text(ctx, params, e.token_id))
+        offsets.append(offset_base + e.text_offset)
+        lp = e.logprob
+        if lp is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(safe_logprob(lp.logprob))
+        top = {token_text(ctx, params, t.token_id): safe_logprob(t.logprob) for t in lp.top}
+        top.setdefault(tokens[-1], safe_logprob(lp.logprob))  # the sampled token is always there
+        tops.append(top)
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
+
+
+def chat_logprobs(ctx: ServingContext, params: OutputParams, entries: list[TokenEntry]) -> dict:
+    """OpenAI chat ``logprobs`` object (``{"content": [...]}``) for ``entries``."""
+    content = []
+    for e in entries:
+        lp = e.logprob
+        tok = token_text(ctx, params, e.token_id)
+        item = {"token": tok,
+                "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
+                "bytes": list(ctx.tokenizer.token_bytes(e.token_id)),
+                "top_logprobs": []}
+        if lp is not None:
+            item["top_logprobs"] = [
+                {"token": token_text(ctx, params, t.token_id), "logprob": safe_logprob(t.logprob),
+                 "bytes": list(ctx.tokenizer.token_bytes(t.token_id))}
+                for t in lp.top[: params.logprobs or 0]]
+        content.append(item)
+    return {"content": content}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def prepare_prompt_runs(ctx: ServingContext, req: SamplingFields, prompts: list[list[int]],
+                              ) -> tuple[list[pb.SamplingParams], OutputParams]:
+    """Per-prompt engine params (the max_tokens default depends on each prompt's length)."""
+    samplings: list[pb.SamplingParams] = []
+    params: OutputParams | None = None
+    for p in prompts:
+        if not p:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        max_tokens = resolve_max_tokens(req, len(p), ctx.limits)
+        sp, params = build_params(req, max_tokens, ctx.limits)
+        samplings.append(sp)
+    assert params is not None
+    ctx.metrics.c_prompt.inc(sum(map(len, prompts)))
+    return samplings, params

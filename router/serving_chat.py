@@ -1,0 +1,186 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> tokens -> OpenAI chat completion.
+
+The template is the model's own (``router/chat_template.py``); the rendered prompt already
+holds BOS, so it is encoded WITHOUT special tokens (unless ``add_special_tokens``). Message
+content may be a string or a list of text parts (joined with newlines); other part types are
+refused. Streaming sends, per choice, a role chunk (``{"role": "assistant", "content": ""}``)
+right before its first content, then content deltas, the finish reason, an optional usage
+chunk with ``choices: []``, and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from router.chat_template import ChatTemplateError
+from router.errors import InvalidRequestError, RouterError
+from router.output import OutputParams, SampleDelta, TokenEntry
+from router.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+)
+from router.sampling import check_unsupported, validate_common
+from router.serving import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Generation,
+    GuardedStreamingResponse,
+    ServingContext,
+    base_request_id,
+    chat_logprobs,
+    prepare_prompt_runs,
+    run_generation,
+    sse,
+    truncate_prompt,
+    until_disconnected,
+    warn_unknown_fields,
+)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template sees them: text content flattened, tool-call args parsed."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type")
+                if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                else:
+                    raise InvalidRequestError(
+                        f"messages[{i}]: content parts of type {kind!r} are not supported "
+                        "(text only)", param=f"messages.{i}.content")
+            d["content"] = "\n".join(texts)
+        for call in d.get("tool_calls") or ():
+            fn = call.get("function")
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+        out.append(d)
+    return out
+
+
+async def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage], *,
+                             add_generation_prompt: bool, continue_final_message: bool,
+                             add_special_tokens: bool, tools: list | None = None,
+                             documents: list | None = None,
+                             kwargs: dict[str, Any] | None = None) -> list[int]:
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            template_messages(messages), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, documents=documents,
+            kwargs=kwargs)
+    except ChatTemplateError as e:
+        raise InvalidRequestError(str(e), param="messages") from e
+    return await ctx.encode(text, add_special_tokens)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    arrival = time.monotonic()
+    warn_unknown_fields(req)
+    ctx.check_model(req.model)
+    check_unsupported(req)
+    validate_common(req, ctx.limits)
+    ids = await render_chat_prompt(
+        ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        add_special_tokens=req.add_special_tokens, tools=req.tools, documents=req.documents,
+        kwargs=req.chat_template_kwargs)
+    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
+    samplings, params = await prepare_prompt_runs(ctx, req, prompts)
+    request_id = f"chatcmpl-{base_request_id(raw)}"
+    created = int(time.time())
+    ticket = ctx.admit()
+    gen = Generation(ctx, request_id, prompts, samplings, params, req.cache_salt or "", arrival)
+    headers = {"x-request-id": request_id}
+
+    async def close() -> None:
+        await gen.aclose()
+        ticket.release()
+
+    if req.stream:
+        try:
+            await until_disconnected(raw, gen.start())
+        except BaseException:
+            await close()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return GuardedStreamingResponse(
+            _stream(ctx, gen, params, request_id, created, include_usage, close), close,
+            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    entries: dict[int, list[TokenEntry]] = {}
+
+    def collect(deltas: list[SampleDelta]) -> None:
+        for d in deltas:
+            entries.setdefault(d.index, []).extend(d.tokens)
+
+    try:
+        await until_disconnected(raw, run_generation(ctx, gen, collect))
+    finally:
+        await close()
+    choices = [
+        ChatChoice(
+            index=s.index, message=ChatResponseMessage(content=s.text),
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
+            if params.logprobs is not None else None)
+        for s in gen.samples]
+    body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                  choices=choices, usage=gen.usage())
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
+                  created: int, include_usage: bool,
+                  close: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": ctx.model_name}
+    want_lp = params.logprobs is not None
+    role_sent: set[int] = set()
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None,
+              finish_reason: str | None = None, stop_reason: int | str | None = None) -> str:
+        c = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    try:
+        async for deltas in gen.steps():
+            for d in deltas:
+                if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
+                    continue
+                if d.index not in role_sent:
+                    role_sent.add(d.index)
+                    yield chunk(d.index, {"role": "assistant", "content": ""})
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                yield chunk(d.index, delta, chat_logprobs(ctx, params, d.tokens) if want_lp else None,
+                            d.finish_reason, d.stop_reason)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()})
+        yield SSE_DONE
+    except RouterError as e:
+        ctx.metrics.error(e.status)
+        yield sse(e.to_dict())
+        yield SSE_DONE
+    finally:
+        await close()

@@ -1,0 +1,131 @@
+"""``POST /v1/completions``: prompt(s) -> tokens -> generation -> OpenAI text completion.
+
+Prompts may be a string, a list of strings, a list of token ids or a list of token-id lists
+(vLLM accepts all four); strings are encoded WITH special tokens (BOS) unless
+``add_special_tokens`` is false. Choice ``index`` is ``prompt_index * n + sample``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from router.errors import InvalidRequestError, RouterError
+from router.output import OutputParams, SampleDelta, TokenEntry
+from router.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from router.sampling import check_unsupported, validate_common
+from router.serving import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Generation,
+    GuardedStreamingResponse,
+    ServingContext,
+    base_request_id,
+    completion_logprobs,
+    prepare_prompt_runs,
+    run_generation,
+    sse,
+    truncate_prompt,
+    until_disconnected,
+    warn_unknown_fields,
+)
+
+
+async def tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if p is None or (isinstance(p, list) and not p):
+        raise InvalidRequestError("prompt is required", param="prompt")
+    if isinstance(p, str):
+        raw = [await ctx.encode(p, req.add_special_tokens)]
+    elif all(isinstance(x, int) for x in p):
+        raw = [list(p)]
+    elif all(isinstance(x, str) for x in p):
+        raw = [await ctx.encode(x, req.add_special_tokens) for x in p]
+    else:
+        raw = [list(x) for x in p]
+    out = []
+    for ids in raw:
+        ctx.check_token_ids(ids)
+        out.append(truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len))
+    return out
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
+    arrival = time.monotonic()
+    warn_unknown_fields(req)
+    ctx.check_model(req.model)
+    check_unsupported(req)
+    validate_common(req, ctx.limits)
+    prompts = await tokenize_prompts(ctx, req)
+    samplings, params = await prepare_prompt_runs(ctx, req, prompts)
+    request_id = f"cmpl-{base_request_id(raw)}"
+    created = int(time.time())
+    ticket = ctx.admit()
+    gen = Generation(ctx, request_id, prompts, samplings, params, req.cache_salt or "", arrival)
+    headers = {"x-request-id": request_id}
+
+    async def close() -> None:
+        await gen.aclose()
+        ticket.release()
+
+    if req.stream:
+        try:
+            await until_disconnected(raw, gen.start())
+        except BaseException:
+            await close()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return GuardedStreamingResponse(
+            _stream(ctx, gen, params, request_id, created, include_usage, close), close,
+            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    entries: dict[int, list[TokenEntry]] = {}
+
+    def collect(deltas: list[SampleDelta]) -> None:
+        for d in deltas:
+            entries.setdefault(d.index, []).extend(d.tokens)
+
+    try:
+        await until_disconnected(raw, run_generation(ctx, gen, collect))
+    finally:
+        await close()
+    choices = [
+        CompletionChoice(
+            index=s.index, text=s.text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            logprobs=CompletionLogprobs(**completion_logprobs(ctx, params, entries.get(s.index, [])))
+            if params.logprobs is not None else None)
+        for s in gen.samples]
+    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                              choices=choices, usage=gen.usage())
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
+                  created: int, include_usage: bool,
+                  close: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "text_completion", "created": created,
+            "model": ctx.model_name}
+    want_lp = params.logprobs is not None
+    try:
+        async for deltas in gen.steps():
+            for d in deltas:
+                if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
+                    continue
+                choice = {"index": d.index, "text": d.text,
+                          "logprobs": completion_logprobs(ctx, params, d.tokens) if want_lp else None,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                chunk = {**head, "choices": [choice]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()})
+        yield SSE_DONE
+    except RouterError as e:
+        ctx.metrics.error(e.status)
+        yield sse(e.to_dict())
+        yield SSE_DONE
+    finally:
+        await close()

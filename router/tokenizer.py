@@ -1,0 +1,158 @@
+"""The model's own tokenizer for the router: ``tokenizers`` + a Jinja chat template, no torch.
+
+Reads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, ``chat_template``) and,
+when present, ``chat_template.jinja`` from the model directory. Completion prompts are
+encoded WITH special tokens (the post-processor adds BOS), rendered chat prompts WITHOUT them
+(the template already wrote BOS), as ``transformers`` and vLLM do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders
+from tokenizers.decoders import DecodeStream
+
+from router.chat_template import ChatTemplate, ChatTemplateError
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer files are missing or unreadable."""
+
+
+def _token_text(value: Any) -> str | None:
+    """``"<s>"`` or an AddedToken dict ``{"content": "<s>", ...}`` -> ``"<s>"``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class RouterTokenizer:
+    """Encode, decode, per-token strings and bytes, and chat-template rendering."""
+
+    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any],
+                 chat_template: str | None) -> None:
+        self._tok = tokenizer
+        self.config = dict(config)
+        self.special_tokens = {name: t for name in _SPECIAL_NAMES
+                               if (t := _token_text(config.get(name))) is not None}
+        extra = config.get("additional_special_tokens") or []
+        self.special_tokens_map: dict[str, Any] = {
+            **self.special_tokens,
+            "additional_special_tokens": [t for x in extra if (t := _token_text(x)) is not None]}
+        self.eos_token_id = self.token_to_id(self.special_tokens.get("eos_token"))
+        self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._chat_template = (ChatTemplate(chat_template, self.special_tokens)
+                               if chat_template else None)
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._bytes_of_char = _byte_decoder() if self._byte_level else {}
+        self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                       chat_template: str | None = None) -> RouterTokenizer:
+        """Load from a Hugging Face directory. ``chat_template`` (text, or a path to a file)
+        overrides the model's template."""
+        d = Path(tokenizer_dir or model_dir)
+        tok_file = d / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerLoadError(
+                f"{d} has no tokenizer.json (the router needs a fast tokenizer file)")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises plain Exceptions on bad files
+            raise TokenizerLoadError(f"cannot load {tok_file}: {e}") from e
+        cfg_file = d / "tokenizer_config.json"
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = cls._find_chat_template(d, config, chat_template)
+        return cls(tokenizer, config, template)
+
+    @staticmethod
+    def _find_chat_template(d: Path, config: Mapping[str, Any], override: str | None) -> str | None:
+        if override:
+            p = Path(override)
+            return p.read_text() if len(override) < 4096 and p.is_file() else override
+        if (d / "chat_template.jinja").is_file():
+            return (d / "chat_template.jinja").read_text()
+        if (d / "chat_template.json").is_file():
+            t = json.loads((d / "chat_template.json").read_text()).get("chat_template")
+            if isinstance(t, str):
+                return t
+        t = config.get("chat_template")
+        if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {x.get("name"): x.get("template") for x in t if isinstance(x, Mapping)}
+            t = named.get("default") or next(iter(named.values()), None)
+        return t if isinstance(t, str) else None
+
+    # ---- ids <-> text -------------------------------------------------------------------
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        """A fresh incremental decoder (feed it with :meth:`step`)."""
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, stream: DecodeStream, token_id: int) -> str:
+        """Feed one token; the text it completes ('' while a UTF-8 character is still split)."""
+        return stream.step(self._tok, token_id) or ""
+
+    def _token_str(self, token_id: int) -> str:
+        """One token decoded on its own (as vLLM shows tokens in logprobs)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (split UTF-8 characters stay split)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self.special_ids or not self._byte_level:
+            return self._token_str(token_id).encode()
+        try:
+            return bytes(self._bytes_of_char[c] for c in piece)
+        except KeyError:
+            return self._token_str(token_id).encode()
+
+    # ---- chat ---------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        """Render the chat prompt (see :meth:`ChatTemplate.render` for the keyword arguments)."""
+        if self._chat_template is None:
+            raise ChatTemplateError(
+                "this model has no chat template; start the router with --chat-template")
+        return self._chat_template.render(messages, **kwargs)

@@ -1,0 +1,201 @@
+"""The router's view of the worker pools: registry snapshot, static overrides, local health.
+
+A background task refreshes the snapshot from the Redis registry every
+``refresh_interval_s`` (leases expire after a few seconds, so a dead worker leaves the snapshot
+within one lease period). ``--decode-workers`` / ``--prefill-workers`` replace discovery for
+their role: those addresses are matched to registry records when Redis knows them (so prefix
+matching still works), otherwise polled with the gRPC ``Stats`` call. A worker whose call
+failed is kept out of routing for ``cooldown_s`` even while its lease lives on. If Redis is
+unreachable the last snapshot stays in use.
+
+Also owns the gRPC channels (one per address, closed when the worker leaves and nothing is in
+flight on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from shared.directory import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    DirectoryReader,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRecord,
+)
+from shared.proto import pdserve_pb2 as pb
+from shared.proto import pdserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 100),
+]
+
+
+class WorkerPool:
+    """Live, healthy workers per role, with in-flight counts and cooldowns. One per app."""
+
+    def __init__(self, *, model: str, reader: DirectoryReader | None,
+                 static_decode: Sequence[str] = (), static_prefill: Sequence[str] = (),
+                 static_block_size: int = 16, refresh_interval_s: float = 0.5,
+                 cooldown_s: float = 5.0, rpc_timeout_s: float = 1.0) -> None:
+        if reader is None and not static_decode:
+            raise ValueError("without a Redis registry, static decode workers are required")
+        self.model = model
+        self.reader = reader
+        self.static = {ROLE_DECODE: tuple(static_decode), ROLE_PREFILL: tuple(static_prefill)}
+        self.static_block_size = static_block_size
+        self.refresh_interval_s = refresh_interval_s
+        self.cooldown_s = cooldown_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._records: dict[str, WorkerRecord] = {}
+        self._cooldown: dict[str, float] = {}
+        self._inflight: dict[str, int] = {}
+        self._inflight_by_address: dict[str, int] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
+        self._wrong_model: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self.last_refresh_ok: float | None = None
+        self.last_error: str | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="worker-pool-refresh")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        channels, self._channels = self._channels, {}
+        self._stubs.clear()
+        await asyncio.gather(*(ch.close(grace=None) for ch in channels.values()),
+                             return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # never let the refresher die
+                logger.exception("worker refresh failed")
+
+    async def refresh(self) -> None:
+        """Re-read the registry (and poll static workers); keeps the old view on failure."""
+        registry: list[WorkerRecord] | None = None
+        if self.reader is not None:
+            try:
+                async with asyncio.timeout(self.rpc_timeout_s * 2):
+                    registry = await self.reader.live_workers()
+            except Exception as e:  # Redis down or slow: serve from the last snapshot
+                if self.last_error is None:
+                    logger.warning("cannot read the worker registry (%r); using the last snapshot", e)
+                self.last_error = f"registry unavailable: {e!r}"
+        if registry is None and self.reader is not None and not any(self.static.values()):
+            return
+        records: list[WorkerRecord] = []
+        previous = [r for r in self._records.values() if r.generation]  # registry-backed only
+        for r in registry if registry is not None else previous:
+            if r.info.model != self.model:
+                if r.worker_id not in self._wrong_model:
+                    self._wrong_model.add(r.worker_id)
+                    logger.warning("worker %s serves model %r, not %r; ignoring it",
+                                   r.worker_id, r.info.model, self.model)
+                continue
+            if not self.static[r.info.role] or r.info.grpc in self.static[r.info.role]:
+                records.append(r)
+        if any(self.static.values()):
+            known = {r.info.grpc for r in records}
+            polls = [self._poll_static(role, addr) for role, addrs in self.static.items()
+                     for addr in addrs if addr not in known]
+            records += [r for r in await asyncio.gather(*polls) if r is not None]
+        self._records = {r.worker_id: r for r in records}
+        if registry is not None or self.reader is None:
+            self.last_refresh_ok = time.monotonic()
+            if self.last_error is not None and registry is not None:
+                logger.info("worker registry reachable again")
+            self.last_error = None
+        await self._close_unused_channels()
+
+    async def _poll_static(self, role: str, address: str) -> WorkerRecord | None:
+        stub_cls = pb_grpc.DecodeWorkerStub if role == ROLE_DECODE else pb_grpc.PrefillWorkerStub
+        try:
+            stats = await stub_cls(self.channel(address)).Stats(pb.StatsRequest(),
+                                                               timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("static %s worker %s: %s", role, address, e.code())
+            return None
+        wid = stats.worker_id or address
+        info = WorkerInfo(worker_id=wid, role=role, model=self.model, grpc=address,
+                          block_size=self.static_block_size, num_blocks=stats.num_blocks)
+        return WorkerRecord(info, WorkerLoad(stats.free_blocks, stats.running, stats.waiting), "", 0)
+
+    async def _close_unused_channels(self) -> None:
+        wanted = {r.info.grpc for r in self._records.values()}
+        stale = [a for a in self._channels
+                 if a not in wanted and not self._inflight_by_address.get(a)]
+        for a in stale:
+            ch = self._channels.pop(a)
+            self._stubs.pop(a, None)
+            await ch.close(grace=None)
+
+    # ---- queries --------------------------------------------------------------------------
+    def records(self, role: str | None = None) -> list[WorkerRecord]:
+        return [r for r in self._records.values() if role is None or r.info.role == role]
+
+    def healthy(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerRecord]:
+        """Live workers of ``role`` not cooling down after a failure and not in ``exclude``."""
+        now = time.monotonic()
+        return [r for r in self._records.values()
+                if r.info.role == role and r.worker_id not in exclude
+                and self._cooldown.get(r.worker_id, 0.0) <= now]
+
+    def inflight(self, worker_id: str) -> int:
+        return self._inflight.get(worker_id, 0)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def acquire(self, record: WorkerRecord) -> None:
+        self._inflight[record.worker_id] = self._inflight.get(record.worker_id, 0) + 1
+        a = record.info.grpc
+        self._inflight_by_address[a] = self._inflight_by_address.get(a, 0) + 1
+
+    def release(self, record: WorkerRecord) -> None:
+        wid, a = record.worker_id, record.info.grpc
+        self._inflight[wid] = max(0, self._inflight.get(wid, 0) - 1)
+        self._inflight_by_address[a] = max(0, self._inflight_by_address.get(a, 0) - 1)
+
+    def mark_failed(self, worker_id: str, reason: str, cooldown_s: float | None = None) -> None:
+        """Keep ``worker_id`` out of routing for a while (its lease may outlive it)."""
+        logger.warning("worker %s failed (%s); cooling down for %.1f s", worker_id, reason,
+                       self.cooldown_s if cooldown_s is None else cooldown_s)
+        self._cooldown[worker_id] = time.monotonic() + (
+            self.cooldown_s if cooldown_s is None else cooldown_s)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = ch
+        return ch
+
+    def decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = pb_grpc.DecodeWorkerStub(self.channel(address))
+        return stub

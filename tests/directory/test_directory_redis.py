@@ -1,0 +1,309 @@
+"""The Redis registry and prefix directory against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from shared.directory import (
+    DirectoryError,
+    DirectoryKeys,
+    DirectoryReader,
+    EmbeddedRedis,
+    KVEventPublisher,
+    WorkerInfo,
+    WorkerLease,
+    WorkerLoad,
+    connect_async,
+    connect_sync,
+    make_member,
+    parse_member,
+)
+from shared.hashing import block_hashes, hash_seed
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = "tiny-model"
+
+
+def chain(n_blocks: int, salt: int = 0, block_size: int = 4) -> list[bytes]:
+    toks = [(salt * 1000 + i) % 50000 for i in range(n_blocks * block_size)]
+    return block_hashes(toks, block_size, hash_seed(MODEL))
+
+
+def read(url: str, keys: DirectoryKeys, fn):
+    """Run ``fn(reader)`` on a fresh event loop with its own async client."""
+
+    async def main():
+        client = connect_async(url)
+        try:
+            return await fn(DirectoryReader(client, keys))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def make_worker(url, keys, wid, role="decode", ttl=3.0, num_blocks=100):
+    info = WorkerInfo(worker_id=wid, role=role, model=MODEL, grpc=f"127.0.0.1:{5000 + len(wid)}",
+                      block_size=4, num_blocks=num_blocks, max_model_len=2048,
+                      metrics="http://127.0.0.1:9/metrics")
+    lease = WorkerLease(connect_sync(url), info, keys=keys, ttl_s=ttl)
+    return lease, KVEventPublisher(lease.client, lease)
+
+
+def live_map(records):
+    return {r.worker_id: r.generation for r in records}
+
+
+def test_member_roundtrip_with_colons_in_ids():
+    assert parse_member(make_member("10.0.0.1:7000", "abc")) == ("10.0.0.1:7000", "abc")
+    with pytest.raises(DirectoryError):
+        parse_member("nogeneration")
+
+
+def test_lease_register_heartbeat_deregister(redis_server, keys):
+    lease, _ = make_worker(redis_server.url, keys, "d0")
+    assert lease.register(WorkerLoad(free_blocks=90, running=3, waiting=1))
+    (rec,) = read(redis_server.url, keys, lambda r: r.live_workers())
+    assert (rec.worker_id, rec.info.role, rec.info.model, rec.info.block_size) == ("d0", "decode", MODEL, 4)
+    assert (rec.load.free_blocks, rec.load.running, rec.load.waiting) == (90, 3, 1)
+    assert rec.generation == lease.generation and rec.info.max_model_len == 2048
+    assert rec.kv_usage == pytest.approx(0.1)
+    ttl_ms = lease.client.pttl(keys.worker("d0"))
+    assert 0 < ttl_ms <= 3000
+
+    assert lease.heartbeat(WorkerLoad(free_blocks=10, running=7, waiting=5))
+    (rec,) = read(redis_server.url, keys, lambda r: r.live_workers(["decode"]))
+    assert (rec.load.running, rec.load.waiting) == (7, 5)
+    assert read(redis_server.url, keys, lambda r: r.live_workers(["prefill"])) == []
+
+    assert lease.deregister()
+    assert read(redis_server.url, keys, lambda r: r.live_workers()) == []
+    assert not lease.heartbeat()  # a deregistered lease stays down
+
+
+def test_expired_lease_is_not_live_and_role_set_is_cleaned(redis_server, keys):
+    lease, _ = make_worker(redis_server.url, keys, "p0", role="prefill", ttl=0.3)
+    lease.register()
+    assert [r.worker_id for r in read(redis_server.url, keys, lambda r: r.live_workers())] == ["p0"]
+    time.sleep(0.45)
+    assert read(redis_server.url, keys, lambda r: r.live_workers()) == []
+    assert lease.client.smembers(keys.workers("prefill")) == set()
+
+
+def test_background_heartbeats_keep_a_short_lease_alive(redis_server, keys):
+    lease, _ = make_worker(redis_server.url, keys, "d1", ttl=0.4)
+    calls = []
+
+    def load():
+        calls.append(1)
+        return WorkerLoad(free_blocks=5, running=len(calls), waiting=0)
+
+    lease.register()
+    lease.start(load, interval_s=0.1)
+    try:
+        time.sleep(0.8)  # twice the TTL
+        (rec,) = read(redis_server.url, keys, lambda r: r.live_workers())
+        assert rec.load.running >= 3
+    finally:
+        lease.deregister()
+    assert read(redis_server.url, keys, lambda r: r.live_workers()) == []
+
+
+def test_publish_and_longest_prefix_match(redis_server, keys):
+    a, pa = make_worker(redis_server.url, keys, "a")
+    b, pb = make_worker(redis_server.url, keys, "b")
+    a.register(), b.register()
+    h = chain(6)
+    assert pa.publish([BlockStored(tuple(h[:5]))])
+    # b holds blocks 0, 1 and 3, 4: a gap at 2, so only 2 leading blocks count
+    assert pb.publish([BlockStored(tuple(h[:2])), BlockStored(tuple(h[3:5]))])
+    assert pa.seq == 1 and lease_seq(a, keys) == 1
+
+    live = live_map(read(redis_server.url, keys, lambda r: r.live_workers()))
+    m = read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, h, live))
+    assert m.blocks == {"a": 5, "b": 2} and m.stale == []
+
+    pa.publish([BlockRemoved((h[1],))])  # a now breaks at block 1
+    m = read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, h, live))
+    assert m.blocks == {"a": 1, "b": 2}
+    pb.publish([AllBlocksCleared()])
+    m = read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, h, live))
+    assert m.blocks == {"a": 1, "b": 0}
+    assert lease_seq(b, keys) == 2
+    # another model never matches, and an empty chain matches nothing
+    assert read(redis_server.url, keys, lambda r: r.prefix_match("other", h, live)).blocks == {"a": 0, "b": 0}
+    assert read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, [], live)).blocks == {"a": 0, "b": 0}
+
+
+def lease_seq(lease, keys) -> int:
+    return int(lease.client.hget(keys.worker(lease.info.worker_id), "seq"))
+
+
+def test_prefix_match_is_one_round_trip(redis_server, keys):
+    a, pa = make_worker(redis_server.url, keys, "a")
+    b, pb = make_worker(redis_server.url, keys, "b")
+    a.register(), b.register()
+    h = chain(40)
+    pa.publish([BlockStored(tuple(h[:30]))])
+    pb.publish([BlockStored(tuple(h[:12]))])
+    live = {"a": a.generation, "b": b.generation}
+
+    async def counted(reader):
+        await reader.prefix_match(MODEL, h, live)  # loads the script once
+        calls = []
+        orig = reader.client.execute_command
+
+        async def execute_command(*args, **kw):
+            calls.append(args[0])
+            return await orig(*args, **kw)
+
+        reader.client.execute_command = execute_command
+        m = await reader.prefix_match(MODEL, h, live)
+        return m, calls
+
+    m, calls = read(redis_server.url, keys, counted)
+    assert m.blocks == {"a": 30, "b": 12} and calls == ["EVALSHA"]
+
+
+def test_restart_gets_new_generation_and_stale_members_are_cleaned(redis_server, keys):
+    old, pold = make_worker(redis_server.url, keys, "w")
+    old.register()
+    h = chain(4, salt=1)
+    pold.publish([BlockStored(tuple(h))])
+    # the worker restarts: same id, new lease object, new generation, empty cache
+    new, pnew = make_worker(redis_server.url, keys, "w")
+    assert new.generation != old.generation
+    new.register()
+    pnew.publish([BlockStored((h[0],))])
+
+    async def scenario(reader):
+        live = live_map(await reader.live_workers())
+        m = await reader.prefix_match(MODEL, h, live)
+        removed = await reader.remove_stale(m.stale)
+        m2 = await reader.prefix_match(MODEL, h, live)
+        return live, m, removed, m2
+
+    live, m, removed, m2 = read(redis_server.url, keys, scenario)
+    assert live == {"w": new.generation}
+    assert m.blocks == {"w": 1}  # the old generation's 4 blocks do not count
+    assert (keys.block(MODEL, h[0]), old.member) in m.stale
+    assert removed == 2  # stale members seen before the scan stopped at block 1
+    assert new.client.smembers(keys.block(MODEL, h[0])) == {new.member}
+    assert m2.blocks == {"w": 1}
+
+
+def test_remove_stale_never_removes_a_live_member(redis_server, keys):
+    a, pa = make_worker(redis_server.url, keys, "a")
+    a.register()
+    h = chain(2, salt=2)
+    pa.publish([BlockStored(tuple(h))])
+    pairs = [(keys.block(MODEL, x), a.member) for x in h]  # a caller wrongly believes they are stale
+    assert read(redis_server.url, keys, lambda r: r.remove_stale(pairs)) == 0
+    assert a.client.smembers(keys.block(MODEL, h[1])) == {a.member}
+
+
+def test_sweep_removes_members_of_dead_workers(redis_server, keys):
+    a, pa = make_worker(redis_server.url, keys, "a", ttl=0.3)
+    b, pb = make_worker(redis_server.url, keys, "b")
+    a.register(), b.register()
+    h = chain(50, salt=3)
+    pa.publish([BlockStored(tuple(h))])
+    pb.publish([BlockStored(tuple(h[:10]))])
+    time.sleep(0.45)  # a's lease expires without deregistering (a crash)
+
+    async def sweep_all(reader):
+        cursor, total = 0, 0
+        while True:
+            cursor, removed = await reader.sweep(MODEL, cursor, count=7)
+            total += removed
+            if cursor == 0:
+                return total
+
+    assert read(redis_server.url, keys, sweep_all) == 50
+    assert b.client.smembers(keys.block(MODEL, h[0])) == {b.member}
+    assert b.client.smembers(keys.block(MODEL, h[20])) == set()
+
+
+def test_lease_loss_renews_generation_and_publisher_republishes(redis_server, keys):
+    a, pa = make_worker(redis_server.url, keys, "a", ttl=0.3)
+    a.register()
+    h = chain(3, salt=4)
+    pa.publish([BlockStored(tuple(h))])
+    g0 = a.generation
+    time.sleep(0.45)  # stalled longer than the TTL
+    assert a.heartbeat()
+    assert a.generation != g0
+    assert pa.publish([])  # notices the new generation and republishes what it holds
+    members = a.client.smembers(keys.block(MODEL, h[2]))
+    assert members == {a.member}
+    live = {"a": a.generation}
+    assert read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, h, live)).blocks == {"a": 3}
+
+
+def test_publisher_survives_redis_outage_and_converges(keys):
+    server = EmbeddedRedis()
+    url = server.start()
+    port = server.port
+    try:
+        a, pa = make_worker(url, keys, "a", ttl=30)
+        a.register()
+        h = chain(6, salt=5)
+        assert pa.publish([BlockStored(tuple(h[:3]))])
+        os.killpg(server._proc.pid, signal.SIGKILL)  # Redis crashes (no persistence)
+        server._proc.wait(5)
+        t0 = time.monotonic()
+        assert not pa.publish([BlockStored(tuple(h[3:])), BlockRemoved((h[0],))])
+        assert not a.heartbeat()
+        assert time.monotonic() - t0 < 5  # bounded: the socket timeouts, not a hang
+        assert pa.num_pending == 4
+        server._proc = None
+        server.port = port
+        server.start()  # Redis is back, empty
+        assert a.heartbeat()  # the lease is re-created (it was lost: new generation)
+        assert pa.publish([])
+        live = live_map(read(url, keys, lambda r: r.live_workers()))
+        m = read(url, keys, lambda r: r.prefix_match(MODEL, h, live))
+        assert m.blocks == {"a": 0}  # block 0 was evicted during the outage
+        assert a.client.smembers(keys.block(MODEL, h[1])) == {a.member}
+        assert a.client.smembers(keys.block(MODEL, h[0])) == set()
+        assert pa.num_pending == 0 and pa.num_held == 5
+    finally:
+        server.stop()
+
+
+def test_pending_overflow_starts_a_new_generation(redis_server, keys):
+    a, pa = make_worker(redis_server.url, keys, "a")
+    pa.max_pending = 3
+    # not registered yet: nothing can flush, changes stay pending
+    assert not pa.publish([BlockStored(tuple(chain(2, salt=6)))])
+    a.register()
+    g0 = a.generation
+    h = chain(5, salt=7)
+    assert pa.publish([BlockStored(tuple(h))])  # 7 pending > 3: new generation, full republish
+    assert a.generation != g0 and pa.num_held == 7 and pa.num_pending == 0
+    assert a.client.smembers(keys.block(MODEL, h[4])) == {a.member}
+
+
+def test_embedded_redis_stops_its_process():
+    server = EmbeddedRedis()
+    url = server.start()
+    pid = server._proc.pid
+    assert redis.Redis.from_url(url).ping()
+    server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(DirectoryError):
+        server.url
+
+
+def test_worker_info_validation():
+    with pytest.raises(DirectoryError):
+        WorkerInfo(worker_id="x", role="both", model=MODEL, grpc="h:1", block_size=16, num_blocks=1)
+    with pytest.raises(DirectoryError):
+        WorkerInfo(worker_id="", role="decode", model=MODEL, grpc="h:1", block_size=16, num_blocks=1)

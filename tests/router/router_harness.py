@@ -1,0 +1,162 @@
+"""Helpers shared by the router tests: fake decode worker processes and in-process routers.
+
+Fake workers run as subprocesses (own process group, killed on teardown); routers run as
+uvicorn servers in a thread of the test process on a free port, so tests can reach into their
+state. The fake worker module is loaded by path under a unique name (other test directories
+may have their own ``fake_worker.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+MODEL_NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeWorker:
+    """A ``tests/router/fake_worker.py`` subprocess."""
+
+    def __init__(self, redis_url: str | None, prefix: str, worker_id: str, **opts) -> None:
+        self.worker_id = worker_id
+        cmd = [sys.executable, str(HERE / "fake_worker.py"), "--model", MODEL_NAME,
+               "--worker-id", worker_id, "--prefix", prefix]
+        if redis_url:
+            cmd += ["--redis-url", redis_url]
+        for k, v in opts.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        self.log = tempfile.NamedTemporaryFile(prefix=f"fake-{worker_id}-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True, cwd=ROOT)
+        line = self._readline(timeout=20)
+        if not line.startswith("READY "):
+            self.kill()
+            raise RuntimeError(f"fake worker did not start: {line!r} {self.stderr()}")
+        self.port = int(line.split()[1])
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _readline(self, timeout: float) -> str:
+        out: list[str] = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        return out[0].strip() if out else ""
+
+    def stderr(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def stats(self):
+        import grpc
+
+        from shared.proto import pdserve_pb2 as pb
+        from shared.proto import pdserve_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.address) as ch:
+            return pb_grpc.DecodeWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+class RouterThread:
+    """A router app served by uvicorn in a background thread."""
+
+    def __init__(self, config) -> None:
+        import uvicorn
+
+        from router.server import create_app
+
+        self.port = config.port if config.port else free_port()
+        self.config = replace(config, port=self.port, host="127.0.0.1")
+        self.app = create_app(self.config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("router did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ctx(self):
+        return self.app.state.ctx
+
+    def wait_workers(self, n_decode: int, timeout: float = 10.0, n_prefill: int | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            body = httpx.get(f"{self.url}/health", timeout=5).json()
+            if body["decode_workers"] == n_decode and (
+                    n_prefill is None or body["prefill_workers"] == n_prefill):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"router did not see {n_decode} decode workers: {body}")
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"),
+                             max_retries=0, timeout=kw.pop("timeout", 30), **kw)
+
+    def metric(self, name: str, **labels) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        total = 0.0
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def load_fake_worker_module():
+    """``tests/router/fake_worker.py`` as a module (for ``expected_output`` and friends)."""
+    name = "pdserve_router_tests_fake_worker"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "fake_worker.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

@@ -1,0 +1,199 @@
+"""Failure rules: retries, mid-stream resume, cancellation and deadlines, through real HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+from router_harness import MODEL_NAME, load_fake_worker_module
+
+from router.tokenizer import RouterTokenizer
+
+pytestmark = pytest.mark.integration
+fw = load_fake_worker_module()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model) -> RouterTokenizer:
+    return RouterTokenizer.from_model_dir(tiny_model)
+
+
+def wait_idle(worker, timeout: float = 3.0) -> float:
+    """Seconds until the worker has no running request (its stream was cancelled)."""
+    t0 = time.monotonic()
+    while worker.stats().running:
+        assert time.monotonic() - t0 < timeout, "the decode stream was not cancelled"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_decode_killed_mid_stream_resumes_identically(make_worker, make_router, router_config, tok):
+    doomed = make_worker("doomed", token_delay=0.01, die_after_tokens=7)
+    backup = make_worker("backup", token_delay=0.01, report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(2)
+    time.sleep(0.3)
+    prompt = "a long story about the sea"
+    stream = r.openai().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40,
+                                           stream=True, stream_options={"include_usage": True},
+                                           logprobs=1, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert doomed.proc.wait(5) is not None  # it really died mid-stream
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens]
+    expected, _ = fw.expected_output(tok.encode(prompt), max_tokens=40, vocab=2048, ignore_eos=True)
+    assert text == tok.decode(expected)  # nothing lost, nothing repeated
+    assert tokens == [tok.token_str(t) for t in expected]
+    assert chunks[-1].usage.completion_tokens == 40
+    assert r.metric("pdserve:router_retries_total") == 1
+    assert backup.stats().prefix_cache_queries == 1
+
+
+def test_failover_with_n2_non_streaming(make_worker, make_router, router_config, tok):
+    make_worker("doomed", token_delay=0.01, die_after_tokens=9)  # 9 tokens over 2 samples
+    make_worker("backup", report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(2)
+    time.sleep(0.3)
+    prompt = "two samples survive a crash"
+    out = r.openai().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, n=2,
+                                        extra_body={"ignore_eos": True})
+    for c in out.choices:
+        expected, _ = fw.expected_output(tok.encode(prompt), max_tokens=20, vocab=2048,
+                                         index=c.index, ignore_eos=True)
+        assert c.text == tok.decode(expected) and c.finish_reason == "length"
+    assert out.usage.completion_tokens == 40
+    assert r.metric("pdserve:router_retries_total") == 1
+
+
+def test_failure_before_first_token_retries_on_another_worker(make_worker, make_router,
+                                                              router_config):
+    flaky = make_worker("flaky", fail_requests=1, fail_code="UNAVAILABLE")
+    good = make_worker("good", report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(2)
+    time.sleep(0.3)
+    out = r.openai().completions.create(model=MODEL_NAME, prompt="retry me", max_tokens=5,
+                                        extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    assert r.metric("pdserve:router_retries_total") == 1
+    assert good.stats().prefix_cache_queries == 1 and flaky.stats().prefix_cache_queries == 0
+    # the flaky worker cools down: the next request goes straight to the other one
+    r.openai().completions.create(model=MODEL_NAME, prompt="again", max_tokens=2)
+    assert r.metric("pdserve:router_retries_total") == 1
+
+
+def test_stalled_worker_is_abandoned_and_the_stream_resumed(make_worker, make_router,
+                                                            router_config, tok):
+    stuck = make_worker("stuck", stall_after_tokens=5)
+    make_worker("backup", report_waiting=3)
+    r = make_router(replace(router_config, stall_timeout_s=0.5))
+    r.wait_workers(2)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    out = r.openai().completions.create(model=MODEL_NAME, prompt="stall", max_tokens=12,
+                                        extra_body={"ignore_eos": True})
+    assert time.monotonic() - t0 < 5
+    expected, _ = fw.expected_output(tok.encode("stall"), max_tokens=12, vocab=2048, ignore_eos=True)
+    assert out.choices[0].text == tok.decode(expected)
+    wait_idle(stuck)  # the stalled call was cancelled
+
+
+def test_bad_request_from_worker_is_400_without_retry(make_worker, make_router, router_config):
+    make_worker("picky", fail_requests=5, fail_code="INVALID_ARGUMENT")
+    make_worker("other", fail_requests=5, fail_code="INVALID_ARGUMENT")
+    r = make_router(router_config)
+    r.wait_workers(2)
+    with pytest.raises(openai.BadRequestError, match="rejected"):
+        r.openai().completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert r.metric("pdserve:router_retries_total") == 0
+
+
+def test_every_worker_at_capacity_is_429(make_worker, make_router, router_config):
+    make_worker("full0", fail_requests=9, fail_code="RESOURCE_EXHAUSTED")
+    make_worker("full1", fail_requests=9, fail_code="RESOURCE_EXHAUSTED")
+    r = make_router(router_config)
+    r.wait_workers(2)
+    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x",
+                                                       "max_tokens": 2}, timeout=10)
+    assert resp.status_code == 429 and resp.headers["retry-after"]
+    assert resp.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_retries_are_bounded_then_502(make_worker, make_router, router_config):
+    for i in range(3):
+        make_worker(f"broken{i}", fail_requests=9, fail_code="INTERNAL")
+    r = make_router(replace(router_config, max_retries=1))
+    r.wait_workers(3)
+    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x",
+                                                       "max_tokens": 2}, timeout=10)
+    assert resp.status_code == 502
+    err = resp.json()["error"]
+    assert "2 attempts" in err["message"] and err["code"] == "upstream_error"
+    assert r.metric("pdserve:router_retries_total") == 1
+
+
+def test_stop_string_cancels_the_decode_stream(make_worker, make_router, router_config, tok):
+    w = make_worker("slow", token_delay=0.02)
+    r = make_router(router_config)
+    r.wait_workers(1)
+    expected, _ = fw.expected_output(tok.encode("cancel me"), max_tokens=10, vocab=2048,
+                                     ignore_eos=True)
+    stop = tok.decode(expected[3:5])
+    t0 = time.monotonic()
+    out = r.openai().completions.create(model=MODEL_NAME, prompt="cancel me", max_tokens=2000,
+                                        stop=stop, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop
+    assert time.monotonic() - t0 < 3  # not 2000 x 20 ms
+    wait_idle(w)
+
+
+def test_client_disconnect_cancels_the_decode_stream(make_worker, make_router, router_config):
+    w = make_worker("slow", token_delay=0.02)
+    r = make_router(router_config)
+    r.wait_workers(1)
+    body = {"model": MODEL_NAME, "prompt": "disconnect", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{r.url}/v1/completions", json=body, timeout=10) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in got)
+        assert w.stats().running == 1
+    wait_idle(w)
+    assert r.ctx.inflight == 0
+    # a non-streaming request whose client gives up is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{r.url}/v1/completions", timeout=0.5,
+                   json={**body, "stream": False})
+    wait_idle(w)
+
+
+def test_deadline_bounds_requests(make_worker, make_router, router_config):
+    make_worker("sluggish", first_token_delay=10)
+    r = make_router(replace(router_config, request_timeout_s=1.0))
+    r.wait_workers(1)
+    t0 = time.monotonic()
+    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "late",
+                                                       "max_tokens": 5}, timeout=10)
+    assert resp.status_code == 504 and time.monotonic() - t0 < 3
+    assert resp.json()["error"]["code"] == "request_timeout"
+
+
+def test_deadline_mid_stream_ends_with_an_error_event(make_worker, make_router, router_config):
+    make_worker("trickle", token_delay=0.2)
+    r = make_router(replace(router_config, request_timeout_s=1.0))
+    r.wait_workers(1)
+    body = {"model": MODEL_NAME, "prompt": "late", "max_tokens": 100, "stream": True,
+            "ignore_eos": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{r.url}/v1/completions", json=body, timeout=10) as resp:
+        assert resp.status_code == 200
+        data = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - t0 < 3
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "request_timeout"
+    assert 1 <= len(data) - 2 <= 7  # some tokens came before the deadline

@@ -1,0 +1,127 @@
+"""Stop strings, hold-backs and token accounting of ``router/output.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.output import OutputParams, SampleOutput
+from router.tokenizer import RouterTokenizer
+from shared.proto import pdserve_pb2 as pb
+
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model) -> RouterTokenizer:
+    return RouterTokenizer.from_model_dir(tiny_model)
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def run(tok, tokens, params, per_delta=1, finish="length"):
+    """Feed ``tokens`` in deltas of ``per_delta``; returns (sample, streamed text)."""
+    s = SampleOutput(0, tok, params)
+    streamed = []
+    for i in range(0, len(tokens), per_delta):
+        last = i + per_delta >= len(tokens)
+        s.add(tokens[i:i + per_delta], finish_reason=finish if last else "")
+        if (d := s.take()) is not None:
+            streamed.append(d.text)
+        if s.finished:
+            break
+    return s, "".join(streamed)
+
+
+def test_plain_text_streams_whole(tok):
+    t = ids(tok, "the quick brown fox")
+    s, streamed = run(tok, t, OutputParams())
+    assert s.text == streamed == "the quick brown fox"
+    assert s.token_ids == t and s.finish_reason == "length"
+
+
+def test_stop_string_across_tokens_truncates_and_drops_later_tokens(tok):
+    text = "one two three four five six"
+    t = ids(tok, text)
+    s, streamed = run(tok, t, OutputParams(stop=("ee fo",)), per_delta=3)
+    assert s.text == streamed == "one two thr"
+    assert (s.finish_reason, s.stop_reason) == ("stop", "ee fo")
+    # counted up to the token that completed the match, not beyond
+    n = next(k for k in range(1, len(t) + 1) if "ee fo" in tok.decode(t[:k]))
+    assert s.token_ids == t[:n]
+
+
+def test_stop_string_included_when_asked(tok):
+    t = ids(tok, "alpha beta gamma delta")
+    s, streamed = run(tok, t, OutputParams(stop=("gamma",), include_stop_str_in_output=True))
+    assert s.text == streamed == "alpha beta gamma"
+
+
+def test_partial_stop_string_is_held_back_while_streaming(tok):
+    t = ids(tok, "abc STO") + ids(tok, "P more")
+    s = SampleOutput(0, tok, OutputParams(stop=("STOP",)))
+    s.add(ids(tok, "abc STO"))
+    d = s.take()
+    assert d is not None and "STO" not in d.text  # could still become the stop string
+    s.add(ids(tok, "P more"))
+    assert s.text == "abc " and s.finish_reason == "stop"
+    assert t[: len(s.token_ids)] == s.token_ids
+
+
+def test_earliest_stop_string_wins(tok):
+    t = ids(tok, "x y z w")
+    s, _ = run(tok, t, OutputParams(stop=(" w", " y")), per_delta=len(t))
+    assert s.text == "x" and s.stop_reason == " y"
+
+
+def test_min_tokens_defers_stop_strings(tok):
+    t = ids(tok, "stop here and then stop again")
+    s, _ = run(tok, t, OutputParams(stop=("stop",), min_tokens=3))
+    assert s.text == "stop here and then " and s.stop_reason == "stop"
+
+
+def test_eos_is_counted_but_not_shown_and_held_until_known(tok):
+    body = ids(tok, "hello there")
+    s = SampleOutput(0, tok, OutputParams(terminal_ids=frozenset({EOS}), skip_special_tokens=False))
+    s.add(body + [EOS])  # EOS at the end of a delta, no finish yet: held back
+    assert s.take().text == "hello there"
+    s.add([], finish_reason="stop")
+    d = s.take()
+    assert d.finish_reason == "stop" and d.text == "" and s.stop_reason is None
+    assert s.text == "hello there" and s.token_ids == body + [EOS]
+
+
+def test_held_terminal_token_is_shown_when_generation_continues(tok):
+    s = SampleOutput(0, tok, OutputParams(terminal_ids=frozenset({EOS}), skip_special_tokens=False))
+    s.add(ids(tok, "a") + [EOS])  # ignore_eos-like: the engine goes on
+    s.add(ids(tok, " b"), finish_reason="length")
+    assert s.text == "a</s> b"
+
+
+def test_stop_token_id_reports_stop_reason(tok):
+    t = ids(tok, "red green blue")
+    stop_id = t[1]
+    s = SampleOutput(0, tok, OutputParams(stop_token_ids=frozenset({stop_id}),
+                                          terminal_ids=frozenset({stop_id, EOS})))
+    s.add(t[:2], finish_reason="stop", stop_token_id=stop_id)
+    assert s.text == "red" and s.stop_reason == stop_id and s.token_ids == t[:2]
+
+
+def test_split_utf8_never_streams_replacement_char(tok):
+    t = ids(tok, "日本語😀")
+    s, streamed = run(tok, t, OutputParams())
+    assert streamed == "日本語😀" and "\ufffd" not in streamed
+
+
+def test_logprobs_and_offsets_follow_tokens(tok):
+    t = ids(tok, "one two")
+    lps = [pb.TokenLogprob(logprob=-0.5 * (i + 1), rank=1) for i in range(len(t))]
+    s = SampleOutput(0, tok, OutputParams(logprobs=0))
+    s.add(t, lps, finish_reason="length")
+    d = s.take()
+    assert [e.token_id for e in d.tokens] == t
+    assert [e.logprob.logprob for e in d.tokens] == [x.logprob for x in lps]
+    offsets = [e.text_offset for e in d.tokens]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(s.text)
+    assert s.take() is None  # nothing new, finish already reported

@@ -1,0 +1,95 @@
+"""The routing cost model (pure logic)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.policy import Candidate, PolicyConfig, choose_route, decode_load
+
+
+def cand(wid, cached=0, running=0, waiting=0, free=10_000, inflight=0, bs=16):
+    return Candidate(wid, f"{wid}:1", cached, running, waiting, free, bs, inflight)
+
+
+CFG = PolicyConfig(local_prefill_threshold=0)
+
+
+def test_no_decode_worker_means_no_route():
+    assert choose_route(100, [], [cand("p")], CFG) is None
+
+
+def test_decode_worker_holding_the_prefix_wins():
+    r = choose_route(1024, [cand("d0"), cand("d1", cached=1008)], [cand("p")], CFG)
+    assert r.decode.worker_id == "d1"
+    assert r.uncached_tokens == 16
+
+
+def test_prefill_worker_holding_the_prefix_wins():
+    r = choose_route(1024, [cand("d")], [cand("p0", cached=512), cand("p1", cached=1008)], CFG)
+    assert r.prefill.worker_id == "p1" and r.path == "disagg"
+
+
+def test_load_decides_when_nobody_caches():
+    r = choose_route(256, [cand("d0", waiting=3), cand("d1", running=2)], [cand("p")], CFG)
+    assert r.decode.worker_id == "d1"
+    # requests this router sent but the worker has not reported yet count as load
+    r = choose_route(256, [cand("d0", inflight=3), cand("d1")], [cand("p")], CFG)
+    assert r.decode.worker_id == "d1"
+
+
+def test_cache_hit_outweighs_light_load_but_not_a_deep_queue():
+    cfg = CFG
+    hot = cand("hot", cached=4096, running=4)
+    cold = cand("cold")
+    assert choose_route(4112, [hot, cold], [cand("p")], cfg).decode.worker_id == "hot"
+    swamped = cand("hot", cached=4096, waiting=40)
+    assert choose_route(4112, [swamped, cold], [cand("p")], cfg).decode.worker_id == "cold"
+
+
+def test_local_prefill_when_decode_holds_nearly_everything():
+    cfg = PolicyConfig(local_prefill_threshold=64)
+    r = choose_route(1000, [cand("d", cached=960)], [cand("p")], cfg)
+    assert r.path == "local" and r.prefill is None
+    # above the threshold the costs decide: a cold P would recompute all 1000 tokens, so D's
+    # 200 missing tokens are cheaper locally; a P holding the same prefix makes disagg cheaper
+    r = choose_route(1000, [cand("d", cached=800)], [cand("p")], cfg)
+    assert r.path == "local"
+    r = choose_route(1000, [cand("d", cached=800)], [cand("p", cached=800)], cfg)
+    assert r.path == "disagg" and r.uncached_tokens == 200
+
+
+def test_local_prefill_without_prefill_workers():
+    r = choose_route(5000, [cand("d")], [], CFG)
+    assert r.path == "local" and r.uncached_tokens == 5000
+
+
+def test_swamped_prefill_pool_falls_back_to_local():
+    r = choose_route(512, [cand("d")], [cand("p", waiting=20)], CFG)
+    assert r.path == "local"
+
+
+def test_kv_pressure_on_decode_is_penalised():
+    full = cand("full", free=2)
+    roomy = cand("roomy", running=1)
+    assert decode_load(full, 1024, CFG) > decode_load(roomy, 1024, CFG)
+    assert choose_route(1024, [full, roomy], [cand("p")], CFG).decode.worker_id == "roomy"
+
+
+def test_full_hit_still_costs_one_token():
+    r = choose_route(64, [cand("d", cached=64)], [], CFG)
+    assert r.uncached_tokens == 1
+
+
+def test_ties_break_randomly_but_reproducibly():
+    ds = [cand(f"d{i}") for i in range(4)]
+    picks = {choose_route(100, ds, [], CFG, random.Random(s)).decode.worker_id for s in range(40)}
+    assert len(picks) == 4
+    a = [choose_route(100, ds, [], CFG, random.Random(7)).decode.worker_id for _ in range(3)]
+    assert len(set(a)) == 1
+
+
+def test_rejects_empty_prompt():
+    with pytest.raises(ValueError):
+        choose_route(0, [cand("d")], [], CFG)

@@ -1,0 +1,90 @@
+"""The router as a real ``pdserve router`` process, and its no-torch dependency rule."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from router_harness import MODEL_NAME, ROOT, free_port
+
+PDSERVE = [sys.executable, "-m", "shared.cli"]
+
+
+def test_router_never_imports_torch(tiny_model):
+    code = f"""
+import sys
+import router.server, router.dispatch, router.serving_chat, router.serving_completions
+from router.config import RouterConfig
+from router.server import create_app, load_model_files
+cfg = RouterConfig(model={str(tiny_model)!r}, served_model_name="tiny", redis_url="redis://127.0.0.1:1")
+load_model_files(cfg)
+create_app(cfg)
+bad = sorted(m for m in ("torch", "transformers", "triton", "ucxx", "kvtransfer") if m in sys.modules)
+print("BAD" if bad else "CLEAN", bad)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("CLEAN"), out.stdout
+
+
+@pytest.mark.integration
+def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_server, prefix):
+    make_worker("proc-d0")
+    port = free_port()
+    proc = subprocess.Popen(
+        PDSERVE + ["router", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
+                   "--redis-url", redis_server.url, "--directory-prefix", prefix,
+                   "--host", "127.0.0.1", "--port", str(port), "--worker-refresh-interval", "0.1",
+                   "--disable-uvicorn-access-log"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "router never became healthy"
+            time.sleep(0.1)
+        import openai
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
+        out = client.chat.completions.create(model=MODEL_NAME, max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}],
+                                             extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert "libtorch" not in f.read()  # the running router has no torch loaded
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught
+        assert proc.wait(15) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        proc.stdout.close()
+
+
+def test_pdserve_router_rejects_a_bad_model_dir(tmp_path):
+    out = subprocess.run(PDSERVE + ["router", "--model", str(tmp_path / "missing"),
+                                    "--redis-url", "redis://127.0.0.1:1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert "not a Hugging Face model directory" in out.stderr
+
+
+def test_pdserve_router_needs_workers_or_redis(tiny_model):
+    out = subprocess.run(PDSERVE + ["router", "--model", str(tiny_model)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60, env={**os.environ, "PDSERVE_REDIS_URL": ""})
+    assert out.returncode == 2 and "--redis-url" in out.stderr

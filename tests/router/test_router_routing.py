@@ -1,0 +1,166 @@
+"""Routing through the real registry/directory: prefix affinity, load, dead workers, paths."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import redis
+from router_harness import MODEL_NAME
+
+from router.tokenizer import RouterTokenizer
+from shared.directory import DirectoryKeys, WorkerInfo, WorkerLease, connect_sync
+from shared.hashing import block_hashes, hash_seed
+
+pytestmark = pytest.mark.integration
+LONG_PROMPT = ("the system prompt of a helpful assistant who answers questions about rivers, "
+               "mountains, forests and the weather in great detail and with care; ") * 2
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model) -> RouterTokenizer:
+    return RouterTokenizer.from_model_dir(tiny_model)
+
+
+def queries(*workers) -> list[int]:
+    return [w.stats().prefix_cache_queries for w in workers]
+
+
+def wait_published(redis_url: str, prefix: str, ids: list[int], timeout: float = 5.0) -> None:
+    """Until the last full block of ``ids`` is in the directory."""
+    last = block_hashes(ids, 16, hash_seed(MODEL_NAME))[-1]
+    key = DirectoryKeys(prefix).block(MODEL_NAME, last)
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout
+    while not client.exists(key):
+        assert time.monotonic() < deadline, "blocks were not published"
+        time.sleep(0.02)
+    client.close()
+
+
+def complete(router, prompt, max_tokens=4):
+    return router.openai().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                              extra_body={"ignore_eos": True})
+
+
+def test_cached_prefix_goes_to_the_worker_holding_it(make_worker, make_router, router_config,
+                                                     redis_server, prefix, tok):
+    d0, d1 = make_worker("d0"), make_worker("d1")
+    r = make_router(router_config)
+    r.wait_workers(2)
+    ids = tok.encode(LONG_PROMPT)
+    assert len(ids) >= 48
+    complete(r, LONG_PROMPT)
+    holder, other = (d0, d1) if queries(d0, d1) == [1, 0] else (d1, d0)
+    assert queries(holder, other) == [1, 0]
+    wait_published(redis_server.url, prefix, ids)
+    for i in range(4):  # same prefix, different tails
+        complete(r, LONG_PROMPT + f" question {i}?")
+    assert queries(holder, other) == [5, 0]
+    assert holder.stats().prefix_cache_hits == 4
+    hit = r.metric("pdserve:router_prefix_hit_tokens_total")
+    assert hit >= 4 * 16 * (len(ids) // 16)
+
+
+def test_load_decides_when_no_worker_holds_the_prefix(make_worker, make_router, router_config):
+    busy = make_worker("busy", report_waiting=4)
+    idle = make_worker("idle")
+    r = make_router(router_config)
+    r.wait_workers(2)
+    time.sleep(0.3)  # a fresh load report from both
+    for i in range(3):
+        complete(r, f"fresh prompt number {i} with nothing cached")
+    assert queries(busy, idle) == [0, 3]
+
+
+def test_dead_worker_is_skipped_within_one_lease_period(make_worker, make_router, router_config):
+    ttl = 1.0
+    d0 = make_worker("d0", lease_ttl=ttl)
+    d1 = make_worker("d1", lease_ttl=ttl, report_waiting=2)  # d0 is preferred while alive
+    r = make_router(replace(router_config, worker_cooldown_s=0.01))
+    r.wait_workers(2)
+    time.sleep(0.3)
+    complete(r, "first")
+    assert queries(d0, d1) == [1, 0]
+    d0.kill()
+    killed = time.monotonic()
+    out = complete(r, "second")  # d0's lease still looks alive: one failed try, then d1
+    assert out.usage.completion_tokens == 4
+    assert r.metric("pdserve:router_retries_total") == 1
+    r.wait_workers(1, timeout=ttl + 1.0)
+    assert time.monotonic() - killed <= ttl + 1.0
+    for i in range(3):
+        complete(r, f"after {i}")
+    assert r.metric("pdserve:router_retries_total") == 1  # no more tries on the dead worker
+    assert d1.stats().prefix_cache_queries == 4
+
+
+def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_prefix(
+        make_worker, make_router, router_config, redis_server, prefix, tok):
+    d = make_worker("d0")
+    p = WorkerLease(connect_sync(redis_server.url),
+                    WorkerInfo(worker_id="p0", role="prefill", model=MODEL_NAME,
+                               grpc="127.0.0.1:9", block_size=16, num_blocks=1000),
+                    keys=DirectoryKeys(prefix), ttl_s=30)
+    p.register()
+    try:
+        r = make_router(router_config)
+        r.wait_workers(1, n_prefill=1)
+        complete(r, LONG_PROMPT)  # cold everywhere: P computes, blocks move to D
+        assert r.metric("pdserve:router_requests_total", path="disagg") == 1
+        wait_published(redis_server.url, prefix, tok.encode(LONG_PROMPT))
+        complete(r, LONG_PROMPT)  # D now holds the whole prompt: prefill locally
+        assert r.metric("pdserve:router_requests_total", path="local") == 1
+        assert d.stats().prefix_cache_hits == 1
+    finally:
+        p.deregister()
+    r.wait_workers(1, n_prefill=0)
+    complete(r, "no prefill workers left " * 4)
+    assert r.metric("pdserve:router_requests_total", path="local") == 2
+
+
+def test_local_prefill_threshold_keeps_short_prompts_on_decode(make_worker, make_router,
+                                                               router_config, redis_server, prefix):
+    make_worker("d0")
+    p = WorkerLease(connect_sync(redis_server.url),
+                    WorkerInfo(worker_id="p0", role="prefill", model=MODEL_NAME,
+                               grpc="127.0.0.1:9", block_size=16, num_blocks=1000),
+                    keys=DirectoryKeys(prefix), ttl_s=30)
+    p.register()
+    try:
+        cfg = replace(router_config, policy=replace(router_config.policy, local_prefill_threshold=256))
+        r = make_router(cfg)
+        r.wait_workers(1, n_prefill=1)
+        complete(r, LONG_PROMPT)  # < 256 tokens: conditional disaggregation says local
+        assert r.metric("pdserve:router_requests_total", path="local") == 1
+        assert r.metric("pdserve:router_requests_total", path="disagg") == 0
+    finally:
+        p.deregister()
+
+
+def test_static_workers_without_redis(make_router, router_config, tiny_model):
+    from router_harness import FakeWorker
+
+    w = FakeWorker(None, "unused:", "static-d0")
+    try:
+        cfg = replace(router_config, redis_url=None, decode_workers=(w.address,))
+        r = make_router(cfg)
+        r.wait_workers(1)
+        out = complete(r, "static routing")
+        assert out.usage.completion_tokens == 4 and queries(w) == [1]
+    finally:
+        w.stop()
+
+
+def test_static_list_overrides_discovery_and_other_models_are_ignored(
+        make_worker, make_router, router_config):
+    listed = make_worker("listed")
+    unlisted = make_worker("unlisted")
+    make_worker("other-model", model="another-model")
+    r = make_router(replace(router_config, decode_workers=(listed.address,)))
+    r.wait_workers(1)
+    time.sleep(0.3)
+    for i in range(3):
+        complete(r, f"static override {i}")
+    assert queries(listed, unlisted) == [3, 0]
