@@ -106,7 +106,7 @@ class EngineArgs:
     preemption_mode: str | None = None  # vLLM: recompute unless told otherwise
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
-    attention_backend: str | None = None  # torch | triton; default by device
+    attention_backend: str | None = None  # torch | triton | cpp; default by device
     enforce_eager: bool = False
     disable_log_stats: bool = False
 
@@ -137,7 +137,9 @@ class EngineArgs:
         g.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"))
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-        g.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
+        g.add_argument("--attention-backend", default=None, choices=("torch", "triton", "cpp"),
+                       help="default: triton on CUDA; cpp (C++ paged decode kernel) on CPU, "
+                            "torch (the reference) if it cannot be built")
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--disable-log-stats", action="store_true")
 

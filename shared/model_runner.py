@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from kernels import get_backend
+from kernels import default_backend, get_backend
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
@@ -23,17 +23,6 @@ from shared.scheduler import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
-
-
-def default_attention_backend(device: str) -> str:
-    if device.startswith("cuda"):
-        try:
-            import triton  # noqa: F401
-
-            return "triton"
-        except ImportError:
-            return "torch"
-    return "torch"
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
@@ -63,7 +52,7 @@ class ModelRunner:
             threads = os.environ.get("PDSERVE_NUM_THREADS")
             if threads:
                 torch.set_num_threads(int(threads))
-        self.backend_name = attention_backend or default_attention_backend(device)
+        self.backend_name = attention_backend or default_backend(device)
         self.backend = get_backend(self.backend_name)
         self.dtype = getattr(torch, model_config.dtype)
         self.kv_dtype = (torch.float8_e4m3fn if cache_config.kv_cache_dtype == "fp8_e4m3"

@@ -29,6 +29,7 @@ CONFIGS = {
     "preempt_swap": dict(num_gpu_blocks_override=100, max_model_len=1100,
                          preemption_mode="swap", swap_space=0.05),
     "block_size_32": dict(block_size=32),
+    "torch_reference_attention": dict(attention_backend="torch"),
 }
 
 
