@@ -5,7 +5,7 @@ up: setup
 	.venv/bin/pdserve up
 
 test: setup-test
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -m "not slow"
 
 setup:
 	@scripts/setup.sh

@@ -179,6 +179,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     prompt_tokens=prompt_tokens, completion_tokens=completion,
                     cached_tokens=max(cached, flight.remote_cached_tokens)))
                 chunk.timings.CopyFrom(self._timings(flight, timing_src, first_token_time, now))
+                if chunk.timings.queue_s:
+                    rt.metrics.queue.observe(chunk.timings.queue_s)
                 rt.metrics.e2e.observe(now - flight.arrival)
                 rt.metrics.prompt_tokens.inc(prompt_tokens)
                 rt.metrics.generation_tokens.inc(completion)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.checks import KernelArgumentError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -32,6 +34,11 @@ def is_fp8(kv_cache: torch.Tensor) -> bool:
 def _scale_view(scale: torch.Tensor, ndim: int) -> torch.Tensor:
     # scale: [1] or [Hkv] -> broadcastable over [..., Hkv, D] with `ndim` dims
     return scale.to(torch.float32).view(*([1] * (ndim - 2)), -1, 1)
+
+
+def _require_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if k_scale is None or v_scale is None:
+        raise KernelArgumentError("an fp8 KV cache needs k_scale and v_scale")
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -50,16 +57,23 @@ def write_kv(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [NB, L, 2, BS, Hkv, D]
     layer: int,
-    slot_mapping: torch.Tensor,  # [T] int64, slot = block * BS + offset
+    slot_mapping: torch.Tensor,  # [T] int64, slot = block * BS + offset; < 0 = padding
     k_scale: torch.Tensor | None = None,  # [1] or [Hkv] float32, fp8 only
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V of ``layer`` into their slots (quantizing for an fp8 pool)."""
+    """Store this step's K/V of ``layer`` into their slots (quantizing for an fp8 pool).
+
+    A negative slot marks a padding token (as in vLLM's ``reshape_and_cache``) and is skipped.
+    """
     block_size = kv_cache.shape[3]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    slot_mapping = slot_mapping.long()
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     if is_fp8(kv_cache):
-        assert k_scale is not None and v_scale is not None, "fp8 KV cache needs k_scale and v_scale"
+        _require_scales(k_scale, v_scale)
         key = quantize_fp8(key, k_scale)
         value = quantize_fp8(value, v_scale)
     else:
@@ -84,6 +98,7 @@ def gather_kv(
     k = kv[:, 0].reshape(-1, h, d)[:length]
     v = kv[:, 1].reshape(-1, h, d)[:length]
     if is_fp8(kv_cache):
+        _require_scales(k_scale, v_scale)
         return dequantize_fp8(k, k_scale, dtype), dequantize_fp8(v, v_scale, dtype)
     return k.to(dtype), v.to(dtype)
 
@@ -170,6 +185,7 @@ def paged_decode_attention(
     k = kv[:, :, 0].reshape(num_seqs, n_blocks * bs, num_kv_heads, head_dim)
     v = kv[:, :, 1].reshape(num_seqs, n_blocks * bs, num_kv_heads, head_dim)
     if is_fp8(kv_cache):
+        _require_scales(k_scale, v_scale)
         k = dequantize_fp8(k, k_scale, query.dtype)
         v = dequantize_fp8(v, v_scale, query.dtype)
     elif k.dtype != query.dtype:

@@ -160,6 +160,36 @@ class WorkerRuntime:
             self.lease.deregister()
 
 
+def start_metrics_server(host: str, port: int, registry):
+    """Serve ``/metrics`` (Prometheus text format 0.0.4 always, so the ``pdserve:`` names
+    survive any scraper's content negotiation) and ``/health`` from a daemon thread."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server API)
+            if self.path.split("?")[0] == "/metrics":
+                body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+            elif self.path == "/health":
+                body, ctype, code = b"ok\n", "text/plain", 200
+            else:
+                body, ctype, code = b"not found\n", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # scrapes are not worth a log line each
+            pass
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
+    return httpd
+
+
 def advertise(args: argparse.Namespace, port: int) -> str:
     return f"{args.advertise_host or args.host}:{port}"
 
@@ -172,8 +202,6 @@ async def serve_worker(
     ucx_address: str = "",
 ) -> None:
     """Start gRPC + health + metrics, register, wait for SIGTERM/SIGINT, drain, stop."""
-    from prometheus_client import start_http_server
-
     args = runtime.args
     runtime.loop.start()
     server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -182,7 +210,7 @@ async def serve_worker(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
-    httpd, _ = start_http_server(args.metrics_port, addr=args.host, registry=runtime.metrics.registry)
+    httpd = start_metrics_server(args.host, args.metrics_port, runtime.metrics.registry)
     metrics_port = httpd.server_port
     grpc_addr = advertise(args, port)
     metrics_url = f"http://{advertise(args, metrics_port)}/metrics"

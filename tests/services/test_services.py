@@ -163,7 +163,6 @@ def test_directory_reflects_caches(cluster, tiny_llama):
     assert r.exists("pds:worker:prefill-0") and r.exists("pds:worker:decode-0")
 
 
-@pytest.mark.slow
 def test_prefill_killed_midprefill_falls_back(tiny_llama, tmp_path):
     """A dying prefill worker costs a local prefill, not the request; then its lease expires."""
     c = make_cluster(tiny_llama, tmp_path, "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
