@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from shared.engine import EngineCore, InvalidRequestError, PromptTooLongError
+from shared.engine_loop import AsyncOutputs
 from shared.outputs import EngineCoreOutput
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
@@ -56,6 +57,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.prefill_timeout_s = prefill_timeout_s
         self.flights: dict[str, _Flight] = {}
         self.aloop: asyncio.AbstractEventLoop | None = None
+        self.outputs: AsyncOutputs | None = None
         self.channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self.fallbacks = 0
         runtime.role_hook = self._on_step
@@ -71,8 +73,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        self.aloop = asyncio.get_running_loop()
         rt = self.rt
+        if self.outputs is None:
+            self.aloop = asyncio.get_running_loop()
+            self.outputs = AsyncOutputs(self.aloop)
+            rt.loop.add_batch_sink(self.outputs)
         rid = request.request_id
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
@@ -92,10 +97,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             if not any(resume):
                 resume = None
         remote = bool(request.prefill_address) and resume is None
-        flight = _Flight(request, params.n, asyncio.Queue())
+        flight = _Flight(request, params.n, self.outputs.register(rid))
         flight.path = "disagg" if remote else "local"
         self.flights[rid] = flight
-        rt.loop.add_sink(rid, lambda out: self.aloop.call_soon_threadsafe(flight.queue.put_nowait, out))
         rt.inflight += 1
         finished = False
         try:
@@ -124,7 +128,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             if not finished:  # client cancelled, deadline, or error: abort everywhere
                 await self._abort(rid, flight)
             self.flights.pop(rid, None)
-            rt.loop.remove_sink(rid)
+            self.outputs.unregister(rid)
             rt.inflight -= 1
 
     async def _stream(self, flight: _Flight, request: pb.GenerateRequest):

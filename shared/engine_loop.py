@@ -10,6 +10,7 @@ it must not block).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self._commands: deque[tuple[Callable[[EngineCore], Any], Future]] = deque()
         self._sinks: dict[str, Sink] = {}
+        self._batch_sinks: list[AsyncOutputs] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -70,6 +72,10 @@ class EngineLoop:
     def remove_sink(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
 
+    def add_batch_sink(self, sink: "AsyncOutputs") -> None:
+        """Receive every step's outputs at once (after the per-request sinks)."""
+        self._batch_sinks.append(sink)
+
     def _run_commands(self) -> None:
         while self._commands:
             fn, fut = self._commands.popleft()
@@ -89,6 +95,9 @@ class EngineLoop:
                     sink(o)
                 except Exception:
                     logger.exception("output sink of %s failed", o.request_id)
+        if outputs:
+            for batch_sink in self._batch_sinks:
+                batch_sink(outputs)
 
     def _run(self) -> None:
         engine = self.engine
@@ -115,8 +124,41 @@ class EngineLoop:
                 _, fut = self._commands.popleft()
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError(f"engine loop died: {e!r}"))
-            for rid, sink in list(self._sinks.items()):  # end every open stream
+            dead = [EngineCoreOutput(rid, -1, [], [], finish_reason="abort")
+                    for rid in set(self._sinks) | {r for b in self._batch_sinks for r in b.queues}]
+            for o in dead:  # end every open stream
                 try:
-                    sink(EngineCoreOutput(rid, -1, [], [], finish_reason="abort"))
+                    if o.request_id in self._sinks:
+                        self._sinks[o.request_id](o)
                 except Exception:
-                    logger.exception("output sink of %s failed", rid)
+                    logger.exception("output sink of %s failed", o.request_id)
+            for batch_sink in self._batch_sinks:
+                batch_sink(dead)
+
+
+class AsyncOutputs:
+    """Hands engine outputs to per-request ``asyncio.Queue``s with one event-loop wake-up per
+    engine step (not one per request), which matters at hundreds of streams."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
+        return q
+
+    def unregister(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    def __call__(self, outputs: list[EngineCoreOutput]) -> None:  # engine thread
+        mine = [o for o in outputs if o.request_id in self.queues]
+        if mine:
+            self.loop.call_soon_threadsafe(self._put, mine)
+
+    def _put(self, outputs: list[EngineCoreOutput]) -> None:  # event loop
+        for o in outputs:
+            q = self.queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
