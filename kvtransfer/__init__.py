@@ -24,13 +24,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtransfer.base import (CorruptBlocks, FaultInjector, KVReceiver, KVSender, Link, TransferState,
-                             Transport)
-from kvtransfer.errors import (ChecksumMismatchError, GeometryMismatchError, HandshakeError,
-                               IncompleteTransferError, InvalidAddressError, KVTransferError,
-                               PeerCancelledError, PeerLostError, PoolGeometryError, ProtocolError,
-                               StaleAddressError, TransferCancelledError, TransferRejectedError,
-                               TransferTimeoutError, TransportClosedError)
+from kvtransfer.base import (
+    CorruptBlocks,
+    FaultInjector,
+    KVReceiver,
+    KVSender,
+    Link,
+    TransferState,
+    Transport,
+)
+from kvtransfer.errors import (
+    ChecksumMismatchError,
+    GeometryMismatchError,
+    HandshakeError,
+    IncompleteTransferError,
+    InvalidAddressError,
+    KVTransferError,
+    PeerCancelledError,
+    PeerLostError,
+    PoolGeometryError,
+    ProtocolError,
+    StaleAddressError,
+    TransferCancelledError,
+    TransferRejectedError,
+    TransferTimeoutError,
+    TransportClosedError,
+)
 from kvtransfer.geometry import KVGeometry
 from kvtransfer.handles import RecvHandle, SendHandle, TransferHandle
 from kvtransfer.loopback import LoopbackNetwork
@@ -39,19 +58,23 @@ from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 
 
-
 def _make_transport(kind: str, opts: dict[str, Any], role: str) -> Transport:
     name = opts.pop("name", f"{kind}-{role}")
     if kind == "ucx":
         opts.pop("network", None)
         from kvtransfer.ucx import UcxTransport  # the only import of ucxx, deferred
 
-        return UcxTransport(name=name, options=opts.pop("ucx_options", None),
-                            spin_us=opts.pop("progress_spin_us", 0.0))
+        return UcxTransport(
+            name=name,
+            options=opts.pop("ucx_options", None),
+            spin_us=opts.pop("progress_spin_us", 0.0),
+        )
     if kind == "loopback":
         network = opts.pop("network", None)
         if network is None:
-            raise TypeError("create_*('loopback', ...) needs network=LoopbackNetwork() shared by both sides")
+            raise TypeError(
+                "create_*('loopback', ...) needs network=LoopbackNetwork() shared by both sides"
+            )
         opts.pop("ucx_options", None)
         opts.pop("progress_spin_us", None)
         from kvtransfer.loopback import LoopbackTransport
@@ -68,7 +91,8 @@ def create_sender(kind: str, pool: Any, geometry: KVGeometry, **opts: Any) -> Se
     thread), ``network`` (loopback only, required), ``name``. Every other option goes to
     :class:`~kvtransfer.sender.Sender` (``checksums``, ``max_active_transfers``,
     ``max_inflight_messages``, ``max_message_bytes``, ``connect_timeout_s``,
-    ``settle_timeout_s``, ``metrics``, ``fault_injector``).
+    ``settle_timeout_s``, ``checksum_threads``, ``inline_checksum_bytes``, ``metrics``,
+    ``fault_injector``).
     """
     transport = _make_transport(kind, opts, "sender")
     try:
@@ -78,13 +102,14 @@ def create_sender(kind: str, pool: Any, geometry: KVGeometry, **opts: Any) -> Se
         raise
 
 
-def create_receiver(kind: str, pool: Any, geometry: KVGeometry, host: str = "127.0.0.1", port: int = 0,
-                    **opts: Any) -> Receiver:
+def create_receiver(
+    kind: str, pool: Any, geometry: KVGeometry, host: str = "127.0.0.1", port: int = 0, **opts: Any
+) -> Receiver:
     """Build a receiver over ``kind`` listening on ``port`` (0: any), advertising ``host``.
 
     Transport options as for :func:`create_sender`; the rest go to
     :class:`~kvtransfer.receiver.Receiver` (``verify_checksums``, ``max_posted_receives``,
-    ``settle_timeout_s``, ``metrics``).
+    ``settle_timeout_s``, ``checksum_threads``, ``inline_checksum_bytes``, ``metrics``).
     """
     transport = _make_transport(kind, opts, "receiver")
     try:
@@ -95,11 +120,37 @@ def create_receiver(kind: str, pool: Any, geometry: KVGeometry, host: str = "127
 
 
 __all__ = [
-    "ChecksumMismatchError", "CorruptBlocks", "FaultInjector", "GeometryMismatchError", "HandshakeError",
-    "IncompleteTransferError", "InvalidAddressError", "KVGeometry", "KVReceiver", "KVSender",
-    "KVTransferError", "Link", "LoopbackNetwork", "PeerCancelledError", "PeerLostError",
-    "PoolGeometryError", "ProtocolError", "Receiver", "RecvHandle", "SendHandle", "Sender",
-    "StaleAddressError", "TransferCancelledError", "TransferCounters", "TransferHandle",
-    "TransferMetrics", "TransferRejectedError", "TransferState", "TransferTimeoutError", "Transport",
-    "TransportClosedError", "create_receiver", "create_sender",
+    "ChecksumMismatchError",
+    "CorruptBlocks",
+    "FaultInjector",
+    "GeometryMismatchError",
+    "HandshakeError",
+    "IncompleteTransferError",
+    "InvalidAddressError",
+    "KVGeometry",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "Link",
+    "LoopbackNetwork",
+    "PeerCancelledError",
+    "PeerLostError",
+    "PoolGeometryError",
+    "ProtocolError",
+    "Receiver",
+    "RecvHandle",
+    "SendHandle",
+    "Sender",
+    "StaleAddressError",
+    "TransferCancelledError",
+    "TransferCounters",
+    "TransferHandle",
+    "TransferMetrics",
+    "TransferRejectedError",
+    "TransferState",
+    "TransferTimeoutError",
+    "Transport",
+    "TransportClosedError",
+    "create_receiver",
+    "create_sender",
 ]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtransfer.geometry import KVGeometry
@@ -113,6 +114,8 @@ class Transport(ABC):
 
     kind: str
     reactor: Reactor
+    #: Data messages up to this size travel eagerly (no rendezvous); 0 when not applicable.
+    eager_limit: int = 0
 
     @abstractmethod
     def listen(self, host: str, port: int, on_accept: Callable[[Link], None]) -> tuple[str, int]:
@@ -131,8 +134,9 @@ class KVSender(ABC):
     """Prefill side: pushes blocks of its pool into receivers' pools."""
 
     @abstractmethod
-    def open(self, transfer_id: str, remote_address: bytes, dst_block_ids: list[int],
-             timeout_s: float) -> SendHandle: ...
+    def open(
+        self, transfer_id: str, remote_address: bytes, dst_block_ids: list[int], timeout_s: float
+    ) -> SendHandle: ...
 
     @abstractmethod
     def connect(self, remote_address: bytes, timeout_s: float = 5.0) -> None: ...

@@ -47,10 +47,11 @@ _ALL_FIELDS = ("model", "dtype", "layout", *_INT_FIELDS)
 def canonical_dtype(name: str) -> str:
     """Return the canonical KV dtype name for ``name`` (``"torch.bfloat16"``, ``"fp8"``, ...).
 
-    Raises ``ValueError`` for a dtype the transfer layer does not know.
+    Raises ``ValueError`` for a dtype the transfer layer does not know, ``TypeError`` for a
+    non-string.
     """
     if not isinstance(name, str):
-        raise ValueError(f"KV dtype must be a string, got {type(name).__name__}")
+        raise TypeError(f"KV dtype must be a string, got {type(name).__name__}")
     key = name.strip().lower().removeprefix("torch.")
     key = _DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_BYTES:
@@ -101,7 +102,9 @@ class KVGeometry:
         """Bytes of one block: ``num_layers * 2 * block_size * num_kv_heads * head_dim * dtype_bytes``."""
         return math.prod(self.block_shape) * self.dtype_bytes
 
-    def mismatches(self, other: KVGeometry, *, local: str = "local", remote: str = "remote") -> list[str]:
+    def mismatches(
+        self, other: KVGeometry, *, local: str = "local", remote: str = "remote"
+    ) -> list[str]:
         """Describe every field that differs, as ``"dtype (sender=bfloat16, receiver=float16)"``.
 
         An empty list means the two geometries are compatible.
@@ -121,7 +124,9 @@ class KVGeometry:
     def from_wire(cls, data: Any) -> KVGeometry:
         """Parse the handshake form; raises :class:`ProtocolError` when it is malformed."""
         if not isinstance(data, dict) or set(data) != set(_ALL_FIELDS):
-            raise ProtocolError(f"geometry must be a map with keys {sorted(_ALL_FIELDS)}, got {data!r}")
+            raise ProtocolError(
+                f"geometry must be a map with keys {sorted(_ALL_FIELDS)}, got {data!r}"
+            )
         try:
             return cls(**data)
         except (TypeError, ValueError) as e:

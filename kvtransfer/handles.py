@@ -13,14 +13,15 @@ import asyncio
 import operator
 import threading
 import time
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Generator, Sequence
+from typing import Any
 
 from kvtransfer.base import TransferState
 from kvtransfer.errors import IncompleteTransferError, KVTransferError
 
 
-def _as_int_list(values: Sequence[int], name: str, upper: int) -> list[int]:
+def as_int_list(values: Sequence[int], name: str, upper: int) -> list[int]:
     """Validate a list of block ids / positions: ints in ``[0, upper)``."""
     try:
         out = [int(v) for v in values]
@@ -35,8 +36,13 @@ def _as_int_list(values: Sequence[int], name: str, upper: int) -> list[int]:
 class TransferHandle:
     """Common part of :class:`SendHandle` and :class:`RecvHandle`."""
 
-    def __init__(self, transfer_id: str, num_blocks: int, post: Callable[..., None],
-                 on_cancel: Callable[[Any], None]):
+    def __init__(
+        self,
+        transfer_id: str,
+        num_blocks: int,
+        post: Callable[..., None],
+        on_cancel: Callable[[Any], None],
+    ):
         self.transfer_id = transfer_id
         self.num_blocks = num_blocks
         self.started_at = time.monotonic()
@@ -117,9 +123,16 @@ class SendHandle(TransferHandle):
     the transfer). Every position must be queued exactly once before :meth:`finish`.
     """
 
-    def __init__(self, transfer_id: str, dst_block_ids: list[int], num_src_blocks: int,
-                 post: Callable[..., None], on_cancel: Callable[[Any], None],
-                 on_blocks: Callable[..., None], on_finish: Callable[..., None]):
+    def __init__(
+        self,
+        transfer_id: str,
+        dst_block_ids: list[int],
+        num_src_blocks: int,
+        post: Callable[..., None],
+        on_cancel: Callable[[Any], None],
+        on_blocks: Callable[..., None],
+        on_finish: Callable[..., None],
+    ):
         super().__init__(transfer_id, len(dst_block_ids), post, on_cancel)
         self.dst_block_ids = tuple(dst_block_ids)
         self._num_src_blocks = num_src_blocks
@@ -142,13 +155,15 @@ class SendHandle(TransferHandle):
         outside the transfer, a position queued twice, or a call after :meth:`finish`. After
         the handle is terminal, valid calls are ignored.
         """
-        src = _as_int_list(src_block_ids, "src_block_ids", self._num_src_blocks)
+        src = as_int_list(src_block_ids, "src_block_ids", self._num_src_blocks)
         if isinstance(first_index, bool):
             raise TypeError("first_index must be an int, got a bool")
         first_index = operator.index(first_index)
         n = len(self.dst_block_ids)
         if first_index < 0 or first_index + len(src) > n:
-            raise ValueError(f"positions [{first_index}, {first_index + len(src)}) outside transfer of {n} blocks")
+            raise ValueError(
+                f"positions [{first_index}, {first_index + len(src)}) outside transfer of {n} blocks"
+            )
         if not src:
             return
         with self._lock:
@@ -157,7 +172,9 @@ class SendHandle(TransferHandle):
             positions = range(first_index, first_index + len(src))
             dup = [i for i in positions if self._queued[i]]
             if dup:
-                raise ValueError(f"transfer {self.transfer_id!r}: positions {dup[:8]} already queued")
+                raise ValueError(
+                    f"transfer {self.transfer_id!r}: positions {dup[:8]} already queued"
+                )
             for i in positions:
                 self._queued[i] = 1
             self._num_queued += len(src)
@@ -190,8 +207,13 @@ class RecvHandle(TransferHandle):
     of this transfer will be written to the pool any more.
     """
 
-    def __init__(self, transfer_id: str, block_ids: list[int], post: Callable[..., None],
-                 on_cancel: Callable[[Any], None]):
+    def __init__(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        post: Callable[..., None],
+        on_cancel: Callable[[Any], None],
+    ):
         super().__init__(transfer_id, len(block_ids), post, on_cancel)
         self.block_ids = tuple(block_ids)
         self.bytes_received = 0

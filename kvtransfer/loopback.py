@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
 
 from kvtransfer.base import DataCallback, Link, Transport
 from kvtransfer.errors import PeerLostError, ProtocolError
@@ -108,12 +108,28 @@ class LoopbackLink(Link):
         peer.reactor.call_soon_threadsafe(peer._deliver, bytes(payload))
 
     def send_data(self, tag: int, region: Region, done: DataCallback) -> None:
-        self._post(self._ch.sends, self._ch.recvs, self._side, tag, (region, done, self.reactor), sending=True)
+        self._post(
+            self._ch.sends,
+            self._ch.recvs,
+            self._side,
+            tag,
+            (region, done, self.reactor),
+            sending=True,
+        )
 
     def recv_data(self, tag: int, region: Region | None, done: DataCallback) -> None:
-        self._post(self._ch.recvs, self._ch.sends, 1 - self._side, tag, (region, done, self.reactor), sending=False)
+        self._post(
+            self._ch.recvs,
+            self._ch.sends,
+            1 - self._side,
+            tag,
+            (region, done, self.reactor),
+            sending=False,
+        )
 
-    def _post(self, mine: tuple, theirs: tuple, direction: int, tag: int, op: tuple, *, sending: bool) -> None:
+    def _post(
+        self, mine: tuple, theirs: tuple, direction: int, tag: int, op: tuple, *, sending: bool
+    ) -> None:
         with self._ch.lock:
             if not self._ch.closed:
                 queue = theirs[direction].get(tag)
@@ -125,7 +141,7 @@ class LoopbackLink(Link):
                     mine[direction].setdefault(tag, collections.deque()).append(op)
                     return
         if self._ch.closed:
-            region, done, reactor = op
+            _region, done, reactor = op
             reactor.call_soon_threadsafe(done, PeerLostError("loopback connection closed"))
             return
         send, recv = (op, other) if sending else (other, op)
@@ -140,7 +156,9 @@ class LoopbackLink(Link):
         recv_error: BaseException | None = None
         if dst is not None:
             if dst.nbytes != src.nbytes:
-                recv_error = ProtocolError(f"message truncated: {src.nbytes} bytes into {dst.nbytes}")
+                recv_error = ProtocolError(
+                    f"message truncated: {src.nbytes} bytes into {dst.nbytes}"
+                )
             else:
                 copy_region(dst, src)
         send_reactor.call_soon_threadsafe(send_done, None)
@@ -176,7 +194,9 @@ class LoopbackTransport(Transport):
 
     def __init__(self, network: LoopbackNetwork, *, name: str = "loopback"):
         if not isinstance(network, LoopbackNetwork):
-            raise TypeError("the loopback transport needs network=LoopbackNetwork() shared by both sides")
+            raise TypeError(
+                "the loopback transport needs network=LoopbackNetwork() shared by both sides"
+            )
         self.network = network
         self.reactor = Reactor(name)
         self.reactor.start()

@@ -19,12 +19,36 @@ from dataclasses import dataclass
 from typing import Any
 
 #: Histogram buckets (seconds) for transfer durations: sub-millisecond to a minute.
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0)
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 #: ``reason`` label values of the failures counter.
-FAILURE_REASONS = ("timeout", "checksum", "peer_lost", "handshake", "rejected", "protocol",
-                   "peer_cancelled", "closed")
+FAILURE_REASONS = (
+    "timeout",
+    "checksum",
+    "peer_lost",
+    "handshake",
+    "rejected",
+    "protocol",
+    "peer_cancelled",
+    "closed",
+)
 
 
 @dataclass
@@ -54,17 +78,37 @@ class TransferMetrics:
             from prometheus_client import Counter, Histogram
 
             self._prom = {
-                "bytes": Counter("pdserve:kv_transfer_bytes", "KV block bytes moved by the transfer layer.",
-                                 ["direction"], registry=registry),
-                "seconds": Histogram("pdserve:kv_transfer_seconds", "Duration of successful KV transfers.",
-                                     ["direction"], buckets=SECONDS_BUCKETS, registry=registry),
-                "failures": Counter("pdserve:kv_transfer_failures", "KV transfers that failed.",
-                                    ["direction", "reason"], registry=registry),
-                "mismatches": Counter("pdserve:kv_transfer_checksum_mismatches",
-                                      "KV blocks whose xxh3 checksum did not match.", ["direction"],
-                                      registry=registry),
-                "transfers": Counter("pdserve:kv_transfer_transfers", "KV transfers that completed.",
-                                     ["direction"], registry=registry),
+                "bytes": Counter(
+                    "pdserve:kv_transfer_bytes",
+                    "KV block bytes moved by the transfer layer.",
+                    ["direction"],
+                    registry=registry,
+                ),
+                "seconds": Histogram(
+                    "pdserve:kv_transfer_seconds",
+                    "Duration of successful KV transfers.",
+                    ["direction"],
+                    buckets=SECONDS_BUCKETS,
+                    registry=registry,
+                ),
+                "failures": Counter(
+                    "pdserve:kv_transfer_failures",
+                    "KV transfers that failed.",
+                    ["direction", "reason"],
+                    registry=registry,
+                ),
+                "mismatches": Counter(
+                    "pdserve:kv_transfer_checksum_mismatches",
+                    "KV blocks whose xxh3 checksum did not match.",
+                    ["direction"],
+                    registry=registry,
+                ),
+                "transfers": Counter(
+                    "pdserve:kv_transfer_transfers",
+                    "KV transfers that completed.",
+                    ["direction"],
+                    registry=registry,
+                ),
             }
 
     def counters(self, direction: str) -> TransferCounters:

@@ -69,8 +69,10 @@ class PoolView:
         elif hasattr(pool, "__cuda_array_interface__"):
             torch = _torch_module()
             if torch is None:
-                import torch  # noqa: F811  (device pools need torch for checksums and copies)
-            self._flat, self.is_cuda = self._from_torch(torch.as_tensor(pool, device="cuda"), geometry)
+                import torch
+            self._flat, self.is_cuda = self._from_torch(
+                torch.as_tensor(pool, device="cuda"), geometry
+            )
         elif hasattr(pool, "__array_interface__") or isinstance(pool, np.ndarray):
             arr = np.asarray(pool)
             if not arr.flags.c_contiguous:
@@ -97,7 +99,9 @@ class PoolView:
             raise PoolGeometryError("KV pool tensor must be contiguous")
         dtype_name = str(t.dtype).removeprefix("torch.")
         if t.dtype not in (torch.uint8, torch.int8) and dtype_name != geometry.dtype:
-            raise PoolGeometryError(f"KV pool dtype {dtype_name} differs from geometry dtype {geometry.dtype}")
+            raise PoolGeometryError(
+                f"KV pool dtype {dtype_name} differs from geometry dtype {geometry.dtype}"
+            )
         if t.dim() == 6 and tuple(t.shape[1:]) != geometry.block_shape:
             raise PoolGeometryError(
                 f"KV pool shape {tuple(t.shape)} does not match [num_blocks, *{geometry.block_shape}]"
@@ -111,7 +115,9 @@ class PoolView:
 
     def _check_range(self, first_block: int, count: int) -> None:
         if count <= 0 or first_block < 0 or first_block + count > self.num_blocks:
-            raise IndexError(f"blocks [{first_block}, {first_block + count}) outside pool of {self.num_blocks}")
+            raise IndexError(
+                f"blocks [{first_block}, {first_block + count}) outside pool of {self.num_blocks}"
+            )
 
     def region(self, first_block: int, count: int) -> Region:
         """The bytes of blocks ``[first_block, first_block + count)``, aliasing the pool."""
@@ -133,7 +139,7 @@ class PoolView:
         """
         data = self.host_bytes(region)
         bb = self.block_bytes
-        return [xxhash.xxh3_64_intdigest(data[i * bb:(i + 1) * bb]) for i in range(region.count)]
+        return [xxhash.xxh3_64_intdigest(data[i * bb : (i + 1) * bb]) for i in range(region.count)]
 
     def corrupted_copy(self, region: Region, block_offsets: list[int]) -> Region:
         """A copy of ``region`` with one byte flipped in each listed block (fault injection only)."""

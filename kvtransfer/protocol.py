@@ -13,7 +13,7 @@ described in ``docs/notes/kvtransfer.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -88,7 +88,22 @@ class Data:
     x: int
     index: int
     count: int
-    checksums: list[int] | None  # xxh3_64 of each block, or None when checksums are off
+    checksums: (
+        list[int] | None
+    )  # xxh3_64 of each block; None: a ``sums`` op follows, or checksums are off
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Sender -> receiver: xxh3_64 of the blocks of the data message starting at ``index``.
+
+    Sent when the checksums of a ``data`` message were computed after it went out (the usual
+    case: hashing overlaps the transfer). Always before the transfer's ``fin``.
+    """
+
+    x: int
+    index: int
+    checksums: list[int]
 
 
 @dataclass(frozen=True)
@@ -134,10 +149,18 @@ class Error:
     reason: str
 
 
-Op = Union[Hello, HelloOk, Refuse, Open, Data, Fin, Cancel, Done, Fail, Error]
+Op = Hello | HelloOk | Refuse | Open | Data | Sums | Fin | Cancel | Done | Fail | Error
 
 #: Machine-readable ``Fail.code`` values.
-FAIL_CODES = ("checksum", "timeout", "cancelled", "unknown_transfer", "mismatch", "protocol", "closed")
+FAIL_CODES = (
+    "checksum",
+    "timeout",
+    "cancelled",
+    "unknown_transfer",
+    "mismatch",
+    "protocol",
+    "closed",
+)
 
 
 # ---- encoding ---------------------------------------------------------------------------
@@ -145,8 +168,13 @@ FAIL_CODES = ("checksum", "timeout", "cancelled", "unknown_transfer", "mismatch"
 
 def _op_to_wire(op: Op) -> dict[str, Any]:
     if isinstance(op, Hello):
-        return {"op": "hello", "proto": op.proto, "geometry": op.geometry, "checksums": op.checksums,
-                "sender": op.sender_id}
+        return {
+            "op": "hello",
+            "proto": op.proto,
+            "geometry": op.geometry,
+            "checksums": op.checksums,
+            "sender": op.sender_id,
+        }
     if isinstance(op, HelloOk):
         return {"op": "hello_ok", "proto": op.proto, "receiver": op.receiver_id, "link": op.link_id}
     if isinstance(op, Refuse):
@@ -155,6 +183,8 @@ def _op_to_wire(op: Op) -> dict[str, Any]:
         return {"op": "open", "x": op.x, "id": op.transfer_id, "dst": op.dst}
     if isinstance(op, Data):
         return {"op": "data", "x": op.x, "i": op.index, "k": op.count, "ck": op.checksums}
+    if isinstance(op, Sums):
+        return {"op": "sums", "x": op.x, "i": op.index, "ck": op.checksums}
     if isinstance(op, Fin):
         return {"op": "fin", "x": op.x, "n": op.count}
     if isinstance(op, Cancel):
@@ -187,7 +217,9 @@ def _int(d: dict, key: str, hi: int = _U64, *, optional: bool = False) -> int | 
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
-        raise ProtocolError(f"{d.get('op')!r} op field {key!r} must be an int in [0, {hi}], got {v!r}")
+        raise ProtocolError(
+            f"{d.get('op')!r} op field {key!r} must be an int in [0, {hi}], got {v!r}"
+        )
     return v
 
 
@@ -196,19 +228,27 @@ def _str(d: dict, key: str, *, optional: bool = False, max_len: int = _MAX_STR) 
     if v is None and optional:
         return None
     if not isinstance(v, str) or len(v) > max_len:
-        raise ProtocolError(f"{d.get('op')!r} op field {key!r} must be a string of at most {max_len} chars")
+        raise ProtocolError(
+            f"{d.get('op')!r} op field {key!r} must be a string of at most {max_len} chars"
+        )
     return v
 
 
-def _int_list(d: dict, key: str, *, max_len: int, hi: int, optional: bool = False) -> list[int] | None:
+def _int_list(
+    d: dict, key: str, *, max_len: int, hi: int, optional: bool = False
+) -> list[int] | None:
     v = d.get(key) if optional else _field(d, key)
     if v is None and optional:
         return None
     if not isinstance(v, list) or len(v) > max_len:
-        raise ProtocolError(f"{d.get('op')!r} op field {key!r} must be a list of at most {max_len} ints")
+        raise ProtocolError(
+            f"{d.get('op')!r} op field {key!r} must be a list of at most {max_len} ints"
+        )
     for item in v:
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= hi:
-            raise ProtocolError(f"{d.get('op')!r} op field {key!r} holds {item!r}, not an int in [0, {hi}]")
+            raise ProtocolError(
+                f"{d.get('op')!r} op field {key!r} holds {item!r}, not an int in [0, {hi}]"
+            )
     return v
 
 
@@ -218,7 +258,9 @@ def _x(d: dict) -> int:
 
 def _decode_op(d: Any) -> Op:
     if not isinstance(d, dict) or not isinstance(d.get("op"), str):
-        raise ProtocolError(f"an operation must be a map with a string 'op', got {type(d).__name__}")
+        raise ProtocolError(
+            f"an operation must be a map with a string 'op', got {type(d).__name__}"
+        )
     kind = d["op"]
     if kind == "hello":
         geometry = _field(d, "geometry")
@@ -227,11 +269,18 @@ def _decode_op(d: Any) -> Op:
         checksums = _field(d, "checksums")
         if not isinstance(checksums, bool):
             raise ProtocolError("'hello' op field 'checksums' must be a bool")
-        return Hello(geometry=geometry, checksums=checksums, sender_id=_str(d, "sender"),
-                     proto=_int(d, "proto", 1 << 16))
+        return Hello(
+            geometry=geometry,
+            checksums=checksums,
+            sender_id=_str(d, "sender"),
+            proto=_int(d, "proto", 1 << 16),
+        )
     if kind == "hello_ok":
-        return HelloOk(receiver_id=_str(d, "receiver"), link_id=_int(d, "link", LINK_ID_LIMIT - 1),
-                       proto=_int(d, "proto", 1 << 16))
+        return HelloOk(
+            receiver_id=_str(d, "receiver"),
+            link_id=_int(d, "link", LINK_ID_LIMIT - 1),
+            proto=_int(d, "proto", 1 << 16),
+        )
     if kind == "refuse":
         geometry = d.get("geometry")
         if geometry is not None and not isinstance(geometry, dict):
@@ -249,7 +298,14 @@ def _decode_op(d: Any) -> Op:
         ck = _int_list(d, "ck", max_len=MAX_BLOCKS_PER_TRANSFER, hi=_U64, optional=True)
         if ck is not None and len(ck) != count:
             raise ProtocolError(f"'data' op carries {len(ck)} checksums for {count} blocks")
-        return Data(x=_x(d), index=_int(d, "i", MAX_BLOCKS_PER_TRANSFER - 1), count=count, checksums=ck)
+        return Data(
+            x=_x(d), index=_int(d, "i", MAX_BLOCKS_PER_TRANSFER - 1), count=count, checksums=ck
+        )
+    if kind == "sums":
+        ck = _int_list(d, "ck", max_len=MAX_BLOCKS_PER_TRANSFER, hi=_U64)
+        if not ck:
+            raise ProtocolError("'sums' op field 'ck' must not be empty")
+        return Sums(x=_x(d), index=_int(d, "i", MAX_BLOCKS_PER_TRANSFER - 1), checksums=ck)
     if kind == "fin":
         return Fin(x=_x(d), count=_int(d, "n", MAX_BLOCKS_PER_TRANSFER))
     if kind == "cancel":
@@ -258,8 +314,12 @@ def _decode_op(d: Any) -> Op:
         return Done(x=_x(d))
     if kind == "fail":
         code = _str(d, "code")
-        return Fail(x=_x(d), code=code, reason=_str(d, "reason"),
-                    index=_int(d, "i", MAX_BLOCKS_PER_TRANSFER - 1, optional=True))
+        return Fail(
+            x=_x(d),
+            code=code,
+            reason=_str(d, "reason"),
+            index=_int(d, "i", MAX_BLOCKS_PER_TRANSFER - 1, optional=True),
+        )
     if kind == "error":
         return Error(reason=_str(d, "reason"))
     raise ProtocolError(f"unknown op {kind[:64]!r}")
@@ -271,10 +331,14 @@ def decode_ops(payload: bytes | bytearray | memoryview) -> list[Op]:
         raise ProtocolError(f"control message of {len(payload)} bytes exceeds {MAX_CTRL_BYTES}")
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"control message is not valid msgpack: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001  (msgpack raises several unrelated types on garbage)
+        raise ProtocolError(
+            f"control message is not valid msgpack: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(raw, list) or not raw:
-        raise ProtocolError(f"control message must be a non-empty array of ops, got {type(raw).__name__}")
+        raise ProtocolError(
+            f"control message must be a non-empty array of ops, got {type(raw).__name__}"
+        )
     return [_decode_op(item) for item in raw]
 
 
@@ -295,8 +359,16 @@ class ReceiverAddress:
     receiver_id: str
 
     def encode(self) -> bytes:
-        return msgpack.packb({"v": 1, "kind": self.kind, "host": self.host, "port": self.port,
-                              "receiver": self.receiver_id}, use_bin_type=True)
+        return msgpack.packb(
+            {
+                "v": 1,
+                "kind": self.kind,
+                "host": self.host,
+                "port": self.port,
+                "receiver": self.receiver_id,
+            },
+            use_bin_type=True,
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> ReceiverAddress:
@@ -305,14 +377,20 @@ class ReceiverAddress:
             raise InvalidAddressError(f"receiver address must be bytes, got {type(data).__name__}")
         try:
             d = msgpack.unpackb(bytes(data), raw=False)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (as above: any msgpack failure)
             raise InvalidAddressError(f"receiver address is not valid msgpack: {e}") from None
         if not isinstance(d, dict) or d.get("v") != 1:
             raise InvalidAddressError(f"unsupported receiver address {d!r}")
         kind, host, port, rid = d.get("kind"), d.get("host"), d.get("port"), d.get("receiver")
-        if (kind not in ("ucx", "loopback") or not isinstance(host, str) or not host
-                or isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < (1 << 32)
-                or not isinstance(rid, str)):
+        if (
+            kind not in ("ucx", "loopback")
+            or not isinstance(host, str)
+            or not host
+            or isinstance(port, bool)
+            or not isinstance(port, int)
+            or not 0 <= port < (1 << 32)
+            or not isinstance(rid, str)
+        ):
             raise InvalidAddressError(f"malformed receiver address {d!r}")
         return cls(kind=kind, host=host, port=port, receiver_id=rid)
 

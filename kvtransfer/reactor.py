@@ -20,8 +20,9 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger("kvtransfer")
 
@@ -44,7 +45,7 @@ class ProgressSource(Protocol):
 class TimerHandle:
     """A callback scheduled with :meth:`Reactor.call_later`; :meth:`cancel` is idempotent."""
 
-    __slots__ = ("when", "seq", "fn", "args", "cancelled")
+    __slots__ = ("args", "cancelled", "fn", "seq", "when")
 
     def __init__(self, when: float, seq: int, fn: Callable, args: tuple):
         self.when, self.seq, self.fn, self.args, self.cancelled = when, seq, fn, args, False
@@ -109,7 +110,7 @@ class Reactor:
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(*args))
-                except BaseException as e:  # handed to the caller
+                except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
                     fut.set_exception(e)
 
         self.call_soon_threadsafe(call)
@@ -117,7 +118,9 @@ class Reactor:
             return fut.result(timeout)
         except TimeoutError:
             fut.cancel()
-            raise TimeoutError(f"reactor {self.name} did not run {fn.__name__} within {timeout}s") from None
+            raise TimeoutError(
+                f"reactor {self.name} did not run {fn.__name__} within {timeout}s"
+            ) from None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the loop and join the thread (at most ``timeout`` seconds); idempotent."""

@@ -1,7 +1,7 @@
 """Decode side of the KV transfer protocol, written once against the transport SPI.
 
 ``expect`` registers a transfer before the prefill worker is asked to send (no I/O). On the
-reactor thread, for each connection (:class:`_InLink`):
+reactor thread, for each connection (:class:`InboundLink`):
 
 * the first message must be ``hello``; the receiver compares geometry, protocol version and
   checksum setting and answers ``hello_ok`` (with the connection's tag id) or ``refuse``
@@ -34,72 +34,71 @@ from functools import partial
 from typing import Any
 
 from kvtransfer.base import KVReceiver, Link, TransferState, Transport
-from kvtransfer.errors import (ChecksumMismatchError, KVTransferError, PeerCancelledError, PeerLostError,
-                               ProtocolError, TransferCancelledError, TransferTimeoutError,
-                               TransportClosedError)
+from kvtransfer.checksums import Checksummer
+from kvtransfer.errors import (
+    ChecksumMismatchError,
+    KVTransferError,
+    PeerCancelledError,
+    PeerLostError,
+    ProtocolError,
+    TransferCancelledError,
+    TransferTimeoutError,
+    TransportClosedError,
+)
 from kvtransfer.geometry import KVGeometry
-from kvtransfer.handles import RecvHandle, _as_int_list
+from kvtransfer.handles import RecvHandle, as_int_list
+from kvtransfer.inbound import InboundLink, InboundMessage, InboundTransfer
 from kvtransfer.metrics import TransferCounters, TransferMetrics
 from kvtransfer.pool import PoolView
-from kvtransfer.protocol import (LINK_ID_LIMIT, MAX_BLOCKS_PER_TRANSFER, PROTOCOL_VERSION, Cancel, Data,
-                                 Done, Error, Fail, Fin, Hello, HelloOk, Op, Open, ReceiverAddress, Refuse,
-                                 data_tag, decode_ops, encode_ops)
+from kvtransfer.protocol import (
+    LINK_ID_LIMIT,
+    MAX_BLOCKS_PER_TRANSFER,
+    PROTOCOL_VERSION,
+    Cancel,
+    Data,
+    Done,
+    Error,
+    Fail,
+    Fin,
+    Hello,
+    HelloOk,
+    Op,
+    Open,
+    ReceiverAddress,
+    Refuse,
+    Sums,
+    data_tag,
+    decode_ops,
+    encode_ops,
+)
 
 logger = logging.getLogger("kvtransfer")
-
-_REJECTED_MEMORY = 4096  # per connection: recently finished/rejected transfer numbers
-
-
-class _InLink:
-    """One sender's connection."""
-
-    def __init__(self, link: Link, link_id: int):
-        self.link = link
-        self.link_id = link_id
-        self.ready = False
-        self.closed = False
-        self.transfers: dict[int, _In] = {}
-        # Transfer numbers whose late data is drained silently (bounded, oldest dropped).
-        self.retired: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.peer = "unknown sender"
-
-    def retire(self, x: int) -> None:
-        self.retired[x] = None
-        self.retired.move_to_end(x)
-        while len(self.retired) > _REJECTED_MEMORY:
-            self.retired.popitem(last=False)
-
-
-class _In:
-    """Reactor-side state of one expected transfer."""
-
-    def __init__(self, transfer_id: str, ids: list[int], timeout_s: float):
-        self.transfer_id = transfer_id
-        self.ids = ids
-        self.timeout_s = timeout_s
-        self.handle: RecvHandle = None  # type: ignore[assignment]
-        self.link: _InLink | None = None
-        self.x: int | None = None
-        self.seen = bytearray(len(ids))  # header received for this position
-        self.verified = 0
-        self.posted = 0  # receives into the pool not yet completed
-        self.fin_count: int | None = None
-        self.outcome: tuple[TransferState, KVTransferError | None, str | None] | None = None
-        self.deadline_timer: Any = None
-        self.settle_timer: Any = None
 
 
 class Receiver(KVReceiver):
     """Receives blocks into ``pool`` over ``transport``; see the module docstring.
 
     Options: ``verify_checksums`` (default on; a sender with checksums off is then refused),
-    ``max_posted_receives``, ``settle_timeout_s``, ``metrics``. ``host`` is the address
+    ``max_posted_receives``, ``settle_timeout_s``, ``checksum_threads`` / ``inline_checksum_bytes`` (messages
+    larger than this are verified on those threads, off the I/O thread), ``metrics``. ``host`` is the address
     advertised to senders; ``port`` 0 picks a free port.
     """
 
-    def __init__(self, transport: Transport, pool: Any, geometry: KVGeometry, *, host: str = "127.0.0.1",
-                 port: int = 0, verify_checksums: bool = True, max_posted_receives: int = 64,
-                 settle_timeout_s: float = 5.0, metrics: TransferMetrics | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        pool: Any,
+        geometry: KVGeometry,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        verify_checksums: bool = True,
+        max_posted_receives: int = 64,
+        settle_timeout_s: float = 5.0,
+        checksum_threads: int = 1,
+        inline_checksum_bytes: int = 1 << 20,
+        metrics: TransferMetrics | None = None,
+    ):
         if max_posted_receives < 1:
             raise ValueError("max_posted_receives must be >= 1")
         self._geometry = geometry
@@ -113,19 +112,24 @@ class Receiver(KVReceiver):
         self.receiver_id = uuid.uuid4().hex[:16]
         # Shared with caller threads (guarded by _lock).
         self._lock = threading.Lock()
-        self._expected: dict[str, _In] = {}  # registered, not yet opened by a sender
+        self._expected: dict[str, InboundTransfer] = {}  # registered, not yet opened by a sender
         self._ids: set[str] = set()  # every transfer id not yet terminal
         self._closed = False
         # Reactor-thread state.
-        self._live: set[_In] = set()
-        self._links: dict[int, _InLink] = {}
+        self._live: set[InboundTransfer] = set()
+        self._links: dict[int, InboundLink] = {}
         self._next_link_id = 1
         self._posted_total = 0
-        self._backlog: collections.deque[tuple] = collections.deque()
+        self._backlog: collections.deque[InboundMessage] = collections.deque()
+        self._checksummer = Checksummer(
+            self._pool, self._reactor, checksum_threads, inline_checksum_bytes
+        )
         self._closing = False
         self.protocol_errors = 0
         self._finalizer = weakref.finalize(self, transport.close)
-        bound_host, bound_port = self._reactor.run_sync(self._transport.listen, host, port, self._on_accept)
+        bound_host, bound_port = self._reactor.run_sync(
+            self._transport.listen, host, port, self._on_accept
+        )
         self._address = ReceiverAddress(transport.kind, bound_host, bound_port, self.receiver_id)
         self._address_bytes = self._address.encode()
 
@@ -159,15 +163,19 @@ class Receiver(KVReceiver):
         """
         if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 1024:
             raise ValueError("transfer_id must be a non-empty string of at most 1024 chars")
-        ids = _as_int_list(block_ids, "block_ids", self._pool.num_blocks)
+        ids = as_int_list(block_ids, "block_ids", self._pool.num_blocks)
         if not 0 < len(ids) <= MAX_BLOCKS_PER_TRANSFER:
-            raise ValueError(f"block_ids must hold 1 to {MAX_BLOCKS_PER_TRANSFER} ids, got {len(ids)}")
+            raise ValueError(
+                f"block_ids must hold 1 to {MAX_BLOCKS_PER_TRANSFER} ids, got {len(ids)}"
+            )
         if len(set(ids)) != len(ids):
             raise ValueError("block_ids must not repeat a block")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        t = _In(transfer_id, ids, float(timeout_s))
-        t.handle = RecvHandle(transfer_id, ids, self._reactor.call_soon_threadsafe, partial(self._on_cancel, t))
+        t = InboundTransfer(transfer_id, ids, float(timeout_s))
+        t.handle = RecvHandle(
+            transfer_id, ids, self._reactor.call_soon_threadsafe, partial(self._on_cancel, t)
+        )
         with self._lock:
             if self._closed:
                 raise TransportClosedError("receiver is closed")
@@ -191,30 +199,54 @@ class Receiver(KVReceiver):
             except (TimeoutError, RuntimeError) as e:
                 logger.warning("kvtransfer receiver close: %s", e)
         self._finalizer()  # transport.close(): completes every outstanding receive, stops the reactor
+        self._checksummer.close()
         for t in list(self._live):  # the reactor is stopped: nothing can write to the pool now
             if t.outcome is None:
-                t.outcome = (TransferState.FAILED, TransportClosedError("receiver closed"), "closed")
+                t.outcome = (
+                    TransferState.FAILED,
+                    TransportClosedError("receiver closed"),
+                    "closed",
+                )
             self._finalize(t)
 
     # ---- transfer lifecycle (reactor thread) ---------------------------------------------
 
-    def _register(self, t: _In) -> None:
-        self._live.add(t)
+    def _register(self, t: InboundTransfer) -> None:
         if t.outcome is None:
+            self._live.add(t)
             t.deadline_timer = self._reactor.call_later(t.timeout_s, self._on_deadline, t)
 
-    def _on_deadline(self, t: _In) -> None:
-        self._decide(t, TransferState.FAILED, TransferTimeoutError(
-            f"transfer {t.transfer_id!r}: {t.verified}/{len(t.ids)} blocks received within {t.timeout_s}s"
-            + ("" if t.link is not None else " (the sender never opened it)")), "timeout", code="timeout")
+    def _on_deadline(self, t: InboundTransfer) -> None:
+        self._decide(
+            t,
+            TransferState.FAILED,
+            TransferTimeoutError(
+                f"transfer {t.transfer_id!r}: {t.verified}/{len(t.ids)} blocks received within {t.timeout_s}s"
+                + ("" if t.link is not None else " (the sender never opened it)")
+            ),
+            "timeout",
+            code="timeout",
+        )
 
-    def _on_cancel(self, t: _In, _handle: RecvHandle) -> None:
-        self._decide(t, TransferState.CANCELLED,
-                     TransferCancelledError(f"transfer {t.transfer_id!r} cancelled by the receiver"), None,
-                     code="cancelled")
+    def _on_cancel(self, t: InboundTransfer, _handle: RecvHandle) -> None:
+        self._decide(
+            t,
+            TransferState.CANCELLED,
+            TransferCancelledError(f"transfer {t.transfer_id!r} cancelled by the receiver"),
+            None,
+            code="cancelled",
+        )
 
-    def _decide(self, t: _In, state: TransferState, error: KVTransferError | None, reason: str | None,
-                *, code: str | None = None, index: int | None = None) -> None:
+    def _decide(
+        self,
+        t: InboundTransfer,
+        state: TransferState,
+        error: KVTransferError | None,
+        reason: str | None,
+        *,
+        code: str | None = None,
+        index: int | None = None,
+    ) -> None:
         """Fix the outcome of ``t`` and tell the sender (``code``); it settles once no receive
         into its blocks is outstanding."""
         if t.outcome is not None:
@@ -226,18 +258,26 @@ class Receiver(KVReceiver):
         link = t.link
         if code is not None and link is not None and not link.closed and t.x is not None:
             self._send(link, Fail(t.x, code, str(error)[:1000], index))
-        if t.posted == 0:
+        if not t.busy:
             self._finalize(t)
         elif t.settle_timer is None:
-            t.settle_timer = self._reactor.call_later(self._settle_timeout_s, self._on_settle_timeout, t)
+            t.settle_timer = self._reactor.call_later(
+                self._settle_timeout_s, self._on_settle_timeout, t
+            )
 
-    def _on_settle_timeout(self, t: _In) -> None:
+    def _on_settle_timeout(self, t: InboundTransfer) -> None:
         if not t.handle.done and t.link is not None:
-            logger.warning("kvtransfer: %d receives of transfer %r did not settle within %.1fs; closing "
-                           "the connection from %s", t.posted, t.transfer_id, self._settle_timeout_s, t.link.peer)
+            logger.warning(
+                "kvtransfer: %d receives of transfer %r did not settle within %.1fs; closing "
+                "the connection from %s",
+                t.posted,
+                t.transfer_id,
+                self._settle_timeout_s,
+                t.link.peer,
+            )
             t.link.link.close()
 
-    def _finalize(self, t: _In) -> None:
+    def _finalize(self, t: InboundTransfer) -> None:
         if t.handle.done:
             return
         state, error, reason = t.outcome  # type: ignore[misc]
@@ -270,31 +310,37 @@ class Receiver(KVReceiver):
         while link_id in self._links or link_id == 0:
             link_id = (link_id + 1) % LINK_ID_LIMIT
         self._next_link_id = (link_id + 1) % LINK_ID_LIMIT
-        il = _InLink(link, link_id)
+        il = InboundLink(link, link_id)
         self._links[link_id] = il
         link.on_ctrl = partial(self._on_ctrl, il)
         link.on_closed = partial(self._on_link_closed, il)
         link.start()
 
-    def _on_link_closed(self, il: _InLink, error: BaseException) -> None:
+    def _on_link_closed(self, il: InboundLink, error: BaseException) -> None:
         if il.closed:
             return
         il.closed = True
         self._links.pop(il.link_id, None)
         for t in list(il.transfers.values()):
-            self._decide(t, TransferState.FAILED, PeerLostError(
-                f"transfer {t.transfer_id!r}: connection from {il.peer} lost: {error}"), "peer_lost")
+            self._decide(
+                t,
+                TransferState.FAILED,
+                PeerLostError(
+                    f"transfer {t.transfer_id!r}: connection from {il.peer} lost: {error}"
+                ),
+                "peer_lost",
+            )
 
-    def _send(self, il: _InLink, *ops: Op) -> None:
+    def _send(self, il: InboundLink, *ops: Op) -> None:
         if not il.closed:
             il.link.send_ctrl(encode_ops(list(ops)))
 
-    def _reject(self, il: _InLink, reason: str) -> None:
+    def _reject(self, il: InboundLink, reason: str) -> None:
         self.protocol_errors += 1
         logger.warning("kvtransfer: from %s: %s", il.peer, reason)
         self._send(il, Error(reason[:1000]))
 
-    def _on_ctrl(self, il: _InLink, payload: bytes) -> None:
+    def _on_ctrl(self, il: InboundLink, payload: bytes) -> None:
         try:
             ops = decode_ops(payload)
         except ProtocolError as e:
@@ -311,13 +357,21 @@ class Receiver(KVReceiver):
                 self._on_open(il, op)
             elif isinstance(op, Data):
                 self._on_data(il, op)
+            elif isinstance(op, Sums):
+                self._on_sums(il, op)
             elif isinstance(op, Fin):
                 self._on_fin(il, op)
             elif isinstance(op, Cancel):
                 t = il.transfers.get(op.x)
                 if t is not None:
-                    self._decide(t, TransferState.FAILED, PeerCancelledError(
-                        f"sender cancelled transfer {t.transfer_id!r}: {op.reason}"), "peer_cancelled")
+                    self._decide(
+                        t,
+                        TransferState.FAILED,
+                        PeerCancelledError(
+                            f"sender cancelled transfer {t.transfer_id!r}: {op.reason}"
+                        ),
+                        "peer_cancelled",
+                    )
                 elif op.x not in il.retired:
                     self._reject(il, f"cancel for unknown transfer number {op.x}")
             elif isinstance(op, Error):
@@ -326,21 +380,30 @@ class Receiver(KVReceiver):
             else:
                 self._reject(il, f"unexpected {type(op).__name__.lower()} op from a sender")
 
-    def _on_hello(self, il: _InLink, op: Hello) -> None:
+    def _on_hello(self, il: InboundLink, op: Hello) -> None:
         if il.ready:
             self._reject(il, "duplicate hello")
             return
         il.peer = f"sender {op.sender_id[:64]}"
         mine = self._geometry.to_wire()
         if op.proto != PROTOCOL_VERSION:
-            self._send(il, Refuse(f"protocol version differs (sender={op.proto}, receiver={PROTOCOL_VERSION})", None))
+            self._send(
+                il,
+                Refuse(
+                    f"protocol version differs (sender={op.proto}, receiver={PROTOCOL_VERSION})",
+                    None,
+                ),
+            )
             return
         try:
             theirs = KVGeometry.from_wire(op.geometry)
             diffs = theirs.mismatches(self._geometry, local="sender", remote="receiver")
         except ProtocolError:
-            diffs = [f"{k} (sender={op.geometry.get(k)!r}, receiver={v!r})"
-                     for k, v in mine.items() if op.geometry.get(k) != v] or [f"sender geometry {op.geometry!r}"]
+            diffs = [
+                f"{k} (sender={op.geometry.get(k)!r}, receiver={v!r})"
+                for k, v in mine.items()
+                if op.geometry.get(k) != v
+            ] or [f"sender geometry {op.geometry!r}"]
         if not diffs and self._verify and not op.checksums:
             diffs = ["checksums (sender=off, receiver=on)"]
         if diffs:
@@ -350,7 +413,7 @@ class Receiver(KVReceiver):
         il.ready = True
         self._send(il, HelloOk(self.receiver_id, il.link_id))
 
-    def _on_open(self, il: _InLink, op: Open) -> None:
+    def _on_open(self, il: InboundLink, op: Open) -> None:
         if op.x in il.transfers:
             self._reject(il, f"transfer number {op.x} is already open")
             return
@@ -358,17 +421,29 @@ class Receiver(KVReceiver):
             t = self._expected.pop(op.transfer_id, None)
         if t is None:
             il.retire(op.x)
-            self._send(il, Fail(op.x, "unknown_transfer",
-                                f"no transfer {op.transfer_id!r} is expected (never, or already ended)"))
+            self._send(
+                il,
+                Fail(
+                    op.x,
+                    "unknown_transfer",
+                    f"no transfer {op.transfer_id!r} is expected (never, or already ended)",
+                ),
+            )
             return
         t.link, t.x = il, op.x
         il.transfers[op.x] = t
         if op.dst != t.ids:
-            self._decide(t, TransferState.FAILED, ProtocolError(
-                f"transfer {t.transfer_id!r}: sender's destination blocks differ from the expected ones"),
-                "protocol", code="mismatch")
+            self._decide(
+                t,
+                TransferState.FAILED,
+                ProtocolError(
+                    f"transfer {t.transfer_id!r}: sender's destination blocks differ from the expected ones"
+                ),
+                "protocol",
+                code="mismatch",
+            )
 
-    def _on_data(self, il: _InLink, op: Data) -> None:
+    def _on_data(self, il: InboundLink, op: Data) -> None:
         tag = data_tag(il.link_id, op.x, op.index)
         t = il.transfers.get(op.x)
         if t is None or t.outcome is not None:
@@ -376,93 +451,159 @@ class Receiver(KVReceiver):
                 self._reject(il, f"data for unknown transfer number {op.x}")
             self._drain(il, tag)
             return
-        n, i, k = len(t.ids), op.index, op.count
-        problem = None
-        if i + k > n:
-            problem = f"data positions [{i}, {i + k}) outside the transfer's {n} blocks"
-        elif any(t.seen[i:i + k]):
-            problem = f"data positions [{i}, {i + k}) overlap positions already received"
-        elif t.ids[i + k - 1] - t.ids[i] != k - 1 or any(t.ids[i + j] != t.ids[i] + j for j in range(k)):
-            problem = f"data positions [{i}, {i + k}) are not adjacent in the receiver's pool"
-        elif self._verify and op.checksums is None:
-            problem = "data without checksums"
+        problem = t.header_problem(op)
         if problem is not None:
             self._drain(il, tag)
-            self._decide(t, TransferState.FAILED, ProtocolError(f"transfer {t.transfer_id!r}: {problem}"),
-                         "protocol", code="protocol")
+            self._decide(
+                t,
+                TransferState.FAILED,
+                ProtocolError(f"transfer {t.transfer_id!r}: {problem}"),
+                "protocol",
+                code="protocol",
+            )
             return
-        t.seen[i:i + k] = b"\x01" * k
+        t.seen[op.index : op.index + op.count] = b"\x01" * op.count
+        msg = InboundMessage(t, il, tag, op.index, op.count, op.checksums)
+        t.messages[op.index] = msg
         t.posted += 1
-        self._backlog.append((t, il, tag, i, k, op.checksums))
+        self._backlog.append(msg)
         self._post_backlog()
 
-    def _drain(self, il: _InLink, tag: int) -> None:
+    def _on_sums(self, il: InboundLink, op: Sums) -> None:
+        t = il.transfers.get(op.x)
+        if t is None or t.outcome is not None:
+            if t is None and op.x not in il.retired:
+                self._reject(il, f"sums for unknown transfer number {op.x}")
+            return
+        msg = t.messages.get(op.index)
+        if msg is None or msg.checksums is not None or len(op.checksums) != msg.count:
+            self._decide(
+                t,
+                TransferState.FAILED,
+                ProtocolError(
+                    f"transfer {t.transfer_id!r}: checksums for position {op.index} match no data message"
+                ),
+                "protocol",
+                code="protocol",
+            )
+            return
+        msg.checksums = op.checksums
+        if msg.received:
+            self._start_verification(msg)
+
+    def _drain(self, il: InboundLink, tag: int) -> None:
         if not il.closed:
             il.link.recv_data(tag, None, _ignore)
 
     def _post_backlog(self) -> None:
         while self._backlog and self._posted_total < self._max_posted:
-            t, il, tag, i, k, checksums = self._backlog.popleft()
+            msg = self._backlog.popleft()
+            t, il = msg.transfer, msg.link
             if t.outcome is not None or il.closed:
                 t.posted -= 1
-                self._drain(il, tag)
-                if t.outcome is not None and t.posted == 0:
+                self._drain(il, msg.tag)
+                if t.outcome is not None and not t.busy:
                     self._finalize(t)
                 continue
-            region = self._pool.region(t.ids[i], k)
+            msg.region = self._pool.region(t.ids[msg.index], msg.count)
             self._posted_total += 1
-            il.link.recv_data(tag, region, partial(self._on_received, t, region, i, checksums))
+            il.link.recv_data(msg.tag, msg.region, partial(self._on_received, msg))
 
-    def _on_received(self, t: _In, region: Any, first: int, checksums: list[int] | None,
-                     error: BaseException | None) -> None:
+    def _on_received(self, msg: InboundMessage, error: BaseException | None) -> None:
+        t = msg.transfer
         self._posted_total -= 1
         t.posted -= 1
         if error is not None:
-            self._decide(t, TransferState.FAILED, PeerLostError(
-                f"transfer {t.transfer_id!r}: receiving blocks failed: {error}"), "peer_lost")
+            self._decide(
+                t,
+                TransferState.FAILED,
+                PeerLostError(f"transfer {t.transfer_id!r}: receiving blocks failed: {error}"),
+                "peer_lost",
+            )
         else:
-            self._metrics.add_bytes("recv", region.nbytes)
-            t.handle.bytes_received += region.nbytes
-            if t.outcome is None:
-                self._verify_region(t, region, first, checksums)
-        if t.outcome is not None and t.posted == 0:
+            msg.received = True
+            self._metrics.add_bytes("recv", msg.region.nbytes)
+            t.handle.bytes_received += msg.region.nbytes
+            if t.outcome is None and (msg.checksums is not None or not self._verify):
+                self._start_verification(msg)
+        if t.outcome is not None and not t.busy:
             self._finalize(t)
         self._post_backlog()
 
-    def _verify_region(self, t: _In, region: Any, first: int, checksums: list[int] | None) -> None:
-        k = region.count
-        if checksums is not None and self._verify:
-            actual = self._pool.checksums(region)
-            bad = [j for j in range(k) if actual[j] != checksums[j]]
-            if bad:
-                self._metrics.checksum_mismatches("recv", len(bad))
-                j = bad[0]
-                self._decide(t, TransferState.FAILED,
-                             ChecksumMismatchError(t.transfer_id, first + j, checksums[j], actual[j]),
-                             "checksum", code="checksum", index=first + j)
-                return
-        if checksums is not None:
-            t.handle._checksums[first:first + k] = checksums
-        t.verified += k
+    def _start_verification(self, msg: InboundMessage) -> None:
+        """Check a received message against its checksums (off the I/O thread), then count it."""
+        if msg.checksums is None or not self._verify:
+            self._verified(msg)
+            return
+        msg.transfer.verifying += 1
+        if self._checksummer.inline(msg.region):
+            self._on_checked(msg, self._checksummer.compute(msg.region), None)
+        else:
+            self._checksummer.submit(msg.region, partial(self._on_checked, msg))
+
+    def _on_checked(
+        self, msg: InboundMessage, actual: list[int] | None, error: BaseException | None
+    ) -> None:
+        t = msg.transfer
+        t.verifying -= 1
+        if t.outcome is None:
+            if error is not None:
+                self._decide(
+                    t,
+                    TransferState.FAILED,
+                    KVTransferError(f"checksum computation failed: {error}"),
+                    "protocol",
+                    code="protocol",
+                )
+            else:
+                bad = [j for j in range(msg.count) if actual[j] != msg.checksums[j]]
+                if bad:
+                    self._metrics.checksum_mismatches("recv", len(bad))
+                    j = bad[0]
+                    self._decide(
+                        t,
+                        TransferState.FAILED,
+                        ChecksumMismatchError(
+                            t.transfer_id, msg.index + j, msg.checksums[j], actual[j]
+                        ),
+                        "checksum",
+                        code="checksum",
+                        index=msg.index + j,
+                    )
+                else:
+                    self._verified(msg)
+        if t.outcome is not None and not t.busy:
+            self._finalize(t)
+
+    def _verified(self, msg: InboundMessage) -> None:
+        t = msg.transfer
+        if msg.checksums is not None:
+            t.handle._checksums[msg.index : msg.index + msg.count] = msg.checksums
+        t.verified += msg.count
         t.handle.blocks_done = t.verified
         self._maybe_done(t)
 
-    def _on_fin(self, il: _InLink, op: Fin) -> None:
+    def _on_fin(self, il: InboundLink, op: Fin) -> None:
         t = il.transfers.get(op.x)
-        if t is None:
-            if op.x not in il.retired:
+        if t is None or t.outcome is not None:
+            if t is None and op.x not in il.retired:
                 self._reject(il, f"fin for unknown transfer number {op.x}")
             return
-        if op.count != len(t.ids):
-            self._decide(t, TransferState.FAILED, ProtocolError(
-                f"transfer {t.transfer_id!r}: sender finished after {op.count} of {len(t.ids)} blocks"),
-                "protocol", code="protocol")
+        problem = t.fin_problem(op.count, self._verify)
+        if problem is not None:
+            self._decide(
+                t,
+                TransferState.FAILED,
+                ProtocolError(f"transfer {t.transfer_id!r}: {problem}"),
+                "protocol",
+                code="protocol",
+            )
             return
         t.fin_count = op.count
         self._maybe_done(t)
 
-    def _maybe_done(self, t: _In) -> None:
-        if t.outcome is None and t.fin_count is not None and t.verified == len(t.ids):
+    def _maybe_done(self, t: InboundTransfer) -> None:
+        if t.outcome is None and t.complete:
             self._send(t.link, Done(t.x))  # type: ignore[arg-type]
             self._decide(t, TransferState.DONE, None, None)
 
@@ -473,12 +614,16 @@ class Receiver(KVReceiver):
         with self._lock:
             pending = list(self._expected.values())
         for t in list(self._live) + pending:
-            self._decide(t, TransferState.FAILED, TransportClosedError("receiver closed"), "closed",
-                         code="closed")
+            self._decide(
+                t,
+                TransferState.FAILED,
+                TransportClosedError("receiver closed"),
+                "closed",
+                code="closed",
+            )
         for il in list(self._links.values()):
             il.link.close()
 
 
 def _ignore(_error: BaseException | None) -> None:
     """Completion of a discarded data message (a truncation error is the expected outcome)."""
-

@@ -3,12 +3,12 @@
 The engine thread calls :meth:`Sender.open` and the handle's ``send_blocks``/``finish``; all of
 them validate, enqueue work for the reactor thread and return. On the reactor thread:
 
-* one :class:`_Conn` per receiver (host, port), reused across transfers, opened with a
+* one :class:`Connection` per receiver (host, port), reused across transfers, opened with a
   ``hello`` handshake that the receiver accepts or refuses (geometry, checksum setting);
 * at most ``max_active_transfers`` transfers run at once, the others wait in FIFO order
   (their deadline keeps running), and at most ``max_inflight_messages`` data messages are
-  outstanding; a data send completes only once the receiver has posted the matching receive,
-  so a slow receiver holds the sender back (backpressure) instead of piling up data;
+  outstanding; a rendezvous-sized data send completes only once the receiver has posted the
+  matching receive, so a slow receiver holds the sender back (backpressure);
 * queued positions are coalesced into runs adjacent in both the source and destination pools,
   each run sent as one ``data`` header plus one tagged data message straight from the pool;
 * a transfer is DONE when all its sends completed and the receiver acknowledged with
@@ -30,62 +30,48 @@ from functools import partial
 from typing import Any
 
 from kvtransfer.base import FaultInjector, KVSender, Link, TransferState, Transport
-from kvtransfer.errors import (ChecksumMismatchError, GeometryMismatchError, HandshakeError,
-                               KVTransferError, PeerCancelledError, PeerLostError, ProtocolError,
-                               StaleAddressError, TransferCancelledError, TransferRejectedError,
-                               TransferTimeoutError, TransportClosedError)
+from kvtransfer.checksums import Checksummer
+from kvtransfer.errors import (
+    ChecksumMismatchError,
+    GeometryMismatchError,
+    HandshakeError,
+    KVTransferError,
+    PeerCancelledError,
+    PeerLostError,
+    ProtocolError,
+    StaleAddressError,
+    TransferCancelledError,
+    TransferRejectedError,
+    TransferTimeoutError,
+    TransportClosedError,
+)
 from kvtransfer.geometry import KVGeometry
-from kvtransfer.handles import SendHandle, _as_int_list
+from kvtransfer.handles import SendHandle, as_int_list
 from kvtransfer.metrics import TransferCounters, TransferMetrics
+from kvtransfer.outbound import CONNECTING, DEAD, READY, Connection, OutboundTransfer, take_run
 from kvtransfer.pool import PoolView
-from kvtransfer.protocol import (MAX_BLOCKS_PER_TRANSFER, PROTOCOL_VERSION, TRANSFER_NUMBER_LIMIT,
-                                 Cancel, Data, Done, Error, Fail, Fin, Hello, HelloOk, Op, Open,
-                                 ReceiverAddress, Refuse, data_tag, decode_ops, encode_ops)
+from kvtransfer.protocol import (
+    MAX_BLOCKS_PER_TRANSFER,
+    PROTOCOL_VERSION,
+    Cancel,
+    Data,
+    Done,
+    Error,
+    Fail,
+    Fin,
+    Hello,
+    HelloOk,
+    Op,
+    Open,
+    ReceiverAddress,
+    Refuse,
+    Sums,
+    data_tag,
+    decode_ops,
+    encode_ops,
+)
 
 logger = logging.getLogger("kvtransfer")
-
-_CONNECTING, _READY, _DEAD = "connecting", "ready", "dead"
-
-
-class _Conn:
-    """A connection to one receiver, shared by all transfers to it."""
-
-    def __init__(self, address: ReceiverAddress, link: Link):
-        self.address = address
-        self.key = (address.kind, address.host, address.port)
-        self.link = link
-        self.state = _CONNECTING
-        self.link_id = 0
-        self.transfers: dict[int, _Out] = {}  # by transfer number, once opened
-        self.waiting: list[_Out] = []  # activated before the handshake finished
-        self.cancel_on_ready: list[tuple[str, list[int], str]] = []  # gave up while connecting
-        self.outbox: list[Op] = []
-        self.next_x = 0
-        self.handshake_timer: Any = None
-        self.connect_waiters: list[Future] = []
-
-
-class _Out:
-    """Reactor-side state of one outgoing transfer."""
-
-    def __init__(self, transfer_id: str, address: ReceiverAddress, dst: list[int], timeout_s: float):
-        self.transfer_id = transfer_id
-        self.address = address
-        self.dst = dst
-        self.timeout_s = timeout_s
-        self.handle: SendHandle = None  # type: ignore[assignment]  # set right after creation
-        self.conn: _Conn | None = None
-        self.x: int | None = None
-        self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (src block, position)
-        self.fin_requested = False
-        self.fin_sent = False
-        self.acked = False
-        self.active = False
-        self.sendable = False
-        self.inflight = 0
-        self.outcome: tuple[TransferState, KVTransferError | None, str | None] | None = None
-        self.deadline_timer: Any = None
-        self.settle_timer: Any = None
 
 
 class Sender(KVSender):
@@ -94,15 +80,29 @@ class Sender(KVSender):
     Options: ``checksums`` (send xxh3_64 per block, default on), ``max_active_transfers``,
     ``max_inflight_messages``, ``max_message_bytes`` (coalescing cap, at least one block),
     ``connect_timeout_s`` (handshake), ``settle_timeout_s`` (how long a failed transfer waits
-    for its outstanding sends before the connection is closed to force them), ``metrics``,
+    for its outstanding sends before the connection is closed to force them),
+    ``checksum_threads`` / ``inline_checksum_bytes`` (runs larger than this are hashed on
+    those threads, overlapping the transfer), ``metrics``,
     ``fault_injector`` (tests only).
     """
 
-    def __init__(self, transport: Transport, pool: Any, geometry: KVGeometry, *,
-                 checksums: bool = True, max_active_transfers: int = 64,
-                 max_inflight_messages: int = 64, max_message_bytes: int = 64 << 20,
-                 connect_timeout_s: float = 5.0, settle_timeout_s: float = 5.0,
-                 metrics: TransferMetrics | None = None, fault_injector: FaultInjector | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        pool: Any,
+        geometry: KVGeometry,
+        *,
+        checksums: bool = True,
+        max_active_transfers: int = 64,
+        max_inflight_messages: int = 64,
+        max_message_bytes: int = 64 << 20,
+        connect_timeout_s: float = 5.0,
+        settle_timeout_s: float = 5.0,
+        checksum_threads: int = 1,
+        inline_checksum_bytes: int = 1 << 20,
+        metrics: TransferMetrics | None = None,
+        fault_injector: FaultInjector | None = None,
+    ):
         if max_active_transfers < 1 or max_inflight_messages < 1:
             raise ValueError("max_active_transfers and max_inflight_messages must be >= 1")
         self.geometry = geometry
@@ -124,16 +124,21 @@ class Sender(KVSender):
         self._closed = False
         self._drained = threading.Event()
         # Reactor-thread state.
-        self._conns: dict[tuple, _Conn] = {}
-        self._live: set[_Out] = set()  # started and not yet settled
-        self._slot_queue: collections.deque[_Out] = collections.deque()
+        self._conns: dict[tuple, Connection] = {}
+        self._live: set[OutboundTransfer] = set()  # started and not yet settled
+        self._slot_queue: collections.deque[OutboundTransfer] = collections.deque()
         self._active = 0
         self._inflight_msgs = 0
-        self._sendable: collections.deque[_Out] = collections.deque()
-        self._dirty: list[_Conn] = []
+        self._sendable: collections.deque[OutboundTransfer] = collections.deque()
+        self._dirty: list[Connection] = []
         self._pump_scheduled = False
         self._in_pump = False
         self._closing = False
+        self._checksummer = (
+            Checksummer(self._pool, self._reactor, checksum_threads, inline_checksum_bytes)
+            if checksums
+            else None
+        )
         self.connections_opened = 0
         self.protocol_errors = 0
         self._finalizer = weakref.finalize(self, transport.close)
@@ -154,8 +159,9 @@ class Sender(KVSender):
         """Transfers waiting for a slot."""
         return len(self._slot_queue)
 
-    def open(self, transfer_id: str, remote_address: bytes, dst_block_ids: list[int],
-             timeout_s: float) -> SendHandle:
+    def open(
+        self, transfer_id: str, remote_address: bytes, dst_block_ids: list[int], timeout_s: float
+    ) -> SendHandle:
         """Start a transfer into ``dst_block_ids`` of the receiver at ``remote_address``.
 
         Non-blocking: connecting (or reusing the cached connection), the handshake and the
@@ -167,12 +173,16 @@ class Sender(KVSender):
         """
         address = ReceiverAddress.decode(remote_address)
         if address.kind != self._transport.kind:
-            raise ValueError(f"address is for a {address.kind} receiver, this sender uses {self._transport.kind}")
+            raise ValueError(
+                f"address is for a {address.kind} receiver, this sender uses {self._transport.kind}"
+            )
         if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 1024:
             raise ValueError("transfer_id must be a non-empty string of at most 1024 chars")
-        dst = _as_int_list(dst_block_ids, "dst_block_ids", 1 << 62)
+        dst = as_int_list(dst_block_ids, "dst_block_ids", 1 << 62)
         if not 0 < len(dst) <= MAX_BLOCKS_PER_TRANSFER:
-            raise ValueError(f"dst_block_ids must hold 1 to {MAX_BLOCKS_PER_TRANSFER} ids, got {len(dst)}")
+            raise ValueError(
+                f"dst_block_ids must hold 1 to {MAX_BLOCKS_PER_TRANSFER} ids, got {len(dst)}"
+            )
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
         with self._lock:
@@ -181,10 +191,16 @@ class Sender(KVSender):
             if transfer_id in self._ids:
                 raise ValueError(f"transfer {transfer_id!r} is already in progress on this sender")
             self._ids.add(transfer_id)
-        t = _Out(transfer_id, address, dst, float(timeout_s))
-        t.handle = SendHandle(transfer_id, dst, self._pool.num_blocks, self._reactor.call_soon_threadsafe,
-                              partial(self._on_cancel, t), partial(self._on_blocks, t),
-                              partial(self._on_finish, t))
+        t = OutboundTransfer(transfer_id, address, dst, float(timeout_s))
+        t.handle = SendHandle(
+            transfer_id,
+            dst,
+            self._pool.num_blocks,
+            self._reactor.call_soon_threadsafe,
+            partial(self._on_cancel, t),
+            partial(self._on_blocks, t),
+            partial(self._on_finish, t),
+        )
         self._reactor.call_soon_threadsafe(self._start, t)
         return t.handle
 
@@ -218,14 +234,18 @@ class Sender(KVSender):
             except (TimeoutError, RuntimeError) as e:
                 logger.warning("kvtransfer sender close: %s", e)
         self._finalizer()  # transport.close(): completes every outstanding send, stops the reactor
+        if self._checksummer is not None:
+            self._checksummer.close()
         self._force_close()  # the reactor is stopped: nothing can read the pool now
 
     # ---- transfer lifecycle (reactor thread) ---------------------------------------------
 
-    def _start(self, t: _Out) -> None:
+    def _start(self, t: OutboundTransfer) -> None:
         self._live.add(t)
         if self._closing:
-            self._decide(t, TransferState.FAILED, TransportClosedError("sender is closed"), "closed")
+            self._decide(
+                t, TransferState.FAILED, TransportClosedError("sender is closed"), "closed"
+            )
             return
         t.deadline_timer = self._reactor.call_later(t.timeout_s, self._on_deadline, t)
         if self._active < self._max_active:
@@ -233,55 +253,67 @@ class Sender(KVSender):
         else:
             self._slot_queue.append(t)
 
-    def _activate(self, t: _Out) -> None:
+    def _activate(self, t: OutboundTransfer) -> None:
         t.active = True
         self._active += 1
         conn = self._get_conn(t.address)
         t.conn = conn
-        if conn.state == _READY:
+        if conn.state == READY:
             self._attach(conn, t)
         else:
             conn.waiting.append(t)
 
-    @staticmethod
-    def _next_x(conn: _Conn) -> int:
-        x = conn.next_x
-        while x in conn.transfers:
-            x = (x + 1) % TRANSFER_NUMBER_LIMIT
-        conn.next_x = (x + 1) % TRANSFER_NUMBER_LIMIT
-        return x
-
-    def _attach(self, conn: _Conn, t: _Out) -> None:
-        x = t.x = self._next_x(conn)
+    def _attach(self, conn: Connection, t: OutboundTransfer) -> None:
+        x = t.x = conn.allocate_x()
         conn.transfers[x] = t
         self._queue_op(conn, Open(x, t.transfer_id, t.dst))
         if t.pending or t.fin_requested:
             self._mark_sendable(t)
 
-    def _on_blocks(self, t: _Out, _handle: SendHandle, src: list[int], first: int) -> None:
+    def _on_blocks(
+        self, t: OutboundTransfer, _handle: SendHandle, src: list[int], first: int
+    ) -> None:
         if t.outcome is None:
             t.pending.extend(zip(src, range(first, first + len(src))))
             self._mark_sendable(t)
 
-    def _on_finish(self, t: _Out, _handle: SendHandle) -> None:
+    def _on_finish(self, t: OutboundTransfer, _handle: SendHandle) -> None:
         if t.outcome is None:
             t.fin_requested = True
             self._mark_sendable(t)
 
-    def _on_cancel(self, t: _Out, _handle: SendHandle) -> None:
-        self._decide(t, TransferState.CANCELLED, TransferCancelledError(
-            f"transfer {t.transfer_id!r} cancelled by the sender"), None, notify=True)
+    def _on_cancel(self, t: OutboundTransfer, _handle: SendHandle) -> None:
+        self._decide(
+            t,
+            TransferState.CANCELLED,
+            TransferCancelledError(f"transfer {t.transfer_id!r} cancelled by the sender"),
+            None,
+            notify=True,
+        )
 
-    def _on_deadline(self, t: _Out) -> None:
+    def _on_deadline(self, t: OutboundTransfer) -> None:
         h = t.handle
-        self._decide(t, TransferState.FAILED, TransferTimeoutError(
-            f"transfer {t.transfer_id!r} to {t.address} did not complete within {t.timeout_s}s "
-            f"({h.blocks_sent}/{h.num_blocks} blocks sent, "
-            f"{'finished' if t.fin_sent else 'not finished'}, {'acknowledged' if t.acked else 'no ack'})"),
-            "timeout", notify=True)
+        self._decide(
+            t,
+            TransferState.FAILED,
+            TransferTimeoutError(
+                f"transfer {t.transfer_id!r} to {t.address} did not complete within {t.timeout_s}s "
+                f"({h.blocks_sent}/{h.num_blocks} blocks sent, "
+                f"{'finished' if t.fin_sent else 'not finished'}, {'acknowledged' if t.acked else 'no ack'})"
+            ),
+            "timeout",
+            notify=True,
+        )
 
-    def _decide(self, t: _Out, state: TransferState, error: KVTransferError | None, reason: str | None,
-                *, notify: bool = False) -> None:
+    def _decide(
+        self,
+        t: OutboundTransfer,
+        state: TransferState,
+        error: KVTransferError | None,
+        reason: str | None,
+        *,
+        notify: bool = False,
+    ) -> None:
         """Fix the outcome of ``t``; it settles once no send of it is outstanding."""
         if t.outcome is not None:
             return
@@ -290,29 +322,39 @@ class Sender(KVSender):
         if t in self._slot_queue:
             self._slot_queue.remove(t)
         conn = t.conn
-        if notify and conn is not None and conn.state == _READY and t.x is not None:
+        if notify and conn is not None and conn.state == READY and t.x is not None:
             self._queue_op(conn, Cancel(t.x, str(error)[:1000]))
-        elif notify and conn is not None and conn.state == _CONNECTING and t in conn.waiting:
+        elif notify and conn is not None and conn.state == CONNECTING and t in conn.waiting:
             # The receiver is waiting for this transfer: tell it as soon as we can talk.
             conn.cancel_on_ready.append((t.transfer_id, t.dst, str(error)[:1000]))
-        if t.inflight == 0:
+        if not t.busy:
             self._finalize(t)
         elif t.settle_timer is None:
-            t.settle_timer = self._reactor.call_later(self._settle_timeout_s, self._on_settle_timeout, t)
+            t.settle_timer = self._reactor.call_later(
+                self._settle_timeout_s, self._on_settle_timeout, t
+            )
 
-    def _maybe_done(self, t: _Out) -> None:
-        if t.outcome is None and t.acked and t.fin_sent and t.inflight == 0:
+    def _maybe_done(self, t: OutboundTransfer) -> None:
+        if t.outcome is None and t.acked and t.fin_sent and not t.busy:
             self._decide(t, TransferState.DONE, None, None)
-        elif t.outcome is not None and t.inflight == 0:
+        elif t.outcome is not None and not t.busy:
             self._finalize(t)
 
-    def _on_settle_timeout(self, t: _Out) -> None:
+    def _on_settle_timeout(self, t: OutboundTransfer) -> None:
         if not t.handle.done and t.conn is not None:
-            logger.warning("kvtransfer: %d sends of transfer %r did not settle within %.1fs; closing "
-                           "the connection to %s", t.inflight, t.transfer_id, self._settle_timeout_s, t.address)
-            self._fail_conn(t.conn, PeerLostError(f"receiver {t.address} stopped consuming data"), "peer_lost")
+            logger.warning(
+                "kvtransfer: %d sends of transfer %r did not settle within %.1fs; closing "
+                "the connection to %s",
+                t.inflight,
+                t.transfer_id,
+                self._settle_timeout_s,
+                t.address,
+            )
+            self._fail_conn(
+                t.conn, PeerLostError(f"receiver {t.address} stopped consuming data"), "peer_lost"
+            )
 
-    def _finalize(self, t: _Out) -> None:
+    def _finalize(self, t: OutboundTransfer) -> None:
         if t.handle.done:
             return
         state, error, reason = t.outcome  # type: ignore[misc]
@@ -346,13 +388,13 @@ class Sender(KVSender):
 
     # ---- sending (reactor thread) ------------------------------------------------------
 
-    def _mark_sendable(self, t: _Out) -> None:
-        if not t.sendable and t.conn is not None and t.conn.state == _READY and t.x is not None:
+    def _mark_sendable(self, t: OutboundTransfer) -> None:
+        if not t.sendable and t.conn is not None and t.conn.state == READY and t.x is not None:
             t.sendable = True
             self._sendable.append(t)
             self._schedule_pump()
 
-    def _queue_op(self, conn: _Conn, op: Op) -> None:
+    def _queue_op(self, conn: Connection, op: Op) -> None:
         if not conn.outbox:
             self._dirty.append(conn)
         conn.outbox.append(op)
@@ -364,8 +406,8 @@ class Sender(KVSender):
             self._reactor.call_soon(self._pump)
 
     def _pump(self) -> None:
-        """Turn queued positions into data messages (within the in-flight cap), then flush
-        each connection's control ops as one message, then post the data sends."""
+        """Turn queued positions into data messages (within the in-flight cap), post the data
+        sends, then flush each connection's control ops as one message."""
         self._pump_scheduled = False
         self._in_pump = True
         try:
@@ -380,37 +422,38 @@ class Sender(KVSender):
         while self._sendable and self._inflight_msgs < self._max_inflight:
             t = self._sendable.popleft()
             t.sendable = False
-            if t.outcome is not None or t.conn is None or t.conn.state != _READY:
+            if t.outcome is not None or t.conn is None or t.conn.state != READY:
                 continue
             if t.pending:
                 sends.append(self._build_message(t))
             if t.pending:
                 t.sendable = True
                 self._sendable.append(t)
-            elif t.fin_requested and not t.fin_sent:
+            elif t.ready_to_finish:
                 t.fin_sent = True
                 self._queue_op(t.conn, Fin(t.x, len(t.dst)))  # type: ignore[arg-type]
+        # Eager (small) messages go before their headers: they then wait in the receiver's
+        # unexpected queue and complete as soon as the header is read (one wake-up, not two).
+        # Rendezvous (large) ones go after, so the header is not stuck behind megabytes of data
+        # and the receiver posts its buffer while the data starts to flow.
+        eager = self._transport.eager_limit
+        for link, tag, region, done in sends:
+            if region.nbytes <= eager:
+                link.send_data(tag, region, done)
         dirty, self._dirty = self._dirty, []
         for conn in dirty:
             ops, conn.outbox = conn.outbox, []
-            if ops and conn.state != _DEAD:
+            if ops and conn.state != DEAD:
                 conn.link.send_ctrl(encode_ops(ops))
         for link, tag, region, done in sends:
-            link.send_data(tag, region, done)
+            if region.nbytes > eager:
+                link.send_data(tag, region, done)
 
-    def _build_message(self, t: _Out) -> tuple[Link, int, Any, Any]:
-        src0, i0 = t.pending.popleft()
-        k, dst = 1, t.dst
-        while t.pending and k < self._max_blocks_per_msg:
-            src, i = t.pending[0]
-            if src != src0 + k or i != i0 + k or dst[i] != dst[i0] + k:
-                break
-            t.pending.popleft()
-            k += 1
+    def _build_message(self, t: OutboundTransfer) -> tuple[Link, int, Any, Any]:
+        """One data message for the next run of ``t``; checksums of a small run go in its
+        header, those of a large run are computed while it moves and follow in a 'sums' op."""
+        src0, i0, k = take_run(t.pending, t.dst, self._max_blocks_per_msg)
         region = self._pool.region(src0, k)
-        checksums = self._pool.checksums(region) if self._checksums else None
-        if checksums is not None:
-            t.handle._checksums[i0:i0 + k] = checksums
         to_send = region
         if self._faults is not None:
             bad = [j for j in range(k) if self._faults.corrupt(t.transfer_id, i0 + j)]
@@ -418,13 +461,46 @@ class Sender(KVSender):
                 to_send = self._pool.corrupted_copy(region, bad)
         conn = t.conn
         assert conn is not None and t.x is not None
+        checksums = None
+        if self._checksummer is not None and self._checksummer.inline(region):
+            checksums = self._checksummer.compute(region)
+            t.handle._checksums[i0 : i0 + k] = checksums
         self._queue_op(conn, Data(t.x, i0, k, checksums))
+        if self._checksummer is not None and checksums is None:
+            t.hashing += 1
+            self._checksummer.submit(region, partial(self._on_hashed, t, i0))
         t.inflight += 1
         self._inflight_msgs += 1
         tag = data_tag(conn.link_id, t.x, i0)
         return conn.link, tag, to_send, partial(self._on_sent, t, k, region.nbytes)
 
-    def _on_sent(self, t: _Out, blocks: int, nbytes: int, error: BaseException | None) -> None:
+    def _on_hashed(
+        self,
+        t: OutboundTransfer,
+        first: int,
+        checksums: list[int] | None,
+        error: BaseException | None,
+    ) -> None:
+        t.hashing -= 1
+        if error is not None:
+            self._decide(
+                t,
+                TransferState.FAILED,
+                KVTransferError(f"checksum computation failed: {error}"),
+                "protocol",
+                notify=True,
+            )
+        elif t.outcome is None:
+            t.handle._checksums[first : first + len(checksums)] = checksums
+            if t.conn is not None and t.conn.state == READY:
+                self._queue_op(t.conn, Sums(t.x, first, checksums))  # type: ignore[arg-type]
+            if t.ready_to_finish:
+                self._mark_sendable(t)
+        self._maybe_done(t)
+
+    def _on_sent(
+        self, t: OutboundTransfer, blocks: int, nbytes: int, error: BaseException | None
+    ) -> None:
         t.inflight -= 1
         self._inflight_msgs -= 1
         if error is None:
@@ -432,32 +508,45 @@ class Sender(KVSender):
             t.handle.blocks_sent += blocks
             self._metrics.add_bytes("send", nbytes)
         else:
-            self._decide(t, TransferState.FAILED, PeerLostError(
-                f"transfer {t.transfer_id!r}: sending to {t.address} failed: {error}"), "peer_lost")
+            self._decide(
+                t,
+                TransferState.FAILED,
+                PeerLostError(
+                    f"transfer {t.transfer_id!r}: sending to {t.address} failed: {error}"
+                ),
+                "peer_lost",
+            )
         self._maybe_done(t)
         if self._sendable:
             self._schedule_pump()
 
     # ---- connections (reactor thread) --------------------------------------------------
 
-    def _get_conn(self, address: ReceiverAddress) -> _Conn:
+    def _get_conn(self, address: ReceiverAddress) -> Connection:
         key = (address.kind, address.host, address.port)
         conn = self._conns.get(key)
-        if conn is not None and conn.state != _DEAD:
+        if conn is not None and conn.state != DEAD:
             if conn.address.receiver_id == address.receiver_id:
                 return conn
-            self._fail_conn(conn, PeerLostError(
-                f"receiver at {address.host}:{address.port} restarted "
-                f"(instance {conn.address.receiver_id} -> {address.receiver_id})"), "peer_lost")
+            self._fail_conn(
+                conn,
+                PeerLostError(
+                    f"receiver at {address.host}:{address.port} restarted "
+                    f"(instance {conn.address.receiver_id} -> {address.receiver_id})"
+                ),
+                "peer_lost",
+            )
         link = self._transport.connect(address)
-        conn = _Conn(address, link)
+        conn = Connection(address, link)
         self._conns[key] = conn
         self.connections_opened += 1
         link.on_ctrl = partial(self._on_ctrl, conn)
         link.on_closed = partial(self._on_link_closed, conn)
         link.start()
         self._queue_op(conn, Hello(self.geometry.to_wire(), self._checksums, self.sender_id))
-        conn.handshake_timer = self._reactor.call_later(self._connect_timeout_s, self._on_handshake_timeout, conn)
+        conn.handshake_timer = self._reactor.call_later(
+            self._connect_timeout_s, self._on_handshake_timeout, conn
+        )
         return conn
 
     def _connect_cmd(self, address: ReceiverAddress, fut: Future) -> None:
@@ -465,25 +554,32 @@ class Sender(KVSender):
             fut.set_exception(TransportClosedError("sender is closed"))
             return
         conn = self._get_conn(address)
-        if conn.state == _READY:
+        if conn.state == READY:
             fut.set_result(None)
         else:
             conn.connect_waiters.append(fut)
 
-    def _on_handshake_timeout(self, conn: _Conn) -> None:
-        if conn.state == _CONNECTING:
-            self._fail_conn(conn, HandshakeError(
-                f"no handshake reply from receiver {conn.address} within {self._connect_timeout_s}s"), "handshake")
+    def _on_handshake_timeout(self, conn: Connection) -> None:
+        if conn.state == CONNECTING:
+            self._fail_conn(
+                conn,
+                HandshakeError(
+                    f"no handshake reply from receiver {conn.address} within {self._connect_timeout_s}s"
+                ),
+                "handshake",
+            )
 
-    def _on_link_closed(self, conn: _Conn, error: BaseException) -> None:
-        what = "could not connect to" if conn.state == _CONNECTING else "lost connection to"
-        self._fail_conn(conn, PeerLostError(f"{what} receiver {conn.address}: {error}"), "peer_lost")
+    def _on_link_closed(self, conn: Connection, error: BaseException) -> None:
+        what = "could not connect to" if conn.state == CONNECTING else "lost connection to"
+        self._fail_conn(
+            conn, PeerLostError(f"{what} receiver {conn.address}: {error}"), "peer_lost"
+        )
 
-    def _fail_conn(self, conn: _Conn, error: KVTransferError, reason: str) -> None:
+    def _fail_conn(self, conn: Connection, error: KVTransferError, reason: str) -> None:
         """Mark ``conn`` dead, fail every transfer on it and close the link."""
-        if conn.state == _DEAD:
+        if conn.state == DEAD:
             return
-        conn.state = _DEAD
+        conn.state = DEAD
         if self._conns.get(conn.key) is conn:
             del self._conns[conn.key]
         if conn.handshake_timer is not None:
@@ -497,33 +593,46 @@ class Sender(KVSender):
         conn.outbox.clear()
         conn.link.close()
 
-    def _on_ctrl(self, conn: _Conn, payload: bytes) -> None:
+    def _on_ctrl(self, conn: Connection, payload: bytes) -> None:
         try:
             ops = decode_ops(payload)
         except ProtocolError as e:
             self._protocol_error(conn, f"malformed control message: {e}")
             return
         for op in ops:
-            if conn.state == _DEAD:
+            if conn.state == DEAD:
                 return
             self._handle_op(conn, op)
 
-    def _handle_op(self, conn: _Conn, op: Op) -> None:
-        if isinstance(op, HelloOk) and conn.state == _CONNECTING:
+    def _handle_op(self, conn: Connection, op: Op) -> None:
+        if isinstance(op, HelloOk) and conn.state == CONNECTING:
             if op.proto != PROTOCOL_VERSION:
-                self._fail_conn(conn, HandshakeError(
-                    f"receiver speaks protocol {op.proto}, sender {PROTOCOL_VERSION}"), "handshake")
+                self._fail_conn(
+                    conn,
+                    HandshakeError(
+                        f"receiver speaks protocol {op.proto}, sender {PROTOCOL_VERSION}"
+                    ),
+                    "handshake",
+                )
             elif op.receiver_id != conn.address.receiver_id:
-                self._fail_conn(conn, StaleAddressError(
-                    f"receiver at {conn.address.host}:{conn.address.port} is instance {op.receiver_id}, "
-                    f"the address names {conn.address.receiver_id}: it restarted, ask for a fresh address"),
-                    "handshake")
+                self._fail_conn(
+                    conn,
+                    StaleAddressError(
+                        f"receiver at {conn.address.host}:{conn.address.port} is instance {op.receiver_id}, "
+                        f"the address names {conn.address.receiver_id}: it restarted, ask for a fresh address"
+                    ),
+                    "handshake",
+                )
             else:
                 self._on_ready(conn, op)
-        elif isinstance(op, Refuse) and conn.state == _CONNECTING:
+        elif isinstance(op, Refuse) and conn.state == CONNECTING:
             cls = GeometryMismatchError if op.geometry is not None else HandshakeError
-            self._fail_conn(conn, cls(f"receiver {conn.address} refused the connection: {op.reason}"), "handshake")
-        elif isinstance(op, Done) and conn.state == _READY:
+            self._fail_conn(
+                conn,
+                cls(f"receiver {conn.address} refused the connection: {op.reason}"),
+                "handshake",
+            )
+        elif isinstance(op, Done) and conn.state == READY:
             t = conn.transfers.get(op.x)
             if t is None:
                 logger.debug("kvtransfer: 'done' for finished transfer number %d", op.x)
@@ -532,23 +641,28 @@ class Sender(KVSender):
             else:
                 t.acked = True
                 self._maybe_done(t)
-        elif isinstance(op, Fail) and conn.state == _READY:
+        elif isinstance(op, Fail) and conn.state == READY:
             t = conn.transfers.get(op.x)
             if t is not None:
                 self._decide(t, TransferState.FAILED, *self._remote_failure(t, op))
         elif isinstance(op, Error):
             self.protocol_errors += 1
-            logger.warning("kvtransfer: receiver %s rejected a message: %s", conn.address, op.reason)
+            logger.warning(
+                "kvtransfer: receiver %s rejected a message: %s", conn.address, op.reason
+            )
         else:
-            self._protocol_error(conn, f"unexpected {type(op).__name__.lower()} op from the receiver "
-                                       f"(connection {conn.state})")
+            self._protocol_error(
+                conn,
+                f"unexpected {type(op).__name__.lower()} op from the receiver "
+                f"(connection {conn.state})",
+            )
 
-    def _on_ready(self, conn: _Conn, op: HelloOk) -> None:
-        conn.state = _READY
+    def _on_ready(self, conn: Connection, op: HelloOk) -> None:
+        conn.state = READY
         conn.link_id = op.link_id
         conn.handshake_timer.cancel()
         for transfer_id, dst, reason in conn.cancel_on_ready:
-            x = self._next_x(conn)
+            x = conn.allocate_x()
             self._queue_op(conn, Open(x, transfer_id, dst))
             self._queue_op(conn, Cancel(x, reason))
         conn.cancel_on_ready.clear()
@@ -561,23 +675,27 @@ class Sender(KVSender):
                 fut.set_result(None)
         conn.connect_waiters.clear()
 
-    def _remote_failure(self, t: _Out, op: Fail) -> tuple[KVTransferError, str]:
+    def _remote_failure(self, t: OutboundTransfer, op: Fail) -> tuple[KVTransferError, str]:
         if op.code == "checksum" and op.index is not None and op.index < len(t.dst):
             self._metrics.checksum_mismatches("send", 1)
             expected = t.handle._checksums[op.index]
             return ChecksumMismatchError(t.transfer_id, op.index, expected or 0, None), "checksum"
         if op.code == "timeout":
-            return TransferTimeoutError(f"receiver timed out transfer {t.transfer_id!r}: {op.reason}"), "timeout"
+            return TransferTimeoutError(
+                f"receiver timed out transfer {t.transfer_id!r}: {op.reason}"
+            ), "timeout"
         if op.code == "cancelled":
-            return PeerCancelledError(f"receiver cancelled transfer {t.transfer_id!r}: {op.reason}"), "peer_cancelled"
+            return PeerCancelledError(
+                f"receiver cancelled transfer {t.transfer_id!r}: {op.reason}"
+            ), "peer_cancelled"
         if op.code == "closed":
             return PeerLostError(f"receiver closed: {op.reason}"), "peer_lost"
         return TransferRejectedError(op.code, op.reason), "rejected"
 
-    def _protocol_error(self, conn: _Conn, reason: str) -> None:
+    def _protocol_error(self, conn: Connection, reason: str) -> None:
         self.protocol_errors += 1
         logger.warning("kvtransfer: from receiver %s: %s", conn.address, reason)
-        if conn.state != _DEAD:
+        if conn.state != DEAD:
             self._queue_op(conn, Error(reason[:1000]))
 
     # ---- shutdown (reactor thread) -----------------------------------------------------
@@ -585,7 +703,13 @@ class Sender(KVSender):
     def _begin_close(self) -> None:
         self._closing = True
         for t in list(self._live):
-            self._decide(t, TransferState.FAILED, TransportClosedError("sender closed"), "closed", notify=True)
+            self._decide(
+                t,
+                TransferState.FAILED,
+                TransportClosedError("sender closed"),
+                "closed",
+                notify=True,
+            )
         self._pump()  # deliver the cancels before closing the connections
         for conn in list(self._conns.values()):
             self._fail_conn(conn, TransportClosedError("sender closed"), "closed")

@@ -5,7 +5,7 @@ the only thread that ever calls into UCX (so UCX needs no locking). The reactor 
 worker in blocking-progress mode: it calls ``progress`` while there is work, then arms the
 worker and sleeps in ``epoll`` on the worker's event fd.
 
-* Control messages travel as UCX active messages (any size, no pre-posted buffer).
+* Control messages travel as length-prefixed frames on the endpoint's UCX stream.
 * Block data travels as tagged messages sent from and received into the pools' memory
   (host or CUDA: any ``__array_interface__`` / ``__cuda_array_interface__`` buffer). Above
   ``RNDV_THRESH`` UCX uses its rendezvous protocol, so the data moves only once the receiver
@@ -22,37 +22,58 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Which UCX_* variables the user set: importing ucxx sets defaults of its own (RNDV_THRESH...).
 _USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
 
-import numpy as np  # noqa: E402
-import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
+import numpy as np
+import ucxx._lib.libucxx as ucx_api
+from ucxx._lib.arr import Array
 
-from kvtransfer.base import DataCallback, Link, Transport  # noqa: E402
-from kvtransfer.errors import PeerLostError  # noqa: E402
-from kvtransfer.pool import Region  # noqa: E402
-from kvtransfer.protocol import ReceiverAddress  # noqa: E402
-from kvtransfer.reactor import Reactor  # noqa: E402
+from kvtransfer.base import DataCallback, Link, Transport
+from kvtransfer.errors import PeerLostError
+from kvtransfer.pool import Region
+from kvtransfer.protocol import MAX_CTRL_BYTES, ReceiverAddress
+from kvtransfer.reactor import Reactor
 
 logger = logging.getLogger("kvtransfer")
 
 #: UCX settings applied unless overridden (see docs/notes/kvtransfer_bench.md for why).
 DEFAULT_OPTIONS: dict[str, str] = {
-    # Blocks are >= 8 KiB in practice: send them with rendezvous so the receiver's posted
-    # buffer paces the sender (backpressure) and RDMA/NVLink transports move them zero-copy.
-    "RNDV_THRESH": "8192",
+    # Messages above 64 KiB go by rendezvous: the receiver's posted buffer paces the sender
+    # (backpressure) and RDMA/NVLink transports move them zero-copy. Smaller ones (one block of
+    # a tiny model) go eagerly and arrive with their header: one network hop less.
+    "RNDV_THRESH": "65536",
     # TCP: larger segments cut per-fragment overhead of big coalesced messages.
     "TCP_TX_SEG_SIZE": "256k",
     "TCP_RX_SEG_SIZE": "256k",
+    # A restarted receiver must be able to listen on its old port at once (SO_REUSEADDR).
+    "TCP_CM_REUSEADDR": "y",
     # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer knows: do not warn about it.
     "WARN_UNUSED_ENV_VARS": "n",
 }
 
 _TEARDOWN_S = 2.0
+_FRAME_HEADER = struct.Struct("<II")  # magic, payload length
+_FRAME_MAGIC = 0x3154564B  # b"KVT1"
+
+
+def _parse_size(text: str) -> int:
+    """UCX size syntax ("65536", "64k", "1m", "inf"); unknown forms (per-lane lists) give 0."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b")
+    if t in ("inf", "infinity"):
+        return 1 << 62
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        return 0
 
 
 def _ucx_config(options: dict[str, str] | None) -> dict[str, str]:
@@ -72,13 +93,11 @@ class _Worker:
         self._requests: list[tuple[Any, Callable[[Any, BaseException | None], None], Any]] = []
         self._dirty = False
 
-    def track(self, request: Any, callback: Callable[[Any, BaseException | None], None], keep: Any = None) -> None:
+    def track(
+        self, request: Any, callback: Callable[[Any, BaseException | None], None], keep: Any = None
+    ) -> None:
         self._requests.append((request, callback, keep))
         self._dirty = True
-
-    def untrack(self, request: Any) -> None:
-        """Stop tracking ``request`` (its callback will not run)."""
-        self._requests = [e for e in self._requests if e[0] is not request]
 
     @property
     def outstanding(self) -> int:
@@ -98,7 +117,7 @@ class _Worker:
                 try:
                     request.check_error()
                     error = None
-                except Exception as e:  # ucxx raises one exception type per UCX status
+                except Exception as e:  # noqa: BLE001  (ucxx raises one type per UCX status)
                     error = e
                 try:
                     callback(request, error)
@@ -125,7 +144,6 @@ class UcxLink(Link):
         self._notified = False
         self._started = False
         self._pending_error: BaseException | None = None
-        self._am_request: Any = None
         if endpoint is not None:
             endpoint.set_close_callback(self._on_endpoint_error)
 
@@ -136,58 +154,100 @@ class UcxLink(Link):
     def start(self) -> None:
         self._started = True
         if self._closed:
-            self._schedule_notify(self._pending_error or PeerLostError(f"connection to {self.peer} closed"))
+            self._schedule_notify(
+                self._pending_error or PeerLostError(f"connection to {self.peer} closed")
+            )
             return
-        self._post_am_recv()
+        self._post_header_recv()
 
     # -- control ------------------------------------------------------------------------
+    # Control messages are frames on the endpoint's UCX stream: an 8-byte header (magic,
+    # payload length) then the msgpack payload. The stream belongs to this endpoint alone, so
+    # no state outlives it (ucxx 0.52 keys active-message receives by endpoint handle, and a
+    # stale receive of a closed endpoint can swallow the messages of a new endpoint that reuses
+    # the handle value). A frame with a bad header desynchronises the stream: the link closes.
 
-    def _post_am_recv(self) -> None:
+    def _post_header_recv(self) -> None:
+        if self._closed:
+            return
+        header = np.zeros(_FRAME_HEADER.size, dtype=np.uint8)
+        self._stream_recv(header, lambda error: self._on_header(header, error))
+
+    def _stream_recv(
+        self, buffer: np.ndarray, done: Callable[[BaseException | None], None]
+    ) -> None:
         if self._closed:
             return
         try:
-            request = self._ep.am_recv()
-        except Exception as e:
+            arr = Array(buffer)
+            request = self._ep.stream_recv(arr)
+        except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
             self._fail(e)
             return
-        self._am_request = request
-        self._transport.worker.track(request, self._on_am)
+        self._transport.worker.track(request, lambda _req, error: done(error), (arr, buffer))
 
-    def _on_am(self, request: Any, error: BaseException | None) -> None:
-        self._am_request = None
+    def _on_header(self, header: np.ndarray, error: BaseException | None) -> None:
         if error is not None:
             self._fail(error)
             return
-        buffer = request.recv_buffer
-        payload = b"" if buffer is None else bytes(memoryview(buffer).cast("B"))
-        self._post_am_recv()
+        magic, length = _FRAME_HEADER.unpack(header.tobytes())
+        if magic != _FRAME_MAGIC or not 0 < length <= MAX_CTRL_BYTES:
+            self._fail(
+                PeerLostError(
+                    f"bad control frame header from {self.peer} "
+                    f"(magic {magic:#x}, length {length}): closing the connection"
+                )
+            )
+            return
+        body = np.empty(length, dtype=np.uint8)
+        self._stream_recv(body, lambda err: self._on_body(body, err))
+
+    def _on_body(self, body: np.ndarray, error: BaseException | None) -> None:
+        if error is not None:
+            self._fail(error)
+            return
+        self._post_header_recv()
         if not self._closed:
-            self.on_ctrl(payload)
+            self.on_ctrl(body.tobytes())
 
     def send_ctrl(self, payload: bytes) -> None:
         if self._closed:
             return
-        data = np.frombuffer(payload, dtype=np.uint8)
+        frame = np.frombuffer(
+            _FRAME_HEADER.pack(_FRAME_MAGIC, len(payload)) + payload, dtype=np.uint8
+        )
         try:
-            request = self._ep.am_send(Array(data))
-        except Exception as e:
+            arr = Array(frame)
+            request = self._ep.stream_send(arr)
+        except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
             self._fail(e)
             return
-        self._transport.worker.track(request, _ignore_completion, (data, payload))
+        self._transport.worker.track(request, _ignore_completion, (arr, frame))
 
     # -- data ---------------------------------------------------------------------------
 
     def send_data(self, tag: int, region: Region, done: DataCallback) -> None:
-        self._submit(lambda arr: self._ep.tag_send(arr, ucx_api.UCXXTag(tag)), region.buffer, done, region)
+        self._submit(
+            lambda arr: self._ep.tag_send(arr, ucx_api.UCXXTag(tag)), region.buffer, done, region
+        )
 
     def recv_data(self, tag: int, region: Region | None, done: DataCallback) -> None:
         if region is None:
             # Discard: a 1-byte receive consumes the whole message (UCX reports truncation).
             scratch = np.zeros(1, dtype=np.uint8)
-            self._submit(lambda arr: self._ep.tag_recv(arr, ucx_api.UCXXTag(tag)), scratch,
-                         lambda _error: done(None), None)
+            self._submit(
+                lambda arr: self._ep.tag_recv(arr, ucx_api.UCXXTag(tag)),
+                scratch,
+                lambda _error: done(None),
+                None,
+            )
         else:
-            self._submit(lambda arr: self._ep.tag_recv(arr, ucx_api.UCXXTag(tag)), region.buffer, done, region)
+            self._submit(
+                lambda arr: self._ep.tag_recv(arr, ucx_api.UCXXTag(tag)),
+                region.buffer,
+                done,
+                region,
+            )
 
     def _submit(self, op: Callable[[Any], Any], buffer: Any, done: DataCallback, keep: Any) -> None:
         reactor = self._transport.reactor
@@ -197,8 +257,10 @@ class UcxLink(Link):
         try:
             arr = Array(buffer)
             request = op(arr)
-        except Exception as e:
-            reactor.call_soon(done, PeerLostError(f"UCX refused the operation: {type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
+            reactor.call_soon(
+                done, PeerLostError(f"UCX refused the operation: {type(e).__name__}: {e}")
+            )
             return
         self._transport.worker.track(request, lambda _req, error: done(error), (arr, buffer, keep))
 
@@ -210,17 +272,25 @@ class UcxLink(Link):
         self._transport.reactor.call_soon(self._after_endpoint_error)
 
     def _after_endpoint_error(self) -> None:
-        reason = "endpoint closed"
-        if self._ep is not None:
-            try:
-                self._ep.raise_on_error()
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-        self._fail(PeerLostError(f"connection to {self.peer} failed: {reason}"))
+        self._fail(
+            PeerLostError(f"connection to {self.peer} failed: {self._endpoint_error() or 'closed'}")
+        )
+
+    def _endpoint_error(self) -> str | None:
+        """The endpoint's own error (e.g. connection refused / reset), if it has one."""
+        if self._ep is None:
+            return None
+        try:
+            self._ep.raise_on_error()
+        except Exception as e:  # noqa: BLE001  (ucxx raises one type per UCX status)
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _fail(self, error: BaseException) -> None:
         if not isinstance(error, PeerLostError):
-            error = PeerLostError(f"connection to {self.peer} failed: {type(error).__name__}: {error}")
+            # A failed request usually just reflects the endpoint's failure: report the latter.
+            reason = self._endpoint_error() or f"{type(error).__name__}: {error}"
+            error = PeerLostError(f"connection to {self.peer} failed: {reason}")
         if not self._closed:
             self._closed = True
             self._close_endpoint()
@@ -234,22 +304,18 @@ class UcxLink(Link):
         self._schedule_notify(PeerLostError(f"connection to {self.peer} closed locally"))
 
     def _close_endpoint(self) -> None:
-        ep = self._ep
+        ep, self._ep = self._ep, None
+        self._transport._links.discard(self)
         if ep is None:
             return
         try:
             ep.remove_close_callback()
             # Blocking close (bounded by 10 ms per attempt) also cancels the endpoint's
-            # outstanding tag and active-message receives; their callbacks run on the next
-            # progress. The non-blocking close leaves active-message receives pending.
+            # outstanding requests; their callbacks run on the next progress. The endpoint
+            # object is released here, on the reactor thread.
             ep.close_blocking(period=10_000_000, max_attempts=1)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
             logger.debug("kvtransfer: closing UCX endpoint to %s: %s", self.peer, e)
-        if self._am_request is not None:
-            # An errored endpoint does not always cancel its active-message receive; nothing
-            # arrives on a closed link, so stop waiting for it.
-            self._transport.worker.untrack(self._am_request)
-            self._am_request = None
 
     def _schedule_notify(self, error: BaseException) -> None:
         if self._started and not self._notified:
@@ -257,9 +323,6 @@ class UcxLink(Link):
             self._transport.reactor.call_soon(self.on_closed, error)
         elif not self._started:
             self._pending_error = error
-
-    def _drop(self) -> None:
-        self._ep = None
 
 
 def _ignore_completion(_request: Any, _error: BaseException | None) -> None:
@@ -271,8 +334,13 @@ class UcxTransport(Transport):
 
     kind = "ucx"
 
-    def __init__(self, *, name: str = "ucx", options: dict[str, str] | None = None, spin_us: float = 0.0):
+    def __init__(
+        self, *, name: str = "ucx", options: dict[str, str] | None = None, spin_us: float = 0.0
+    ):
         self.config = _ucx_config(options)
+        self.eager_limit = _parse_size(
+            self.config.get("RNDV_THRESH") or os.environ.get("UCX_RNDV_THRESH", "8192")
+        )
         self.reactor = Reactor(name, spin_s=spin_us * 1e-6)
         self.reactor.start()
         self._listener: Any = None
@@ -296,8 +364,12 @@ class UcxTransport(Transport):
         if self._listener is not None:
             raise RuntimeError("this transport already listens")
         self._on_accept = on_accept
-        self._listener = ucx_api.UCXListener.create(self.worker.worker, port, self._on_connection,
-                                                    deliver_endpoint=True)
+        try:
+            self._listener = ucx_api.UCXListener.create(
+                self.worker.worker, port, self._on_connection, deliver_endpoint=True
+            )
+        except Exception as e:  # ucxx reports bind failures with its own exception types
+            raise OSError(f"UCX cannot listen on port {port}: {type(e).__name__}: {e}") from e
         return host, self._listener.port
 
     def _on_connection(self, endpoint: Any) -> None:
@@ -311,10 +383,14 @@ class UcxTransport(Transport):
 
     def connect(self, address: ReceiverAddress) -> Link:
         try:
-            endpoint = ucx_api.UCXEndpoint.create(self.worker.worker, address.host, address.port, True)
-        except Exception as e:
+            endpoint = ucx_api.UCXEndpoint.create(
+                self.worker.worker, address.host, address.port, True
+            )
+        except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
             link = UcxLink(self, None, f"receiver {address}")
-            link._pending_error = PeerLostError(f"cannot connect to {address}: {type(e).__name__}: {e}")
+            link._pending_error = PeerLostError(
+                f"cannot connect to {address}: {type(e).__name__}: {e}"
+            )
             return link
         link = UcxLink(self, endpoint, f"receiver {address}")
         self._links.add(link)
@@ -340,15 +416,11 @@ class UcxTransport(Transport):
         deadline = time.monotonic() + _TEARDOWN_S
         while self.worker.outstanding and time.monotonic() < deadline:
             self.worker.progress()
-        if os.environ.get("KVX_DEBUG"):
-            print("outstanding", [(type(r).__name__, cb) for r, cb, k in self.worker._requests])
         if self.worker.outstanding:
             self.worker.worker.cancel_inflight_requests(period=10**8, max_attempts=5)
             end = time.monotonic() + 0.5
             while self.worker.outstanding and time.monotonic() < end:
                 self.worker.progress()
-        for link in self._links:
-            link._drop()
         self._links.clear()
         self.reactor.remove_source(self.worker)
         # Release the UCX objects here, on the thread that used them.

@@ -1,0 +1,191 @@
+"""A KV transfer peer in its own process, driven by JSON lines on stdin (tests only).
+
+Usage: ``python peer.py ROLE GEOMETRY_JSON NUM_BLOCKS [--port P] [--no-checksums]
+[--seed S]``, ROLE = ``receiver`` or ``sender``. The pool is a numpy uint8 array (no torch
+import, so the process starts fast); a sender's pool is filled from ``--seed``.
+
+Prints ``{"event": "ready", "address": <hex>}`` once listening (receiver) or started (sender),
+then answers each command with one JSON line:
+
+* ``{"cmd": "expect", "id", "blocks", "timeout"}`` -> ``{"event": "expected"}``
+* ``{"cmd": "wait", "id", "timeout"}`` -> ``{"event": "result", "state", "error_type", "error",
+  "digests"}`` (blake2b of each destination block, receiver only)
+* ``{"cmd": "send", "id", "address", "src", "dst", "timeout", "chunk", "finish", "wait"}``
+  (sender) -> ``{"event": "result", ...}`` or ``{"event": "sending"}`` when ``wait`` is false
+* ``{"cmd": "raw", "address", "payloads": [hex...], "settle": s}`` -> ``{"event": "replies",
+  "ops": [...]}``: open a bare UCX connection, send the payloads as control messages verbatim
+  and report every op that comes back
+* ``{"cmd": "pool_digest"}`` -> ``{"event": "pool", "digest"}`` (whole pool, blake2b)
+* ``{"cmd": "stats"}`` -> counters; ``{"cmd": "quit"}`` exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+from kvtransfer import KVGeometry, create_receiver, create_sender
+from kvtransfer.protocol import ReceiverAddress, decode_ops
+
+
+def block_digests(pool: np.ndarray, block_bytes: int, ids: list[int]) -> list[str]:
+    return [
+        hashlib.blake2b(
+            pool[b * block_bytes : (b + 1) * block_bytes].tobytes(), digest_size=16
+        ).hexdigest()
+        for b in ids
+    ]
+
+
+def fill_pool(pool: np.ndarray, seed: int) -> None:
+    pool[:] = np.random.default_rng(seed).integers(0, 256, size=pool.shape, dtype=np.uint8)
+
+
+def result_of(handle, pool=None, block_bytes=0) -> dict:
+    out = {
+        "event": "result",
+        "id": handle.transfer_id,
+        "state": handle.state.value,
+        "error_type": type(handle.error).__name__ if handle.error else None,
+        "error": str(handle.error) if handle.error else None,
+        "seconds": handle.seconds,
+    }
+    if pool is not None:
+        out["digests"] = block_digests(pool, block_bytes, list(handle.block_ids))
+        out["checksums"] = handle.checksums
+    return out
+
+
+def raw_exchange(
+    address: bytes, payloads: list[bytes], settle: float, unframed: bool = False
+) -> tuple[list, list]:
+    """Send control payloads verbatim over a bare UCX link; collect decoded replies and whether
+    the receiver closed the connection. ``unframed`` writes the bytes to the stream without the
+    frame header (a corrupt frame)."""
+    from ucxx._lib.arr import Array
+
+    from kvtransfer.ucx import UcxTransport
+
+    transport = UcxTransport(name="raw")
+    replies: list = []
+    closed: list = []
+    try:
+
+        def setup():
+            link = transport.connect(ReceiverAddress.decode(address))
+            link.on_ctrl = lambda p: replies.append(p)
+            link.on_closed = lambda e: closed.append(str(e))
+            link.start()
+            for p in payloads:
+                if unframed:
+                    data = np.frombuffer(p, dtype=np.uint8)
+                    transport.worker.track(link._ep.stream_send(Array(data)), lambda *_: None, data)
+                else:
+                    link.send_ctrl(p)
+            return link
+
+        link = transport.reactor.run_sync(setup)
+        time.sleep(settle)
+        transport.reactor.run_sync(link.close)
+    finally:
+        transport.close()
+    ops = []
+    for p in replies:
+        try:
+            ops += [dict(vars(op), op=type(op).__name__) for op in decode_ops(p)]
+        except Exception as e:  # noqa: BLE001  (report, do not crash the peer)
+            ops.append({"op": "undecodable", "error": str(e)})
+    return ops, closed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=("receiver", "sender"))
+    ap.add_argument("geometry")
+    ap.add_argument("num_blocks", type=int)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--no-checksums", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    geometry = KVGeometry(**json.loads(args.geometry))
+    bb = geometry.block_bytes
+    pool = np.zeros(args.num_blocks * bb, dtype=np.uint8)
+
+    def emit(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    handles = {}
+    if args.role == "receiver":
+        endpoint = create_receiver(
+            "ucx", pool, geometry, port=args.port, verify_checksums=not args.no_checksums
+        )
+        emit({"event": "ready", "address": endpoint.address.hex()})
+    else:
+        fill_pool(pool, args.seed)
+        endpoint = create_sender("ucx", pool, geometry, checksums=not args.no_checksums)
+        emit({"event": "ready", "address": None})
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            kind = cmd["cmd"]
+            if kind == "quit":
+                break
+            if kind == "expect":
+                handles[cmd["id"]] = endpoint.expect(cmd["id"], cmd["blocks"], cmd["timeout"])
+                emit({"event": "expected", "id": cmd["id"]})
+            elif kind == "wait":
+                h = handles[cmd["id"]]
+                h.wait(cmd["timeout"])
+                emit(result_of(h, pool if args.role == "receiver" else None, bb))
+            elif kind == "send":
+                h = endpoint.open(
+                    cmd["id"], bytes.fromhex(cmd["address"]), cmd["dst"], cmd["timeout"]
+                )
+                handles[cmd["id"]] = h
+                src, chunk = cmd["src"], cmd.get("chunk") or len(cmd["src"])
+                for i in range(0, len(src), chunk):
+                    h.send_blocks(src[i : i + chunk], i)
+                if cmd.get("finish", True):
+                    h.finish()
+                if cmd.get("wait", True):
+                    h.wait(cmd["timeout"] + 5)
+                    emit(result_of(h))
+                else:
+                    emit({"event": "sending", "id": cmd["id"]})
+            elif kind == "raw":
+                ops, closed = raw_exchange(
+                    bytes.fromhex(cmd["address"]),
+                    [bytes.fromhex(p) for p in cmd["payloads"]],
+                    cmd.get("settle", 0.5),
+                    cmd.get("unframed", False),
+                )
+                emit({"event": "replies", "ops": ops, "closed": closed})
+            elif kind == "pool_digest":
+                emit(
+                    {
+                        "event": "pool",
+                        "digest": hashlib.blake2b(pool.tobytes(), digest_size=16).hexdigest(),
+                    }
+                )
+            elif kind == "stats":
+                emit(
+                    {
+                        "event": "stats",
+                        **vars(endpoint.stats),
+                        "protocol_errors": endpoint.protocol_errors,
+                    }
+                )
+            else:
+                emit({"event": "error", "error": f"unknown command {kind!r}"})
+    finally:
+        endpoint.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""The transfer protocol end to end over the in-process loopback transport.
+
+The loopback runs the same sender/receiver state machines as UCX, so these tests cover the
+protocol (coalescing, checksums, handshake, timeouts, cancellation, backpressure, reconnects,
+malformed messages); test_ucx.py repeats the essentials across real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from kvt_helpers import block_bytes_of, small_geometry
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvtransfer import (
+    ChecksumMismatchError,
+    CorruptBlocks,
+    GeometryMismatchError,
+    IncompleteTransferError,
+    LoopbackNetwork,
+    PeerCancelledError,
+    PeerLostError,
+    TransferCancelledError,
+    TransferMetrics,
+    TransferRejectedError,
+    TransferState,
+    TransferTimeoutError,
+    TransportClosedError,
+    create_receiver,
+    create_sender,
+)
+from kvtransfer.loopback import LoopbackLink
+from kvtransfer.protocol import Data, decode_ops, encode_ops
+
+DONE, FAILED, CANCELLED = TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED
+
+
+def run_transfer(
+    sender, receiver, tid, src_ids, dst_ids, *, chunk=None, shuffle=False, timeout=10.0
+):
+    rh = receiver.expect(tid, dst_ids, timeout)
+    sh = sender.open(tid, receiver.address, dst_ids, timeout)
+    positions = list(range(len(src_ids)))
+    pieces = [
+        positions[i : i + (chunk or len(positions))]
+        for i in range(0, len(positions), chunk or len(positions))
+    ]
+    if shuffle:
+        random.Random(tid).shuffle(pieces)
+    for piece in pieces:
+        sh.send_blocks([src_ids[i] for i in piece], piece[0])
+    sh.finish()
+    assert rh.wait(timeout + 5) == DONE, rh.error
+    assert sh.wait(timeout + 5) == DONE, sh.error
+    return sh, rh
+
+
+def assert_blocks_equal(src, dst, g, src_ids, dst_ids):
+    for s, d in zip(src_ids, dst_ids):
+        assert block_bytes_of(src, g, s) == block_bytes_of(dst, g, d), (s, d)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_block_sets_arrive_identical(loopback_pair, geometry, seed):
+    rng = random.Random(seed)
+    sender, receiver, src, dst = loopback_pair(num_src=300, num_dst=300, seed=seed)
+    n = rng.choice([1, 2, 17, 64, 299])
+    if seed % 2:  # contiguous runs
+        s0, d0 = rng.randrange(300 - n + 1), rng.randrange(300 - n + 1)
+        src_ids, dst_ids = list(range(s0, s0 + n)), list(range(d0, d0 + n))
+    else:  # scattered
+        src_ids, dst_ids = rng.sample(range(300), n), rng.sample(range(300), n)
+    untouched = np.setdiff1d(np.arange(300), dst_ids)
+    sh, rh = run_transfer(
+        sender, receiver, f"t{seed}", src_ids, dst_ids, chunk=rng.choice([1, 5, None]), shuffle=True
+    )
+    assert_blocks_equal(src, dst, geometry, src_ids, dst_ids)
+    assert all(block_bytes_of(dst, geometry, b) == bytes(geometry.block_bytes) for b in untouched)
+    assert sh.checksums == rh.checksums and None not in sh.checksums
+    assert sh.bytes_sent == rh.bytes_received == n * geometry.block_bytes
+    assert rh.blocks_done == sh.blocks_sent == n
+
+
+def test_thousands_of_blocks_in_torch_bf16_pools():
+    g = small_geometry()
+    net = LoopbackNetwork()
+    src = torch.randn(2100, *g.block_shape).to(torch.bfloat16)
+    dst = torch.zeros(2100, *g.block_shape, dtype=torch.bfloat16)
+    receiver = create_receiver("loopback", dst, g, network=net)
+    sender = create_sender("loopback", src, g, network=net, max_message_bytes=1 << 20)
+    try:
+        ids = list(range(2048))
+        dst_ids = ids[1024:] + ids[:1024]
+        run_transfer(sender, receiver, "big", ids, dst_ids, chunk=100)
+        assert torch.equal(dst[dst_ids].view(torch.uint8), src[ids].view(torch.uint8))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_adjacent_blocks_are_coalesced(loopback_pair, monkeypatch):
+    headers = []
+    original = LoopbackLink.send_ctrl
+
+    def spy(self, payload):
+        headers.extend(op for op in decode_ops(payload) if isinstance(op, Data))
+        return original(self, payload)
+
+    monkeypatch.setattr(LoopbackLink, "send_ctrl", spy)
+    sender, receiver, _src, _dst = loopback_pair(sender_opts={"max_message_bytes": 8 * 32768})
+    # positions 0-9 adjacent in both pools, 10 breaks the destination run, 11-12 adjacent again
+    src_ids = list(range(20, 33))
+    dst_ids = list(range(10)) + [40] + [50, 51]
+    run_transfer(sender, receiver, "c", src_ids, dst_ids)
+    assert [(h.index, h.count) for h in headers] == [(0, 8), (8, 2), (10, 1), (11, 2)]
+
+
+def test_send_blocks_and_finish_validate_input(loopback_pair):
+    sender, receiver, _, _ = loopback_pair()
+    rh = receiver.expect("v", [1, 2, 3], 5)
+    sh = sender.open("v", receiver.address, [1, 2, 3], 5)
+    with pytest.raises(ValueError):
+        sh.send_blocks([64], 0)  # outside the sender's pool
+    with pytest.raises(ValueError):
+        sh.send_blocks([1, 2], 2)  # positions 2..3 outside a 3-block transfer
+    with pytest.raises(TypeError):
+        sh.send_blocks([1], "0")  # type: ignore[arg-type]
+    sh.send_blocks([5], 1)
+    with pytest.raises(ValueError, match="already queued"):
+        sh.send_blocks([6], 1)
+    with pytest.raises(IncompleteTransferError, match="2 of 3"):
+        sh.finish()
+    sh.send_blocks([4], 0)
+    sh.send_blocks([9], 2)
+    sh.finish()
+    with pytest.raises(ValueError, match="after finish"):
+        sh.send_blocks([1], 0)
+    assert sh.wait(5) == DONE and rh.wait(5) == DONE
+    receiver.expect("w", [1], 5)
+    with pytest.raises(ValueError, match="already expected"):
+        receiver.expect("w", [2], 5)
+    with pytest.raises(ValueError, match="repeat"):
+        receiver.expect("x", [3, 3], 5)
+    with pytest.raises(ValueError):
+        receiver.expect("y", [64], 5)
+    with pytest.raises(ValueError):
+        sender.open("z", receiver.address, [1], 0)
+
+
+def test_geometry_mismatch_is_refused_naming_both_sides(loopback_pair, geometry):
+    sender, receiver, _, _ = loopback_pair(src_geometry=small_geometry(dtype="fp8", num_kv_heads=8))
+    with pytest.raises(GeometryMismatchError) as exc:
+        sender.connect(receiver.address, timeout_s=5)
+    msg = str(exc.value)
+    assert "dtype (sender=float8_e4m3fn, receiver=bfloat16)" in msg
+    assert "num_kv_heads (sender=8, receiver=4)" in msg
+    receiver.expect("g", [0], 5)
+    sh = sender.open("g", receiver.address, [0], 5)
+    assert sh.wait(5) == FAILED and isinstance(sh.error, GeometryMismatchError)
+    # the receiver keeps serving compatible senders
+    good = create_sender(
+        "loopback",
+        np.zeros(4 * geometry.block_bytes, np.uint8),
+        geometry,
+        network=receiver._transport.network,
+    )
+    try:
+        good.connect(receiver.address)
+        receiver.expect("ok", [1], 5)
+        h = good.open("ok", receiver.address, [1], 5)
+        h.send_blocks([0], 0)
+        h.finish()
+        assert h.wait(5) == DONE
+    finally:
+        good.close()
+
+
+def test_checksum_mismatch_fails_that_transfer_only(loopback_pair, geometry):
+    registry = CollectorRegistry()
+    metrics = TransferMetrics(registry)
+    sender, receiver, src, dst = loopback_pair(
+        sender_opts={"fault_injector": CorruptBlocks({("bad", 2)}), "metrics": metrics},
+        receiver_opts={"metrics": metrics},
+    )
+    rb = receiver.expect("bad", [10, 11, 12, 13], 5)
+    rg = receiver.expect("good", [20, 21, 22, 23], 5)
+    sb = sender.open("bad", receiver.address, [10, 11, 12, 13], 5)
+    sg = sender.open("good", receiver.address, [20, 21, 22, 23], 5)
+    for h in (sb, sg):
+        h.send_blocks([0, 1, 2, 3], 0)
+        h.finish()
+    assert rb.wait(5) == FAILED and sb.wait(5) == FAILED
+    for err in (rb.error, sb.error):
+        assert isinstance(err, ChecksumMismatchError) and err.block_index == 2
+    assert rb.error.expected == sb.checksums[2] != rb.error.actual
+    assert rg.wait(5) == DONE and sg.wait(5) == DONE
+    assert_blocks_equal(src, dst, geometry, [0, 1, 2, 3], [20, 21, 22, 23])
+    assert metrics.recv.checksum_mismatches_total == 1 and metrics.recv.failures_total == 1
+    assert metrics.send.transfers_total == metrics.recv.transfers_total == 1
+    text = generate_latest(registry).decode()
+    assert 'pdserve:kv_transfer_failures_total{direction="recv",reason="checksum"} 1.0' in text
+    # the connection survived: another transfer still works
+    run_transfer(sender, receiver, "after", [5], [30])
+
+
+def test_checksums_computed_off_the_io_thread(loopback_pair, geometry):
+    """With inline_checksum_bytes=0 every run is hashed on the checksum threads and its sums
+    follow the data in a separate op; corruption is still caught per block."""
+    offload = {"inline_checksum_bytes": 0, "checksum_threads": 2}
+    sender, receiver, src, dst = loopback_pair(
+        num_src=128,
+        num_dst=128,
+        receiver_opts=offload,
+        sender_opts={
+            **offload,
+            "fault_injector": CorruptBlocks({("bad", 40)}),
+            "max_message_bytes": 8 * 32768,
+        },
+    )
+    ids = list(range(64))
+    sh, rh = run_transfer(sender, receiver, "good", ids, [i + 64 for i in ids], chunk=24)
+    assert_blocks_equal(src, dst, geometry, ids, [i + 64 for i in ids])
+    assert sh.checksums == rh.checksums and None not in rh.checksums
+    rb = receiver.expect("bad", ids, 5)
+    sb = sender.open("bad", receiver.address, ids, 5)
+    sb.send_blocks(ids, 0)
+    sb.finish()
+    assert rb.wait(5) == FAILED and sb.wait(5) == FAILED
+    assert rb.error.block_index == 40 == sb.error.block_index
+
+
+def test_checksums_off_on_both_sides(loopback_pair, geometry):
+    sender, receiver, src, dst = loopback_pair(
+        sender_opts={"checksums": False}, receiver_opts={"verify_checksums": False}
+    )
+    sh, rh = run_transfer(sender, receiver, "nock", [1, 2], [3, 4])
+    assert sh.checksums == [None, None] == rh.checksums
+    assert_blocks_equal(src, dst, geometry, [1, 2], [3, 4])
+
+
+def test_sender_without_checksums_is_refused_by_verifying_receiver(loopback_pair):
+    sender, receiver, _, _ = loopback_pair(sender_opts={"checksums": False})
+    with pytest.raises(GeometryMismatchError, match=r"checksums \(sender=off, receiver=on\)"):
+        sender.connect(receiver.address)
+
+
+def test_receiver_timeout_when_sender_never_opens(loopback_pair):
+    _, receiver, _, dst = loopback_pair()
+    t = time.monotonic()
+    rh = receiver.expect("late", [1, 2], 0.3)
+    assert rh.wait(5) == FAILED
+    assert 0.25 < time.monotonic() - t < 2.0
+    assert isinstance(rh.error, TransferTimeoutError) and "never opened" in str(rh.error)
+    assert not dst.any()
+
+
+def test_sender_timeout_and_receiver_told(loopback_pair):
+    sender, receiver, _, _dst = loopback_pair()
+    rh = receiver.expect("slow", [1, 2], 10)
+    sh = sender.open("slow", receiver.address, [1, 2], 0.3)
+    sh.send_blocks([7], 0)  # never finishes
+    t = time.monotonic()
+    assert sh.wait(5) == FAILED and time.monotonic() - t < 2.0
+    assert isinstance(sh.error, TransferTimeoutError)
+    assert rh.wait(5) == FAILED and isinstance(rh.error, PeerCancelledError)
+
+
+def test_unknown_transfer_is_rejected(loopback_pair):
+    sender, receiver, _, _ = loopback_pair()
+    sh = sender.open("nobody-expects", receiver.address, [1], 5)
+    sh.send_blocks([1], 0)
+    sh.finish()
+    assert sh.wait(5) == FAILED
+    assert isinstance(sh.error, TransferRejectedError) and sh.error.code == "unknown_transfer"
+
+
+def test_different_destination_ids_are_rejected_and_pool_untouched(loopback_pair):
+    sender, receiver, _, dst = loopback_pair()
+    rh = receiver.expect("d", [1, 2], 5)
+    sh = sender.open("d", receiver.address, [1, 3], 5)
+    sh.send_blocks([0, 1], 0)
+    sh.finish()
+    assert rh.wait(5) == FAILED and sh.wait(5) == FAILED
+    assert sh.error.code == "mismatch"
+    assert not dst.any()
+
+
+def test_receiver_cancel_mid_transfer(loopback_pair, geometry):
+    sender, receiver, _src, dst = loopback_pair(num_dst=64)
+    dst_ids = list(range(8, 16))
+    rh = receiver.expect("rc", dst_ids, 5)
+    sh = sender.open("rc", receiver.address, dst_ids, 5)
+    sh.send_blocks([0, 1, 2], 0)
+    deadline = time.monotonic() + 5
+    while rh.blocks_done < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    rh.cancel()
+    assert rh.wait(5) == CANCELLED and isinstance(rh.error, TransferCancelledError)
+    sh.send_blocks([3, 4, 5, 6, 7], 3)
+    sh.finish()
+    assert sh.wait(5) == FAILED and isinstance(sh.error, PeerCancelledError)
+    outside = np.concatenate([dst[: 8 * geometry.block_bytes], dst[16 * geometry.block_bytes :]])
+    assert not outside.any()
+
+
+def test_sender_cancel(loopback_pair):
+    sender, receiver, _, _ = loopback_pair()
+    rh = receiver.expect("sc", [1, 2], 5)
+    sh = sender.open("sc", receiver.address, [1, 2], 5)
+    sh.send_blocks([0], 0)
+    sh.cancel()
+    assert sh.wait(5) == CANCELLED and isinstance(sh.error, TransferCancelledError)
+    assert rh.wait(5) == FAILED and isinstance(rh.error, PeerCancelledError)
+    sh.send_blocks([1], 1)  # ignored after the handle is terminal
+    sh.cancel()
+
+
+def test_bounded_active_transfers_queue_in_order(loopback_pair):
+    sender, receiver, _, _ = loopback_pair(
+        sender_opts={"max_active_transfers": 1, "max_inflight_messages": 1}
+    )
+    r1, r2 = receiver.expect("q1", [1], 5), receiver.expect("q2", [2], 5)
+    s1 = sender.open("q1", receiver.address, [1], 5)
+    s2 = sender.open("q2", receiver.address, [2], 5)
+    time.sleep(0.1)
+    assert sender.active_transfers == 1 and sender.queued_transfers == 1
+    s2.send_blocks([5], 0)
+    s2.finish()
+    time.sleep(0.1)
+    assert s2.state is TransferState.PENDING and r2.blocks_done == 0
+    s1.send_blocks([4], 0)
+    s1.finish()
+    assert s1.wait(5) == DONE and s2.wait(5) == DONE and r1.wait(5) == DONE and r2.wait(5) == DONE
+
+
+def test_many_concurrent_transfers_share_one_connection(loopback_pair, geometry):
+    sender, receiver, src, dst = loopback_pair(
+        num_src=64,
+        num_dst=256,
+        receiver_opts={"max_posted_receives": 2},
+        sender_opts={"max_inflight_messages": 3},
+    )
+    handles = []
+    for j in range(32):
+        dst_ids = [j * 8 + i for i in range(0, 8, 2)]  # scattered: one message per block
+        handles.append(
+            (
+                receiver.expect(f"m{j}", dst_ids, 10),
+                sender.open(f"m{j}", receiver.address, dst_ids, 10),
+            )
+        )
+    for j, (_, sh) in enumerate(handles):
+        sh.send_blocks([j, j + 1, j + 2, j + 3], 0)
+        sh.finish()
+    for j, (rh, sh) in enumerate(handles):
+        assert rh.wait(10) == DONE and sh.wait(10) == DONE, (rh.error, sh.error)
+        assert_blocks_equal(src, dst, geometry, [j, j + 1, j + 2, j + 3], list(rh.block_ids))
+    assert sender.connections_opened == 1 and receiver.num_connections == 1
+
+
+def test_reconnect_after_receiver_restart(geometry):
+    net = LoopbackNetwork()
+    src = np.random.default_rng(3).integers(0, 256, 8 * geometry.block_bytes, dtype=np.uint8)
+    sender = create_sender("loopback", src, geometry, network=net)
+    first = create_receiver("loopback", np.zeros_like(src), geometry, network=net)
+    try:
+        run_transfer(sender, first, "a", [1], [1])
+        rh = first.expect("b", [2, 3], 5)
+        sh = sender.open("b", first.address, [2, 3], 5)
+        sh.send_blocks([2], 0)
+        first.close()  # the receiver "dies" mid-transfer
+        assert sh.wait(5) == FAILED and isinstance(sh.error, (PeerLostError, TransportClosedError))
+        assert rh.state is FAILED
+        second_pool = np.zeros_like(src)
+        second = create_receiver("loopback", second_pool, geometry, network=net)
+        try:
+            run_transfer(sender, second, "c", [4, 5], [6, 7])
+            assert (
+                second_pool[6 * geometry.block_bytes : 8 * geometry.block_bytes].tobytes()
+                == src[4 * geometry.block_bytes : 6 * geometry.block_bytes].tobytes()
+            )
+            assert sender.connections_opened == 2
+        finally:
+            second.close()
+    finally:
+        sender.close()
+
+
+def _raw_link(network: LoopbackNetwork, receiver, replies: list):
+    from kvtransfer.loopback import LoopbackTransport
+    from kvtransfer.protocol import ReceiverAddress
+
+    transport = LoopbackTransport(network, name="raw")
+
+    def setup():
+        link = transport.connect(ReceiverAddress.decode(receiver.address))
+        link.on_ctrl = lambda p: replies.extend(decode_ops(p))
+        link.on_closed = lambda e: None
+        link.start()
+        return link
+
+    return transport, transport.reactor.run_sync(setup)
+
+
+def test_malformed_and_unexpected_messages_to_receiver_are_rejected(loopback_pair, geometry):
+    from kvtransfer.protocol import Done, Error, Fin, Hello, HelloOk, Open
+
+    sender, receiver, src, dst = loopback_pair()
+    replies: list = []
+    transport, link = _raw_link(receiver._transport.network, receiver, replies)
+    try:
+        send = lambda payload: transport.reactor.run_sync(link.send_ctrl, payload)
+        send(b"\x00garbage")
+        send(encode_ops([Open(1, "x", [1])]))  # before the handshake
+        send(encode_ops([Hello(geometry.to_wire(), True, "raw")]))
+        send(encode_ops([Hello(geometry.to_wire(), True, "raw")]))  # duplicate
+        send(encode_ops([Done(9), Fin(77, 1)]))  # receiver-bound 'done', fin for unknown transfer
+        deadline = time.monotonic() + 5
+        while len(replies) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kinds = [type(op).__name__ for op in replies]
+        assert kinds == ["Error", "Error", "HelloOk", "Error", "Error", "Error"], replies
+        assert "malformed" in replies[0].reason and "before the handshake" in replies[1].reason
+        assert all(isinstance(op, (Error, HelloOk)) for op in replies)
+    finally:
+        transport.close()
+    assert receiver.protocol_errors >= 5
+    run_transfer(sender, receiver, "still-serving", [3, 4], [5, 6])
+    assert_blocks_equal(src, dst, geometry, [3, 4], [5, 6])
+
+
+def test_malformed_messages_to_sender_are_rejected_and_connection_survives(loopback_pair, geometry):
+    from kvtransfer.protocol import Done, Error
+
+    sender, receiver, src, dst = loopback_pair()
+    run_transfer(sender, receiver, "first", [1], [1])
+    (inlink,) = receiver._links.values()
+    replies: list = []
+    original = inlink.link.on_ctrl
+
+    def capture(payload):
+        ops = decode_ops(payload)
+        replies.extend(op for op in ops if isinstance(op, Error))
+        original(payload)
+
+    inlink.link.on_ctrl = capture
+    receiver._reactor.run_sync(inlink.link.send_ctrl, b"\xff\xff")
+    receiver._reactor.run_sync(
+        inlink.link.send_ctrl, encode_ops([Done(12345)])
+    )  # finished/unknown: ignored
+    receiver._reactor.run_sync(
+        inlink.link.send_ctrl, encode_ops([Data(1, 0, 1, None)])
+    )  # wrong direction
+    deadline = time.monotonic() + 5
+    while len(replies) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (
+        len(replies) == 2
+        and "malformed" in replies[0].reason
+        and "unexpected data" in replies[1].reason
+    )
+    assert sender.protocol_errors == 2
+    run_transfer(sender, receiver, "second", [2, 3], [2, 3])
+    assert sender.connections_opened == 1
+    assert_blocks_equal(src, dst, geometry, [1, 2, 3], [1, 2, 3])
+
+
+def test_close_fails_pending_transfers_in_bounded_time(loopback_pair):
+    sender, receiver, _, _ = loopback_pair()
+    rh = receiver.expect("open1", [1, 2], 30)
+    sh = sender.open("open1", receiver.address, [1, 2], 30)
+    sh.send_blocks([0], 0)
+    time.sleep(0.05)
+    t = time.monotonic()
+    sender.close()
+    assert sh.state is FAILED and isinstance(sh.error, TransportClosedError)
+    assert rh.wait(5) == FAILED
+    receiver.close()
+    assert time.monotonic() - t < 3
+    with pytest.raises(TransportClosedError):
+        sender.open("again", receiver.address, [1], 1)
+    with pytest.raises(TransportClosedError):
+        receiver.expect("again", [1], 1)
+
+
+def test_handles_are_awaitable(loopback_pair):
+    sender, receiver, _, _ = loopback_pair()
+
+    async def main():
+        rh = receiver.expect("aw", [1], 5)
+        sh = sender.open("aw", receiver.address, [1], 5)
+        sh.send_blocks([0], 0)
+        sh.finish()
+        return await asyncio.wait_for(asyncio.gather(rh, sh), 5)
+
+    assert asyncio.run(main()) == [DONE, DONE]
+
+
+def test_connect_to_nothing_fails_fast(geometry):
+    net = LoopbackNetwork()
+    sender = create_sender(
+        "loopback", np.zeros(geometry.block_bytes, np.uint8), geometry, network=net
+    )
+    receiver = create_receiver(
+        "loopback", np.zeros(geometry.block_bytes, np.uint8), geometry, network=net
+    )
+    address = receiver.address
+    receiver.close()
+    try:
+        with pytest.raises(PeerLostError, match="connection refused"):
+            sender.connect(address, timeout_s=5)
+    finally:
+        sender.close()

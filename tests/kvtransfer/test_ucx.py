@@ -1,0 +1,383 @@
+"""KV transfer over real UCX between two processes on loopback (TCP).
+
+The test process runs one side in-process; ``peer.py`` runs the other side in a subprocess.
+Block contents are compared with blake2b digests computed independently on each side.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from kvt_helpers import Peer, block_digests, free_port, random_pool, small_geometry
+
+from kvtransfer import (
+    ChecksumMismatchError,
+    CorruptBlocks,
+    GeometryMismatchError,
+    PeerLostError,
+    StaleAddressError,
+    TransferState,
+    TransferTimeoutError,
+    create_receiver,
+    create_sender,
+)
+from kvtransfer.protocol import Data, Fin, Hello, Open, ReceiverAddress, encode_ops
+
+pytestmark = pytest.mark.integration
+
+POOL_BLOCKS = 3000
+DONE, FAILED = TransferState.DONE, TransferState.FAILED
+
+
+@pytest.fixture(scope="module")
+def receiver_peer():
+    peer = Peer("receiver", small_geometry(), POOL_BLOCKS)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def src_pool():
+    return random_pool(POOL_BLOCKS, small_geometry(), seed=11)
+
+
+@pytest.fixture
+def sender(src_pool):
+    s = create_sender("ucx", src_pool, small_geometry(), settle_timeout_s=1.0)
+    yield s
+    s.close()
+
+
+def push(sender, peer, tid, src_ids, dst_ids, *, chunk=None, timeout=30.0, shuffle_seed=None):
+    """Expect on the peer, send from here in chunks (optionally shuffled), wait for both."""
+    assert (
+        peer.request({"cmd": "expect", "id": tid, "blocks": dst_ids, "timeout": timeout})["event"]
+        == "expected"
+    )
+    sh = sender.open(tid, peer.address, dst_ids, timeout)
+    starts = list(range(0, len(src_ids), chunk or len(src_ids)))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(starts)
+    for i in starts:
+        sh.send_blocks(src_ids[i : i + (chunk or len(src_ids))], i)
+    sh.finish()
+    result = peer.request({"cmd": "wait", "id": tid, "timeout": timeout}, timeout=timeout + 10)
+    sh.wait(timeout)
+    return sh, result
+
+
+@pytest.mark.parametrize(
+    "n,layout,chunk",
+    [
+        (1, "contiguous", None),
+        (7, "scattered", 1),
+        (64, "contiguous", 16),
+        (300, "scattered", 37),
+        (2500, "contiguous", 500),
+        (1500, "scattered", None),
+    ],
+)
+def test_random_block_sets_arrive_byte_identical(sender, receiver_peer, src_pool, n, layout, chunk):
+    rng = random.Random(n)
+    g = small_geometry()
+    if layout == "contiguous":
+        s0, d0 = rng.randrange(POOL_BLOCKS - n), rng.randrange(POOL_BLOCKS - n)
+        src_ids, dst_ids = list(range(s0, s0 + n)), list(range(d0, d0 + n))
+    else:
+        src_ids, dst_ids = rng.sample(range(POOL_BLOCKS), n), rng.sample(range(POOL_BLOCKS), n)
+    sh, result = push(
+        sender, receiver_peer, f"rand-{n}-{layout}", src_ids, dst_ids, chunk=chunk, shuffle_seed=n
+    )
+    assert result["state"] == "done", result
+    assert sh.state is DONE, sh.error
+    assert result["digests"] == block_digests(src_pool, g, src_ids)
+    assert result["checksums"] == sh.checksums
+    assert sh.bytes_sent == n * g.block_bytes
+
+
+def test_endpoint_is_reused_across_requests(sender, receiver_peer):
+    for j in range(5):
+        sh, result = push(sender, receiver_peer, f"reuse-{j}", [j], [100 + j])
+        assert result["state"] == "done" and sh.state is DONE
+    assert sender.connections_opened == 1
+
+
+def test_corrupted_bytes_fail_only_that_transfer(src_pool, receiver_peer):
+    g = small_geometry()
+    sender = create_sender("ucx", src_pool, g, fault_injector=CorruptBlocks({("corrupt", 3)}))
+    try:
+        for tid, dst in (("corrupt", list(range(200, 208))), ("clean", list(range(300, 308)))):
+            receiver_peer.request({"cmd": "expect", "id": tid, "blocks": dst, "timeout": 20})
+        handles = {}
+        for tid, dst in (("corrupt", list(range(200, 208))), ("clean", list(range(300, 308)))):
+            handles[tid] = sender.open(tid, receiver_peer.address, dst, 20)
+            handles[tid].send_blocks(list(range(10, 18)), 0)
+            handles[tid].finish()
+        bad = receiver_peer.request({"cmd": "wait", "id": "corrupt", "timeout": 20}, timeout=30)
+        good = receiver_peer.request({"cmd": "wait", "id": "clean", "timeout": 20}, timeout=30)
+        assert bad["state"] == "failed" and bad["error_type"] == "ChecksumMismatchError", bad
+        assert "block index 3" in bad["error"]
+        assert good["state"] == "done" and good["digests"] == block_digests(
+            src_pool, g, list(range(10, 18))
+        )
+        assert handles["corrupt"].wait(10) is FAILED and isinstance(
+            handles["corrupt"].error, ChecksumMismatchError
+        )
+        assert handles["corrupt"].error.block_index == 3
+        assert handles["clean"].wait(10) is DONE
+        stats = receiver_peer.request({"cmd": "stats"})
+        assert stats["checksum_mismatches_total"] >= 1
+    finally:
+        sender.close()
+
+
+def test_geometry_mismatch_is_refused_clearly(receiver_peer):
+    g = small_geometry(dtype="fp8", head_dim=64)
+    sender = create_sender("ucx", np.zeros(4 * g.block_bytes, np.uint8), g)
+    try:
+        with pytest.raises(GeometryMismatchError) as exc:
+            sender.connect(receiver_peer.address, timeout_s=10)
+        assert "dtype (sender=float8_e4m3fn, receiver=bfloat16)" in str(exc.value)
+        assert "head_dim (sender=64, receiver=32)" in str(exc.value)
+    finally:
+        sender.close()
+
+
+def test_malformed_control_messages_to_receiver_are_rejected(sender, receiver_peer, src_pool):
+    """A bare UCX client (run by a second peer process) sends garbage and out-of-place ops;
+    the receiver answers each with an error op and keeps serving everyone."""
+    g = small_geometry()
+    hello = Hello(g.to_wire(), True, "rogue")
+    payloads = [
+        b"\xc1\x00garbage",
+        encode_ops([Open(1, "x", [1])]),
+        encode_ops([hello]),
+        encode_ops([hello]),
+        encode_ops([Fin(55, 1)]),
+        encode_ops([Data(66, 0, 1, [0])]),
+    ]
+    rogue = Peer("sender", g, 4)
+    try:
+        replies = rogue.request(
+            {
+                "cmd": "raw",
+                "address": receiver_peer.address.hex(),
+                "payloads": [p.hex() for p in payloads],
+                "settle": 1.0,
+            },
+            timeout=30,
+        )["ops"]
+    finally:
+        rogue.close()
+    kinds = [op["op"] for op in replies]
+    assert kinds == ["Error", "Error", "HelloOk", "Error", "Error", "Error"], replies
+    assert "malformed" in replies[0]["reason"] and "before the handshake" in replies[1]["reason"]
+    _sh, result = push(sender, receiver_peer, "after-rogue", [1, 2, 3], [400, 401, 402])
+    assert result["state"] == "done" and result["digests"] == block_digests(src_pool, g, [1, 2, 3])
+
+
+def test_corrupt_frame_closes_only_that_connection(sender, receiver_peer, src_pool):
+    """Bytes that are not a valid frame desynchronise the stream: the receiver drops that
+    connection (and only that one) and keeps serving."""
+    g = small_geometry()
+    rogue = Peer("sender", g, 4)
+    try:
+        out = rogue.request(
+            {
+                "cmd": "raw",
+                "address": receiver_peer.address.hex(),
+                "unframed": True,
+                "payloads": [b"GET / HTTP/1.1\r\n\r\n".hex()],
+                "settle": 1.5,
+            },
+            timeout=30,
+        )
+    finally:
+        rogue.close()
+    assert out["ops"] == [] and out["closed"], out
+    _, result = push(sender, receiver_peer, "after-bad-frame", [7], [410])
+    assert result["state"] == "done" and result["digests"] == block_digests(src_pool, g, [7])
+
+
+def test_malformed_control_messages_to_sender_are_rejected():
+    """The receiver (here) sends garbage into a live connection from a sender process; the
+    sender answers with an error op and its next transfer over the same connection works."""
+    g = small_geometry()
+    dst = np.zeros(64 * g.block_bytes, np.uint8)
+    receiver = create_receiver("ucx", dst, g)
+    sender_peer = Peer("sender", g, 64, "--seed", "5")
+    try:
+        receiver.expect("one", [1], 20)
+        res = sender_peer.request(
+            {
+                "cmd": "send",
+                "id": "one",
+                "address": receiver.address.hex(),
+                "src": [1],
+                "dst": [1],
+                "timeout": 20,
+            },
+            timeout=40,
+        )
+        assert res["state"] == "done", res
+        (inlink,) = receiver._links.values()
+        receiver._reactor.run_sync(inlink.link.send_ctrl, b"\x92garbage")
+        receiver._reactor.run_sync(inlink.link.send_ctrl, encode_ops([Open(3, "y", [1])]))
+        time.sleep(0.5)
+        receiver.expect("two", [2, 3], 20)
+        res = sender_peer.request(
+            {
+                "cmd": "send",
+                "id": "two",
+                "address": receiver.address.hex(),
+                "src": [2, 3],
+                "dst": [2, 3],
+                "timeout": 20,
+            },
+            timeout=40,
+        )
+        assert res["state"] == "done", res
+        assert receiver.protocol_errors == 2  # the sender's two error replies reached us
+        assert sender_peer.request({"cmd": "stats"})["protocol_errors"] == 2
+        expected = random_pool(64, g, seed=5)
+        assert block_digests(dst, g, [1, 2, 3]) == block_digests(expected, g, [1, 2, 3])
+    finally:
+        sender_peer.close()
+        receiver.close()
+
+
+def test_receiver_killed_mid_transfer_fails_sender_fast(src_pool):
+    g = small_geometry()
+    peer = Peer("receiver", g, 256)
+    sender = create_sender("ucx", src_pool, g, settle_timeout_s=1.0)
+    try:
+        peer.request({"cmd": "expect", "id": "doomed", "blocks": list(range(128)), "timeout": 30})
+        sh = sender.open("doomed", peer.address, list(range(128)), 10.0)
+        sh.send_blocks(list(range(64)), 0)
+        deadline = time.monotonic() + 10
+        while sh.blocks_sent < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sh.blocks_sent == 64, sh
+        peer.kill()
+        t = time.monotonic()
+        sh.send_blocks(list(range(64, 128)), 64)
+        sh.finish()
+        assert sh.wait(12) is FAILED
+        assert (
+            time.monotonic() - t < 10.0
+        )  # within the transfer's timeout (in practice: immediately)
+        assert isinstance(sh.error, (PeerLostError, TransferTimeoutError)), sh.error
+        assert sender.stats.failures_total == 1
+    finally:
+        sender.close()
+        peer.close()
+
+
+def test_frozen_receiver_times_out_sender(src_pool):
+    g = small_geometry()
+    peer = Peer("receiver", g, 64)
+    sender = create_sender("ucx", src_pool, g, settle_timeout_s=0.5)
+    try:
+        peer.request({"cmd": "expect", "id": "frozen", "blocks": list(range(32)), "timeout": 30})
+        sender.connect(peer.address)
+        os.killpg(peer.proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        sh = sender.open("frozen", peer.address, list(range(32)), 1.0)
+        sh.send_blocks(list(range(32)), 0)
+        sh.finish()
+        assert sh.wait(10) is FAILED
+        elapsed = time.monotonic() - t
+        assert isinstance(sh.error, TransferTimeoutError), sh.error
+        assert 0.9 < elapsed < 1.0 + 0.5 + 1.5  # deadline + settle bound + slack
+    finally:
+        os.killpg(peer.proc.pid, signal.SIGCONT)
+        sender.close()
+        peer.close()
+
+
+def test_sender_killed_mid_transfer_fails_receiver_fast():
+    g = small_geometry()
+    dst = np.zeros(64 * g.block_bytes, np.uint8)
+    receiver = create_receiver("ucx", dst, g)
+    sender_peer = Peer("sender", g, 64)
+    try:
+        rh = receiver.expect("orphan", list(range(8)), 30)
+        res = sender_peer.request(
+            {
+                "cmd": "send",
+                "id": "orphan",
+                "address": receiver.address.hex(),
+                "src": list(range(4)),
+                "dst": list(range(8)),
+                "timeout": 30,
+                "finish": False,
+                "wait": False,
+            }
+        )
+        assert res["event"] == "sending"
+        deadline = time.monotonic() + 10
+        while rh.blocks_done < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sender_peer.kill()
+        t = time.monotonic()
+        assert rh.wait(10) is FAILED and time.monotonic() - t < 5
+        assert isinstance(rh.error, PeerLostError), rh.error
+    finally:
+        sender_peer.close()
+        receiver.close()
+
+
+def test_nothing_listening_fails_fast(sender):
+    address = ReceiverAddress("ucx", "127.0.0.1", free_port(), "gone").encode()
+    t = time.monotonic()
+    with pytest.raises(PeerLostError, match="could not connect"):
+        sender.connect(address, timeout_s=10)
+    h = sender.open("nowhere", address, [1], 10)
+    assert h.wait(10) is FAILED and isinstance(h.error, PeerLostError)
+    assert time.monotonic() - t < 5
+
+
+def test_port_in_use_is_a_clear_error():
+    g = small_geometry()
+    first = create_receiver("ucx", np.zeros(g.block_bytes, np.uint8), g)
+    try:
+        port = ReceiverAddress.decode(first.address).port
+        with pytest.raises(OSError, match=f"cannot listen on port {port}"):
+            create_receiver("ucx", np.zeros(g.block_bytes, np.uint8), g, port=port)
+    finally:
+        first.close()
+
+
+def test_reconnect_after_receiver_restarts_on_same_port(sender, src_pool):
+    g = small_geometry()
+    port = free_port()
+    first = Peer("receiver", g, 64, "--port", str(port))
+    try:
+        _, result = push(sender, first, "before", [1], [1])
+        assert result["state"] == "done"
+        old_address = first.address
+    finally:
+        first.kill()
+    second = None
+    deadline = time.monotonic() + 20
+    while second is None:  # the port may linger briefly after the kill
+        try:
+            second = Peer("receiver", g, 64, "--port", str(port))
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    try:
+        with pytest.raises(StaleAddressError):
+            sender.connect(old_address, timeout_s=10)
+        sh, result = push(sender, second, "after", [2, 3], [4, 5])
+        assert result["state"] == "done" and sh.state is DONE, (result, sh.error)
+        assert result["digests"] == block_digests(src_pool, g, [2, 3])
+        assert sender.connections_opened >= 2
+    finally:
+        second.close()
