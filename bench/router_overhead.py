@@ -1,15 +1,16 @@
 """Router overhead: latency the router adds over calling a decode worker directly, and the
 cost of one prefix-directory lookup at 1k and 100k cached blocks.
 
-Starts a private Redis, one fake decode worker (``tests/router/fake_worker.py``: no model,
-tokens are free) and a real ``pdserve router`` process, then alternates identical requests
-sent (a) straight to the worker's ``DecodeWorker.Generate`` over gRPC and (b) through the
-router's ``/v1/completions`` (SSE streaming). Added latency = router minus direct, for the
-time to first token and for the whole request, at each percentile.
+Starts a private Redis, two fake decode workers (``tests/router/fake_worker.py``: no model,
+tokens are free; two so that every routed request does a real directory lookup) and a real
+``pdserve router`` process, then alternates identical requests sent (a) straight to a worker's
+``DecodeWorker.Generate`` over gRPC and (b) through the router's ``/v1/completions`` (SSE
+streaming). Added latency = router minus direct, for the time to first token and for the whole
+request, at each percentile; also the router's CPU time per request and the load average.
 
     .venv/bin/python bench/router_overhead.py --requests 400 --max-tokens 16
 
-Everything runs on this machine, so client, router, worker and Redis share the CPU.
+Everything runs on this machine, so client, router, workers and Redis share the CPUs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -100,9 +108,11 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
     from shared.proto import pdserve_pb2 as pb
     from shared.proto import pdserve_pb2_grpc as pb_grpc
 
-    worker, ready = _start([sys.executable, str(ROOT / "tests/router/fake_worker.py"), "--model", MODEL,
-                     "--worker-id", "bench-d0", "--redis-url", redis_url, "--prefix", "bench:"],
-                    ready="READY")
+    # two decode workers, so that every routed request does a real directory lookup
+    workers = [_start([sys.executable, str(ROOT / "tests/router/fake_worker.py"), "--model", MODEL,
+                       "--worker-id", f"bench-d{i}", "--redis-url", redis_url, "--prefix", "bench:"],
+                      ready="READY") for i in range(2)]
+    ready = workers[0][1]
     port = _free_port()
     router, _ = _start([sys.executable, "-m", "shared.cli", "router", "--model", str(model_dir),
                      "--served-model-name", MODEL, "--redis-url", redis_url,
@@ -126,9 +136,14 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
             channel = grpc.aio.insecure_channel(worker_addr)
             stub = pb_grpc.DecodeWorkerStub(channel)
             rng = random.Random(0)
-            words = "the a river mountain forest weather question answer system prompt".split()
+            words = ["the", "a", "river", "mountain", "forest", "weather", "question", "answer",
+                     "system", "prompt"]
             results = {"direct": ([], []), "router": ([], [])}
+            cpu0 = None
+            load0 = os.getloadavg()[0]
             for i in range(args.warmup + args.requests):
+                if i == args.warmup:
+                    cpu0 = _cpu_s(router.pid)
                 prompt = " ".join(rng.choice(words) for _ in range(args.prompt_words)) + f" {i}"
                 ids = tok.encode(prompt)
                 order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
@@ -140,10 +155,13 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                     if i >= args.warmup:
                         results[kind][0].append(ttft)
                         results[kind][1].append(e2e)
+            router_cpu_ms = (_cpu_s(router.pid) - cpu0) / args.requests * 1e3
+            load1 = os.getloadavg()[0]
             await channel.close()
     finally:
         _stop(router)
-        _stop(worker)
+        for w, _ in workers:
+            _stop(w)
     out = {}
     for metric, k in (("ttft", 0), ("e2e", 1)):
         for p in (50, 90, 99):
@@ -153,6 +171,9 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                                      "added_ms": (v - d) * 1e3}
         out[f"{metric}_mean_added_ms"] = (statistics.mean(results["router"][k])
                                           - statistics.mean(results["direct"][k])) * 1e3
+    out["router_cpu_ms_per_request"] = router_cpu_ms
+    out["load_average"] = [load0, load1]
+    out["cpus"] = os.cpu_count()
     return out
 
 
@@ -249,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in res["overhead"].items():
         if isinstance(v, dict):
             print(f"| {k} | {v['direct_ms']:.2f} | {v['router_ms']:.2f} | {v['added_ms']:.2f} |")
-    print(f"mean added: TTFT {res['overhead']['ttft_mean_added_ms']:.2f} ms, "
-          f"e2e {res['overhead']['e2e_mean_added_ms']:.2f} ms")
+    o = res["overhead"]
+    print(f"mean added: TTFT {o['ttft_mean_added_ms']:.2f} ms, e2e {o['e2e_mean_added_ms']:.2f} ms; "
+          f"router CPU {o['router_cpu_ms_per_request']:.2f} ms per request; "
+          f"load average {o['load_average'][0]:.1f} -> {o['load_average'][1]:.1f} "
+          f"on {o['cpus']} CPUs")
     print("\ndirectory lookup (one pipeline, a chain of "
           f"{args.lookup_prompt_blocks} blocks, 4 live workers):")
     print("| cached blocks | hit p50 (ms) | hit p99 (ms) | miss p50 (ms) | miss p99 (ms) | Redis MB |")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -27,7 +27,7 @@ class ChatTemplateError(ValueError):
 class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): render the body."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -121,7 +121,9 @@ class Dispatcher:
             raise OverloadedError(f"every decode worker has at least {bound} requests waiting; "
                                   "retry later")
         prefill = self.pool.healthy(ROLE_PREFILL) if allow_prefill else []
-        cached = await self._cached_tokens(prompt, cache_salt, decode + prefill)
+        # with one decode worker and no prefill worker there is nothing to choose: skip Redis
+        cached = (await self._cached_tokens(prompt, cache_salt, decode + prefill)
+                  if len(decode) > 1 or prefill else {})
 
         def cand(r: WorkerRecord) -> Candidate:
             return Candidate(r.worker_id, r.info.grpc, cached.get(r.worker_id, 0), r.load.running,
@@ -153,7 +155,7 @@ class Dispatcher:
             try:
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     m = await self.reader.prefix_match(self.model, hashes, live)
-            except Exception as e:  # Redis down or slow: route on load alone
+            except Exception as e:  # noqa: BLE001 - any directory failure: route on load alone
                 if not self._lookup_failing:
                     logger.warning("prefix directory lookup failed (%r); routing on load", e)
                 self._lookup_failing = True
@@ -170,7 +172,7 @@ class Dispatcher:
         try:
             n = await self.reader.remove_stale(pairs)
             logger.debug("removed %d stale directory members", n)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - best effort; the sweeper retries later
             logger.debug("stale member cleanup failed: %r", e)
 
 
@@ -237,6 +239,9 @@ class GenerationStream:
                     exclude.add(record.worker_id)
                     if not e.overloaded:
                         self.d.pool.mark_failed(record.worker_id, str(e))
+                    if len(self.finished) >= self.n:  # every sample had ended; only the final
+                        yield StreamEnd(self.path, record.worker_id, None)  # chunk was lost
+                        return
                     self.attempts += 1
                     if self.attempts > self.d.cfg.max_retries:
                         if overloaded and not any(self.tokens):
@@ -244,9 +249,9 @@ class GenerationStream:
                         raise UpstreamError(f"generation failed after {self.attempts} attempts; "
                                             f"last failure: {last_error}") from None
                     self.d.metrics.c_retries.inc()
+                    sent = sum(map(len, self.tokens))
                     logger.warning("request %s: %s; retrying (%s)", self.inp.request_id, last_error,
-                                   "resuming after %d tokens" % sum(map(len, self.tokens))
-                                   if any(self.tokens) else "no token sent yet")
+                                   f"resuming after {sent} tokens" if sent else "no token sent yet")
         finally:
             if self.path is not None:
                 self.d.metrics.routed(self.path)
@@ -266,27 +271,54 @@ class GenerationStream:
 
     async def _attempt(self, decision: RouteDecision,
                        record: WorkerRecord) -> AsyncIterator[list[pb.SeqDelta] | StreamEnd]:
+        """One Generate call on D, bounded by a watchdog task instead of per-chunk timers (this
+        loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per call here).
+        The watchdog cancels the call at the request deadline, or after ``stall_timeout_s``
+        without output once the first output arrived (a long prefill is not a stall). D also
+        gets the deadline in ``deadline_s``."""
         pool = self.d.pool
         pool.acquire(record)
-        call = pool.decode_stub(record.info.grpc).Generate(self._request(decision),
-                                                           timeout=max(0.001, self._remaining()))
+        call = pool.decode_stub(record.info.grpc).Generate(self._request(decision))
         done = False
         got_output = False
         stall = self.d.cfg.stall_timeout_s
+        deadline = self.inp.deadline
+        state: dict = {"last": 0.0, "why": ""}
+
+        async def watch() -> None:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    state["why"] = "deadline"
+                elif state["last"] and now - state["last"] >= stall:
+                    state["why"] = "stall"
+                if state["why"]:
+                    call.cancel()
+                    return
+                wake = min(deadline, state["last"] + stall) if state["last"] else deadline
+                await asyncio.sleep(max(0.0, wake - now))
+
+        def watchdog_error() -> Exception:
+            if state["why"] == "deadline":
+                return DeadlineExceededError("the request timed out before it finished")
+            return _Retryable(f"no output for {stall:g} s")
+
+        watchdog = asyncio.get_running_loop().create_task(watch())
         try:
             while True:
-                remaining = self._remaining()
-                wait = min(remaining, stall) if got_output else remaining
                 try:
-                    async with asyncio.timeout(max(0.0, wait)):
-                        chunk = await call.read()
-                except TimeoutError:
-                    if self._remaining() <= 0:
-                        raise DeadlineExceededError("the request timed out before it finished") from None
-                    raise _Retryable(f"no output for {stall:.0f} s") from None
+                    chunk = await call.read()
+                except asyncio.CancelledError:
+                    if state["why"] and not asyncio.current_task().cancelling():
+                        raise watchdog_error() from None
+                    raise
                 except grpc.aio.AioRpcError as e:
+                    if state["why"]:
+                        raise watchdog_error() from None
                     raise self._classify(e, got_output) from None
                 if chunk is grpc.aio.EOF:
+                    if state["why"]:
+                        raise watchdog_error()
                     raise _Retryable("the stream ended before the request finished")
                 outputs = []
                 for sd in chunk.outputs:
@@ -297,19 +329,23 @@ class GenerationStream:
                         self.finished.add(sd.index)
                     outputs.append(sd)
                 if outputs:
-                    got_output = True
+                    state["last"] = time.monotonic()
+                    if not got_output:
+                        got_output = True
+                        watchdog.cancel()  # re-arm: from now on it also watches for stalls
+                        watchdog = asyncio.get_running_loop().create_task(watch())
                     yield outputs
                 if chunk.finished:
                     done = True
-                    path = chunk.timings.path or decision.path
-                    self.path = path
+                    self.path = chunk.timings.path or decision.path
                     cached = chunk.usage.cached_tokens if chunk.HasField("usage") else None
-                    yield StreamEnd(path, chunk.worker_id or record.worker_id, cached)
+                    yield StreamEnd(self.path, chunk.worker_id or record.worker_id, cached)
                     return
                 if self._finished_here and len(self.finished) >= self.n:
                     yield StreamEnd(self.path or decision.path, record.worker_id, None)
                     return
         finally:
+            watchdog.cancel()
             if not done:
                 call.cancel()
             pool.release(record)

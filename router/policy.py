@@ -96,6 +96,8 @@ def choose_route(prompt_len: int, decode: Sequence[Candidate], prefill: Sequence
         if lacking <= cfg.local_prefill_threshold:
             continue  # D holds nearly all of the prompt: conditional disaggregation says local
         for p, p_cost in p_costs:
+            if p.block_size != d.block_size:
+                continue  # KV blocks of another geometry cannot be pushed into D's pool
             cost = p_cost + cfg.transfer_cost * lacking + d_load
             options.append(RouteDecision(d, p, cost, lacking))
     if not options:

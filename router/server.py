@@ -37,7 +37,12 @@ from router.errors import (
     RouterError,
 )
 from router.metrics import RouterMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from router.sampling import Limits
 from router.serving import ClientDisconnected, ServingContext
 from router.serving_chat import create_chat_completion
@@ -46,7 +51,13 @@ from router.serving_tokens import detokenize, models, tokenize
 from router.tokenizer import RouterTokenizer
 from router.workers import WorkerPool
 from shared.config import ConfigError, EngineArgs, ModelConfig
-from shared.directory import ROLE_DECODE, ROLE_PREFILL, DirectoryKeys, DirectoryReader, connect_async
+from shared.directory import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    DirectoryKeys,
+    DirectoryReader,
+    connect_async,
+)
 
 logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -285,7 +296,7 @@ async def _sweep(reader: DirectoryReader, config: RouterConfig) -> None:
             cursor, removed = await reader.sweep(config.name, cursor, count=500)
             if removed:
                 logger.info("directory sweep removed %d stale entries", removed)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the janitor must outlive any failure
             logger.debug("directory sweep failed: %r", e)
             cursor = 0
 

@@ -18,7 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -31,6 +31,7 @@ from router.output import OutputParams, SampleDelta, SampleOutput, TokenEntry
 from router.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from router.sampling import Limits, build_params, resolve_max_tokens
 from router.tokenizer import RouterTokenizer
+from shared.directory import ROLE_DECODE
 from shared.proto import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,15 @@ class ServingContext:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
+    def request_limits(self) -> Limits:
+        """``limits``, with ``max_model_len`` lowered to the smallest one that the live decode
+        workers advertise (workers may run with a shorter ``--max-model-len``)."""
+        advertised = [r.info.max_model_len for r in self.dispatcher.pool.records(ROLE_DECODE)
+                      if r.info.max_model_len > 0]
+        if advertised and min(advertised) < self.limits.max_model_len:
+            return replace(self.limits, max_model_len=min(advertised))
+        return self.limits
+
     def check_token_ids(self, ids: list[int]) -> None:
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -95,19 +105,46 @@ class Ticket:
             ctx.metrics.c_inflight.dec()
 
 
-class GuardedStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its iterator and runs ``on_close``, also when
-    the client leaves before the first byte (when the iterator may never have started)."""
+class SSEResponse(StreamingResponse):
+    """A lean server-sent-events response.
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
+    Sends each string of ``events`` as it comes; a client disconnect cancels the stream at
+    once (a watcher task on ``receive``), and the iterator is always closed and ``on_close``
+    always awaited, even when the client left before the first byte.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk.encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()
+        except OSError:  # the connection broke under a send
+            pass
         finally:
+            watcher.cancel()
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
             await self._on_close()
@@ -136,29 +173,28 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
 
 
 async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first (then cancel it)."""
-    task = asyncio.ensure_future(work)
+    """Await ``work`` unless the client disconnects first (then cancel it and raise
+    :class:`ClientDisconnected`)."""
+    task = asyncio.current_task()
+    gone = False
 
     async def watch() -> None:
-        while True:
-            message = await raw.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+        nonlocal gone
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
         task.cancel()
-        raise
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientDisconnected() from None
     finally:
         watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientDisconnected()
 
 
 def safe_logprob(x: float) -> float:
@@ -374,11 +410,12 @@ async def prepare_prompt_runs(ctx: ServingContext, req: SamplingFields, prompts:
     """Per-prompt engine params (the max_tokens default depends on each prompt's length)."""
     samplings: list[pb.SamplingParams] = []
     params: OutputParams | None = None
+    limits = ctx.request_limits()
     for p in prompts:
         if not p:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        max_tokens = resolve_max_tokens(req, len(p), ctx.limits)
-        sp, params = build_params(req, max_tokens, ctx.limits)
+        max_tokens = resolve_max_tokens(req, len(p), limits)
+        sp, params = build_params(req, max_tokens, limits)
         samplings.append(sp)
     assert params is not None
     ctx.metrics.c_prompt.inc(sum(map(len, prompts)))

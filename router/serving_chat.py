@@ -34,8 +34,8 @@ from router.serving import (
     SSE_DONE,
     SSE_HEADERS,
     Generation,
-    GuardedStreamingResponse,
     ServingContext,
+    SSEResponse,
     base_request_id,
     chat_logprobs,
     prepare_prompt_runs,
@@ -122,10 +122,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         except BaseException:
             await close()
             raise
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return GuardedStreamingResponse(
-            _stream(ctx, gen, params, request_id, created, include_usage, close), close,
-            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        opts = req.stream_options
+        usage_mode = ("continuous" if opts and opts.include_usage and opts.continuous_usage_stats
+                      else "final" if opts and opts.include_usage else "")
+        return SSEResponse(_stream(ctx, gen, params, request_id, created, usage_mode, close),
+                           close, headers={**SSE_HEADERS, **headers})
     entries: dict[int, list[TokenEntry]] = {}
 
     def collect(deltas: list[SampleDelta]) -> None:
@@ -149,20 +150,31 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 
 async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
-                  created: int, include_usage: bool,
+                  created: int, usage_mode: str,
                   close: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+    """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
+    "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
+    include_usage = bool(usage_mode)
     head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": ctx.model_name}
     want_lp = params.logprobs is not None
     role_sent: set[int] = set()
 
+    # chunks are formatted by hand around json-encoded values: this runs once per token
+    fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
+    fast_tail = ']' + (',"usage":null' if include_usage else '') + '}\n\n'
+
+    def tail() -> str:
+        if usage_mode == "continuous":
+            return '],"usage":' + gen.usage().model_dump_json() + '}\n\n'
+        return fast_tail
+
     def chunk(index: int, delta: dict, logprobs: dict | None = None,
               finish_reason: str | None = None, stop_reason: int | str | None = None) -> str:
-        c = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
-        if include_usage:
-            c["usage"] = None
-        return sse(c)
+        return (f'{fast_head}{index},"delta":{json.dumps(delta, ensure_ascii=False)},'
+                f'"logprobs":{json.dumps(logprobs, ensure_ascii=False)},'
+                f'"finish_reason":{json.dumps(finish_reason)},'
+                f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{tail()}')
 
     try:
         async for deltas in gen.steps():
@@ -175,9 +187,10 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 yield chunk(d.index, delta, chat_logprobs(ctx, params, d.tokens) if want_lp else None,
                             d.finish_reason, d.stop_reason)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()})
-        yield SSE_DONE
+        if include_usage:  # one write for the usage chunk and the end marker
+            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()}) + SSE_DONE
+        else:
+            yield SSE_DONE
     except RouterError as e:
         ctx.metrics.error(e.status)
         yield sse(e.to_dict())

@@ -7,6 +7,7 @@ Prompts may be a string, a list of strings, a list of token ids or a list of tok
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -15,14 +16,19 @@ from starlette.responses import JSONResponse, Response
 
 from router.errors import InvalidRequestError, RouterError
 from router.output import OutputParams, SampleDelta, TokenEntry
-from router.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from router.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from router.sampling import check_unsupported, validate_common
 from router.serving import (
     SSE_DONE,
     SSE_HEADERS,
     Generation,
-    GuardedStreamingResponse,
     ServingContext,
+    SSEResponse,
     base_request_id,
     completion_logprobs,
     prepare_prompt_runs,
@@ -77,10 +83,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         except BaseException:
             await close()
             raise
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return GuardedStreamingResponse(
-            _stream(ctx, gen, params, request_id, created, include_usage, close), close,
-            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        opts = req.stream_options
+        usage_mode = ("continuous" if opts and opts.include_usage and opts.continuous_usage_stats
+                      else "final" if opts and opts.include_usage else "")
+        return SSEResponse(_stream(ctx, gen, params, request_id, created, usage_mode, close),
+                           close, headers={**SSE_HEADERS, **headers})
     entries: dict[int, list[TokenEntry]] = {}
 
     def collect(deltas: list[SampleDelta]) -> None:
@@ -103,26 +110,44 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
 
 
 async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
-                  created: int, include_usage: bool,
+                  created: int, usage_mode: str,
                   close: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+    """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
+    "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
+    include_usage = bool(usage_mode)
     head = {"id": request_id, "object": "text_completion", "created": created,
             "model": ctx.model_name}
     want_lp = params.logprobs is not None
+    # the common chunk (no logprobs) is formatted by hand: this runs once per token
+    fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
+    fast_tail = (']' + (',"usage":null' if include_usage else '') + '}\n\n')
+
+    def tail() -> str:
+        if usage_mode == "continuous":
+            return '],"usage":' + gen.usage().model_dump_json() + '}\n\n'
+        return fast_tail
     try:
         async for deltas in gen.steps():
             for d in deltas:
                 if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
                     continue
+                if not want_lp:
+                    yield (f'{fast_head}{d.index},"text":{json.dumps(d.text, ensure_ascii=False)},'
+                           f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
+                           f'"stop_reason":{json.dumps(d.stop_reason)}}}{tail()}')
+                    continue
                 choice = {"index": d.index, "text": d.text,
-                          "logprobs": completion_logprobs(ctx, params, d.tokens) if want_lp else None,
+                          "logprobs": completion_logprobs(ctx, params, d.tokens),
                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
                 chunk = {**head, "choices": [choice]}
                 if include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = (gen.usage().model_dump() if usage_mode == "continuous"
+                                      else None)
                 yield sse(chunk)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()})
-        yield SSE_DONE
+        if include_usage:  # one write for the usage chunk and the end marker
+            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()}) + SSE_DONE
+        else:
+            yield SSE_DONE
     except RouterError as e:
         ctx.metrics.error(e.status)
         yield sse(e.to_dict())

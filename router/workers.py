@@ -49,7 +49,8 @@ class WorkerPool:
     def __init__(self, *, model: str, reader: DirectoryReader | None,
                  static_decode: Sequence[str] = (), static_prefill: Sequence[str] = (),
                  static_block_size: int = 16, refresh_interval_s: float = 0.5,
-                 cooldown_s: float = 5.0, rpc_timeout_s: float = 1.0) -> None:
+                 cooldown_s: float = 5.0, rpc_timeout_s: float = 1.0,
+                 registry_grace_s: float = 3.0) -> None:
         if reader is None and not static_decode:
             raise ValueError("without a Redis registry, static decode workers are required")
         self.model = model
@@ -59,6 +60,8 @@ class WorkerPool:
         self.refresh_interval_s = refresh_interval_s
         self.cooldown_s = cooldown_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.registry_grace_s = registry_grace_s
+        self._role_empty_since: dict[str, float] = {}
         self._records: dict[str, WorkerRecord] = {}
         self._cooldown: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
@@ -103,7 +106,7 @@ class WorkerPool:
             try:
                 async with asyncio.timeout(self.rpc_timeout_s * 2):
                     registry = await self.reader.live_workers()
-            except Exception as e:  # Redis down or slow: serve from the last snapshot
+            except Exception as e:  # noqa: BLE001 - Redis down or slow: keep the last snapshot
                 if self.last_error is None:
                     logger.warning("cannot read the worker registry (%r); using the last snapshot", e)
                 self.last_error = f"registry unavailable: {e!r}"
@@ -120,6 +123,8 @@ class WorkerPool:
                 continue
             if not self.static[r.info.role] or r.info.grpc in self.static[r.info.role]:
                 records.append(r)
+        if registry is not None:
+            records += self._bridge_wiped_roles(records)
         if any(self.static.values()):
             known = {r.info.grpc for r in records}
             polls = [self._poll_static(role, addr) for role, addrs in self.static.items()
@@ -132,6 +137,32 @@ class WorkerPool:
                 logger.info("worker registry reachable again")
             self.last_error = None
         await self._close_unused_channels()
+
+    def _bridge_wiped_roles(self, records: list[WorkerRecord]) -> list[WorkerRecord]:
+        """Registry-backed workers to keep although the registry no longer lists them.
+
+        When a whole role vanishes at once (Redis restarted empty or was flushed, while the
+        workers live on and re-register within a heartbeat), keep that role's previous
+        workers for ``registry_grace_s`` instead of answering 503 meanwhile. A single worker
+        that disappears is dropped at once, and failed calls still cool a worker down.
+        """
+        now = time.monotonic()
+        kept: list[WorkerRecord] = []
+        for role in (ROLE_DECODE, ROLE_PREFILL):
+            if any(r.info.role == role for r in records):
+                self._role_empty_since.pop(role, None)
+                continue
+            previous = [r for r in self._records.values() if r.info.role == role and r.generation]
+            if not previous:
+                continue
+            since = self._role_empty_since.setdefault(role, now)
+            if since == now:
+                logger.warning("the registry lists no %s worker any more; keeping the last %d for "
+                               "%.1f s in case Redis lost its data", role, len(previous),
+                               self.registry_grace_s)
+            if now - since < self.registry_grace_s:
+                kept += previous
+        return kept
 
     async def _poll_static(self, role: str, address: str) -> WorkerRecord | None:
         stub_cls = pb_grpc.DecodeWorkerStub if role == ROLE_DECODE else pb_grpc.PrefillWorkerStub

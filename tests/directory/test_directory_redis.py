@@ -299,7 +299,7 @@ def test_embedded_redis_stops_its_process():
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(DirectoryError):
-        server.url
+        _ = server.url
 
 
 def test_worker_info_validation():
@@ -307,3 +307,42 @@ def test_worker_info_validation():
         WorkerInfo(worker_id="x", role="both", model=MODEL, grpc="h:1", block_size=16, num_blocks=1)
     with pytest.raises(DirectoryError):
         WorkerInfo(worker_id="", role="decode", model=MODEL, grpc="h:1", block_size=16, num_blocks=1)
+
+
+def test_prefix_match_agrees_with_a_reference_on_random_holdings(redis_server, keys):
+    """Server-side scan-and-stop vs a plain Python longest-prefix over random cache contents,
+    with gaps, stale generations and members of unknown workers."""
+    import random
+
+    rng = random.Random(1234)
+    workers = [make_worker(redis_server.url, keys, f"w{i}") for i in range(4)]
+    for lease, _ in workers:
+        lease.register()
+    ghost = WorkerLease(connect_sync(redis_server.url), WorkerInfo(
+        worker_id="w0", role="decode", model=MODEL, grpc="h:1", block_size=4, num_blocks=9),
+        keys=keys)  # same id as w0, other generation (never registered: stale)
+    for trial in range(30):
+        h = chain(rng.randint(1, 24), salt=100 + trial)
+        held: dict[str, set[int]] = {}
+        for lease, pub in workers:
+            n = rng.randint(0, len(h))
+            idx = set(range(n)) | {rng.randrange(len(h)) for _ in range(rng.randint(0, 4))}
+            idx -= {rng.randrange(len(h)) for _ in range(rng.randint(0, 2))}  # gaps
+            held[lease.info.worker_id] = idx
+            pub.publish([BlockStored(tuple(h[i] for i in sorted(idx)))])
+        for i in range(len(h)):  # stale members sprinkled everywhere
+            if rng.random() < 0.5:
+                workers[0][0].client.sadd(keys.block(MODEL, h[i]), ghost.member, "nobody:1")
+        live = {lease.info.worker_id: lease.generation for lease, _ in workers}
+        m = read(redis_server.url, keys, lambda r, h=h, live=live: r.prefix_match(MODEL, h, live))
+
+        def longest(idx: set[int]) -> int:
+            n = 0
+            while n in idx:
+                n += 1
+            return n
+
+        assert m.blocks == {w: longest(idx) for w, idx in held.items()}
+        assert all(mem in (ghost.member, "nobody:1") for _, mem in m.stale)
+        for _, pub in workers:
+            pub.publish([AllBlocksCleared()])

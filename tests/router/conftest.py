@@ -15,10 +15,9 @@ from shared.directory import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from shared.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny")
+def tiny_model(tiny_llama) -> Path:
+    """The session's tiny Llama directory (``tests/conftest.py``): tokenizer + chat template."""
+    return tiny_llama
 
 
 @pytest.fixture(scope="session")

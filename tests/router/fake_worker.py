@@ -29,7 +29,14 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.directory import DirectoryKeys, KVEventPublisher, WorkerInfo, WorkerLease, WorkerLoad, connect_sync
+from shared.directory import (
+    DirectoryKeys,
+    KVEventPublisher,
+    WorkerInfo,
+    WorkerLease,
+    WorkerLoad,
+    connect_sync,
+)
 from shared.hashing import block_hashes, hash_seed
 from shared.kv_events import BlockRemoved, BlockStored
 from shared.proto import pdserve_pb2 as pb
@@ -199,6 +206,15 @@ async def serve(args: argparse.Namespace) -> None:
     if lease is not None:
         lease.register(worker.load())
         lease.start(worker.load, interval_s=args.lease_ttl / 3)
+        # like the real services: an idle publish now and then retries whatever a Redis outage
+        # left pending and republishes after a lease loss (new generation)
+        stop_publishing = threading.Event()
+
+        def idle_publish() -> None:
+            while not stop_publishing.wait(args.lease_ttl / 3):
+                publisher.publish([])
+
+        threading.Thread(target=idle_publish, daemon=True).start()
     print(f"READY {port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -206,6 +222,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     if lease is not None:
+        stop_publishing.set()
         publisher.clear()
         lease.deregister()
     await server.stop(0.5)

@@ -70,7 +70,7 @@ def test_completion_text_and_exact_usage(cluster, tok):
     out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
                                     extra_body={"ignore_eos": True})
     ids = tok.encode(prompt)
-    toks, text, _ = expect(tok, ids, 24, ignore_eos=True)
+    _, text, _ = expect(tok, ids, 24, ignore_eos=True)
     assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL_NAME
     assert isinstance(out.created, int)
     (choice,) = out.choices
@@ -304,3 +304,14 @@ def test_tokenize_detokenize_models_health_metrics(cluster, tok):
         assert name in text
     assert cluster.metric("pdserve:router_requests_total", path="local") >= 1
     assert cluster.metric("pdserve:time_to_first_token_seconds_count") >= 1
+
+
+def test_continuous_usage_stats(cluster, tok):
+    body = {"model": MODEL_NAME, "prompt": "running usage", "max_tokens": 6, "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
+        events = sse_events(r)
+    counts = [e["usage"]["completion_tokens"] for e in events[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(e["usage"]["prompt_tokens"] == len(tok.encode("running usage")) for e in events[:-1])

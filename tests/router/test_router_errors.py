@@ -167,3 +167,13 @@ def test_no_worker_is_503(make_router, router_config):
     with pytest.raises(openai.InternalServerError):
         r.openai().completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
     assert r.metric("pdserve:router_request_errors_total", status="503") >= 2
+
+
+def test_shorter_max_model_len_advertised_by_workers_is_enforced(make_worker, make_router,
+                                                                router_config):
+    make_worker("short", max_model_len=1024)
+    r = make_router(router_config)
+    r.wait_workers(1)
+    err = assert_error(post(r, prompt=[7] * 1000, max_tokens=100), 400, param="max_tokens")
+    assert "1024" in err["message"] and "1100" in err["message"]
+    assert post(r, prompt=[7] * 1000, max_tokens=24, ignore_eos=True).status_code == 200

@@ -111,6 +111,7 @@ def test_stop_token_id_reports_stop_reason(tok):
 def test_split_utf8_never_streams_replacement_char(tok):
     t = ids(tok, "日本語😀")
     s, streamed = run(tok, t, OutputParams())
+    assert s.text == streamed and s.finish_reason == "length"
     assert streamed == "日本語😀" and "\ufffd" not in streamed
 
 

@@ -93,3 +93,10 @@ def test_ties_break_randomly_but_reproducibly():
 def test_rejects_empty_prompt():
     with pytest.raises(ValueError):
         choose_route(0, [cand("d")], [], CFG)
+
+
+def test_prefill_workers_with_another_block_size_are_not_paired():
+    r = choose_route(4096, [cand("d", bs=16)], [cand("p", bs=32)], CFG)
+    assert r.path == "local"
+    r = choose_route(4096, [cand("d", bs=16)], [cand("p", bs=32), cand("q", bs=16)], CFG)
+    assert r.prefill.worker_id == "q"

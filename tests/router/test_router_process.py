@@ -28,7 +28,7 @@ bad = sorted(m for m in ("torch", "transformers", "triton", "ucxx", "kvtransfer"
 print("BAD" if bad else "CLEAN", bad)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=60)
+                         timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("CLEAN"), out.stdout
 
@@ -79,12 +79,12 @@ def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_
 def test_pdserve_router_rejects_a_bad_model_dir(tmp_path):
     out = subprocess.run(PDSERVE + ["router", "--model", str(tmp_path / "missing"),
                                     "--redis-url", "redis://127.0.0.1:1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+                         capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
     assert out.returncode == 2
     assert "not a Hugging Face model directory" in out.stderr
 
 
 def test_pdserve_router_needs_workers_or_redis(tiny_model):
     out = subprocess.run(PDSERVE + ["router", "--model", str(tiny_model)], capture_output=True,
-                         text=True, cwd=ROOT, timeout=60, env={**os.environ, "PDSERVE_REDIS_URL": ""})
+                         text=True, cwd=ROOT, timeout=60, check=False, env={**os.environ, "PDSERVE_REDIS_URL": ""})
     assert out.returncode == 2 and "--redis-url" in out.stderr

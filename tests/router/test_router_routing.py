@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import httpx
 import pytest
 import redis
 from router_harness import MODEL_NAME
@@ -75,7 +76,7 @@ def test_load_decides_when_no_worker_holds_the_prefix(make_worker, make_router, 
 
 
 def test_dead_worker_is_skipped_within_one_lease_period(make_worker, make_router, router_config):
-    ttl = 1.0
+    ttl = 1.5
     d0 = make_worker("d0", lease_ttl=ttl)
     d1 = make_worker("d1", lease_ttl=ttl, report_waiting=2)  # d0 is preferred while alive
     r = make_router(replace(router_config, worker_cooldown_s=0.01))
@@ -164,3 +165,54 @@ def test_static_list_overrides_discovery_and_other_models_are_ignored(
     for i in range(3):
         complete(r, f"static override {i}")
     assert queries(listed, unlisted) == [3, 0]
+
+
+def test_redis_outage_keeps_serving_from_the_last_snapshot_then_recovers(
+        make_router, router_config, tok):
+    import os
+    import signal
+
+    from router_harness import FakeWorker
+
+    from shared.directory import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    url = server.start()
+    port = server.port
+    workers = []
+    try:
+        workers = [FakeWorker(url, "out:", f"o{i}") for i in range(2)]
+        r = make_router(replace(router_config, redis_url=url, directory_prefix="out:"))
+        r.wait_workers(2)
+        os.killpg(server._proc.pid, signal.SIGKILL)  # Redis dies; workers and router live on
+        server._proc.wait(5)
+        server._proc = None
+        t0 = time.monotonic()
+        for i in range(4):
+            assert complete(r, f"during the outage {i}").usage.completion_tokens == 4
+        assert time.monotonic() - t0 < 10  # lookups fail fast, routing falls back to load
+        assert httpx.get(f"{r.url}/health").json()["registry"] != "ok"
+        assert sum(queries(*workers)) == 4
+        server.port = port
+        server.start()  # Redis is back, empty: leases and directory are rebuilt
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 10
+        while not all(client.exists(f"out:worker:{w.worker_id}") for w in workers):
+            assert time.monotonic() < deadline, "workers did not re-register"
+            complete(r, "while the workers re-register")  # no 503 in between
+            time.sleep(0.05)
+        client.close()
+        time.sleep(0.5)  # the router's next refresh, and the publishers' resync
+        q0 = queries(*workers)
+        complete(r, LONG_PROMPT)
+        q1 = queries(*workers)
+        holder = 0 if q1[0] > q0[0] else 1
+        wait_published(url, "out:", tok.encode(LONG_PROMPT))
+        for i in range(3):
+            complete(r, LONG_PROMPT + f" again {i}")
+        q2 = queries(*workers)
+        assert q2[holder] - q1[holder] == 3 and q2[1 - holder] == q1[1 - holder]  # affinity is back
+    finally:
+        for w in workers:
+            w.stop()
+        server.stop()
