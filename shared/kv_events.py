@@ -2,7 +2,7 @@
 
 The block pool emits them (it alone knows when a block gets or loses its hash); the engine
 drains them once per step; the services publish each step's batch to Redis in one pipeline
-(``shared/directory.py``). Plain data, no torch, msgpack-friendly.
+(``shared/directory/publisher.py``). Plain data, no torch, msgpack-friendly.
 """
 
 from __future__ import annotations

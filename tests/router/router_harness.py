@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from shared.directory.embedded import _session_dying_with_parent
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 MODEL_NAME = "tiny"
@@ -46,7 +48,8 @@ class FakeWorker:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         self.log = tempfile.NamedTemporaryFile(prefix=f"fake-{worker_id}-", suffix=".log")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True, cwd=ROOT)
+                                     preexec_fn=_session_dying_with_parent,  # noqa: PLW1509
+                                     cwd=ROOT)
         line = self._readline(timeout=20)
         if not line.startswith("READY "):
             self.kill()
@@ -101,7 +104,7 @@ class RouterThread:
 
         from router.server import create_app
 
-        self.port = config.port if config.port else free_port()
+        self.port = free_port()  # never the config's default (8000 may be taken)
         self.config = replace(config, port=self.port, host="127.0.0.1")
         self.app = create_app(self.config)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,

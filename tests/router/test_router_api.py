@@ -21,14 +21,16 @@ VOCAB = 2048
 def cluster(tiny_model, redis_server):
     prefix = f"api{uuid.uuid4().hex[:6]}:"
     worker = FakeWorker(redis_server.url, prefix, "api-d0")
-    router = RouterThread(RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
-                                       redis_url=redis_server.url, directory_prefix=prefix,
-                                       worker_refresh_interval_s=0.1, request_timeout_s=30))
+    router = None
     try:
+        router = RouterThread(RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
+                                           redis_url=redis_server.url, directory_prefix=prefix,
+                                           worker_refresh_interval_s=0.1, request_timeout_s=30))
         router.wait_workers(1)
         yield router
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         worker.stop()
 
 

@@ -34,14 +34,16 @@ def router(tiny_model, redis_server):
     """One worker and one router for the stateless checks of this module."""
     prefix = f"err{uuid.uuid4().hex[:6]}:"
     worker = FakeWorker(redis_server.url, prefix, "err-d0")
-    r = RouterThread(RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
-                                  redis_url=redis_server.url, directory_prefix=prefix,
-                                  worker_refresh_interval_s=0.1, max_request_body_bytes=65536))
+    r = None
     try:
+        r = RouterThread(RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
+                                      redis_url=redis_server.url, directory_prefix=prefix,
+                                      worker_refresh_interval_s=0.1, max_request_body_bytes=65536))
         r.wait_workers(1)
         yield r
     finally:
-        r.stop()
+        if r is not None:
+            r.stop()
         worker.stop()
 
 

@@ -181,7 +181,8 @@ def test_redis_outage_keeps_serving_from_the_last_snapshot_then_recovers(
     port = server.port
     workers = []
     try:
-        workers = [FakeWorker(url, "out:", f"o{i}") for i in range(2)]
+        for i in range(2):
+            workers.append(FakeWorker(url, "out:", f"o{i}"))
         r = make_router(replace(router_config, redis_url=url, directory_prefix="out:"))
         r.wait_workers(2)
         os.killpg(server._proc.pid, signal.SIGKILL)  # Redis dies; workers and router live on
