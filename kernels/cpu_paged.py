@@ -29,9 +29,85 @@ _CPP = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 16 consecutive K/V elements as fp32 lanes.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename T> struct HasLoad16 : std::false_type {};
+template <> struct HasLoad16<float> : std::true_type {};
+template <> struct HasLoad16<at::BFloat16> : std::true_type {};
+template <> struct HasLoad16<at::Half> : std::true_type {};
+
+// One (sequence, KV head): online softmax over its blocks, D a multiple of 16 (<= 256),
+// G query heads of the group sharing every K/V row load.
+template <typename KT>
+static void decode_one_avx512(const float* qf, int64_t G, int64_t D, const KT* kvp,
+                              const int32_t* table, int64_t len, int64_t BS, int64_t s_tok,
+                              int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h,
+                              float vscale, float* acc, float* m, float* l, float* sbuf) {
+  const int64_t V = D / 16;
+  __m512 q[16 * 16];  // G <= 16, V <= 16
+  __m512 a[16 * 16];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t v = 0; v < V; ++v) {
+      q[g * V + v] = _mm512_loadu_ps(qf + g * D + v * 16);
+      a[g * V + v] = _mm512_setzero_ps();
+    }
+  const int64_t nb = (len + BS - 1) / BS;
+  const __m512 vs = _mm512_set1_ps(vscale);
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
+    const KT* kb = kvp + table[j] * s_block + layer_off + h * D;
+    const KT* vb = kb + s_kv;
+    for (int64_t t = 0; t < ntok; ++t) {
+      const KT* kt = kb + t * s_tok;
+      __m512 kr[16];
+      for (int64_t v = 0; v < V; ++v) kr[v] = load16(kt + v * 16);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 d = _mm512_mul_ps(q[g * V], kr[0]);
+        for (int64_t v = 1; v < V; ++v) d = _mm512_fmadd_ps(q[g * V + v], kr[v], d);
+        sbuf[g * BS + t] = _mm512_reduce_add_ps(d);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = sbuf + g * BS;
+      float bmax = -INFINITY;
+      for (int64_t t = 0; t < ntok; ++t) bmax = std::max(bmax, sg[t]);
+      const float mnew = std::max(m[g], bmax);
+      const float corr = std::exp(m[g] - mnew);
+      float lsum = 0.f;
+      for (int64_t t = 0; t < ntok; ++t) { sg[t] = std::exp(sg[t] - mnew); lsum += sg[t]; }
+      const __m512 c = _mm512_set1_ps(corr);
+      for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
+      l[g] = l[g] * corr + lsum;
+      m[g] = mnew;
+    }
+    for (int64_t t = 0; t < ntok; ++t) {
+      const KT* vt = vb + t * s_tok;
+      __m512 vr[16];
+      for (int64_t v = 0; v < V; ++v) vr[v] = _mm512_mul_ps(load16(vt + v * 16), vs);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sbuf[g * BS + t]);
+        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_fmadd_ps(p, vr[v], a[g * V + v]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * D + v * 16, a[g * V + v]);
+}
+#endif
 
 // q: [S, Hq, D]; kv: [NB, L, 2, BS, Hkv, D] (contiguous); tables: [S, MB] int32;
 // lens: [S] int32; out: [S, Hq, D] (q's dtype). k/v scales: [1] or [Hkv] float32 (fp8 only).
@@ -63,6 +139,21 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t len = lp[s];
       const int64_t nb = (len + BS - 1) / BS;
+#ifdef __AVX512F__
+      if constexpr (HasLoad16<KT>::value) {
+        if (D % 16 == 0 && D <= 256 && G <= 16 && BS <= 256 && nb <= MB) {
+          decode_one_avx512<KT>(qf.data(), G, D, kvp, tp + s * MB, len, BS, s_tok, s_kv,
+                                s_block, layer * s_layer, h, vscale, acc.data(), m.data(),
+                                l.data(), sbuf.data());
+          for (int64_t g = 0; g < G; ++g) {
+            QT* oh = op + (s * Hq + h * G + g) * D;
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+            for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[g * D + d] * inv);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t j = 0; j < nb && j < MB; ++j) {
         const int64_t blk = tp[s * MB + j];
         const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
@@ -172,7 +263,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
-                _ext = load_inline(name="pdserve_cpu_paged_v2", cpp_sources=[_CPP],
+                _ext = load_inline(name="pdserve_cpu_paged_v3", cpp_sources=[_CPP],
                                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                    verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")))
             except Exception as e:  # no compiler, no headers: the reference still works
