@@ -28,7 +28,7 @@ PATH_LOCAL = "local"
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    local_prefill_threshold: int = 512
+    local_prefill_threshold: int = 128
     transfer_cost: float = 0.25
     local_prefill_penalty: float = 2.0
     prefill_queue_cost: float = 512.0
