@@ -76,6 +76,7 @@ class StreamEnd:
     path: str
     worker_id: str
     cached_tokens: int | None = None
+    timings: pb.Timings | None = None  # D's phase timings (None when its final chunk never came)
 
 
 class _Retryable(Exception):
@@ -339,7 +340,8 @@ class GenerationStream:
                     done = True
                     self.path = chunk.timings.path or decision.path
                     cached = chunk.usage.cached_tokens if chunk.HasField("usage") else None
-                    yield StreamEnd(self.path, chunk.worker_id or record.worker_id, cached)
+                    timings = chunk.timings if chunk.HasField("timings") else None
+                    yield StreamEnd(self.path, chunk.worker_id or record.worker_id, cached, timings)
                     return
                 if self._finished_here and len(self.finished) >= self.n:
                     yield StreamEnd(self.path or decision.path, record.worker_id, None)

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from router.config import RouterConfig
+from router.dashboard import Dashboard, LiveStats, add_dashboard_routes
 from router.dispatch import DispatchConfig, Dispatcher
 from router.errors import (
     AuthenticationError,
@@ -124,6 +125,7 @@ def _replay(messages, then=None):
 def create_app(config: RouterConfig) -> FastAPI:
     """A new router app; nothing is shared between apps."""
     metrics = RouterMetrics(config.name)
+    live = LiveStats()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -147,12 +149,14 @@ def create_app(config: RouterConfig) -> FastAPI:
                         max_logprobs=config.max_logprobs, eos_token_ids=frozenset(eos),
                         generation_defaults=defaults)
         sweeper = None
+        app.state.dashboard = Dashboard(pool, metrics.registry, live, config.name)
         try:
             await pool.start()
             if reader is not None and config.directory_sweep_interval_s > 0:
                 sweeper = asyncio.create_task(_sweep(reader, config))
             app.state.ctx = ServingContext(config.name, tok, dispatcher, limits, metrics,
-                                           config.request_timeout_s, config.max_inflight_requests)
+                                           config.request_timeout_s, config.max_inflight_requests,
+                                           live=live)
             app.state.pool = pool
             logger.info("router for %r: max_model_len %d, %d decode / %d prefill workers known",
                         config.name, limits.max_model_len, len(pool.records(ROLE_DECODE)),
@@ -163,6 +167,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 sweeper.cancel()
                 await asyncio.gather(sweeper, return_exceptions=True)
             await dispatcher.close()
+            await app.state.dashboard.close()
             await pool.close()
             if redis_client is not None:
                 await redis_client.aclose()
@@ -170,6 +175,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.config = config
     app.state.metrics = metrics
+    app.state.live = live
     _install_error_handlers(app, metrics)
     app.add_middleware(_BodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key:  # outermost: unauthenticated bodies are not even read
@@ -217,6 +223,8 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    add_dashboard_routes(app)
 
     @app.get("/version")
     async def version() -> Response:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from router.dashboard import LiveStats, PhaseTimings, RequestRecord
 from router.dispatch import Dispatcher, GenerationInput, GenerationStream, StreamEnd
 from router.errors import InvalidRequestError, ModelNotFoundError, OverloadedError, RouterError
 from router.metrics import RouterMetrics
@@ -53,6 +54,7 @@ class ServingContext:
     request_timeout_s: float
     max_inflight: int = 0  # 0 = unlimited
     inflight: int = 0
+    live: LiveStats | None = None  # the dashboard's sliding windows and recent requests
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -226,6 +228,7 @@ class Generation:
         self._tasks: list[asyncio.Task] = []
         self._first: list[tuple[int, Any]] = []
         self._last_token_time: float | None = None
+        self._ttft: float | None = None
         self._closed = False
 
     # ---- driving the streams ----------------------------------------------------------
@@ -278,6 +281,26 @@ class Generation:
         now = time.monotonic()
         self.ctx.metrics.c_e2e.observe(now - self.arrival)
         self.ctx.metrics.c_gen.inc(self.completion_tokens)
+        if self.ctx.live is not None:
+            self._record(self.ctx.live, now - self.arrival)
+
+    def _record(self, live: LiveStats, e2e: float) -> None:
+        """Each prompt's outcome and the decode worker's phase timings, for the dashboard."""
+        finished_at = time.time()
+        for i, (stream, end) in enumerate(zip(self.streams, self.ends, strict=True)):
+            if end is None:
+                continue
+            d = stream.decision
+            live.request_finished(RequestRecord(
+                request_id=stream.inp.request_id, finished_at=finished_at, path=end.path,
+                decode_worker=end.worker_id,
+                prefill_worker=d.prefill.worker_id if d is not None and d.prefill is not None else "",
+                prompt_tokens=len(self.prompts[i]),
+                completion_tokens=sum(len(s.token_ids)
+                                      for s in self.samples[i * self.n:(i + 1) * self.n]),
+                cached_tokens=end.cached_tokens, ttft_s=self._ttft, e2e_s=e2e,
+                attempts=stream.attempts + 1,
+                timings=None if end.timings is None else PhaseTimings.from_proto(end.timings)))
 
     def _process(self, prompt_index: int, ev: list[pb.SeqDelta] | StreamEnd) -> list[SampleDelta]:
         base = prompt_index * self.n
@@ -291,10 +314,16 @@ class Generation:
                     out.append(d)
             return out
         now = time.monotonic()
+        itl = None
         if self._last_token_time is None:
-            self.ctx.metrics.c_ttft.observe(now - self.arrival)
+            self._ttft = now - self.arrival
+            self.ctx.metrics.c_ttft.observe(self._ttft)
         else:
-            self.ctx.metrics.c_itl.observe(now - self._last_token_time)
+            itl = now - self._last_token_time
+            self.ctx.metrics.c_itl.observe(itl)
+        if self.ctx.live is not None:
+            self.ctx.live.output(sum(len(sd.token_ids) for sd in ev),
+                                 self._ttft if itl is None else None, itl)
         self._last_token_time = now
         stream = self.streams[prompt_index]
         for sd in ev:
