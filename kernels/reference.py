@@ -151,8 +151,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             offset: int) -> torch.Tensor:
     """q: [Tq, Hq, D], k/v: [Tk, Hkv, D]; query row i sees keys <= offset + i."""
     tq, tk = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    gqa = qh.shape[0] != kh.shape[0]
+    # [1, H, T, D]: with a batch dimension SDPA takes its fused (flash) CPU kernel; 3-D inputs
+    # fall back to the unfused math path, ~7x slower on a 2048-token chunk.
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = qh.shape[1] != kh.shape[1]
     if offset == 0 and tq == tk:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                            enable_gqa=gqa)
@@ -161,7 +163,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         mask = torch.arange(tk, device=q.device).unsqueeze(0) <= pos_q  # [Tq, Tk]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                            enable_gqa=gqa)
-    return o.transpose(0, 1)
+    return o.squeeze(0).transpose(0, 1)
 
 
 def paged_decode_attention(
