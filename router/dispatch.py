@@ -70,6 +70,18 @@ class GenerationInput:
 
 
 @dataclass(slots=True)
+class SeqOutput:
+    """One sample's new output from one decode-worker message: ``pb.SeqDelta`` as plain Python
+    values, read once (protobuf field access is slower than attribute access)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str = ""  # "" while the sample goes on
+    stop_token_id: int | None = None  # with finish_reason "stop", when a stop token id ended it
+    logprobs: Sequence[pb.TokenLogprob] = ()  # only when the request asked for logprobs
+
+
+@dataclass(slots=True)
 class StreamEnd:
     """Last event of a stream. ``cached_tokens`` is None when D did not report usage."""
 
@@ -85,6 +97,52 @@ class _Retryable(Exception):
     def __init__(self, reason: str, overloaded: bool = False) -> None:
         super().__init__(reason)
         self.overloaded = overloaded
+
+
+class _Watchdog:
+    """Cancels one Generate ``call`` at the request ``deadline`` (``time.monotonic()``), or once
+    ``stall_s`` passed without output after the first output (a long prefill is not a stall);
+    ``why`` then says which. A timer on the event loop, re-armed only when it fires (and once
+    at the first output), so the per-token cost is one attribute write (``last``)."""
+
+    __slots__ = ("_handle", "call", "deadline", "last", "stall_s", "why")
+
+    def __init__(self, call: grpc.aio.Call, deadline: float, stall_s: float) -> None:
+        self.call = call
+        self.deadline = deadline
+        self.stall_s = stall_s
+        self.last = 0.0  # time.monotonic() of the latest output; 0 before the first
+        self.why = ""  # "deadline" | "stall" once it fired
+        self._handle: asyncio.TimerHandle | None = None
+        self._arm(deadline - time.monotonic())
+
+    def _arm(self, delay: float) -> None:
+        self._handle = asyncio.get_running_loop().call_later(max(0.0, delay), self._check)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        if now >= self.deadline:
+            self.why = "deadline"
+        elif self.last and now - self.last >= self.stall_s:
+            self.why = "stall"
+        if self.why:
+            self.call.cancel()
+            return
+        wake = min(self.deadline, self.last + self.stall_s) if self.last else self.deadline
+        self._arm(wake - now)
+
+    def first_output(self) -> None:
+        self.last = time.monotonic()
+        self._handle.cancel()
+        self._arm(min(self.deadline, self.last + self.stall_s) - self.last)
+
+    def error(self) -> Exception:
+        if self.why == "deadline":
+            return DeadlineExceededError("the request timed out before it finished")
+        return _Retryable(f"no output for {self.stall_s:g} s")
+
+    def stop(self) -> None:
+        self._handle.cancel()
 
 
 class Dispatcher:
@@ -180,7 +238,7 @@ class Dispatcher:
 class GenerationStream:
     """One prompt's generation across attempts. Iterate :meth:`events` once.
 
-    Yields lists of ``pb.SeqDelta`` (only for samples not finished yet) and finally one
+    Yields lists of :class:`SeqOutput` (only for samples not finished yet) and finally one
     :class:`StreamEnd`; raises a :class:`RouterError` on failure. The consumer calls
     :meth:`finish` when it ends a sample itself (stop string); once every sample is finished
     the call is cancelled and the stream ends.
@@ -197,6 +255,7 @@ class GenerationStream:
         self.worker_id = ""
         self.attempts = 0
         self.decision: RouteDecision | None = None
+        self._want_logprobs = inp.sampling.HasField("logprobs")
 
     def finish(self, index: int) -> None:
         self.finished.add(index)
@@ -205,7 +264,7 @@ class GenerationStream:
     def _remaining(self) -> float:
         return self.inp.deadline - time.monotonic()
 
-    async def events(self) -> AsyncIterator[list[pb.SeqDelta] | StreamEnd]:
+    async def events(self) -> AsyncIterator[list[SeqOutput] | StreamEnd]:
         exclude: set[str] = set()
         overloaded = False
         last_error = ""
@@ -271,70 +330,53 @@ class GenerationStream:
         return req
 
     async def _attempt(self, decision: RouteDecision,
-                       record: WorkerRecord) -> AsyncIterator[list[pb.SeqDelta] | StreamEnd]:
-        """One Generate call on D, bounded by a watchdog task instead of per-chunk timers (this
-        loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per call here).
-        The watchdog cancels the call at the request deadline, or after ``stall_timeout_s``
-        without output once the first output arrived (a long prefill is not a stall). D also
-        gets the deadline in ``deadline_s``."""
+                       record: WorkerRecord) -> AsyncIterator[list[SeqOutput] | StreamEnd]:
+        """One Generate call on D, bounded by a :class:`_Watchdog` timer instead of per-chunk
+        timers (this loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per
+        call here). D also gets the deadline in ``deadline_s``."""
         pool = self.d.pool
         pool.acquire(record)
         call = pool.decode_stub(record.info.grpc).Generate(self._request(decision))
         done = False
         got_output = False
-        stall = self.d.cfg.stall_timeout_s
-        deadline = self.inp.deadline
-        state: dict = {"last": 0.0, "why": ""}
-
-        async def watch() -> None:
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    state["why"] = "deadline"
-                elif state["last"] and now - state["last"] >= stall:
-                    state["why"] = "stall"
-                if state["why"]:
-                    call.cancel()
-                    return
-                wake = min(deadline, state["last"] + stall) if state["last"] else deadline
-                await asyncio.sleep(max(0.0, wake - now))
-
-        def watchdog_error() -> Exception:
-            if state["why"] == "deadline":
-                return DeadlineExceededError("the request timed out before it finished")
-            return _Retryable(f"no output for {stall:g} s")
-
-        watchdog = asyncio.get_running_loop().create_task(watch())
+        dog = _Watchdog(call, self.inp.deadline, self.d.cfg.stall_timeout_s)
+        n, finished, tokens, want_lp = self.n, self.finished, self.tokens, self._want_logprobs
         try:
             while True:
                 try:
                     chunk = await call.read()
                 except asyncio.CancelledError:
-                    if state["why"] and not asyncio.current_task().cancelling():
-                        raise watchdog_error() from None
+                    if dog.why and not asyncio.current_task().cancelling():
+                        raise dog.error() from None
                     raise
                 except grpc.aio.AioRpcError as e:
-                    if state["why"]:
-                        raise watchdog_error() from None
+                    if dog.why:
+                        raise dog.error() from None
                     raise self._classify(e, got_output) from None
                 if chunk is grpc.aio.EOF:
-                    if state["why"]:
-                        raise watchdog_error()
+                    if dog.why:
+                        raise dog.error()
                     raise _Retryable("the stream ended before the request finished")
                 outputs = []
                 for sd in chunk.outputs:
-                    if sd.index >= self.n or sd.index in self.finished:
+                    i = sd.index
+                    if i >= n or i in finished:
                         continue
-                    self.tokens[sd.index].extend(sd.token_ids)
-                    if sd.finish_reason:
-                        self.finished.add(sd.index)
-                    outputs.append(sd)
+                    ids = sd.token_ids[:]  # a list
+                    tokens[i] += ids
+                    lps = sd.logprobs if want_lp else ()
+                    if fr := sd.finish_reason:
+                        finished.add(i)
+                        outputs.append(SeqOutput(i, ids, fr, sd.stop_token_id
+                                                 if sd.HasField("stop_token_id") else None, lps))
+                    else:
+                        outputs.append(SeqOutput(i, ids, "", None, lps))
                 if outputs:
-                    state["last"] = time.monotonic()
-                    if not got_output:
+                    if got_output:
+                        dog.last = time.monotonic()
+                    else:
                         got_output = True
-                        watchdog.cancel()  # re-arm: from now on it also watches for stalls
-                        watchdog = asyncio.get_running_loop().create_task(watch())
+                        dog.first_output()  # from now on it also watches for stalls
                     yield outputs
                 if chunk.finished:
                     done = True
@@ -347,7 +389,7 @@ class GenerationStream:
                     yield StreamEnd(self.path or decision.path, record.worker_id, None)
                     return
         finally:
-            watchdog.cancel()
+            dog.stop()
             if not done:
                 call.cancel()
             pool.release(record)

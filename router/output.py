@@ -17,7 +17,7 @@ vLLM's semantics:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.tokenizer import RouterTokenizer
@@ -48,20 +48,28 @@ class TokenEntry:
     logprob: pb.TokenLogprob | None = None
 
 
+_NO_ENTRIES: tuple[TokenEntry, ...] = ()
+
+
 @dataclass(slots=True)
 class SampleDelta:
     """What a sample produced since the previous :meth:`SampleOutput.take`."""
 
     index: int
     text: str
-    tokens: list[TokenEntry]
+    tokens: Sequence[TokenEntry]  # only when logprobs were requested
     finish_reason: str | None
     stop_reason: int | str | None
 
 
 @dataclass(slots=True)
 class SampleOutput:
-    """The state of one of the ``n`` samples of one prompt."""
+    """The state of one of the ``n`` samples of one prompt.
+
+    :meth:`add` runs once per decode-worker message, so the common case (one token, no stop
+    strings, no logprobs, not a possible terminal token) takes a short path that does only
+    what the general one would do for it: count the token and append its text.
+    """
 
     index: int
     tokenizer: RouterTokenizer
@@ -70,16 +78,22 @@ class SampleOutput:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    _stream: object = None
+    _step: Callable[[int], str | None] | None = None  # the incremental decoder
     _held: TokenEntry | None = None
     _entries: list[TokenEntry] = field(default_factory=list)  # accounted, not yet taken
     _sent_chars: int = 0
     _finish_sent: bool = False
-    _max_stop: int = 0
+    _hold: int = 0  # characters held back while streaming (a stop string may still match)
+    _plain: bool = False  # no stop strings and no logprobs: the one-token short path applies
+    _want_entries: bool = False  # logprobs were requested: keep a TokenEntry per token
 
     def __post_init__(self) -> None:
-        self._stream = self.tokenizer.decode_stream(self.params.skip_special_tokens)
-        self._max_stop = max((len(s) for s in self.params.stop), default=0)
+        p = self.params
+        self._step = self.tokenizer.stepper(p.skip_special_tokens)
+        max_stop = max((len(s) for s in p.stop), default=0)
+        self._hold = 0 if p.include_stop_str_in_output else max(0, max_stop - 1)
+        self._want_entries = p.logprobs is not None
+        self._plain = not p.stop and not self._want_entries
 
     @property
     def finished(self) -> bool:
@@ -88,7 +102,15 @@ class SampleOutput:
     def add(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprob] = (),
             finish_reason: str = "", stop_token_id: int | None = None) -> None:
         """Account one engine delta. Ignored once the sample finished."""
-        if self.finished:
+        if self.finish_reason is not None:
+            return
+        if (self._plain and not finish_reason and len(token_ids) == 1 and self._held is None
+                and token_ids[0] not in self.params.terminal_ids):
+            tid = token_ids[0]
+            self.token_ids.append(tid)
+            new = self._step(tid)
+            if new:
+                self.text += new
             return
         last = len(token_ids) - 1
         for j, tid in enumerate(token_ids):
@@ -98,7 +120,8 @@ class SampleOutput:
                     return
             entry = TokenEntry(tid, len(self.text), logprobs[j] if j < len(logprobs) else None)
             self.token_ids.append(tid)
-            self._entries.append(entry)
+            if self._want_entries:
+                self._entries.append(entry)
             if j == last and finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 break  # the EOS / stop token that ended the sample: counted, not shown
             if j == last and not finish_reason and tid in self.params.terminal_ids:
@@ -121,7 +144,7 @@ class SampleOutput:
     def _detokenize(self, entry: TokenEntry) -> bool:
         """Append one token's text; True when a stop string ended the sample."""
         entry.text_offset = len(self.text)
-        new = self.tokenizer.step(self._stream, entry.token_id)
+        new = self._step(entry.token_id)
         if not new:
             return False
         self.text += new
@@ -146,16 +169,26 @@ class SampleOutput:
         return True
 
     def take(self) -> SampleDelta | None:
-        """New text (minus the stop-string hold-back), new tokens, and the finish (once)."""
-        hold = 0 if self.finished or self.params.include_stop_str_in_output else max(0, self._max_stop - 1)
-        end = max(self._sent_chars, len(self.text) - hold)
-        text = self.text[self._sent_chars:end]
-        finish = self.finish_reason if self.finished and not self._finish_sent else None
-        if not text and not self._entries and finish is None:
-            return None
+        """New text (minus the stop-string hold-back), new tokens (only when logprobs were
+        requested), and the finish (once)."""
+        sent = self._sent_chars
+        if self.finish_reason is None:
+            end = len(self.text) - self._hold
+            finish = None
+        else:
+            end = len(self.text)
+            finish = None if self._finish_sent else self.finish_reason
+        if end <= sent:
+            if not self._entries and finish is None:
+                return None
+            end = sent
         self._sent_chars = end
-        entries, self._entries = self._entries, []
+        entries = self._entries
+        if entries:
+            self._entries = []
+        else:
+            entries = _NO_ENTRIES
         if finish is not None:
             self._finish_sent = True
-        return SampleDelta(self.index, text, entries, finish,
+        return SampleDelta(self.index, self.text[sent:end], entries, finish,
                            self.stop_reason if finish is not None else None)

@@ -45,7 +45,7 @@ from router.protocol import (
     TokenizeRequest,
 )
 from router.sampling import Limits
-from router.serving import ClientDisconnected, ServingContext
+from router.serving import RAW_SEND, ClientDisconnected, ServingContext
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
 from router.serving_tokens import detokenize, models, tokenize
@@ -122,6 +122,21 @@ def _replay(messages, then=None):
     return receive
 
 
+class _RouterApp(FastAPI):
+    """FastAPI that also puts the server's own ``send`` into every HTTP scope (under
+    ``RAW_SEND``), for :class:`router.serving.SSEResponse`'s per-token body chunks."""
+
+    def build_middleware_stack(self):
+        stack = super().build_middleware_stack()
+
+        async def app(scope, receive, send) -> None:
+            if scope["type"] == "http":
+                scope[RAW_SEND] = send
+            await stack(scope, receive, send)
+
+        return app
+
+
 def create_app(config: RouterConfig) -> FastAPI:
     """A new router app; nothing is shared between apps."""
     metrics = RouterMetrics(config.name)
@@ -172,7 +187,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             if redis_client is not None:
                 await redis_client.aclose()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app = _RouterApp(title="pdserve router", lifespan=lifespan)
     app.state.config = config
     app.state.metrics = metrics
     app.state.live = live

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from router.dashboard import LiveStats, PhaseTimings, RequestRecord
-from router.dispatch import Dispatcher, GenerationInput, GenerationStream, StreamEnd
+from router.dispatch import Dispatcher, GenerationInput, GenerationStream, SeqOutput, StreamEnd
 from router.errors import InvalidRequestError, ModelNotFoundError, OverloadedError, RouterError
 from router.metrics import RouterMetrics
 from router.output import OutputParams, SampleDelta, SampleOutput, TokenEntry
@@ -107,49 +107,141 @@ class Ticket:
             ctx.metrics.c_inflight.dec()
 
 
+RAW_SEND = "pdserve.raw_send"  # scope key: the server's own ``send``, under every middleware
+SSE_DONE = "data: [DONE]\n\n"  # the last event of every stream
+
+
+class DisconnectWatch:
+    """One watcher task on the ASGI ``receive`` for a whole request: when the client
+    disconnects it sets ``gone`` and cancels the task attached at that moment, if any.
+
+    :meth:`guard` attaches the current task while it awaits some work (routing and the first
+    token) and turns the cancellation into :class:`ClientDisconnected`; a streaming response
+    then attaches itself (:meth:`attach`) for the body. Between the two nothing is attached,
+    so a disconnect there only sets ``gone`` (which the response checks first) and never
+    cancels the handover in the web framework. :meth:`stop` (idempotent) ends the watcher.
+    """
+
+    __slots__ = ("_target", "_watcher", "gone")
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        self.gone = False
+        self._target: asyncio.Task | None = None
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._target is not None:
+            self._target.cancel()
+
+    def attach(self) -> asyncio.Task:
+        """Cancel the current task on disconnect from now on; returns it."""
+        self._target = asyncio.current_task()
+        return self._target
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the client disconnects first (then cancel it and raise
+        :class:`ClientDisconnected`)."""
+        task = self.attach()
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+            task.uncancel()
+            raise ClientDisconnected() from None
+        finally:
+            self._target = None
+
+    def stop(self) -> None:
+        self._target = None
+        self._watcher.cancel()
+
+
 class SSEResponse(StreamingResponse):
     """A lean server-sent-events response.
 
     Sends each string of ``events`` as it comes; a client disconnect cancels the stream at
-    once (a watcher task on ``receive``), and the iterator is always closed and ``on_close``
-    always awaited, even when the client left before the first byte.
+    once (``watch``, the request's :class:`DisconnectWatch`, or a new one), and the iterator
+    is always closed and ``on_close`` always awaited, even when the client left before the
+    first byte. The ``data: [DONE]`` event ends the body (in the same write).
+
+    Per-token costs kept down: the headers go through the middleware stack's ``send`` (so the
+    middlewares know that the response started), the body chunks straight to the server's
+    ``send`` when the app put it in the scope under :data:`RAW_SEND` (no middleware here looks
+    at response bodies, and each wrapper costs a coroutine call per chunk); and after the
+    first event the body is sent from a task of its own, whose stack is a few frames deep.
     """
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], watch: DisconnectWatch | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
+        self._watch = watch
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        task = asyncio.current_task()
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+        watch = self._watch if self._watch is not None else DisconnectWatch(receive)
+        task = watch.attach()
+        pump: asyncio.Task | None = None
         try:
+            if watch.gone:  # left while the response was being handed over
+                return
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk.encode(),
-                            "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            send_body = scope.get(RAW_SEND, send)
+            # The first event is normally ready (the first output came before the response):
+            # send it from here, right after the headers. The rest runs in a task of its own:
+            # this coroutine sits under the whole middleware stack, and resuming it once per
+            # token would walk all of it.
+            first = await anext(self.body_iterator, None)
+            if first is None:
+                await send_body({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if await self._send(send_body, first):
+                return
+            pump = asyncio.get_running_loop().create_task(self._pump(send_body, watch))
+            await pump
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.gone:
                 raise
             task.uncancel()
         except OSError:  # the connection broke under a send
             pass
         finally:
-            watcher.cancel()
+            watch.stop()
+            if pump is not None and not pump.done():
+                pump.cancel()
+                await asyncio.wait([pump])
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
             await self._on_close()
+
+    async def _send(self, send: Any, event: str) -> bool:
+        """Send one event; True when it was the last (``data: [DONE]``): then the iterator is
+        closed first (the request is released) and the body ends in the same write."""
+        if event.endswith(SSE_DONE):
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": False})
+            return True
+        await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        return False
+
+    async def _pump(self, send: Any, watch: DisconnectWatch) -> None:
+        """Send the remaining events, then end the body; ends quietly when the client left."""
+        watch.attach()
+        try:
+            async for event in self.body_iterator:
+                if await self._send(send, event):
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+        except OSError:  # the connection broke under a send
+            pass
 
 
 def base_request_id(raw: Request) -> str:
@@ -177,26 +269,11 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
 async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client disconnects first (then cancel it and raise
     :class:`ClientDisconnected`)."""
-    task = asyncio.current_task()
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.get_running_loop().create_task(watch())
+    watch = DisconnectWatch(raw.receive)
     try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()
-        raise ClientDisconnected() from None
+        return await watch.guard(work)
     finally:
-        watcher.cancel()
+        watch.stop()
 
 
 def safe_logprob(x: float) -> float:
@@ -302,10 +379,12 @@ class Generation:
                 attempts=stream.attempts + 1,
                 timings=None if end.timings is None else PhaseTimings.from_proto(end.timings)))
 
-    def _process(self, prompt_index: int, ev: list[pb.SeqDelta] | StreamEnd) -> list[SampleDelta]:
+    def _process(self, prompt_index: int, ev: list[SeqOutput] | StreamEnd) -> list[SampleDelta]:
+        """One event of prompt ``prompt_index``'s stream -> the samples' new deltas. Runs once
+        per decode-worker message: keep it lean."""
         base = prompt_index * self.n
         out: list[SampleDelta] = []
-        if isinstance(ev, StreamEnd):
+        if ev.__class__ is StreamEnd:
             self.ends[prompt_index] = ev
             for s in self.samples[base:base + self.n]:
                 if not s.finished:  # the worker ended without saying why: report the cut
@@ -314,27 +393,31 @@ class Generation:
                     out.append(d)
             return out
         now = time.monotonic()
-        itl = None
-        if self._last_token_time is None:
-            self._ttft = now - self.arrival
-            self.ctx.metrics.c_ttft.observe(self._ttft)
-        else:
-            itl = now - self._last_token_time
-            self.ctx.metrics.c_itl.observe(itl)
-        if self.ctx.live is not None:
-            self.ctx.live.output(sum(len(sd.token_ids) for sd in ev),
-                                 self._ttft if itl is None else None, itl)
+        metrics = self.ctx.metrics
+        last = self._last_token_time
         self._last_token_time = now
-        stream = self.streams[prompt_index]
+        if last is None:
+            itl = None
+            self._ttft = now - self.arrival
+            metrics.c_ttft.observe(self._ttft)
+        else:
+            itl = now - last
+            metrics.c_itl.observe(itl)
+        samples = self.samples
+        tokens = 0
         for sd in ev:
-            s = self.samples[base + sd.index]
-            was_finished = s.finished
-            s.add(sd.token_ids, sd.logprobs, sd.finish_reason,
-                  sd.stop_token_id if sd.HasField("stop_token_id") else None)
-            if s.finished and not was_finished and not sd.finish_reason:
-                stream.finish(sd.index)  # a stop string matched here: stop generating it
+            ids = sd.token_ids
+            tokens += len(ids)
+            s = samples[base + sd.index]
+            if s.finish_reason is not None:
+                continue  # ended here by a stop string; the worker had sent more already
+            s.add(ids, sd.logprobs, sd.finish_reason, sd.stop_token_id)
+            if s.finish_reason is not None and not sd.finish_reason:
+                self.streams[prompt_index].finish(sd.index)  # a stop string matched: stop it
             if (d := s.take()) is not None:
                 out.append(d)
+        if self.ctx.live is not None:
+            self.ctx.live.output(tokens, self._ttft if itl is None else None, itl)
         return out
 
     async def aclose(self) -> None:
@@ -425,12 +508,15 @@ def chat_logprobs(ctx: ServingContext, params: OutputParams, entries: list[Token
     return {"content": content}
 
 
+# ``json.dumps(s, ensure_ascii=False)`` for a str ``s``, without building an encoder per call
+json_str: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
 def sse(obj: Any) -> str:
     """One server-sent event carrying ``obj`` as compact JSON."""
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

@@ -33,11 +33,13 @@ from router.sampling import check_unsupported, validate_common
 from router.serving import (
     SSE_DONE,
     SSE_HEADERS,
+    DisconnectWatch,
     Generation,
     ServingContext,
     SSEResponse,
     base_request_id,
     chat_logprobs,
+    json_str,
     prepare_prompt_runs,
     run_generation,
     sse,
@@ -117,16 +119,18 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         ticket.release()
 
     if req.stream:
+        watch = DisconnectWatch(raw.receive)  # one watcher for routing and the stream
         try:
-            await until_disconnected(raw, gen.start())
+            await watch.guard(gen.start())
         except BaseException:
+            watch.stop()
             await close()
             raise
         opts = req.stream_options
         usage_mode = ("continuous" if opts and opts.include_usage and opts.continuous_usage_stats
                       else "final" if opts and opts.include_usage else "")
         return SSEResponse(_stream(ctx, gen, params, request_id, created, usage_mode, close),
-                           close, headers={**SSE_HEADERS, **headers})
+                           close, headers={**SSE_HEADERS, **headers}, watch=watch)
     entries: dict[int, list[TokenEntry]] = {}
 
     def collect(deltas: list[SampleDelta]) -> None:
@@ -155,17 +159,20 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
     """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
     "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
     include_usage = bool(usage_mode)
+    continuous = usage_mode == "continuous"
     head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": ctx.model_name}
     want_lp = params.logprobs is not None
     role_sent: set[int] = set()
 
-    # chunks are formatted by hand around json-encoded values: this runs once per token
+    # chunks are formatted by hand around json-encoded values (this runs once per token): the
+    # same bytes as json.dumps of the whole chunk would give
     fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
     fast_tail = ']' + (',"usage":null' if include_usage else '') + '}\n\n'
+    content_tail = '},"logprobs":null,"finish_reason":null,"stop_reason":null}' + fast_tail
 
     def tail() -> str:
-        if usage_mode == "continuous":
+        if continuous:
             return '],"usage":' + gen.usage().model_dump_json() + '}\n\n'
         return fast_tail
 
@@ -176,24 +183,40 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
                 f'"finish_reason":{json.dumps(finish_reason)},'
                 f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{tail()}')
 
+    def event(d: SampleDelta) -> str | None:
+        """The SSE event(s) of one delta: the role chunk first for a choice's first delta
+        (None: nothing to send)."""
+        if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
+            return None
+        role = ""
+        if d.index not in role_sent:
+            role_sent.add(d.index)
+            role = chunk(d.index, {"role": "assistant", "content": ""})
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        return role + chunk(d.index, delta, chat_logprobs(ctx, params, d.tokens)
+                            if want_lp else None, d.finish_reason, d.stop_reason)
+
+    plain = not want_lp and not continuous
     try:
         async for deltas in gen.steps():
-            for d in deltas:
-                if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
-                    continue
-                if d.index not in role_sent:
-                    role_sent.add(d.index)
-                    yield chunk(d.index, {"role": "assistant", "content": ""})
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                yield chunk(d.index, delta, chat_logprobs(ctx, params, d.tokens) if want_lp else None,
-                            d.finish_reason, d.stop_reason)
+            if plain and len(deltas) == 1 and deltas[0].finish_reason is None and (
+                    deltas[0].index in role_sent):
+                d = deltas[0]  # one sample's next text: the per-token chunk, the same
+                if d.text:  # bytes as chunk(d.index, {"content": d.text})
+                    yield (f'{fast_head}{d.index},"delta":{{"content": '
+                           f'{json_str(d.text)}{content_tail}')
+                continue
+            # the deltas of one worker message (n samples; the role chunk before a choice's
+            # first content): their events in one write
+            events = [e for d in deltas if (e := event(d)) is not None]
+            if events:
+                yield "".join(events)
         if include_usage:  # one write for the usage chunk and the end marker
             yield sse({**head, "choices": [], "usage": gen.usage().model_dump()}) + SSE_DONE
         else:
             yield SSE_DONE
     except RouterError as e:
         ctx.metrics.error(e.status)
-        yield sse(e.to_dict())
-        yield SSE_DONE
+        yield sse(e.to_dict()) + SSE_DONE
     finally:
         await close()

@@ -26,11 +26,13 @@ from router.sampling import check_unsupported, validate_common
 from router.serving import (
     SSE_DONE,
     SSE_HEADERS,
+    DisconnectWatch,
     Generation,
     ServingContext,
     SSEResponse,
     base_request_id,
     completion_logprobs,
+    json_str,
     prepare_prompt_runs,
     run_generation,
     sse,
@@ -78,16 +80,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         ticket.release()
 
     if req.stream:
+        watch = DisconnectWatch(raw.receive)  # one watcher for routing and the stream
         try:
-            await until_disconnected(raw, gen.start())
+            await watch.guard(gen.start())
         except BaseException:
+            watch.stop()
             await close()
             raise
         opts = req.stream_options
         usage_mode = ("continuous" if opts and opts.include_usage and opts.continuous_usage_stats
                       else "final" if opts and opts.include_usage else "")
         return SSEResponse(_stream(ctx, gen, params, request_id, created, usage_mode, close),
-                           close, headers={**SSE_HEADERS, **headers})
+                           close, headers={**SSE_HEADERS, **headers}, watch=watch)
     entries: dict[int, list[TokenEntry]] = {}
 
     def collect(deltas: list[SampleDelta]) -> None:
@@ -115,42 +119,57 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
     """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
     "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
     include_usage = bool(usage_mode)
+    continuous = usage_mode == "continuous"
     head = {"id": request_id, "object": "text_completion", "created": created,
             "model": ctx.model_name}
     want_lp = params.logprobs is not None
-    # the common chunk (no logprobs) is formatted by hand: this runs once per token
+    # chunks without logprobs are formatted by hand around JSON-encoded values (this runs
+    # once per token): the same bytes as json.dumps of the whole chunk would give
     fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
     fast_tail = (']' + (',"usage":null' if include_usage else '') + '}\n\n')
+    going_tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null}' + fast_tail
 
     def tail() -> str:
-        if usage_mode == "continuous":
+        if continuous:
             return '],"usage":' + gen.usage().model_dump_json() + '}\n\n'
         return fast_tail
+
+    def event(d: SampleDelta) -> str | None:
+        """The SSE event of one delta (None: nothing to send)."""
+        if not want_lp:
+            if not d.text and d.finish_reason is None:
+                return None
+            return (f'{fast_head}{d.index},"text":{json_str(d.text)},'
+                    f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
+                    f'"stop_reason":{json.dumps(d.stop_reason)}}}{tail()}')
+        if not d.text and d.finish_reason is None and not d.tokens:
+            return None
+        choice = {"index": d.index, "text": d.text,
+                  "logprobs": completion_logprobs(ctx, params, d.tokens),
+                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        chunk = {**head, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = gen.usage().model_dump() if continuous else None
+        return sse(chunk)
+
+    plain = not want_lp and not continuous
     try:
         async for deltas in gen.steps():
-            for d in deltas:
-                if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
-                    continue
-                if not want_lp:
-                    yield (f'{fast_head}{d.index},"text":{json.dumps(d.text, ensure_ascii=False)},'
-                           f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
-                           f'"stop_reason":{json.dumps(d.stop_reason)}}}{tail()}')
-                    continue
-                choice = {"index": d.index, "text": d.text,
-                          "logprobs": completion_logprobs(ctx, params, d.tokens),
-                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-                chunk = {**head, "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = (gen.usage().model_dump() if usage_mode == "continuous"
-                                      else None)
-                yield sse(chunk)
+            if plain and len(deltas) == 1 and deltas[0].finish_reason is None:
+                d = deltas[0]  # one sample's next text: the per-token chunk
+                if d.text:
+                    yield f'{fast_head}{d.index},"text":{json_str(d.text)}{going_tail}'
+                continue
+            # the deltas of one worker message (n samples): their events in one write
+            events = [e for d in deltas if (e := event(d)) is not None]
+            if events:
+                yield "".join(events)
         if include_usage:  # one write for the usage chunk and the end marker
             yield sse({**head, "choices": [], "usage": gen.usage().model_dump()}) + SSE_DONE
         else:
             yield SSE_DONE
     except RouterError as e:
         ctx.metrics.error(e.status)
-        yield sse(e.to_dict())
-        yield SSE_DONE
+        yield sse(e.to_dict()) + SSE_DONE
     finally:
         await close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,13 @@ class RouterTokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
         """A fresh incremental decoder (feed it with :meth:`step`)."""
         return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def stepper(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """A fresh incremental decoder as one callable: token id -> the text it completes
+        (None or '' while a UTF-8 character is still split). Same output as
+        :meth:`decode_stream` + :meth:`step`, one Python call less per token."""
+        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step,
+                                 self._tok)
 
     def step(self, stream: DecodeStream, token_id: int) -> str:
         """Feed one token; the text it completes ('' while a UTF-8 character is still split)."""

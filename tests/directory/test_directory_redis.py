@@ -346,3 +346,28 @@ def test_prefix_match_agrees_with_a_reference_on_random_holdings(redis_server, k
         assert all(mem in (ghost.member, "nobody:1") for _, mem in m.stale)
         for _, pub in workers:
             pub.publish([AllBlocksCleared()])
+
+
+def test_embedded_redis_dies_with_its_parent():
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom shared.directory import EmbeddedRedis\n"
+            "r = EmbeddedRedis(); r.start(); print(r._proc.pid, flush=True); time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        redis_pid = int(parent.stdout.readline())
+        os.kill(redis_pid, 0)  # running
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent crashes without stopping it
+        parent.wait(5)
+        parent.stdout.close()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            os.kill(redis_pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "redis-server outlived its parent"
+        time.sleep(0.05)
