@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.engine import EngineStats
+from shared.prom import LoopHistogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -60,8 +61,10 @@ class WorkerMetrics:
         kw = dict(labelnames=names, registry=self.registry)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, **kw).labels(**labels)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=LATENCY_BUCKETS, **kw).labels(**labels)
+        # observed per token on the gRPC event loop: the lock-free kind
+        self.itl = LoopHistogram("pdserve:inter_token_latency_seconds",
+                                 "Time between output tokens.", labels, LATENCY_BUCKETS,
+                                 self.registry)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to finish.",
                              buckets=LATENCY_BUCKETS + (160.0, 320.0), **kw).labels(**labels)
         self.queue = Histogram("pdserve:request_queue_time_seconds", "Arrival to first scheduled.",
