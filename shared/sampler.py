@@ -47,9 +47,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-        # logits: [N, V] float32, row i belongs to rows[i]
+        # logits: [N, V] (model dtype), row i belongs to rows[i]
         n = len(rows)
         want_lp = [r.params.logprobs is not None for r in rows]
+        logits = logits.float()  # (argmax on bf16 is ~4x slower than upcast + argmax on CPU)
+        if not any(want_lp) and all(r.params.greedy and not self._needs_processing(r) for r in rows):
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
         for i, r in enumerate(rows):

@@ -188,9 +188,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> logits [N, V] float32
+        # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
 
 def fused_param_name(hf_name: str) -> tuple[str, int | None]:
