@@ -158,11 +158,17 @@ def connect_sync(url: str, timeout_s: float = 1.0) -> redis.Redis:
 
 
 def connect_async(url: str, timeout_s: float = 1.0, max_connections: int = 64) -> aioredis.Redis:
-    """A router-side client: string replies, bounded timeouts, a bounded connection pool."""
-    return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                   socket_connect_timeout=timeout_s,
-                                   max_connections=max_connections,
-                                   retry=aioredis.retry.Retry(NoBackoff(), 1))
+    """A router-side client: string replies, bounded timeouts, a bounded connection pool.
+
+    The pool *blocks* (up to ``timeout_s``) when all connections are busy instead of failing:
+    a burst of hundreds of requests then queues for a connection for a millisecond or two
+    rather than losing its prefix lookup to ``MaxConnectionsError``.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        max_connections=max_connections, timeout=timeout_s,
+        retry=aioredis.retry.Retry(NoBackoff(), 1))
+    return aioredis.Redis(connection_pool=pool)
 
 
 class ErrorLog:

@@ -371,3 +371,19 @@ def test_embedded_redis_dies_with_its_parent():
             break
         assert time.monotonic() < deadline, "redis-server outlived its parent"
         time.sleep(0.05)
+
+
+def test_async_pool_queues_a_burst_instead_of_failing(redis_server):
+    """A burst far above the pool size waits for connections; no MaxConnectionsError."""
+    import asyncio
+
+    from shared.directory import connect_async
+
+    async def burst():
+        client = connect_async(redis_server.url, max_connections=4)
+        try:
+            return await asyncio.gather(*[client.ping() for _ in range(300)])
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(burst()) == [True] * 300
