@@ -84,3 +84,16 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="head geometry"):
         cpu_paged.paged_decode_attention(torch.randn(2, 3, 32), kv, 0, tables.int(),
                                          torch.tensor([1, 1], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_matches_torch_including_ties(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 32000, generator=g).to(dtype)
+    x[1, 31999] = 100  # maximum in the scalar tail
+    x[2, :] = 1.0  # all equal: the first index wins, as torch.argmax
+    x[3, 5] = x[3, 20] = 50  # tie across vector lanes
+    small = torch.randn(4, 7, generator=g).to(dtype)  # shorter than one vector
+    for t in (x, small):
+        assert torch.equal(cpu_paged.argmax_rows(t), t.float().argmax(dim=-1))
+    assert cpu_paged.argmax_rows(x)[2].item() == 0 and cpu_paged.argmax_rows(x)[3].item() == 5
