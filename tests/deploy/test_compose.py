@@ -312,7 +312,9 @@ def test_promtool_accepts_the_config():
 
 _METRIC_TYPES = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram",
                  "Summary": "summary", "CounterMetricFamily": "counter",
-                 "GaugeMetricFamily": "gauge", "HistogramMetricFamily": "histogram"}
+                 "GaugeMetricFamily": "gauge", "HistogramMetricFamily": "histogram",
+                 # shared/prom.py's lock-free histogram: same exposition as Histogram's
+                 "LoopHistogram": "histogram"}
 _SERIES_SUFFIXES = {"counter": ("_total",), "gauge": ("",),
                     "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
 
