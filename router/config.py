@@ -97,6 +97,9 @@ class RouterConfig:
                        help="cost of moving one token of KV to the decode worker, in prefill tokens")
         g.add_argument("--local-prefill-penalty", type=float, default=d.local_prefill_penalty,
                        help="cost of one token prefilled on a decode worker, in prefill tokens")
+        g.add_argument("--decode-stall-cost", type=float, default=d.decode_stall_cost,
+                       help="extra local-prefill cost per token, as a fraction of the penalty, for "
+                            "each request the decode worker is already decoding")
         g.add_argument("--directory-timeout", type=float, default=0.1,
                        help="seconds; past it, route on load alone")
         g.add_argument("--directory-sweep-interval", type=float, default=60.0,
@@ -139,5 +142,6 @@ class RouterConfig:
             directory_sweep_interval_s=ns.directory_sweep_interval, max_logprobs=ns.max_logprobs,
             policy=PolicyConfig(local_prefill_threshold=ns.local_prefill_threshold,
                                 transfer_cost=ns.transfer_cost,
-                                local_prefill_penalty=ns.local_prefill_penalty),
+                                local_prefill_penalty=ns.local_prefill_penalty,
+                                decode_stall_cost=ns.decode_stall_cost),
             uvicorn_log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log)

@@ -409,7 +409,7 @@ def router_totals(registry: Any) -> dict:
 
 class Dashboard:
     """Builds ``/dashboard/data``. ``pool`` needs ``records()``, ``healthy(role)``,
-    ``inflight(worker_id)`` and ``last_error`` (a :class:`router.workers.WorkerPool`)."""
+    ``inflight(worker_id)``, ``prefill_backlog(worker_id)``, ``decoding(worker_id)`` and ``last_error`` (a :class:`router.workers.WorkerPool`)."""
 
     def __init__(self, pool: Any, registry: Any, live: LiveStats, model: str, *,
                  client: httpx.AsyncClient | None = None, scrape_timeout_s: float = 0.5,
@@ -467,7 +467,9 @@ class Dashboard:
                 "metrics_url": r.info.metrics,
                 "num_blocks": r.info.num_blocks, "free_blocks": r.load.free_blocks,
                 "running": r.load.running, "waiting": r.load.waiting,
-                "inflight": self.pool.inflight(r.worker_id), "healthy": healthy,
+                "inflight": self.pool.inflight(r.worker_id),
+                "prefill_backlog": self.pool.prefill_backlog(r.worker_id),
+                "decoding": self.pool.decoding(r.worker_id), "healthy": healthy,
                 "generation": r.generation, "scrape": self.scraper.view(r)}
 
 

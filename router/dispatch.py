@@ -187,7 +187,8 @@ class Dispatcher:
         def cand(r: WorkerRecord) -> Candidate:
             return Candidate(r.worker_id, r.info.grpc, cached.get(r.worker_id, 0), r.load.running,
                              r.load.waiting, r.load.free_blocks, r.info.block_size,
-                             self.pool.inflight(r.worker_id))
+                             self.pool.inflight(r.worker_id), self.pool.prefill_backlog(r.worker_id),
+                             self.pool.decoding(r.worker_id))
 
         decision = choose_route(len(prompt), [cand(r) for r in decode], [cand(r) for r in prefill],
                                 self.cfg.policy, self.rng)
@@ -336,6 +337,9 @@ class GenerationStream:
         call here). D also gets the deadline in ``deadline_s``."""
         pool = self.d.pool
         pool.acquire(record)
+        # until its first token this request is prefill work queued on P (or on D, locally)
+        prefiller = decision.prefill.worker_id if decision.prefill else record.worker_id
+        pool.add_backlog(prefiller, decision.uncached_tokens)
         call = pool.decode_stub(record.info.grpc).Generate(self._request(decision))
         done = False
         got_output = False
@@ -377,6 +381,8 @@ class GenerationStream:
                     else:
                         got_output = True
                         dog.first_output()  # from now on it also watches for stalls
+                        pool.add_backlog(prefiller, -decision.uncached_tokens)
+                        pool.add_decoding(record.worker_id, 1)
                     yield outputs
                 if chunk.finished:
                     done = True
@@ -393,6 +399,10 @@ class GenerationStream:
             if not done:
                 call.cancel()
             pool.release(record)
+            if got_output:
+                pool.add_decoding(record.worker_id, -1)
+            else:
+                pool.add_backlog(prefiller, -decision.uncached_tokens)
 
     def _classify(self, e: grpc.aio.AioRpcError, got_output: bool) -> Exception:
         code, details = e.code(), e.details() or ""

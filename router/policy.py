@@ -5,10 +5,16 @@ Costs are in prompt-token equivalents of prefill compute (``docs/notes/router.md
 - prefill on P: the prompt tokens P has not cached (``N - cached_P``);
 - transfer to D: ``transfer_cost`` per prompt token D lacks (``N - cached_D``), the blocks
   P must push over UCX;
-- local prefill on D: ``local_prefill_penalty`` per token D lacks (prefill on D stalls the
-  decode batch it is running);
-- load: ``prefill_queue_cost`` per request queued or running on P, ``decode_waiting_cost``
-  per request waiting on D, ``decode_running_cost`` per request D is decoding, plus
+- local prefill on D: ``local_prefill_penalty`` per token D lacks, raised by
+  ``decode_stall_cost`` for each request D is already decoding for this router (a prefill
+  chunk on D stalls every sequence in its decode batch);
+- prefill backlog: the prompt tokens this router has sent to a worker to prefill (on P, or
+  locally on D) whose first token has not come back yet: compute queued ahead of this
+  request. Under a burst this splits the prefills between P and D instead of queueing them
+  all on P while D idles, and it shifts them back to P once D is decoding;
+- load: ``prefill_queue_cost`` per request P reports queued or running (load reports lag
+  ~0.5 s; the larger of that and the backlog counts), ``decode_waiting_cost`` per request
+  waiting on D, ``decode_running_cost`` per request D is decoding, plus
   ``decode_waiting_cost`` when D lacks the free KV blocks for the prompt (it would queue or
   preempt).
 
@@ -34,6 +40,7 @@ class PolicyConfig:
     prefill_queue_cost: float = 512.0
     decode_waiting_cost: float = 512.0
     decode_running_cost: float = 16.0
+    decode_stall_cost: float = 0.125
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,8 @@ class Candidate:
     free_blocks: int
     block_size: int
     inflight: int = 0  # requests this router sent it and has not seen finish
+    prefill_backlog: int = 0  # prompt tokens this router sent it to prefill, no first token yet
+    decoding: int = 0  # requests this router is streaming from it past their first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +88,16 @@ def decode_load(c: Candidate, prompt_len: int, cfg: PolicyConfig) -> float:
 
 
 def prefill_load(c: Candidate, cfg: PolicyConfig) -> float:
-    return cfg.prefill_queue_cost * max(c.running + c.waiting, c.inflight)
+    """Work queued on a prefill worker ahead of a new request, in tokens."""
+    return max(float(c.prefill_backlog), cfg.prefill_queue_cost * (c.running + c.waiting))
+
+
+def local_prefill_cost(d: Candidate, lacking: int, cfg: PolicyConfig) -> float:
+    """Prefilling ``lacking`` tokens on decode worker ``d``: its own prefill backlog (work
+    ahead of this prompt) plus the tokens, weighted by the stall they cause to the sequences
+    it is decoding."""
+    return d.prefill_backlog + cfg.local_prefill_penalty * (
+        1.0 + cfg.decode_stall_cost * d.decoding) * lacking
 
 
 def choose_route(prompt_len: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
@@ -92,7 +110,7 @@ def choose_route(prompt_len: int, decode: Sequence[Candidate], prefill: Sequence
     for d in decode:
         lacking = _uncached(prompt_len, d.cached_tokens)
         d_load = decode_load(d, prompt_len, cfg)
-        options.append(RouteDecision(d, None, cfg.local_prefill_penalty * lacking + d_load, lacking))
+        options.append(RouteDecision(d, None, local_prefill_cost(d, lacking, cfg) + d_load, lacking))
         if lacking <= cfg.local_prefill_threshold:
             continue  # D holds nearly all of the prompt: conditional disaggregation says local
         for p, p_cost in p_costs:

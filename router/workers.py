@@ -66,6 +66,8 @@ class WorkerPool:
         self._cooldown: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
         self._inflight_by_address: dict[str, int] = {}
+        self._backlog: dict[str, int] = {}  # worker id -> prompt tokens sent to prefill
+        self._decoding: dict[str, int] = {}  # worker id -> streams past their first token
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
         self._wrong_model: set[str] = set()
@@ -199,6 +201,27 @@ class WorkerPool:
 
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)
+
+    def prefill_backlog(self, worker_id: str) -> int:
+        return self._backlog.get(worker_id, 0)
+
+    def decoding(self, worker_id: str) -> int:
+        return self._decoding.get(worker_id, 0)
+
+    def add_backlog(self, worker_id: str, tokens: int) -> None:
+        """``tokens`` (negative to take back) of prompt sent to ``worker_id`` to prefill."""
+        n = self._backlog.get(worker_id, 0) + tokens
+        if n > 0:
+            self._backlog[worker_id] = n
+        else:
+            self._backlog.pop(worker_id, None)
+
+    def add_decoding(self, worker_id: str, delta: int) -> None:
+        n = self._decoding.get(worker_id, 0) + delta
+        if n > 0:
+            self._decoding[worker_id] = n
+        else:
+            self._decoding.pop(worker_id, None)
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def acquire(self, record: WorkerRecord) -> None:

@@ -216,6 +216,12 @@ class FakePool:
     def inflight(self, worker_id):
         return {"decode-0": 3}.get(worker_id, 0)
 
+    def prefill_backlog(self, worker_id):
+        return {"prefill-0": 512}.get(worker_id, 0)
+
+    def decoding(self, worker_id):
+        return {"decode-0": 2}.get(worker_id, 0)
+
 
 class Workers:
     """An httpx transport serving each worker's current metrics text; counts the calls."""
@@ -296,6 +302,7 @@ def test_rates_windowed_hit_rate_and_pool_totals():
     assert p0["prefix_hit_rate_total"] == pytest.approx(0.75)
     assert d0["transfer_bytes_per_s"] == pytest.approx(1e9) and d0["running"] == 4
     assert by_id["decode-0"]["inflight"] == 3 and by_id["decode-0"]["free_blocks"] == 40
+    assert by_id["decode-0"]["decoding"] == 2 and by_id["prefill-0"]["prefill_backlog"] == 512
     dec, pre = d["pools"]["decode"], d["pools"]["prefill"]
     assert dec["kv_usage"] == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)  # block-weighted
     assert dec["prefix_hit_rate"] == pytest.approx(0.25)  # 250 of 1000 queried, decode-1 idle

@@ -135,6 +135,9 @@ def test_retries_are_bounded_then_502(make_worker, make_router, router_config):
     err = resp.json()["error"]
     assert "2 attempts" in err["message"] and err["code"] == "upstream_error"
     assert r.metric("pdserve:router_retries_total") == 1
+    pool = r.app.state.pool  # failed attempts gave back the prefill work they had counted
+    assert all(pool.prefill_backlog(w.worker_id) == 0 and pool.decoding(w.worker_id) == 0
+               for w in pool.records())
 
 
 def test_stop_string_cancels_the_decode_stream(make_worker, make_router, router_config, tok):
@@ -163,8 +166,12 @@ def test_client_disconnect_cancels_the_decode_stream(make_worker, make_router, r
         got = [next(lines) for _ in range(3)]
         assert any(line.startswith("data: ") for line in got)
         assert w.stats().running == 1
+        # past its first token the stream counts as decoding, no longer as prefill backlog
+        pool = r.app.state.pool
+        assert pool.decoding("slow") == 1 and pool.prefill_backlog("slow") == 0
     wait_idle(w)
     assert r.ctx.inflight == 0
+    assert pool.decoding("slow") == 0
     # a non-streaming request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{r.url}/v1/completions", timeout=0.5,

@@ -100,3 +100,34 @@ def test_prefill_workers_with_another_block_size_are_not_paired():
     assert r.path == "local"
     r = choose_route(4096, [cand("d", bs=16)], [cand("p", bs=32), cand("q", bs=16)], CFG)
     assert r.prefill.worker_id == "q"
+
+
+def cand2(wid, backlog=0, decoding=0, **kw):
+    c = cand(wid, **kw)
+    return Candidate(c.worker_id, c.address, c.cached_tokens, c.running, c.waiting,
+                     c.free_blocks, c.block_size, c.inflight, backlog, decoding)
+
+
+def test_a_burst_splits_prefills_between_p_and_an_idle_d():
+    """Dispatching a burst of 256-token prompts: the router's own backlog (tokens sent to
+    prefill, no first token yet) sends the prompts after the first few to whichever worker
+    can start them sooner: P's backlog against D's own plus the local-prefill penalty."""
+    cfg = PolicyConfig(local_prefill_threshold=128)
+    backlog = {"p": 0, "d": 0}
+    paths = []
+    for _ in range(16):
+        r = choose_route(256, [cand2("d", backlog["d"])], [cand2("p", backlog["p"])], cfg)
+        backlog["p" if r.prefill else "d"] += r.uncached_tokens
+        paths.append(r.path)
+    assert paths[0] == "disagg"
+    assert paths[0] == "disagg"
+    assert 7 <= paths.count("local") <= 8 and paths.count("disagg") == 16 - paths.count("local")
+
+
+def test_a_decoding_d_leaves_long_prefills_to_a_busy_p():
+    """With sequences decoding on D, a 3000-token prompt waits for P's backlog rather than
+    stalling them; an idle D takes it instead."""
+    cfg = PolicyConfig(local_prefill_threshold=128)
+    busy_p = cand2("p", backlog=3000)
+    assert choose_route(3000, [cand2("d", decoding=6)], [busy_p], cfg).path == "disagg"
+    assert choose_route(3000, [cand2("d")], [busy_p], cfg).path == "local"
