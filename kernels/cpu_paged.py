@@ -6,6 +6,8 @@ compiles (once, with ``torch.utils.cpp_extension``, cached under ``~/.cache/torc
 a decode kernel that walks the block table and runs an online softmax over each block where it
 lies, parallel over (sequence, KV head) with ``at::parallel_for``. Everything else (the KV write
 and multi-token prefill chunks, whose cost is the attention math itself) uses the reference.
+Also here: a row argmax for greedy sampling and ``small_linear``, a bf16 matmul for decode
+steps' few rows (AVX512-BF16), which the model's projections and LM head offer their input to.
 
 Same signatures and contracts as ``kernels/reference.py``. ``available()`` says whether the
 extension built; ``get_backend("cpp")`` falls back to the reference with a warning if not.
@@ -309,6 +311,58 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   return out;
 }
 
+// y[M, N] = x[M, K] @ w[N, K]^T for bf16 x and w with few rows (decode steps: the LM head and
+// the layers' projections at small batch), fp32 accumulation, bf16 output rounded to nearest
+// even like torch's. AVX512-BF16 dot products of 32 pairs per instruction; 16 weight rows at a
+// time (8 KB for K = 256, kept in L1 while every x row passes over them), their 16 partial-sum
+// vectors reduced together by hsum16. K a multiple of 32, N a multiple of 16.
+static bool bf16_gemm_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M,K] and w [N,K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "linear_bf16 takes bf16 tensors");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "x and w must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
+  auto y = at::empty({M, N}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t KC = K / 32;
+  at::parallel_for(0, N / 16, 8, [&](int64_t b0, int64_t b1) {
+    alignas(64) float out[16];
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const uint16_t* wb = wp + nb * 16 * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xr = xp + m * K;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t kc = 0; kc < KC; ++kc) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + kc * 32);
+          for (int j = 0; j < 16; ++j)
+            acc[j] = _mm512_dpbf16_ps(acc[j], xv,
+                                      (__m512bh)_mm512_loadu_si512(wb + j * K + kc * 32));
+        }
+        _mm512_store_ps(out, hsum16(acc));
+        at::BFloat16* yr = yp + m * N + nb * 16;
+        for (int j = 0; j < 16; ++j) yr[j] = at::BFloat16(out[j]);
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "linear_bf16 needs AVX512-BF16");
+#endif
+}
+
 // Row-wise argmax (first index of the maximum, as torch.argmax), for greedy sampling straight
 // from the model-dtype logits. x: [N, V] contiguous -> [N] int64.
 template <typename T>
@@ -368,6 +422,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
+  m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
+  m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
 }
 """
 
@@ -386,7 +442,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
-                _ext = load_inline(name="pdserve_cpu_paged_v7", cpp_sources=[_CPP],
+                _ext = load_inline(name="pdserve_cpu_paged_v8", cpp_sources=[_CPP],
                                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                    verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")))
             except Exception as e:  # no compiler, no headers: the reference still works
@@ -416,6 +472,30 @@ def paged_decode_attention(
                                                 scale, k_scale, v_scale)
     return ext.paged_decode(query.contiguous(), kv_cache, layer, block_tables.contiguous(),
                             seq_lens.contiguous(), float(scale), k_scale, v_scale)
+
+
+_SMALL_M = 16  # rows up to which linear_bf16 beats torch's bf16 matmul on this kind of CPU
+_bf16_gemm: bool | None = None
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` through the AVX512-BF16 kernel when it applies (CPU, bf16, at most
+    ``_SMALL_M`` rows, K % 32 == 0, N % 16 == 0), else ``None`` (the caller uses F.linear).
+    torch's bf16 matmul reads a 32000 x 256 LM head at ~10 GB/s for one row; this streams it
+    at several times that."""
+    global _bf16_gemm
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
+            or x.shape[0] > _SMALL_M or x.device.type != "cpu" or x.shape[1] % 32
+            or weight.shape[0] % 16):
+        return None
+    ext = _load()
+    if ext is None:
+        return None
+    if _bf16_gemm is None:
+        _bf16_gemm = bool(ext.bf16_gemm_supported())
+    if not _bf16_gemm:
+        return None
+    return ext.linear_bf16(x.contiguous(), weight.contiguous())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,21 @@ from torch import nn
 from shared.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that first offers its input to the attention backend's small-batch kernel
+    (``small_linear``: bf16 on an AVX512-BF16 CPU, a few rows, i.e. decode steps), which
+    returns ``None`` where it does not apply."""
+
+    small: object = None  # the backend's small_linear, set by the model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None:
+            y = self.small(x, self.weight)
+            if y is not None:
+                return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention inputs built by the model runner."""
@@ -103,8 +118,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
         self.backend = backend
         self.rotary = rotary
@@ -134,8 +149,8 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -178,6 +193,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = rotary
+        self.small_linear = getattr(backend, "small_linear", None)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.small = self.small_linear
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -190,6 +209,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.small_linear is not None:
+            logits = self.small_linear(hidden, weight)
+            if logits is not None:
+                return logits
         return F.linear(hidden, weight)
 
 

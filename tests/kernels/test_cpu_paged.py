@@ -97,3 +97,33 @@ def test_argmax_rows_matches_torch_including_ties(dtype):
     for t in (x, small):
         assert torch.equal(cpu_paged.argmax_rows(t), t.float().argmax(dim=-1))
     assert cpu_paged.argmax_rows(x)[2].item() == 0 and cpu_paged.argmax_rows(x)[3].item() == 5
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 32000, 256), (3, 512, 256), (16, 1376, 256),
+                                   (7, 256, 704), (2, 48, 4096)])
+def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
+    """The AVX512-BF16 small-batch linear: fp32 accumulation, one bf16 rounding at the end,
+    so every output is within half a bf16 ulp (plus fp32 summation-order noise) of the exact
+    product, as torch's own bf16 matmul is."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    got = cpu_paged.small_linear(x, w)
+    if got is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    exact = x.float() @ w.float().T
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # bf16 keeps 8 significant bits: half an ulp is 2^-8 of the value, relative
+    bound = exact.abs() * 2.0 ** -8 + 1e-3 * exact.abs().max()
+    assert ((got.float() - exact).abs() <= bound).all()
+    torch_err = (torch.nn.functional.linear(x, w).float() - exact).abs().max()
+    assert (got.float() - exact).abs().max() <= 1.5 * torch_err + 1e-6
+
+
+def test_small_linear_declines_what_it_does_not_cover():
+    x = torch.randn(4, 256).bfloat16()
+    assert cpu_paged.small_linear(x.float(), torch.randn(32, 256)) is None  # fp32
+    assert cpu_paged.small_linear(torch.randn(64, 256).bfloat16(),
+                                  torch.randn(32, 256).bfloat16()) is None  # too many rows
+    assert cpu_paged.small_linear(x[:, :250], torch.randn(32, 250).bfloat16()) is None  # K % 32
+    assert cpu_paged.small_linear(x, torch.randn(40, 256).bfloat16()) is None  # N % 16
