@@ -210,18 +210,10 @@ class WorkerPool:
 
     def add_backlog(self, worker_id: str, tokens: int) -> None:
         """``tokens`` (negative to take back) of prompt sent to ``worker_id`` to prefill."""
-        n = self._backlog.get(worker_id, 0) + tokens
-        if n > 0:
-            self._backlog[worker_id] = n
-        else:
-            self._backlog.pop(worker_id, None)
+        _adjust(self._backlog, worker_id, tokens)
 
     def add_decoding(self, worker_id: str, delta: int) -> None:
-        n = self._decoding.get(worker_id, 0) + delta
-        if n > 0:
-            self._decoding[worker_id] = n
-        else:
-            self._decoding.pop(worker_id, None)
+        _adjust(self._decoding, worker_id, delta)
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def acquire(self, record: WorkerRecord) -> None:
@@ -253,3 +245,12 @@ class WorkerPool:
         if stub is None:
             stub = self._stubs[address] = pb_grpc.DecodeWorkerStub(self.channel(address))
         return stub
+
+
+def _adjust(counts: dict[str, int], key: str, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping the key when it reaches zero."""
+    n = counts.get(key, 0) + delta
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)

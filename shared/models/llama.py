@@ -30,11 +30,16 @@ class Linear(nn.Linear):
     small: object = None  # the backend's small_linear, set by the model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None:
-            y = self.small(x, self.weight)
-            if y is not None:
-                return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.small)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            small) -> torch.Tensor:
+    if small is not None:
+        y = small(x, weight)
+        if y is not None:
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 @dataclass
@@ -209,11 +214,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.small_linear is not None:
-            logits = self.small_linear(hidden, weight)
-            if logits is not None:
-                return logits
-        return F.linear(hidden, weight)
+        return _linear(hidden, weight, None, self.small_linear)
 
 
 def fused_param_name(hf_name: str) -> tuple[str, int | None]:
