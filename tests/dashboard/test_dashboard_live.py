@@ -169,7 +169,7 @@ def test_dashboard_page_shows_workers_and_live_load(cluster, tmp_path):
             assert len(segments) >= 3 and all(s.size["width"] >= 0 for s in segments)
             # worker figures scraped from the workers' /metrics: KV moved from P to D
             wait.until(lambda d: "/s" in d.find_element(
-                By.CSS_SELECTOR, '#workers tr[data-worker-id="decode-0"] td:nth-child(11)').text)
+                By.CSS_SELECTOR, '#workers tr[data-worker-id="decode-0"] td:nth-child(12)').text)
             # let the charts gather a few seconds of history, then take the screenshot
             time.sleep(12)
             assert load.error is None, load.error
