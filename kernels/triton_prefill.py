@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import PoolGeometry
+from kernels.triton_kv import load_kv_scales, load_kv_tile
 from kernels.triton_rounding import BF16_MANT_BITS, BF16_MIN_EXP, round_rne, to_compute_dtype
 
 LOG2E = 1.4426950408889634
@@ -109,13 +110,7 @@ def _prefill_kernel(
     q = to_compute_dtype(q, compute_dtype, EMULATE_BF16)
     pos = ctx_before + qi  # [BLOCK_M] absolute position of each query row
 
-    if FP8:
-        if PER_HEAD_SCALE:
-            k_scale = tl.load(k_scale_ptr + kv_head)
-            v_scale = tl.load(v_scale_ptr + kv_head)
-        else:
-            k_scale = tl.load(k_scale_ptr)
-            v_scale = tl.load(v_scale_ptr)
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8, PER_HEAD_SCALE)
 
     # keys visible to the tile's last valid row; 0 for programs past the sequence's last tile
     last_q = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
@@ -130,17 +125,9 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         tok = start + offs_n  # [TILE_N] context positions
         n_mask = tok < kv_end
-        block_id = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        tok_off = block_id * stride_kv_block + (tok % BLOCK_SIZE) * stride_kv_slot  # [TILE_N] i64
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        # k, v: [TILE_N, BLOCK_D]
-        k = tl.load(kv_base + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + stride_kv_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(tl.float32) * k_scale
-            v = v.to(tl.float32) * v_scale
-        k = to_compute_dtype(k, compute_dtype, EMULATE_BF16)
-        v = to_compute_dtype(v, compute_dtype, EMULATE_BF16)
+        k, v = load_kv_tile(kv_base, bt_row, tok, n_mask, d, d_mask, stride_kv_block,
+                            stride_kv_slot, stride_kv_kv, k_scale, v_scale, compute_dtype,
+                            BLOCK_SIZE, FP8, EMULATE_BF16)  # [TILE_N, BLOCK_D] each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = (tok[None, :] <= pos[:, None]) & n_mask[None, :]
