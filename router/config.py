@@ -51,6 +51,7 @@ class RouterConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    shutdown_timeout_s: float = 10.0
 
     @property
     def name(self) -> str:
@@ -124,6 +125,9 @@ class RouterConfig:
         g.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
         g.add_argument("--disable-uvicorn-access-log", action="store_true")
+        g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds SIGTERM waits for in-flight requests before closing them; "
+                            "the router's own clean-up after that is bounded by 5 s")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> RouterConfig:
@@ -144,4 +148,5 @@ class RouterConfig:
                                 transfer_cost=ns.transfer_cost,
                                 local_prefill_penalty=ns.local_prefill_penalty,
                                 decode_stall_cost=ns.decode_stall_cost),
-            uvicorn_log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log)
+            uvicorn_log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
+            shutdown_timeout_s=ns.shutdown_timeout)

@@ -63,6 +63,7 @@ from shared.directory import (
 logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_CLEANUP_TIMEOUT_S = 5.0  # the lifespan clean-up after uvicorn stopped serving
 
 
 def load_model_files(config: RouterConfig) -> tuple[RouterTokenizer, ModelConfig, dict]:
@@ -178,14 +179,19 @@ def create_app(config: RouterConfig) -> FastAPI:
                         len(pool.records(ROLE_PREFILL)))
             yield
         finally:
-            if sweeper is not None:
-                sweeper.cancel()
-                await asyncio.gather(sweeper, return_exceptions=True)
-            await dispatcher.close()
-            await app.state.dashboard.close()
-            await pool.close()
-            if redis_client is not None:
-                await redis_client.aclose()
+            try:  # bounded: a stuck connection must not keep the process alive after SIGTERM
+                async with asyncio.timeout(_CLEANUP_TIMEOUT_S):
+                    if sweeper is not None:
+                        sweeper.cancel()
+                        await asyncio.gather(sweeper, return_exceptions=True)
+                    await dispatcher.close()
+                    await app.state.dashboard.close()
+                    await pool.close()
+                    if redis_client is not None:
+                        await redis_client.aclose()
+            except TimeoutError:
+                logger.warning("router clean-up took over %.0f s; exiting without it",
+                               _CLEANUP_TIMEOUT_S)
 
     app = _RouterApp(title="pdserve router", lifespan=lifespan)
     app.state.config = config
@@ -343,5 +349,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=config.uvicorn_log_level, access_log=config.access_log,
-                timeout_keep_alive=30)
+                timeout_keep_alive=30, timeout_graceful_shutdown=config.shutdown_timeout_s)
     return 0

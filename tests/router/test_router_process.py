@@ -33,29 +33,43 @@ print("BAD" if bad else "CLEAN", bad)
     assert out.stdout.startswith("CLEAN"), out.stdout
 
 
-@pytest.mark.integration
-def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_server, prefix):
-    make_worker("proc-d0")
+def _start_router(tiny_model, redis_server, prefix, tmp_path, *extra):
+    """``pdserve router`` as a process, healthy; its output goes to a file (a pipe read only
+    after exit could fill up and block the router)."""
     port = free_port()
-    proc = subprocess.Popen(
-        PDSERVE + ["router", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
-                   "--redis-url", redis_server.url, "--directory-prefix", prefix,
-                   "--host", "127.0.0.1", "--port", str(port), "--worker-refresh-interval", "0.1",
-                   "--disable-uvicorn-access-log"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    log = tmp_path / f"router-{port}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            PDSERVE + ["router", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
+                       "--redis-url", redis_server.url, "--directory-prefix", prefix,
+                       "--host", "127.0.0.1", "--port", str(port), "--worker-refresh-interval",
+                       "0.1", "--disable-uvicorn-access-log", *extra],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
     try:
-        deadline = time.monotonic() + 30
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, log.read_text()
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
+                    return proc, url, log
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "router never became healthy"
             time.sleep(0.1)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        raise
+
+
+@pytest.mark.integration
+def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_server, prefix,
+                                                 tmp_path):
+    make_worker("proc-d0")
+    proc, url, log = _start_router(tiny_model, redis_server, prefix, tmp_path)
+    try:
         import openai
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
@@ -68,12 +82,37 @@ def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught
         assert proc.wait(15) in (0, -signal.SIGTERM)
-        assert "Application shutdown complete" in proc.stdout.read()
+        assert "Application shutdown complete" in log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
-        proc.stdout.close()
+
+
+@pytest.mark.integration
+def test_sigterm_with_a_stream_in_flight_ends_within_the_shutdown_timeout(
+        tiny_model, make_worker, redis_server, prefix, tmp_path):
+    """An endless stream does not keep the router alive: SIGTERM closes it after
+    ``--shutdown-timeout`` and the process exits."""
+    make_worker("proc-slow", token_delay=0.05)
+    proc, url, log = _start_router(tiny_model, redis_server, prefix, tmp_path,
+                                   "--shutdown-timeout", "1")
+    try:
+        body = {"model": MODEL_NAME, "prompt": "keep going", "max_tokens": 2000,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200, resp.read()
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # 2000 x 50 ms
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) in (0, -signal.SIGTERM)
+        assert time.monotonic() - t0 < 8
+        assert "Application shutdown complete" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 def test_pdserve_router_rejects_a_bad_model_dir(tmp_path):
