@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -18,16 +19,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from shared.engine import EngineCore, InvalidRequestError, PromptTooLongError
-from shared.engine_loop import AsyncOutputs
-from shared.outputs import EngineCoreOutput
+from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
+from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
+from shared.engine_loop import AsyncOutputs, EngineDeadError
+from shared.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.request import Request
 from shared.sampling_params import SamplingParamsError
 from shared.service import (GRPC_OPTIONS, WorkerRuntime, add_worker_cli_args, cancel_transfer,
-                            configure_logging, serve_worker, wait_transfer, worker_stats)
-from shared.wire import first_token_from_proto, logprob_to_proto, sampling_from_proto
+                            configure_logging, failure_metadata, serve_worker, unpin_when_terminal,
+                            wait_transfer, worker_stats)
+from shared.wire import (FAILURE_ENGINE, FAILURE_REQUEST, MAX_CACHE_SALT_CHARS, MAX_ID_CHARS,
+                         WireError, check_deadline, check_text, first_token_from_proto,
+                         logprob_to_proto, resume_from_proto, sampling_from_proto)
 
 logger = logging.getLogger(__name__)
 ROLE = "decode"
@@ -35,12 +39,16 @@ ROLE = "decode"
 
 @dataclass
 class _Flight:
-    """A request in flight on this worker (asyncio side)."""
+    """A request in flight on this worker (asyncio side). ``engine_id`` is the id the engine
+    knows it by: unique per flight, so a late callback for an earlier request that had the same
+    ``request_id`` can never act on this one."""
 
     request: pb.GenerateRequest
+    engine_id: str
     n: int
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
+    aborting: bool = False  # set first thing when the flight ends without finishing
     path: str = "local"
     remote_task: asyncio.Task | None = None
     transfer_s: float = 0.0
@@ -55,7 +63,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.rt = runtime
         self.receiver = receiver
         self.prefill_timeout_s = prefill_timeout_s
-        self.flights: dict[str, _Flight] = {}
+        self.flights: dict[str, _Flight] = {}  # by the caller's request_id
+        self.by_engine_id: dict[str, _Flight] = {}
+        self._serial = itertools.count()
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.outputs: AsyncOutputs | None = None
         self.channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]] = {}
@@ -65,11 +75,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     # ---- engine thread -----------------------------------------------------------------
     def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
         remote = engine.take_remote_prefills()
-        if remote and self.aloop is not None:
-            for req in remote:
-                self.aloop.call_soon_threadsafe(self._start_remote, req.parent_id,
-                                                req.remote_prefill.first_block_index,
-                                                list(req.remote_prefill.block_ids))
+        for req in remote:
+            rp = req.remote_prefill
+            if self.aloop is None:  # cannot happen (Generate set it); never leak the pin
+                engine.unpin(rp.pin_id)
+                continue
+            self.aloop.call_soon_threadsafe(self._start_remote, req.parent_id,
+                                            rp.first_block_index, list(rp.block_ids), rp.pin_id)
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -81,38 +93,38 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            check_text(rid, "request_id", MAX_ID_CHARS, required=True)
+            check_text(request.cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
+            check_text(request.prefill_address, "prefill_address", MAX_ID_CHARS)
+            check_deadline(request.deadline_s)
+            params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
+            resume = resume_from_proto(request.resume, params.n)
+        except (WireError, SamplingParamsError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.flights:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already in flight")
-        try:
-            params = sampling_from_proto(request.sampling)
-        except SamplingParamsError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        prompt = list(request.prompt_token_ids)
-        resume = None
-        if request.resume:
-            by_index = {r.index: list(r.token_ids) for r in request.resume}
-            resume = [by_index.get(i, []) for i in range(params.n)]
-            if not any(resume):
-                resume = None
+        prompt = request.prompt_token_ids  # validated (and copied) by add_request
         remote = bool(request.prefill_address) and resume is None
-        flight = _Flight(request, params.n, self.outputs.register(rid))
+        eid = f"{rid}@{next(self._serial)}"
+        flight = _Flight(request, eid, params.n, self.outputs.register(eid))
         flight.path = "disagg" if remote else "local"
         self.flights[rid] = flight
+        self.by_engine_id[eid] = flight
         rt.inflight += 1
         finished = False
         try:
             try:
                 await asyncio.wrap_future(rt.loop.submit(lambda e: e.add_request(
-                    rid, prompt, params, cache_salt=request.cache_salt or None,
+                    eid, prompt, params, cache_salt=request.cache_salt or None,
                     remote_prefill=remote, resume=resume, arrival_time=flight.arrival)))
-            except PromptTooLongError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except DuplicateRequestError as e:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except InvalidRequestError as e:
-                code = (grpc.StatusCode.ALREADY_EXISTS if "already in flight" in str(e)
-                        else grpc.StatusCode.INVALID_ARGUMENT)
-                await context.abort(code, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except EngineDeadError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
+                                    failure_metadata(FAILURE_ENGINE))
             rt.metrics.path(flight.path)
             try:
                 async for chunk in self._stream(flight, request):
@@ -122,13 +134,20 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             except _DeadlineExceeded:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"request {rid} exceeded its deadline of {request.deadline_s}s")
-            except RuntimeError as e:
-                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            except _Failed as e:
+                if e.kind is FailureKind.ENGINE:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, e.message,
+                                        failure_metadata(FAILURE_ENGINE))
+                await context.abort(grpc.StatusCode.INTERNAL, e.message,
+                                    failure_metadata(FAILURE_REQUEST))
         finally:
             if not finished:  # client cancelled, deadline, or error: abort everywhere
-                await self._abort(rid, flight)
-            self.flights.pop(rid, None)
-            self.outputs.unregister(rid)
+                flight.aborting = True
+                await self._abort(eid, flight)
+            if self.flights.get(rid) is flight:
+                del self.flights[rid]
+            self.by_engine_id.pop(eid, None)
+            self.outputs.unregister(eid)
             rt.inflight -= 1
 
     async def _stream(self, flight: _Flight, request: pb.GenerateRequest):
@@ -153,8 +172,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             deltas: dict[int, pb.SeqDelta] = {}
             now = time.monotonic()
             for o in batch:
-                if o.index < 0:  # engine loop died
-                    raise RuntimeError(f"engine failed: {rt.loop.error!r}")
+                if o.failure is not None:  # this request, or the whole engine, failed
+                    raise _Failed(o.failure.kind, o.failure.message)
                 d = deltas.setdefault(o.index, pb.SeqDelta(index=o.index))
                 d.token_ids.extend(o.new_token_ids)
                 d.logprobs.extend(logprob_to_proto(lp) for lp in o.new_logprobs)
@@ -204,7 +223,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                            else max(0.0, t.first_token_s - t.queue_s))
         return t
 
-    async def _abort(self, rid: str, flight: _Flight) -> None:
+    async def _abort(self, eid: str, flight: _Flight) -> None:
         task = flight.remote_task
         if task is not None and not task.done():
             task.cancel()  # cancels the Prefill RPC and the posted receives
@@ -214,16 +233,28 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 pass
         try:
             await asyncio.wait_for(asyncio.wrap_future(
-                self.rt.loop.submit(lambda e: e.abort_request([rid]))), 10.0)
+                self.rt.loop.submit(lambda e: e.abort_request([eid]))), 10.0)
+        except EngineDeadError:
+            pass  # nothing left to abort
         except Exception:
-            logger.exception("abort of %s failed", rid)
+            logger.exception("abort of %s failed", eid)
 
     # ---- remote prefill ----------------------------------------------------------------
-    def _start_remote(self, rid: str, first_block: int, block_ids: list[int]) -> None:
-        flight = self.flights.get(rid)
-        if flight is None:
+    def _start_remote(self, eid: str, first_block: int, block_ids: list[int],
+                      pin_id: int | None) -> None:
+        """Event loop, right after the engine step that reserved the blocks. The pin keeps
+        them out of the free queue until the receive is terminal, whatever happens to the
+        request meanwhile; a flight that is gone or ending never posts a receive."""
+        flight = self.by_engine_id.get(eid)
+        if flight is None or flight.aborting:
+            self._unpin(pin_id)
             return
-        flight.remote_task = asyncio.ensure_future(self._remote_prefill(flight, first_block, block_ids))
+        flight.remote_task = asyncio.ensure_future(
+            self._remote_prefill(flight, first_block, block_ids, pin_id))
+
+    def _unpin(self, pin_id: int | None) -> None:
+        if pin_id is not None:
+            self.rt.loop.submit(lambda e: e.unpin(pin_id))
 
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         entry = self.channels.get(address)
@@ -232,24 +263,27 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             entry = self.channels[address] = (channel, pb_grpc.PrefillWorkerStub(channel))
         return entry[1]
 
-    async def _remote_prefill(self, flight: _Flight, first_block: int, block_ids: list[int]) -> None:
+    async def _remote_prefill(self, flight: _Flight, first_block: int, block_ids: list[int],
+                              pin_id: int | None) -> None:
         req = flight.request
-        rid = req.request_id
-        transfer_id = f"{rid}:{uuid.uuid4().hex[:8]}"
+        eid = flight.engine_id
+        transfer_id = f"{req.request_id}:{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
         handle = None
         try:
             handle = self.receiver.expect(transfer_id, block_ids, timeout_s=self.prefill_timeout_s)
             result = await self._stub(req.prefill_address).Prefill(pb.PrefillRequest(
-                request_id=rid, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                cache_salt=req.cache_salt, decode_kv_address=self.receiver.address,
-                decode_worker_id=self.rt.worker_id, first_block_index=first_block,
-                dst_block_ids=block_ids, transfer_id=transfer_id), timeout=self.prefill_timeout_s)
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling, cache_salt=req.cache_salt,
+                decode_kv_address=self.receiver.address, decode_worker_id=self.rt.worker_id,
+                first_block_index=first_block, dst_block_ids=block_ids, transfer_id=transfer_id),
+                timeout=self.prefill_timeout_s)
             remaining = max(0.1, self.prefill_timeout_s - (time.monotonic() - t0))
             await wait_transfer(handle, remaining)
             tokens = sorted(result.first_tokens, key=lambda f: f.index)
-            if len(tokens) != flight.n:
-                raise RuntimeError(f"prefill worker returned {len(tokens)} first tokens for n={flight.n}")
+            if [f.index for f in tokens] != list(range(flight.n)):
+                raise _BadPrefillResult(f"prefill worker returned first tokens for samples "
+                                        f"{[f.index for f in tokens]} of n={flight.n}")
             flight.transfer_s = time.monotonic() - t0
             flight.transfer_bytes = handle.bytes_received
             flight.blocks_transferred = len(block_ids)
@@ -258,23 +292,31 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             first = [first_token_from_proto(f) for f in tokens]
             loop = self.rt.loop
             await asyncio.wrap_future(loop.submit(
-                lambda e: loop.deliver(e.finish_remote_prefill(rid, first))))
+                lambda e: loop.deliver(e.finish_remote_prefill(eid, first))))
         except asyncio.CancelledError:
             if handle is not None:
                 await cancel_transfer(handle)
             raise
+        except EngineDeadError:
+            return
         except Exception as e:
             reason = _fallback_reason(e)
             logger.warning("remote prefill of %s via %s failed (%s: %s); prefilling locally",
-                           rid, req.prefill_address, reason, e)
+                           req.request_id, req.prefill_address, reason, e)
             if handle is not None:
                 await cancel_transfer(handle)
             self.fallbacks += 1
             self.rt.metrics.fallback(reason)
             flight.path = "fallback"
             loop = self.rt.loop
-            await asyncio.wrap_future(loop.submit(
-                lambda e: loop.deliver(e.finish_remote_prefill(rid, None))))
+            try:
+                await asyncio.wrap_future(loop.submit(
+                    lambda e: loop.deliver(e.finish_remote_prefill(eid, None))))
+            except EngineDeadError:
+                pass
+        finally:
+            # after a terminal receive no byte lands in these blocks any more
+            unpin_when_terminal(self.rt.loop, handle, pin_id)
 
     # ---- Stats -------------------------------------------------------------------------
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
@@ -286,7 +328,21 @@ class _DeadlineExceeded(Exception):
     pass
 
 
+class _Failed(Exception):
+    """The engine ended this request with a failure (``kind``: the request or the engine)."""
+
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class _BadPrefillResult(Exception):
+    """The prefill worker's reply does not fit the request."""
+
+
 def _fallback_reason(e: BaseException) -> str:
+    """The ``reason`` label of ``pdserve:prefill_fallbacks_total``."""
     if isinstance(e, grpc.aio.AioRpcError):
         code = e.code()
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -294,12 +350,13 @@ def _fallback_reason(e: BaseException) -> str:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return "timeout"
         return "prefill_error"
-    name = type(e).__name__.lower()
-    if "checksum" in name:
+    if isinstance(e, ChecksumMismatchError):
         return "checksum"
-    if "timeout" in name:
+    if isinstance(e, (TransferTimeoutError, asyncio.TimeoutError)):
         return "timeout"
-    return "transfer_error"
+    if isinstance(e, KVTransferError):
+        return "transfer_error"
+    return "prefill_error"
 
 
 # ---- entry points ----------------------------------------------------------------------
@@ -328,7 +385,6 @@ async def _main(args: argparse.Namespace) -> int:
             await channel.close()
         receiver.close()
 
-    await serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
+    return await serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
                        extra_ready={"kv_address": receiver.address.hex()},
                        on_shutdown=shutdown, ucx_address=receiver.address.hex())
-    return 0

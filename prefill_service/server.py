@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import time
 
 import grpc
 
 from shared.engine import InvalidRequestError
-from shared.outputs import EngineCoreOutput
+from shared.engine_loop import EngineDeadError
+from shared.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.sampling_params import SamplingParamsError
 from shared.service import (WorkerRuntime, add_worker_cli_args, cancel_transfer, configure_logging,
-                            serve_worker, wait_transfer, worker_stats)
-from shared.wire import logprob_to_proto, sampling_from_proto
+                            failure_metadata, serve_worker, unpin_when_terminal, wait_transfer,
+                            worker_stats)
+from shared.wire import (FAILURE_ENGINE, FAILURE_REQUEST, MAX_ADDRESS_BYTES, MAX_CACHE_SALT_CHARS,
+                         MAX_ID_CHARS, WireError, check_text, logprob_to_proto, sampling_from_proto)
 
 logger = logging.getLogger(__name__)
 ROLE = "prefill"
@@ -36,6 +40,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.sender = sender
         self.transfer_timeout_s = transfer_timeout_s
         self.pending_sends = 0
+        self._serial = itertools.count()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rt = self.rt
@@ -44,24 +49,28 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         arrival = time.monotonic()
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        prompt = list(request.prompt_token_ids)
+        prompt = request.prompt_token_ids
         bs = rt.engine.block_size
         n_blocks = -(-len(prompt) // bs)
         first = request.first_block_index
         dst = list(request.dst_block_ids)
-        if not prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
-        if first >= n_blocks or len(dst) != n_blocks - first:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block range mismatch: prompt of {len(prompt)} tokens has {n_blocks} blocks of "
-                f"{bs}; first_block_index {first} needs {max(0, n_blocks - first)} destination "
-                f"blocks, got {len(dst)}")
         try:
-            params = sampling_from_proto(request.sampling)
-        except SamplingParamsError as e:
+            check_text(rid, "request_id", MAX_ID_CHARS, required=True)
+            check_text(request.transfer_id, "transfer_id", MAX_ID_CHARS)
+            check_text(request.cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
+            check_text(request.decode_worker_id, "decode_worker_id", MAX_ID_CHARS)
+            if len(request.decode_kv_address) > MAX_ADDRESS_BYTES:
+                raise WireError(f"decode_kv_address has {len(request.decode_kv_address)} bytes; "
+                                f"at most {MAX_ADDRESS_BYTES} allowed", "decode_kv_address")
+            if not prompt:
+                raise WireError("the prompt is empty", "prompt_token_ids")
+            if first >= n_blocks or len(dst) != n_blocks - first:
+                raise WireError(
+                    f"block range mismatch: prompt of {len(prompt)} tokens has {n_blocks} blocks "
+                    f"of {bs}; first_block_index {first} needs {max(0, n_blocks - first)} "
+                    f"destination blocks, got {len(dst)}", "dst_block_ids")
+            params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
+        except (WireError, SamplingParamsError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         params.max_tokens = 1
         params.min_tokens = 0
@@ -72,32 +81,44 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"cannot open a KV transfer to the decode worker: {e}")
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        pins: list[int] = []  # the engine's pin on the blocks handed to the sender (one at most)
 
         def sink(out: EngineCoreOutput) -> None:  # engine thread: push ready blocks at once
             if out.kv_blocks_ready:
+                if out.kv_pin_id is not None and out.kv_pin_id not in pins:
+                    pins.append(out.kv_pin_id)
                 src = [block_id for _, block_id in out.kv_blocks_ready]
                 handle.send_blocks(src, out.kv_blocks_ready[0][0] - first)
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
-        rt.loop.add_sink(rid, sink)
+        eid = f"{rid}@{next(self._serial)}"  # unique: a retried id never meets an old one
+        rt.loop.add_sink(eid, sink)
         rt.inflight += 1
         self.pending_sends += 1
         added = finished = False
         try:
             try:
                 await asyncio.wrap_future(rt.loop.submit(lambda e: e.add_request(
-                    rid, prompt, params, cache_salt=request.cache_salt or None,
-                    prefill_only=True, kv_export_first_block=first, hold_blocks=True,
-                    arrival_time=arrival)))
+                    eid, prompt, params, cache_salt=request.cache_salt or None,
+                    prefill_only=True, kv_export_first_block=first, arrival_time=arrival)))
                 added = True
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except EngineDeadError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
+                                    failure_metadata(FAILURE_ENGINE))
             firsts: dict[int, pb.FirstToken] = {}
             last: EngineCoreOutput | None = None
             cached = 0
             while len(firsts) < params.n:
                 out = await asyncio.wait_for(queue.get(), self.transfer_timeout_s)
-                if out.index < 0 or out.finish_reason == "abort":
+                if out.failure is not None:
+                    engine = out.failure.kind is FailureKind.ENGINE
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE if engine else grpc.StatusCode.INTERNAL,
+                        f"prefill of {rid} failed: {out.failure.message}",
+                        failure_metadata(FAILURE_ENGINE if engine else FAILURE_REQUEST))
+                if out.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
                 cached = max(cached, out.num_cached_tokens)
                 if out.new_token_ids:
@@ -126,10 +147,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             if not finished:
                 await cancel_transfer(handle)
                 if added:
-                    await asyncio.wrap_future(rt.loop.submit(lambda e: e.abort_request([rid])))
-            if added:  # blocks were held for the sends; now they join the prefix cache
-                await asyncio.wrap_future(rt.loop.submit(lambda e: e.release(rid)))
-            rt.loop.remove_sink(rid)
+                    try:
+                        await asyncio.wrap_future(rt.loop.submit(lambda e: e.abort_request([eid])))
+                    except EngineDeadError:
+                        pass
+            # the blocks handed to the sender join the prefix cache once the send is terminal
+            for pin_id in pins:
+                unpin_when_terminal(rt.loop, handle, pin_id)
+            rt.loop.remove_sink(eid)
             rt.inflight -= 1
             self.pending_sends -= 1
 
@@ -159,6 +184,5 @@ async def _main(args: argparse.Namespace) -> int:
     async def shutdown() -> None:
         sender.close()
 
-    await serve_worker(rt, lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, s),
-                       on_shutdown=shutdown)
-    return 0
+    return await serve_worker(rt, lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, s),
+                              on_shutdown=shutdown)

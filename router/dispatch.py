@@ -12,8 +12,10 @@ Failure rules:
   sample to another D (local prefill, since P has no resume semantics); the new D continues
   from there, so nothing is sent twice or lost.
 - ``RESOURCE_EXHAUSTED`` tries the next D, then ends in 429; ``INVALID_ARGUMENT`` ends in 400
-  without a retry; retries are capped by ``max_retries``; no output for ``stall_timeout_s``
-  counts as a failure; the request deadline bounds everything (504).
+  without a retry; a failure the worker marks as the request's own (trailing metadata
+  ``pdserve-failure: request``, see ``shared/proto/failure.py``) ends in 500 without a retry and
+  without blaming the worker; retries are capped by ``max_retries``; no output for
+  ``stall_timeout_s`` counts as a failure; the request deadline bounds everything (504).
 - Closing the event generator (client gone, stop string) cancels the gRPC call, which
   aborts the request on D.
 """
@@ -35,6 +37,7 @@ from router.errors import (
     InvalidRequestError,
     NoWorkerError,
     OverloadedError,
+    RequestFailedError,
     UpstreamError,
 )
 from router.metrics import RouterMetrics
@@ -43,6 +46,7 @@ from router.workers import WorkerPool
 from shared.directory import ROLE_DECODE, ROLE_PREFILL, DirectoryReader, WorkerRecord
 from shared.hashing import block_hashes, hash_seed
 from shared.proto import pdserve_pb2 as pb
+from shared.proto.failure import FAILURE_KEY, FAILURE_REQUEST
 
 logger = logging.getLogger(__name__)
 
@@ -406,6 +410,8 @@ class GenerationStream:
 
     def _classify(self, e: grpc.aio.AioRpcError, got_output: bool) -> Exception:
         code, details = e.code(), e.details() or ""
+        if _failure_kind(e) == FAILURE_REQUEST:
+            return RequestFailedError(f"the request failed on the decode worker: {details}")
         if code == _SC.DEADLINE_EXCEEDED:
             return DeadlineExceededError("the request timed out before it finished")
         if code == _SC.RESOURCE_EXHAUSTED:
@@ -415,3 +421,14 @@ class GenerationStream:
         if code in _BAD_INPUT and not got_output and not any(self.tokens):
             return InvalidRequestError(f"the decode worker rejected the request: {details}")
         return UpstreamError(f"the decode worker failed: {code.name}: {details}")
+
+
+def _failure_kind(e: grpc.aio.AioRpcError) -> str:
+    """The worker's ``pdserve-failure`` trailing metadata ("" when absent)."""
+    try:
+        for key, value in e.trailing_metadata() or ():
+            if key == FAILURE_KEY:
+                return value if isinstance(value, str) else value.decode()
+    except Exception:  # noqa: BLE001 - metadata of a broken call
+        pass
+    return ""

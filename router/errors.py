@@ -90,6 +90,15 @@ class UpstreamError(RouterError):
     code = "upstream_error"
 
 
+class RequestFailedError(RouterError):
+    """The request itself failed on a worker (500, no retry: another worker would fail it too,
+    and the worker that reported it is healthy)."""
+
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    err_type = "server_error"
+    code = "request_failed"
+
+
 class DeadlineExceededError(RouterError):
     """The request did not finish within ``--request-timeout`` (504)."""
 

@@ -109,6 +109,7 @@ class EngineArgs:
     attention_backend: str | None = None  # torch | triton | cpp; default by device
     enforce_eager: bool = False
     disable_log_stats: bool = False
+    max_logprobs: int = 20  # vLLM's: most logprobs a request may ask for
 
     # ---- CLI ---------------------------------------------------------------------------
     @staticmethod
@@ -142,6 +143,8 @@ class EngineArgs:
                             "torch (the reference) if it cannot be built")
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--disable-log-stats", action="store_true")
+        g.add_argument("--max-logprobs", type=int, default=20,
+                       help="most top logprobs a request may ask for (vLLM's --max-logprobs)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -4,6 +4,12 @@
 ``step`` from one thread (the services run it in a dedicated engine thread and talk to it
 through queues). Bad input raises ``InvalidRequestError`` before anything is queued, so one bad
 request never disturbs the others.
+
+Failures (docs/architecture.md, "Failures"): an error that belongs to one request (its sampling,
+its step update) ends that request alone with finish reason ``"error"`` and a
+``RequestFailure`` of kind ``REQUEST``; the step goes on for the others, and the invariants are
+checked right after (``check_integrity``), so a failure that did break them stops the engine.
+Anything ``step()`` raises (the forward pass, the scheduler, a broken invariant) is fatal.
 """
 
 from __future__ import annotations
@@ -16,20 +22,34 @@ from dataclasses import dataclass
 from shared.config import ConfigError, EngineArgs, GiB
 from shared.hashing import hash_seed
 from shared.kv_cache_manager import KVCacheManager, cdiv
-from shared.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from shared.outputs import (CompletionOutput, EngineCoreOutput, FailureKind, RequestFailure,
+                            RequestOutput)
 from shared.request import KVExport, Logprob, Request, RequestStatus
 from shared.sampling_params import SamplingParams, SamplingParamsError
-from shared.scheduler import SampledToken, Scheduler, SeqUpdate
+from shared.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
 
 logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses (empty or oversize prompt, bad token ids, bad params)."""
+    """A request the engine refuses (empty or oversize prompt, bad token ids, bad params).
+    ``param`` names the offending field when one does."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):
     pass
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request with this id is already in flight on this engine."""
+
+
+class RequestFailedError(RuntimeError):
+    """``LLM.generate``: a request failed inside the engine (the others completed)."""
 
 
 @dataclass
@@ -44,7 +64,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    held: int
+    pinned_blocks: int  # blocks held by KV transfers (pins)
 
 
 class EngineCore:
@@ -110,7 +130,6 @@ class EngineCore:
         remote_prefill: bool = False,
         prefill_only: bool = False,
         kv_export_first_block: int | None = None,
-        hold_blocks: bool = False,
         resume: Sequence[Sequence[int]] | None = None,
         arrival_time: float | None = None,
     ) -> None:
@@ -118,33 +137,58 @@ class EngineCore:
 
         ``remote_prefill``: decode role; reserve blocks and wait for a prefill worker's KV.
         ``prefill_only``: prefill role; finish after the first token. ``kv_export_first_block``:
-        report blocks from that index on as they complete. ``hold_blocks``: keep the blocks
-        after finishing until ``release``. ``resume``: failover; per sample, output tokens
-        already produced elsewhere (continue after them).
+        report blocks from that index on as they complete; each reported block is pinned
+        (``EngineCoreOutput.kv_pin_id``) until the caller calls :meth:`unpin`. ``resume``:
+        failover; per sample, output tokens already produced elsewhere (continue after them).
         Raises ``InvalidRequestError`` (nothing queued) on bad input.
         """
         mc = self.model_config
-        prompt = list(prompt_token_ids)
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
         if request_id in self.parents:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= mc.vocab_size for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {mc.vocab_size})")
-        if len(prompt) >= mc.max_model_len:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight",
+                                        "request_id")
+        if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
+            raise InvalidRequestError("the prompt must be a list of token ids", "prompt")
+        if len(prompt_token_ids) >= mc.max_model_len:  # before copying a huge list
             raise PromptTooLongError(
-                f"prompt has {len(prompt)} tokens; the model's maximum context length is "
-                f"{mc.max_model_len} (prompt + at least one output token must fit)")
+                f"prompt has {len(prompt_token_ids)} tokens; the model's maximum context length "
+                f"is {mc.max_model_len} (prompt + at least one output token must fit)", "prompt")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        self._check_token_ids(prompt, "prompt")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", "sampling_params")
         try:
             params = params.clone()
-            params.validate()
-        except SamplingParamsError as e:
-            raise InvalidRequestError(str(e)) from e
+            params.validate(self.args.max_logprobs)
+        except (SamplingParamsError, TypeError) as e:
+            raise InvalidRequestError(str(e), getattr(e, "param", None)) from e
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logprobs is not None and params.logprobs > mc.vocab_size:
+            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary "
+                                      f"({mc.vocab_size})", "logprobs")
         room = mc.max_model_len - len(prompt)
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
-        if resume is not None and len(resume) not in (0, params.n):
-            raise InvalidRequestError(f"resume has {len(resume)} entries for n={params.n}")
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        if resume is not None:
+            if len(resume) not in (0, params.n):
+                raise InvalidRequestError(f"resume has {len(resume)} entries for n={params.n}",
+                                          "resume")
+            for r in resume:
+                if len(r) >= params.max_tokens:
+                    raise InvalidRequestError(
+                        f"resume holds {len(r)} tokens; max_tokens {params.max_tokens} leaves "
+                        "nothing to generate", "resume")
+                self._check_token_ids(r, "resume")
+        if kv_export_first_block is not None and not (
+                isinstance(kv_export_first_block, int)
+                and 0 <= kv_export_first_block < cdiv(len(prompt), self.block_size)):
+            raise InvalidRequestError(
+                f"kv_export_first_block {kv_export_first_block!r} is outside the prompt's "
+                f"{cdiv(len(prompt), self.block_size)} blocks", "first_block_index")
         seed = self.hash_seeds.get(cache_salt)
         if seed is None:
             seed = self.hash_seeds[cache_salt] = hash_seed(mc.served_model_name, cache_salt)
@@ -153,8 +197,6 @@ class EngineCore:
         for i in range(params.n):
             done = list(resume[i]) if resume else []
             seq_params = params.for_sample(i) if params.n > 1 else params
-            if done and seq_params.max_tokens is not None and len(done) >= seq_params.max_tokens:
-                raise InvalidRequestError(f"resume for sample {i} already has max_tokens tokens")
             seqs.append(Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
                 parent_id=request_id, index=i, prompt_token_ids=prompt,
@@ -163,7 +205,6 @@ class EngineCore:
                 output_token_ids=done, num_resumed_tokens=len(done),
                 prefill_only=prefill_only, wants_remote_prefill=remote_prefill and not done))
         leader = seqs[0]
-        leader.hold_blocks = hold_blocks
         if kv_export_first_block is not None:
             n_blocks = cdiv(len(prompt), self.block_size) - kv_export_first_block
             leader.kv_export = KVExport(kv_export_first_block, max(0, n_blocks))
@@ -174,6 +215,13 @@ class EngineCore:
         else:
             leader.siblings = seqs[1:]
             self.scheduler.add(leader)
+
+    def _check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"{param}: token ids must be in [0, {vocab}), got {t!r}", param)
 
     def abort_request(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         """Abort parents by id (unknown ids are ignored); returns their final outputs."""
@@ -186,12 +234,21 @@ class EngineCore:
         self._forget_finished(rid for rid in request_ids)
         return outs
 
-    def release(self, request_id: str) -> None:
-        """Free the held blocks of a finished ``hold_blocks`` request."""
-        for s in self.parents.get(request_id, ()) or ():
-            self.scheduler.release(s.request_id)
-        self.scheduler.release(request_id)
+    def fail_request(self, request_id: str, reason: str) -> list[EngineCoreOutput]:
+        """End parent ``request_id`` (every sample) with finish reason ``"error"``; the outputs
+        carry a ``RequestFailure`` of kind ``REQUEST``. Unknown ids are ignored."""
+        seqs = self.parents.get(request_id, ())
+        for s in seqs:
+            s.error = reason
+        failed = self.scheduler.abort([s.request_id for s in seqs], RequestStatus.FINISHED_ERROR)
+        outs = [self._output(SeqUpdate(s, [], [], True)) for s in failed]
         self._forget_finished([request_id])
+        return outs
+
+    def unpin(self, pin_id: int | None) -> bool:
+        """Drop a transfer's pin (``RemotePrefill.pin_id`` / ``EngineCoreOutput.kv_pin_id``)
+        once the transfer is terminal. Unknown pins and ``None`` are ignored (False)."""
+        return pin_id is not None and self.kv.unpin(pin_id)
 
     def finish_remote_prefill(self, request_id: str,
                               first_tokens: list[SampledToken] | None) -> list[EngineCoreOutput]:
@@ -212,8 +269,21 @@ class EngineCore:
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
-        updates = self.scheduler.update_from_output(out, sampled)
-        return self._outputs(updates)
+        updates, failures = self.scheduler.update_from_output(out, sampled)
+        outs = self._outputs(updates)
+        if failures:
+            outs += self._fail(failures)
+        return outs
+
+    def _fail(self, failures: list[SeqFailure]) -> list[EngineCoreOutput]:
+        """Fail each failed sequence's parent alone, then make sure nothing else was hurt:
+        a per-request failure that broke an invariant is an engine failure (raises)."""
+        outs: list[EngineCoreOutput] = []
+        for f in failures:
+            logger.error("request %s failed: %s", f.request.parent_id, f.reason)
+            outs += self.fail_request(f.request.parent_id, f.reason)
+        self.check_integrity()
+        return outs
 
     def _outputs(self, updates: list[SeqUpdate]) -> list[EngineCoreOutput]:
         outs = [self._output(u) for u in updates]
@@ -222,26 +292,40 @@ class EngineCore:
 
     def _output(self, u: SeqUpdate) -> EngineCoreOutput:
         r = u.request
+        failure = None
+        if u.finished and r.status == RequestStatus.FINISHED_ERROR:
+            failure = RequestFailure(FailureKind.REQUEST, r.error or "the request failed")
         return EngineCoreOutput(
             request_id=r.parent_id, index=r.index, new_token_ids=u.new_token_ids,
             new_logprobs=u.new_logprobs, finish_reason=r.finish_reason() if u.finished else None,
             stop_token_id=r.stop_token_id, num_prompt_tokens=r.num_prompt_tokens,
             num_cached_tokens=max(r.num_cached_tokens, 0), kv_blocks_ready=u.kv_blocks_ready,
-            arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
+            kv_pin_id=r.kv_export.pin_id if u.kv_blocks_ready and r.kv_export else None,
+            failure=failure, arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
             first_token_time=r.first_token_time, finished_time=r.finished_time)
 
     def _forget_finished(self, parent_ids) -> None:
         for pid in set(parent_ids):
             seqs = self.parents.get(pid)
-            if seqs and all(s.is_finished for s in seqs) and not any(
-                    s.request_id in self.scheduler.held for s in seqs):
+            if seqs and all(s.is_finished for s in seqs):
                 del self.parents[pid]
 
     def take_remote_prefills(self) -> list[Request]:
         """Requests admitted since the last call that now wait for a prefill worker's KV
-        (read ``request.remote_prefill`` for the block range; ``parent_id`` names them)."""
+        (read ``request.remote_prefill`` for the block range; ``parent_id`` names them).
+
+        The caller owns each returned request's ``remote_prefill.pin_id`` and must
+        :meth:`unpin` it once its receive is terminal (or at once if it never starts one);
+        requests aborted before this call are unpinned here, since no transfer began.
+        """
         out, self.pending_remote = self.pending_remote, []
-        return [r for r in out if r.status == RequestStatus.WAITING_FOR_REMOTE_KV]
+        live = []
+        for r in out:
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                live.append(r)
+            elif r.remote_prefill is not None:
+                self.unpin(r.remote_prefill.pin_id)
+        return live
 
     # ---- introspection -----------------------------------------------------------------
     def block_ids_of(self, request_id: str) -> list[int]:
@@ -267,7 +351,7 @@ class EngineCore:
             waiting=sch.num_waiting, kv_cache_usage=self.kv.pool.usage(),
             kv_utilization=held_tokens / slots if slots else 0.0,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=sch.num_preemptions, held=len(sch.held))
+            num_preemptions=sch.num_preemptions, pinned_blocks=self.kv.num_pinned_blocks)
 
 
 class LLM:
@@ -331,12 +415,14 @@ class LLM:
                 if o.request_id not in acc:
                     continue
                 seq = acc[o.request_id].setdefault(o.index, {"ids": [], "lps": [], "finish": None,
-                                                              "stop": None})
+                                                              "stop": None, "error": None})
                 seq["ids"] += o.new_token_ids
                 seq["lps"] += o.new_logprobs
                 cached[o.request_id] = o.num_cached_tokens
                 if o.finished:
                     seq["finish"], seq["stop"] = o.finish_reason, o.stop_token_id
+                    if o.failure is not None:
+                        seq["error"] = o.failure.message
                     n = plist[ids.index(o.request_id)].n
                     if len([s for s in acc[o.request_id].values() if s["finish"]]) == n:
                         pending.discard(o.request_id)
@@ -350,13 +436,15 @@ class LLM:
         for rid, text, toks, sp in zip(ids, texts, token_lists, plist):
             outs = []
             for idx in range(sp.n):
-                s = acc[rid][idx]
+                s = acc[rid].get(idx) or {"ids": [], "lps": [], "finish": "error", "stop": None,
+                                          "error": "the request failed before this sample began"}
                 lps: list[Logprob] | None = s["lps"] if sp.logprobs is not None else None
                 outs.append(CompletionOutput(
                     index=idx, text=self.tokenizer.decode(s["ids"], skip_special_tokens=True),
                     token_ids=s["ids"],
                     cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
-                    logprobs=lps, finish_reason=s["finish"], stop_reason=s["stop"]))
+                    logprobs=lps, finish_reason=s["finish"], stop_reason=s["stop"],
+                    error=s["error"]))
             results.append(RequestOutput(rid, text, toks, outs, True, cached.get(rid, 0)))
         return results
 

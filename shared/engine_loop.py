@@ -6,6 +6,13 @@ reach the caller as exceptions), and every step's outputs go to the per-request 
 with ``add_sink``. After each step, ``on_step(engine, outputs)`` runs on the engine thread (the
 services hand KV events, remote-prefill requests and ready blocks to their I/O threads there;
 it must not block).
+
+Failures: a sink that raises fails its own request (``EngineCore.fail_request``), and the
+request's final output still reaches the batch sinks. Anything else that raises on the engine
+thread (``step()``, ``on_step``) is fatal: the loop stops, every open request gets a final
+output whose ``failure`` is of kind ``ENGINE``, pending commands fail with
+:class:`EngineDeadError`, and ``on_fatal(error)`` runs once (the services then leave the
+registry and exit non-zero so that their supervisor restarts them).
 """
 
 from __future__ import annotations
@@ -20,19 +27,25 @@ from concurrent.futures import Future
 from typing import Any
 
 from shared.engine import EngineCore
-from shared.outputs import EngineCoreOutput
+from shared.outputs import EngineCoreOutput, FailureKind, RequestFailure
 
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[EngineCoreOutput], None]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after a fatal error; nothing more can run on it."""
+
+
 class EngineLoop:
     def __init__(self, engine: EngineCore,
                  on_step: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None,
-                 idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.05,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_fatal = on_fatal
         self.idle_wait_s = idle_wait_s
         self._commands: deque[tuple[Callable[[EngineCore], Any], Future]] = deque()
         self._sinks: dict[str, Sink] = {}
@@ -60,7 +73,7 @@ class EngineLoop:
         """Run ``fn(engine)`` on the engine thread before the next step."""
         fut: Future = Future()
         if not self.alive and self._thread.ident is not None:
-            fut.set_exception(RuntimeError(f"engine loop is not running: {self.error!r}"))
+            fut.set_exception(EngineDeadError(f"engine loop is not running: {self.error!r}"))
             return fut
         self._commands.append((fn, fut))
         self._wake.set()
@@ -87,17 +100,37 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def deliver(self, outputs: list[EngineCoreOutput]) -> None:
-        """Hand outputs to their sinks (engine thread; also used by command functions)."""
+        """Hand outputs to their sinks (engine thread; also used by command functions).
+
+        A sink that raises fails its request: the engine ends it with finish reason "error"
+        and that final output goes to the sink once more (if it raises again it is dropped)
+        and to the batch sinks."""
+        failed: dict[str, Exception] = {}
         for o in outputs:
             sink = self._sinks.get(o.request_id)
-            if sink is not None:
+            if sink is not None and o.request_id not in failed:
                 try:
                     sink(o)
-                except Exception:
+                except Exception as e:  # noqa: BLE001 - the request's own failure
                     logger.exception("output sink of %s failed", o.request_id)
+                    failed[o.request_id] = e
         if outputs:
             for batch_sink in self._batch_sinks:
                 batch_sink(outputs)
+        for rid, e in failed.items():
+            final = self.engine.fail_request(rid, f"output sink failed: {type(e).__name__}: {e}")
+            sink = self._sinks.get(rid)
+            for o in final:
+                try:
+                    if sink is not None:
+                        sink(o)
+                except Exception:  # noqa: BLE001
+                    logger.exception("output sink of %s failed on its final output", rid)
+                    self._sinks.pop(rid, None)
+                    sink = None
+            if final:
+                for batch_sink in self._batch_sinks:
+                    batch_sink(final)
 
     def _run(self) -> None:
         engine = self.engine
@@ -117,23 +150,34 @@ class EngineLoop:
                         self.on_step(engine, [])
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
-        except BaseException as e:  # a broken invariant: fail every caller, never hang them
-            logger.exception("engine loop died")
+        except BaseException as e:  # fatal: fail every caller, never hang them
+            logger.critical("engine loop died: %r", e, exc_info=e)
             self.error = e
-            while self._commands:
-                _, fut = self._commands.popleft()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(RuntimeError(f"engine loop died: {e!r}"))
-            dead = [EngineCoreOutput(rid, -1, [], [], finish_reason="abort")
-                    for rid in set(self._sinks) | {r for b in self._batch_sinks for r in b.queues}]
-            for o in dead:  # end every open stream
+            self._fail_everything(e)
+            if self.on_fatal is not None:
                 try:
-                    if o.request_id in self._sinks:
-                        self._sinks[o.request_id](o)
-                except Exception:
-                    logger.exception("output sink of %s failed", o.request_id)
-            for batch_sink in self._batch_sinks:
-                batch_sink(dead)
+                    self.on_fatal(e)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_fatal callback failed")
+
+    def _fail_everything(self, e: BaseException) -> None:
+        while self._commands:
+            _, fut = self._commands.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(f"engine loop died: {e!r}"))
+        failure = RequestFailure(FailureKind.ENGINE, f"the engine stopped: {type(e).__name__}: {e}")
+        rids = set(self._sinks) | {r for b in self._batch_sinks for r in b.queues}
+        dead = [EngineCoreOutput(rid, 0, [], [], finish_reason="error", failure=failure)
+                for rid in rids]
+        for o in dead:  # end every open stream
+            sink = self._sinks.get(o.request_id)
+            try:
+                if sink is not None:
+                    sink(o)
+            except Exception:  # noqa: BLE001
+                logger.exception("output sink of %s failed", o.request_id)
+        for batch_sink in self._batch_sinks:
+            batch_sink(dead)
 
 
 class AsyncOutputs:

@@ -1,7 +1,13 @@
-"""Per-request block tables on top of the block pool, plus the host swap pool.
+"""Per-request block tables on top of the block pool, plus the host swap pool and pins.
 
 The KV-cache manager alone writes block tables. "No room" is a ``None`` return, never an
 exception: the scheduler then preempts or waits.
+
+A *pin* is one reference on a set of blocks held on behalf of a KV transfer, independent of
+any block table: a block handed to a transfer (P sending from it, D receiving into it) keeps a
+reference until the transfer reached a terminal state and its owner called :meth:`unpin`, so
+neither abort, preemption, swap-out nor finishing can put it back into the free queue while
+bytes may still be read from or written to it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class KVCacheManager:
         self.swapped: dict[str, list[int]] = {}  # request id -> host block ids
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
+        self.pins: dict[int, list[KVCacheBlock]] = {}
+        self._next_pin = 1
 
     # ---- queries -----------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -141,6 +149,39 @@ class KVCacheManager:
         child.num_computed_tokens = num_tokens
         return copies
 
+    # ---- pins --------------------------------------------------------------------------
+    def pin(self, block_ids: Sequence[int], pin_id: int | None = None) -> int:
+        """Take one reference on each of ``block_ids`` (blocks in use) for a transfer.
+
+        With ``pin_id`` the blocks join that pin; otherwise a new pin is made. Returns the pin
+        id; :meth:`unpin` drops every reference it holds. Raises ``IntegrityError`` for a block
+        that is free (a transfer may only touch blocks some request holds).
+        """
+        blocks = [self.pool.blocks[b] for b in block_ids]
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise IntegrityError(f"pinning {b}, which no request holds")
+        if pin_id is None:
+            pin_id = self._next_pin
+            self._next_pin += 1
+            self.pins[pin_id] = []
+        self.pool.touch(blocks)
+        self.pins[pin_id].extend(blocks)
+        return pin_id
+
+    def unpin(self, pin_id: int) -> bool:
+        """Drop the pin's references (blocks no table holds then join the free queue).
+        Returns False for an unknown (or already dropped) pin."""
+        blocks = self.pins.pop(pin_id, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(v) for v in self.pins.values())
+
     # ---- swap --------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host pool: ``(device, host)`` copies, or ``None``
@@ -168,21 +209,25 @@ class KVCacheManager:
         return [(h, b.block_id) for h, b in zip(host, blocks)]
 
     # ---- integrity ---------------------------------------------------------------------
-    def check_integrity(self, held_requests: Iterable[str] = ()) -> None:
-        """Pool invariants plus: each block's ref count equals the number of block tables
-        holding it; only ``held_requests`` (live or held) own tables; host blocks balance."""
+    def check_integrity(self, live_requests: Iterable[str] | None = None) -> None:
+        """Pool invariants plus: each block's ref count equals the number of block tables and
+        pins holding it; only ``live_requests`` own tables (when given); host blocks balance."""
         self.pool.check_integrity()
-        held = set(held_requests)
+        live = None if live_requests is None else set(live_requests)
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
-            if held and rid not in held:
+            if live is not None and rid not in live:
                 raise IntegrityError(f"request {rid} holds blocks but is not live")
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for blocks in self.pins.values():
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             if block.ref_cnt != refs.get(block.block_id, 0):
                 raise IntegrityError(
-                    f"{block} has ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} tables")
+                    f"{block} has ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} "
+                    "tables and pins hold it")
         n_host = len(self.free_host_blocks) + sum(len(v) for v in self.swapped.values())
         if n_host != self.num_host_blocks:
             raise IntegrityError(f"host blocks leak: {n_host} accounted of {self.num_host_blocks}")

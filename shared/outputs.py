@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from shared.request import Logprob
+
+
+class FailureKind(str, enum.Enum):
+    """Who a failure belongs to (docs/architecture.md, "Failures")."""
+
+    REQUEST = "request"  # this request failed alone; the engine goes on serving the others
+    ENGINE = "engine"  # the engine stopped (a broken invariant or a failed forward pass)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    kind: FailureKind
+    message: str
 
 
 @dataclass(slots=True)
@@ -15,11 +29,13 @@ class EngineCoreOutput:
     index: int
     new_token_ids: list[int]
     new_logprobs: list[Logprob]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_blocks_ready: list[tuple[int, int]] = field(default_factory=list)  # (block index, id)
+    kv_pin_id: int | None = None  # with kv_blocks_ready: the pin holding them (unpin when sent)
+    failure: RequestFailure | None = None  # with finish_reason "error"
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -39,6 +55,7 @@ class CompletionOutput:
     logprobs: list[Logprob] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": why this request failed
 
     @property
     def finished(self) -> bool:

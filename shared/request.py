@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13  # failed alone (sampling, stop handling, its output sink); see .error
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -47,6 +49,7 @@ class RemotePrefill:
 
     first_block_index: int
     block_ids: list[int]  # destination block id for each needed block, in order
+    pin_id: int | None = None  # the KV-cache manager's pin on block_ids (see KVCacheManager.pin)
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class KVExport:
     first_block_index: int
     num_blocks: int
     next_to_report: int = 0  # relative to first_block_index
+    pin_id: int | None = None  # pin holding every block reported so far (until unpinned)
 
 
 @dataclass(eq=False, slots=True)
@@ -90,11 +94,11 @@ class Request:
     wants_remote_prefill: bool = False
     kv_export: KVExport | None = None
     prefill_only: bool = False  # prefill role: finish after the first token
-    hold_blocks: bool = False  # keep blocks after finishing until released (pending sends)
     num_resumed_tokens: int = 0  # failover: output tokens given by the caller, not sampled here
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # why it ended in FINISHED_ERROR
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -4,10 +4,15 @@ A seeded row draws its token with noise from a generator keyed by ``(seed, posit
 position is the index of the output token being drawn. The draw is the exponential race
 ``argmax(p / E)``, ``E ~ Exp(1)``, which samples exactly from ``p`` and depends on nothing but
 the row's own probabilities and noise, so outputs do not depend on the batch.
+
+Failures belong to rows: when the batched draw raises, each row is drawn alone and a row that
+still fails comes back as a :class:`~shared.scheduler.SampleError` (the engine fails that
+request and serves the others), never as an exception for the whole batch.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass
 
@@ -16,7 +21,10 @@ import xxhash
 
 from shared.request import Logprob
 from shared.sampling_params import SamplingParams
-from shared.scheduler import SampledToken
+from shared.scheduler import SampledToken, SampleError
+
+logger = logging.getLogger(__name__)
+_U64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -31,7 +39,9 @@ class SampleRow:
 
 
 def _row_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
-    key = xxhash.xxh3_64_intdigest(struct.pack("<qq", seed, position)) & ((1 << 63) - 1)
+    # the same bytes as packing (seed, position) as int64 for every valid seed; the mask only
+    # keeps a bug elsewhere from turning into struct.error on the engine thread
+    key = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed & _U64, position & _U64)) & ((1 << 63) - 1)
     return torch.Generator(device=device).manual_seed(key)
 
 
@@ -46,8 +56,28 @@ class Sampler:
             self.generator.seed()
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor,
+                 rows: list[SampleRow]) -> list[SampledToken | SampleError]:
         # logits: [N, V] (model dtype), row i belongs to rows[i]
+        try:
+            return self._sample_batch(logits, rows)
+        except Exception as e:  # noqa: BLE001 - find the rows it belongs to
+            if len(rows) == 1:
+                return [self._row_error(rows[0], e)]
+        out: list[SampledToken | SampleError] = []
+        for i, row in enumerate(rows):
+            try:
+                out.extend(self._sample_batch(logits[i:i + 1], [row]))
+            except Exception as e:  # noqa: BLE001 - this row's request fails alone
+                out.append(self._row_error(row, e))
+        return out
+
+    @staticmethod
+    def _row_error(row: SampleRow, e: Exception) -> SampleError:
+        logger.error("sampling failed for request %s: %r", row.request_id, e, exc_info=e)
+        return SampleError(f"sampling failed: {type(e).__name__}: {e}")
+
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         n = len(rows)
         want_lp = [r.params.logprobs is not None for r in rows]
         if not any(want_lp) and all(r.params.greedy and not self._needs_processing(r) for r in rows):

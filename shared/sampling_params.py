@@ -1,15 +1,42 @@
-"""Sampling parameters (vLLM's names, defaults and validation rules). No torch import."""
+"""Sampling parameters (vLLM's names, defaults and validation rules). No torch import.
+
+``validate()`` is the engine's own boundary check: the offline ``LLM``, the workers' gRPC
+services and the router all reach it, so every value the sampler sees is a finite number of
+the right type in its range (a NaN temperature or a seed that overflows ``seed + n`` raises
+here, naming the parameter, never on the engine thread).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: Hard caps that protect a worker whatever its caller checked (the router's limits are
+#: lower and configurable): samples per request and stop token ids per request.
+MAX_N = 1024
+MAX_STOP_TOKEN_IDS = 1024
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the parameter and the value."""
+    """A sampling parameter is out of range; the message names the parameter and the value.
+
+    ``param`` is the parameter's name (the OpenAI / vLLM field name)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -32,20 +59,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> None:
+    def validate(self, max_logprobs: int | None = None) -> None:
+        """Raise :class:`SamplingParamsError` naming the first bad parameter. ``max_logprobs``
+        (the engine's ``--max-logprobs``) bounds ``logprobs``; construction checks the rest."""
         def bad(name: str, value: object, rule: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name} must be {rule}, got {value!r}")
+            return SamplingParamsError(f"{name} must be {rule}, got {value!r}", param=name)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"an integer in [1, {MAX_N}]")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise bad(name, v, "a finite number")
         if self.temperature < 0:
             raise bad("temperature", self.temperature, ">= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "in [0, 1]")
         if self.repetition_penalty <= 0:
@@ -54,14 +88,29 @@ class SamplingParams:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "at least 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad("min_tokens", self.min_tokens, "in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", self.logprobs, "in [0, 20]")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+        if self.seed is not None:
+            # sample i of an n > 1 request draws with seed + i: that must fit in int64 too
+            if not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+                raise bad("seed", self.seed,
+                          f"an integer in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] for n={self.n} "
+                          "(sample i uses seed + i, a signed 64-bit integer)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
+        if self.logprobs is not None and (
+                not _is_int(self.logprobs) or self.logprobs < 0
+                or (max_logprobs is not None and self.logprobs > max_logprobs)):
+            raise bad("logprobs", self.logprobs, "an integer >= 0" if max_logprobs is None
+                      else f"an integer in [0, {max_logprobs}] (--max-logprobs)")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
+                      f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "a boolean")
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +122,8 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def for_sample(self, index: int) -> "SamplingParams":
-        """Parameters of sample ``index`` of an ``n > 1`` request (seed + index, as vLLM)."""
+        """Parameters of sample ``index`` of an ``n > 1`` request (seed + index, as vLLM).
+        ``validate()`` guarantees that ``seed + index`` fits in a signed 64-bit integer."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
 

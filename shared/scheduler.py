@@ -56,6 +56,21 @@ class SampledToken:
     logprob: Logprob | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SampleError:
+    """The sampler could not draw this sequence's token; its request fails alone."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SeqFailure:
+    """A sequence whose step failed (its parent request fails; the others go on)."""
+
+    request: Request
+    reason: str
+
+
 @dataclass(slots=True)
 class SeqUpdate:
     """What one sequence gained this step (the engine turns these into outputs)."""
@@ -76,7 +91,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.remote_waiting: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}  # finished, blocks kept until release()
         self.requests: dict[str, Request] = {}  # every live sequence by request_id
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
@@ -213,7 +227,10 @@ class Scheduler:
                 req.num_computed_tokens = num_computed
                 first = num_computed // self.block_size
                 ids = self.kv.block_ids(req.request_id)
-                req.remote_prefill = RemotePrefill(first, ids[first:])
+                # the transfer's own reference: an abort frees the table, not these blocks,
+                # until the decode service unpins them once the receive is terminal
+                req.remote_prefill = RemotePrefill(first, ids[first:],
+                                                   self.kv.pin(ids[first:]) if ids[first:] else None)
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.remote_waiting[req.request_id] = req
                 out.remote_prefills.append(req)
@@ -239,33 +256,59 @@ class Scheduler:
         return min(num_new, budget)
 
     # ---- results -----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, SampledToken]) -> list[SeqUpdate]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, SampledToken | SampleError],
+    ) -> tuple[list[SeqUpdate], list[SeqFailure]]:
         """Advance every scheduled request by its computed tokens and append sampled ones.
 
         ``sampled`` maps request ids (including pending siblings of an ``n > 1`` request at
-        its first token) to their new token. Finished requests release their blocks.
+        its first token) to their new token or a :class:`SampleError`. Finished requests
+        release their blocks. A request whose sample failed, or whose update raised, is
+        returned in the failures (untouched by the rest of the step); the caller aborts it.
         """
         updates: list[SeqUpdate] = []
+        failures: list[SeqFailure] = []
         now = time.monotonic()
         for s in out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:  # aborted meanwhile
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            ready = self._export_ready(req)
-            if not s.sample:
-                if ready:
-                    updates.append(SeqUpdate(req, [], [], False, ready))
-                continue
-            first = req.num_output_tokens == req.num_resumed_tokens
-            updates.append(self._append(req, sampled[req.request_id], now, ready))
-            if first and req.siblings:
-                for sib in req.siblings:
-                    if not sib.is_finished:
-                        updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
-                req.siblings = []
-        return updates
+            try:
+                bad = self._sample_error(req, s, sampled)
+                if bad is not None:
+                    failures.append(SeqFailure(req, bad.reason))
+                    continue
+                req.num_computed_tokens += s.num_new_tokens
+                ready = self._export_ready(req)
+                if not s.sample:
+                    if ready:
+                        updates.append(SeqUpdate(req, [], [], False, ready))
+                    continue
+                first = req.num_output_tokens == req.num_resumed_tokens
+                updates.append(self._append(req, sampled[req.request_id], now, ready))
+                if first and req.siblings:
+                    for sib in req.siblings:
+                        if not sib.is_finished:
+                            updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
+                    req.siblings = []
+            except Exception as e:  # noqa: BLE001 - the request's own failure
+                logger.exception("step update of request %s failed", req.request_id)
+                failures.append(SeqFailure(req, f"{type(e).__name__}: {e}"))
+        return updates, failures
+
+    @staticmethod
+    def _sample_error(req: Request, s: ScheduledRequest,
+                      sampled: dict[str, SampledToken | SampleError]) -> SampleError | None:
+        if not s.sample:
+            return None
+        seqs = [req] + (req.siblings if req.num_output_tokens == req.num_resumed_tokens else [])
+        for seq in seqs:
+            tok = sampled.get(seq.request_id)
+            if tok is None:
+                return SampleError(f"no token was sampled for {seq.request_id}")
+            if isinstance(tok, SampleError):
+                return tok
+        return None
 
     def _export_ready(self, req: Request) -> list[tuple[int, int]]:
         exp = req.kv_export
@@ -282,6 +325,9 @@ class Scheduler:
         ready = [(exp.first_block_index + j, ids[exp.first_block_index + j])
                  for j in range(exp.next_to_report, end)]
         exp.next_to_report = end
+        # handed to the sender from here on: pinned until the transfer is terminal, so a
+        # preemption, an abort or the finish cannot free them under the send
+        exp.pin_id = self.kv.pin([b for _, b in ready], exp.pin_id)
         return ready
 
     def _append(self, req: Request, tok: SampledToken, now: float,
@@ -336,10 +382,7 @@ class Scheduler:
         req.finished_time = now
         if req in self.running:
             self.running.remove(req)
-        if req.hold_blocks:
-            self.held[req.request_id] = req
-        else:
-            self.kv.free(req)
+        self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
     # ---- remote prefill (decode role) --------------------------------------------------
@@ -366,8 +409,11 @@ class Scheduler:
         req.siblings = []
         return updates
 
-    # ---- abort / release ---------------------------------------------------------------
-    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+    # ---- abort -------------------------------------------------------------------------
+    def abort(self, request_ids: Iterable[str],
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """End live sequences by id with ``status`` (aborted, or failed); unknown or finished
+        ids are ignored. Their block tables are freed (pinned blocks stay pinned)."""
         aborted = []
         for rid in request_ids:
             req = self.requests.pop(rid, None)
@@ -384,20 +430,11 @@ class Scheduler:
                     self.waiting.remove(req)
                 except ValueError:
                     pass  # a pending sibling: not queued yet
-            req.status = RequestStatus.FINISHED_ABORTED
+            req.status = status
             req.finished_time = time.monotonic()
-            if req.hold_blocks and self.kv.num_blocks_of(rid):
-                self.held[rid] = req
-            else:
-                self.kv.free(req)
+            self.kv.free(req)
             aborted.append(req)
         return aborted
 
-    def release(self, request_id: str) -> None:
-        """Free a finished request's held blocks (prefill role, once its sends are done)."""
-        req = self.held.pop(request_id, None)
-        if req is not None:
-            self.kv.free(req)
-
     def live_request_ids(self) -> set[str]:
-        return set(self.requests) | set(self.held)
+        return set(self.requests)

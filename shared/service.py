@@ -25,9 +25,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.config import EngineArgs
 from shared.engine import EngineCore
-from shared.engine_loop import EngineLoop
+from shared.engine_loop import EngineDeadError, EngineLoop
 from shared.metrics import WorkerMetrics
 from shared.outputs import EngineCoreOutput
+from shared.proto.failure import failure_metadata  # noqa: F401 (re-exported for the roles)
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class WorkerRuntime:
         self.model_name = mc.served_model_name
         self.metrics = WorkerMetrics(role, self.worker_id, self.model_name, self.engine.stats)
         self.role_hook: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None
-        self.loop = EngineLoop(self.engine, on_step=self._on_step)
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, on_fatal=self._on_fatal)
+        self.fatal: asyncio.Event | None = None  # set (event loop) when the engine died
+        self._aloop: asyncio.AbstractEventLoop | None = None
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._redis_thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -97,6 +100,10 @@ class WorkerRuntime:
         self.inflight = 0
 
     # ---- engine thread ---------------------------------------------------------------
+    def _on_fatal(self, error: BaseException) -> None:
+        if self._aloop is not None and self.fatal is not None:
+            self._aloop.call_soon_threadsafe(self.fatal.set)
+
     def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
         events = engine.take_kv_events()
         if events:
@@ -205,9 +212,15 @@ async def serve_worker(
     extra_ready: dict | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     ucx_address: str = "",
-) -> None:
-    """Start gRPC + health + metrics, register, wait for SIGTERM/SIGINT, drain, stop."""
+) -> int:
+    """Start gRPC + health + metrics, register, wait for SIGTERM/SIGINT, drain, stop.
+
+    Returns the process exit code: 0 after a drain, 1 when the engine died (then the worker
+    turns NOT_SERVING and leaves the registry at once, without a drain: every request on it
+    already failed, and its supervisor restarts it)."""
     args = runtime.args
+    runtime._aloop = asyncio.get_running_loop()
+    runtime.fatal = asyncio.Event()
     runtime.loop.start()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_servicer(server)
@@ -236,28 +249,35 @@ async def serve_worker(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
-            if not runtime.loop.alive:
-                logger.error("engine loop died: exiting")
-                break
+    if not runtime.loop.alive:  # died before the event existed
+        runtime.fatal.set()
+    stopper = asyncio.ensure_future(stop.wait())
+    dier = asyncio.ensure_future(runtime.fatal.wait())
+    await asyncio.wait([stopper, dier], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    dier.cancel()
+    died = runtime.fatal.is_set()
 
-    # Drain: stop admitting, leave the registry so routers stop choosing us, finish in flight.
-    logger.info("draining (%d in flight, up to %.0fs)", runtime.inflight, args.drain_timeout)
     runtime.draining = True
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await asyncio.to_thread(runtime.stop_registry)
-    deadline = time.monotonic() + args.drain_timeout
-    while runtime.inflight > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    if died:
+        logger.critical("engine died (%r): NOT_SERVING, leaving the registry, exiting",
+                        runtime.loop.error)
+        await asyncio.to_thread(runtime.stop_registry)
+    else:
+        # Drain: stop admitting, leave the registry so routers stop choosing us, finish in flight.
+        logger.info("draining (%d in flight, up to %.0fs)", runtime.inflight, args.drain_timeout)
+        await asyncio.to_thread(runtime.stop_registry)
+        deadline = time.monotonic() + args.drain_timeout
+        while runtime.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     if on_shutdown is not None:
         await on_shutdown()
-    await server.stop(grace=2.0)
+    await server.stop(grace=0.5 if died else 2.0)
     httpd.shutdown()
     runtime.loop.stop()
     logger.info("worker %s stopped", runtime.worker_id)
+    return 1 if died else 0
 
 
 async def _set_health(servicer, status) -> None:
@@ -267,6 +287,34 @@ async def _set_health(servicer, status) -> None:
 
 
 # ---- helpers for both roles -------------------------------------------------------------
+
+def unpin_when_terminal(loop: EngineLoop, handle, pin_id: int | None) -> None:
+    """Drop the engine pin ``pin_id`` once ``handle`` (a kvtransfer handle, or None when no
+    transfer was opened) is terminal: at once if it is, else when it becomes so. Never before:
+    until then bytes may still move to or from the pinned blocks."""
+    if pin_id is None:
+        return
+
+    def unpin(_=None) -> None:
+        fut = loop.submit(lambda e: e.unpin(pin_id))
+        fut.add_done_callback(_log_unpin_error)
+
+    if handle is None or handle.done:
+        unpin()
+    else:
+        asyncio.ensure_future(_after_terminal(handle, unpin))
+
+
+async def _after_terminal(handle, fn) -> None:
+    await handle
+    fn()
+
+
+def _log_unpin_error(fut) -> None:
+    e = fut.exception()
+    if e is not None and not isinstance(e, EngineDeadError):
+        logger.error("unpin failed: %r", e)
+
 
 async def wait_transfer(handle, timeout_s: float) -> None:
     """Wait (without blocking the event loop) until a kvtransfer handle is terminal; raise its
@@ -302,7 +350,7 @@ async def worker_stats(rt: WorkerRuntime, request, fallbacks: int = 0,
         if request.check_integrity:
             try:
                 e.check_integrity()
-            except AssertionError as ex:
+            except AssertionError as ex:  # IntegrityError
                 err = str(ex) or type(ex).__name__
         s = e.stats()
         used = sum(1 for b in e.kv.pool.blocks if b.ref_cnt > 0)

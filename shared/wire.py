@@ -1,15 +1,54 @@
-"""Conversions between the gRPC messages (shared/proto) and engine types."""
+"""Conversions between the gRPC messages (shared/proto) and engine types, and the checks every
+worker applies to what arrives over gRPC (the workers' API is a boundary like the router's:
+anyone on the network path can call it, so nothing here trusts the router's validation).
+
+Failures between processes travel as gRPC status codes plus the ``pdserve-failure`` trailing
+metadata of :mod:`shared.proto.failure`.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from shared.proto import pdserve_pb2 as pb
+from shared.proto.failure import (FAILURE_ENGINE, FAILURE_KEY, FAILURE_REQUEST,  # noqa: F401
+                                  failure_metadata)
 from shared.request import Logprob
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from shared.scheduler import SampledToken
 
+MAX_ID_CHARS = 256  # request_id, transfer_id, worker ids
+MAX_CACHE_SALT_CHARS = 1024
+MAX_ADDRESS_BYTES = 4096  # a UCX worker address is a few hundred bytes
 
-def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
-    """Raises ``SamplingParamsError`` for out-of-range values."""
+
+class WireError(ValueError):
+    """A gRPC message field is malformed; ``param`` names it (-> INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_text(value: str, name: str, max_chars: int, required: bool = False) -> str:
+    if required and not value:
+        raise WireError(f"{name} is empty", name)
+    if len(value) > max_chars:
+        raise WireError(f"{name} has {len(value)} characters; at most {max_chars} allowed", name)
+    return value
+
+
+def check_deadline(value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise WireError(f"deadline_s must be a finite number >= 0, got {value!r}", "deadline_s")
+    return value
+
+
+def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -> SamplingParams:
+    """Raises ``SamplingParamsError`` for out-of-range values (NaN / infinite floats included)."""
+    if m.n > MAX_N:  # before anything is built from it
+        raise SamplingParamsError(f"n must be an integer in [1, {MAX_N}], got {m.n}", param="n")
     kw: dict = {"n": m.n or 1, "min_tokens": m.min_tokens, "ignore_eos": m.ignore_eos,
                 "stop_token_ids": list(m.stop_token_ids)}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -18,7 +57,27 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
             kw[name] = getattr(m, name)
     if "max_tokens" not in kw:
         kw["max_tokens"] = None  # until max_model_len, as in the OpenAI server
-    return SamplingParams(**kw)
+    params = SamplingParams(**kw)
+    if max_logprobs is not None:
+        params.validate(max_logprobs)
+    return params
+
+
+def resume_from_proto(resume: Sequence[pb.ResumeTokens], n: int) -> list[list[int]] | None:
+    """Per-sample resume tokens (``None`` when there are none); one entry per index < n."""
+    if not resume:
+        return None
+    if len(resume) > n:
+        raise WireError(f"resume has {len(resume)} entries for n={n}", "resume")
+    by_index: dict[int, list[int]] = {}
+    for r in resume:
+        if r.index >= n:
+            raise WireError(f"resume index {r.index} is not below n={n}", "resume")
+        if r.index in by_index:
+            raise WireError(f"resume index {r.index} appears twice", "resume")
+        by_index[r.index] = list(r.token_ids)
+    out = [by_index.get(i, []) for i in range(n)]
+    return out if any(out) else None
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
