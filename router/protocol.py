@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN / Infinity (which Python's JSON parser accepts) are refused with a 400 naming the
+    # field; vLLM's users get a 400 for those too
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())

@@ -8,6 +8,7 @@ instead of being ignored. Sampling defaults missing from the request come from t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,16 +19,29 @@ from shared.proto import pdserve_pb2 as pb
 
 MAX_N = 128
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_INT32_MAX = (1 << 31) - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """What one request may ask for (the router's flags; docs/architecture.md, "Limits")."""
+
     max_model_len: int
     vocab_size: int
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # --max-logprobs (vLLM's)
     eos_token_ids: frozenset[int] = frozenset()
     generation_defaults: Mapping[str, float] | None = None
+    max_n: int = MAX_N  # --max-n
+    max_prompts: int = 256  # --max-prompts-per-request
+    max_choices: int = 1024  # --max-choices-per-request: prompts x n
+    max_stop_strings: int = 64  # --max-stop-strings
+    max_stop_chars: int = 8192  # --max-stop-chars: their total length
+    max_cache_salt_chars: int = 256  # --max-cache-salt-length
+    max_json_depth: int = 64  # --max-json-depth: nesting of tools, tool calls, schemas
 
 
 def _bad(message: str, param: str) -> InvalidRequestError:
@@ -97,9 +111,14 @@ def resolve_max_tokens(req: SamplingFields, prompt_len: int, limits: Limits) -> 
 
 
 def validate_common(req: SamplingFields, limits: Limits) -> None:
-    """Range checks that do not depend on the prompt."""
-    if not 1 <= req.n <= MAX_N:
-        raise _bad(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    """Range checks that do not depend on the prompt: every value that reaches a worker fits
+    its protobuf field, is finite, and is in the engine's range (the workers check again)."""
+    if not 1 <= req.n <= limits.max_n:
+        raise _bad(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
+    for name in _FLOATS:
+        v = getattr(req, name)
+        if v is not None and not (math.isfinite(v) and abs(v) <= _FLOAT32_MAX):
+            raise _bad(f"{name} must be a finite number, got {v}", name)
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None and not -2.0 <= v <= 2.0:
@@ -111,26 +130,84 @@ def validate_common(req: SamplingFields, limits: Limits) -> None:
         raise _bad(f"temperature must be non-negative, got {req.temperature}", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise _bad(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise _bad(f"top_k must be -1 or 0 (disabled) or at least 1, got {req.top_k}", "top_k")
+    if req.top_k is not None and not -1 <= req.top_k <= _INT32_MAX:
+        raise _bad(f"top_k must be -1 or 0 (disabled) or in [1, {_INT32_MAX}], got {req.top_k}",
+                   "top_k")
     if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
         raise _bad(f"min_p must be in [0, 1], got {req.min_p}", "min_p")
-    if req.seed is not None and not _INT64[0] <= req.seed <= _INT64[1]:
-        raise _bad("seed must fit in a signed 64-bit integer", "seed")
-    if req.min_tokens < 0:
-        raise _bad(f"min_tokens must be non-negative, got {req.min_tokens}", "min_tokens")
+    if req.seed is not None and not _INT64[0] <= req.seed <= _INT64[1] - (req.n - 1):
+        # sample i of an n > 1 request draws with seed + i, which must fit in int64 too
+        raise _bad(f"seed must be a signed 64-bit integer such that seed + n - 1 fits "
+                   f"(at most {_INT64[1] - (req.n - 1)} for n={req.n}), got {req.seed}", "seed")
+    if not 0 <= req.min_tokens <= limits.max_model_len:
+        raise _bad(f"min_tokens must be in [0, {limits.max_model_len}], got {req.min_tokens}",
+                   "min_tokens")
     mt = requested_max_tokens(req)
     if mt is not None and req.min_tokens > mt:
         raise _bad(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({mt})", "min_tokens")
-    for s in stop_strings(req):
+    stops = stop_strings(req)
+    if len(stops) > limits.max_stop_strings:
+        raise _bad(f"at most {limits.max_stop_strings} stop strings are allowed, got "
+                   f"{len(stops)}", "stop")
+    if sum(map(len, stops)) > limits.max_stop_chars:
+        raise _bad(f"the stop strings hold {sum(map(len, stops))} characters; at most "
+                   f"{limits.max_stop_chars} are allowed", "stop")
+    for s in stops:
         if not s:
             raise _bad("stop strings must be non-empty", "stop")
-    for t in req.stop_token_ids or ():
+    stop_ids = req.stop_token_ids or ()
+    if len(stop_ids) > limits.max_stop_strings:
+        raise _bad(f"at most {limits.max_stop_strings} stop_token_ids are allowed, got "
+                   f"{len(stop_ids)}", "stop_token_ids")
+    for t in stop_ids:
         if not 0 <= t < limits.vocab_size:
             raise _bad(f"stop_token_ids contains {t}, outside the vocabulary [0, "
                        f"{limits.vocab_size})", "stop_token_ids")
+    if req.cache_salt is not None:
+        if not req.cache_salt:
+            raise _bad("cache_salt must be a non-empty string when given", "cache_salt")
+        if len(req.cache_salt) > limits.max_cache_salt_chars:
+            raise _bad(f"cache_salt has {len(req.cache_salt)} characters; at most "
+                       f"{limits.max_cache_salt_chars} are allowed", "cache_salt")
+    if req.truncate_prompt_tokens is not None and not (
+            req.truncate_prompt_tokens == -1 or 1 <= req.truncate_prompt_tokens):
+        raise _bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        check_json_depth(req.tools, limits.max_json_depth, "tools")
+        check_json_depth(req.tool_choice, limits.max_json_depth, "tool_choice")
+        check_json_depth(req.documents, limits.max_json_depth, "documents")
+        check_json_depth(req.chat_template_kwargs, limits.max_json_depth, "chat_template_kwargs")
+    check_json_depth(req.response_format, limits.max_json_depth, "response_format")
+    check_json_depth(req.model_extra, limits.max_json_depth, "body")
+
+
+def check_json_depth(value: object, max_depth: int, param: str) -> None:
+    """400 when ``value`` (parsed JSON) nests lists / dicts deeper than ``max_depth``. Iterative,
+    so no depth a client sends can exhaust the stack here (or in the chat template later)."""
+    if not isinstance(value, (list, dict)):
+        return
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > max_depth:
+            raise _bad(f"{param} nests more than {max_depth} levels deep (--max-json-depth)",
+                       param)
+        children = v.values() if isinstance(v, dict) else v
+        for c in children:  # type: ignore[union-attr]
+            if isinstance(c, (list, dict)):
+                stack.append((c, depth + 1))
+
+
+def check_prompt_count(num_prompts: int, n: int, limits: Limits) -> None:
+    """Caps on prompts per request and on choices (prompts x n)."""
+    if num_prompts > limits.max_prompts:
+        raise _bad(f"at most {limits.max_prompts} prompts per request are allowed, got "
+                   f"{num_prompts} (--max-prompts-per-request)", "prompt")
+    if num_prompts * n > limits.max_choices:
+        raise _bad(f"{num_prompts} prompts x n={n} = {num_prompts * n} choices; at most "
+                   f"{limits.max_choices} are allowed (--max-choices-per-request)", "n")
 
 
 def stop_strings(req: SamplingFields) -> tuple[str, ...]:
@@ -158,6 +235,9 @@ def requested_logprobs(req: SamplingFields, limits: Limits) -> int | None:
 def build_params(req: SamplingFields, max_tokens: int,
                  limits: Limits) -> tuple[pb.SamplingParams, OutputParams]:
     """The engine's sampling parameters and the router's output parameters."""
+    if req.min_tokens > max_tokens:
+        raise _bad(f"min_tokens ({req.min_tokens}) must not exceed the completion budget "
+                   f"({max_tokens} tokens)", "min_tokens")
     sp = pb.SamplingParams(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
                            ignore_eos=req.ignore_eos,
                            stop_token_ids=list(req.stop_token_ids or ()))

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from router.body import BodyError, JSONBodyRoute
 from router.config import RouterConfig
 from router.dashboard import Dashboard, LiveStats, add_dashboard_routes
 from router.dispatch import DispatchConfig, Dispatcher
@@ -161,9 +162,16 @@ def create_app(config: RouterConfig) -> FastAPI:
         if tok.eos_token_id is not None:
             eos.add(tok.eos_token_id)
         limits = Limits(max_model_len=model_cfg.max_model_len,
-                        vocab_size=max(model_cfg.vocab_size, tok.vocab_size),
+                        # the ids a worker accepts: its embedding's rows
+                        vocab_size=model_cfg.vocab_size,
                         max_logprobs=config.max_logprobs, eos_token_ids=frozenset(eos),
-                        generation_defaults=defaults)
+                        generation_defaults=defaults, max_n=config.max_n,
+                        max_prompts=config.max_prompts_per_request,
+                        max_choices=config.max_choices_per_request,
+                        max_stop_strings=config.max_stop_strings,
+                        max_stop_chars=config.max_stop_chars,
+                        max_cache_salt_chars=config.max_cache_salt_length,
+                        max_json_depth=config.max_json_depth)
         sweeper = None
         app.state.dashboard = Dashboard(pool, metrics.registry, live, config.name)
         try:
@@ -194,6 +202,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                                _CLEANUP_TIMEOUT_S)
 
     app = _RouterApp(title="pdserve router", lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute
     app.state.config = config
     app.state.metrics = metrics
     app.state.live = live
@@ -297,6 +306,9 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        if isinstance(e, BodyError):
+            metrics.error(e.error.status)
+            return JSONResponse(e.error.to_dict(), status_code=e.error.status)
         if e.status_code == 404:
             body = NotFoundError(f"no such endpoint: {request.method} {request.url.path}").to_dict()
         else:

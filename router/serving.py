@@ -38,6 +38,7 @@ from shared.proto import pdserve_pb2 as pb
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _LONG_TEXT = 8192  # characters; longer prompts are tokenized off the event loop
+_MAX_LABEL = 128  # characters of a client's X-Request-Id kept as a label
 
 
 class ClientDisconnected(Exception):
@@ -74,6 +75,13 @@ class ServingContext:
         if len(text) > _LONG_TEXT:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Encode several prompts in one batch, off the event loop once they are long
+        together (``tokenizers`` releases the GIL, so the loop keeps serving meanwhile)."""
+        if sum(map(len, texts)) > _LONG_TEXT:
+            return await asyncio.to_thread(self.tokenizer.encode_many, texts, add_special_tokens)
+        return self.tokenizer.encode_many(texts, add_special_tokens)
 
     def request_limits(self) -> Limits:
         """``limits``, with ``max_model_len`` lowered to the smallest one that the live decode
@@ -245,7 +253,27 @@ class SSEResponse(StreamingResponse):
 
 
 def base_request_id(raw: Request) -> str:
-    return raw.headers.get("x-request-id") or uuid.uuid4().hex
+    """The request's id on the workers: always the router's own, so two clients that send the
+    same ``X-Request-Id`` never collide (the client's value is only a label, see
+    :func:`client_label`)."""
+    return uuid.uuid4().hex
+
+
+def client_label(raw: Request) -> str | None:
+    """The client's ``X-Request-Id`` (at most 128 printable ASCII characters), echoed back in
+    the response header and written in the logs; never used as an id."""
+    label = raw.headers.get("x-request-id")
+    if not label:
+        return None
+    label = label[:_MAX_LABEL]
+    return label if label.isascii() and label.isprintable() else None
+
+
+def response_headers(raw: Request, request_id: str) -> dict[str, str]:
+    label = client_label(raw)
+    if label is not None and label != request_id:
+        logger.debug("request %s carries client label %r", request_id, label)
+    return {"x-request-id": label or request_id}
 
 
 def warn_unknown_fields(req: SamplingFields) -> None:

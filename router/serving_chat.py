@@ -10,6 +10,7 @@ chunk with ``choices: []``, and ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +30,7 @@ from router.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
-from router.sampling import check_unsupported, validate_common
+from router.sampling import check_json_depth, check_unsupported, validate_common
 from router.serving import (
     SSE_DONE,
     SSE_HEADERS,
@@ -39,6 +40,7 @@ from router.serving import (
     SSEResponse,
     base_request_id,
     chat_logprobs,
+    response_headers,
     json_str,
     prepare_prompt_runs,
     run_generation,
@@ -49,16 +51,20 @@ from router.serving import (
 )
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage],
+                      max_json_depth: int = 64) -> list[dict[str, Any]]:
     """Messages as the template sees them: text content flattened, tool-call args parsed."""
     out = []
     for i, m in enumerate(messages):
+        check_json_depth(m.content, max_json_depth, f"messages.{i}.content")
+        check_json_depth(m.tool_calls, max_json_depth, f"messages.{i}.tool_calls")
+        check_json_depth(m.model_extra, max_json_depth, f"messages.{i}")
         d = m.model_dump(exclude_none=True)
         content = m.content
         if isinstance(content, list):
             texts = []
             for part in content:
-                kind = part.get("type")
+                kind = part.get("type") if isinstance(part, dict) else None
                 if kind in ("text", "input_text") and isinstance(part.get("text"), str):
                     texts.append(part["text"])
                 else:
@@ -66,13 +72,20 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                         f"messages[{i}]: content parts of type {kind!r} are not supported "
                         "(text only)", param=f"messages.{i}.content")
             d["content"] = "\n".join(texts)
-        for call in d.get("tool_calls") or ():
-            fn = call.get("function")
+        for j, call in enumerate(d.get("tool_calls") or ()):
+            fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 try:
-                    fn["arguments"] = json.loads(fn["arguments"])
+                    args = json.loads(fn["arguments"])
                 except json.JSONDecodeError:
-                    pass
+                    continue  # templates render the string as it is
+                except RecursionError:
+                    args = None
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                if args is None:
+                    raise InvalidRequestError(f"{param} nests too deeply", param=param)
+                check_json_depth(args, max_json_depth, param)
+                fn["arguments"] = args
         out.append(d)
     return out
 
@@ -84,11 +97,22 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage], *
                              kwargs: dict[str, Any] | None = None) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            template_messages(messages), add_generation_prompt=add_generation_prompt,
+    rendered = template_messages(messages, ctx.limits.max_json_depth)
+
+    def render() -> str:
+        return ctx.tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, documents=documents,
             kwargs=kwargs)
+
+    try:
+        # rendering is Python (Jinja): off the loop for long conversations, where the GIL
+        # still lets the loop run between bytecodes
+        if sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192 \
+                or len(messages) > 64:
+            text = await asyncio.to_thread(render)
+        else:
+            text = render()
     except ChatTemplateError as e:
         raise InvalidRequestError(str(e), param="messages") from e
     return await ctx.encode(text, add_special_tokens)
@@ -112,7 +136,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = int(time.time())
     ticket = ctx.admit()
     gen = Generation(ctx, request_id, prompts, samplings, params, req.cache_salt or "", arrival)
-    headers = {"x-request-id": request_id}
+    headers = response_headers(raw, request_id)
 
     async def close() -> None:
         await gen.aclose()
@@ -141,16 +165,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         await until_disconnected(raw, run_generation(ctx, gen, collect))
     finally:
         await close()
-    choices = [
-        ChatChoice(
-            index=s.index, message=ChatResponseMessage(content=s.text),
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
-            if params.logprobs is not None else None)
-        for s in gen.samples]
-    body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                                  choices=choices, usage=gen.usage())
-    return JSONResponse(body.model_dump(), headers=headers)
+    def build() -> JSONResponse:
+        choices = [
+            ChatChoice(
+                index=s.index, message=ChatResponseMessage(content=s.text),
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
+                if params.logprobs is not None else None)
+            for s in gen.samples]
+        body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                      choices=choices, usage=gen.usage())
+        return JSONResponse(body.model_dump(), headers=headers)
+
+    # building the body is Python per output token: off the loop when the output is large
+    big = gen.completion_tokens * (1 + (params.logprobs or 0)) > 16384
+    return await asyncio.to_thread(build) if big else build()
 
 
 async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,

@@ -7,6 +7,7 @@ Prompts may be a string, a list of strings, a list of token ids or a list of tok
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +23,7 @@ from router.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from router.sampling import check_unsupported, validate_common
+from router.sampling import check_prompt_count, check_unsupported, validate_common
 from router.serving import (
     SSE_DONE,
     SSE_HEADERS,
@@ -32,6 +33,7 @@ from router.serving import (
     SSEResponse,
     base_request_id,
     completion_logprobs,
+    response_headers,
     json_str,
     prepare_prompt_runs,
     run_generation,
@@ -51,9 +53,11 @@ async def tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[
     elif all(isinstance(x, int) for x in p):
         raw = [list(p)]
     elif all(isinstance(x, str) for x in p):
-        raw = [await ctx.encode(x, req.add_special_tokens) for x in p]
+        check_prompt_count(len(p), req.n, ctx.limits)
+        raw = await ctx.encode_many(list(p), req.add_special_tokens)
     else:
         raw = [list(x) for x in p]
+    check_prompt_count(len(raw), req.n, ctx.limits)
     out = []
     for ids in raw:
         ctx.check_token_ids(ids)
@@ -73,7 +77,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     created = int(time.time())
     ticket = ctx.admit()
     gen = Generation(ctx, request_id, prompts, samplings, params, req.cache_salt or "", arrival)
-    headers = {"x-request-id": request_id}
+    headers = response_headers(raw, request_id)
 
     async def close() -> None:
         await gen.aclose()
@@ -102,15 +106,20 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         await until_disconnected(raw, run_generation(ctx, gen, collect))
     finally:
         await close()
-    choices = [
-        CompletionChoice(
-            index=s.index, text=s.text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            logprobs=CompletionLogprobs(**completion_logprobs(ctx, params, entries.get(s.index, [])))
-            if params.logprobs is not None else None)
-        for s in gen.samples]
-    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                              choices=choices, usage=gen.usage())
-    return JSONResponse(body.model_dump(), headers=headers)
+    def build() -> JSONResponse:
+        choices = [
+            CompletionChoice(
+                index=s.index, text=s.text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=CompletionLogprobs(**completion_logprobs(ctx, params, entries.get(s.index, [])))
+                if params.logprobs is not None else None)
+            for s in gen.samples]
+        body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                  choices=choices, usage=gen.usage())
+        return JSONResponse(body.model_dump(), headers=headers)
+
+    # building the body is Python per output token: off the loop when the output is large
+    big = gen.completion_tokens * (1 + (params.logprobs or 0)) > 16384
+    return await asyncio.to_thread(build) if big else build()
 
 
 async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,

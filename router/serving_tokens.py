@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from router.errors import InvalidRequestError
@@ -13,12 +14,14 @@ from router.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from router.sampling import check_json_depth
 from router.serving import ServingContext
 from router.serving_chat import render_chat_prompt
 
 
 async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     ctx.check_model(req.model)
+    check_json_depth(req.chat_template_kwargs, ctx.limits.max_json_depth, "chat_template_kwargs")
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
@@ -29,7 +32,12 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
             ctx, req.messages or [], add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             add_special_tokens=bool(req.add_special_tokens), kwargs=req.chat_template_kwargs)
-    strs = [ctx.tokenizer.token_str(t) for t in ids] if req.return_token_strs else None
+    strs = None
+    if req.return_token_strs:
+        if len(ids) > 8192:  # Python per token: in a thread, the loop keeps its turns
+            strs = await asyncio.to_thread(lambda: [ctx.tokenizer.token_str(t) for t in ids])
+        else:
+            strs = [ctx.tokenizer.token_str(t) for t in ids]
     return TokenizeResponse(count=len(ids), max_model_len=ctx.limits.max_model_len, tokens=ids,
                             token_strs=strs)
 
@@ -37,7 +45,11 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(req.model)
     ctx.check_token_ids(req.tokens)
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False))
+    if len(req.tokens) > 8192:  # tokenizers releases the GIL: the loop keeps serving meanwhile
+        text = await asyncio.to_thread(ctx.tokenizer.decode, req.tokens, False)
+    else:
+        text = ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return DetokenizeResponse(prompt=text)
 
 
 def models(ctx: ServingContext, root: str, created: int | None = None) -> ModelList:

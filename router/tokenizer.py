@@ -119,6 +119,10 @@ class RouterTokenizer:
         # encode_batch_fast skips the character offsets the router never reads (~30% faster)
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts,
+                                                           add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -145,6 +145,8 @@ class Cluster:
         a = self.args
         argv = ["router", "--model", self.model, "--served-model-name", self.served_model_name,
                 "--redis-url", self.start_redis(), "--host", a.host, "--port", str(a.port),
+                *(["--max-logprobs", str(a.max_logprobs)] if a.max_logprobs != 20 else []),
+                *(["--max-model-len", str(a.max_model_len)] if a.max_model_len else []),
                 *a.router_arg, *(extra or [])]
         if a.api_key:
             argv += ["--api-key", a.api_key]

@@ -1,0 +1,112 @@
+"""Reading JSON request bodies: the checks FastAPI's own parsing lacks, as an ``APIRoute`` class.
+
+FastAPI parses a body with ``json.loads`` (which accepts NaN, lone UTF-16 surrogates and any
+nesting its C stack allows) and then validates it with pydantic. :class:`JSONBodyRoute` gives
+every route a request whose ``json()`` refuses, with a 400 that says why:
+
+- bytes that are not UTF-8, and bodies that are not JSON;
+- nesting deeper than the parser's recursion limit (``RecursionError``, never a 500);
+- lone surrogates (``"\\ud800"``) anywhere in a string or key: Python keeps them in ``str``,
+  but they cannot be encoded as UTF-8 again, so echoing one (a stop string, an error message)
+  would fail while writing the response.
+
+NaN and infinities are refused by the models (``allow_inf_nan=False``); the body size by the
+body-limit middleware; deep nesting inside tools and messages by ``router/sampling.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.errors import InvalidRequestError
+
+# a \uD800-\uDFFF escape; only then can a parsed string hold a lone surrogate (raw UTF-8 bytes
+# cannot encode one). Pairs are fine (clients with ensure_ascii send emoji that way).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class BodyError(StarletteHTTPException):
+    """A body the router refuses before validation; carries the OpenAI-style error."""
+
+    def __init__(self, error: InvalidRequestError) -> None:
+        super().__init__(status_code=int(error.status), detail=error.message)
+        self.error = error
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """``json.loads`` with the checks above; raises :class:`BodyError`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(InvalidRequestError(
+            f"the request body is not valid UTF-8 (byte {e.start})", param="body")) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BodyError(InvalidRequestError(
+            f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+            param="body")) from None
+    except RecursionError:
+        raise BodyError(InvalidRequestError("the request body nests too deeply",
+                                            param="body")) from None
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(obj)
+        if where is not None:
+            raise BodyError(InvalidRequestError(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not valid "
+                "Unicode text", param=where or "body"))
+    return obj
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """Dotted path of the first string or key holding a lone surrogate, or None."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if not _encodable(v):
+                return path
+        elif isinstance(v, dict):
+            for k, c in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                if not _encodable(k):
+                    return path or "body"
+                stack.append((c, p))
+        elif isinstance(v, list):
+            stack.extend((c, f"{path}.{i}") for i, c in enumerate(v))
+    return None
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _CheckedJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json_body(await self.body())
+        return self._json
+
+
+class JSONBodyRoute(APIRoute):
+    """An ``APIRoute`` whose handler reads the body through :func:`parse_json_body`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            return await handler(_CheckedJSONRequest(request.scope, request.receive))
+
+        return checked
