@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("prefill_service.server", "run a prefill worker"),
     "decode": ("decode_service.server", "run a decode worker"),
     "bench": ("bench.serve", "load-test an OpenAI-compatible server"),
+    "fuzz": ("bench.fuzz", "send hostile requests to a running cluster and check it survives"),
     "make-tiny-model": ("shared.tiny_model", "write a small random-weight Hugging Face model directory"),
 }
 
