@@ -68,16 +68,22 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs) -> None:
-        from shared.model_runner import ModelRunner
+    """Scheduler + KV-cache manager + model runner. ``runner`` (tests: a fake runner with
+    ``kv_cache_budget``, ``num_blocks_for``, ``block_bytes``, ``allocate_kv_cache`` and
+    ``execute``) replaces the ``ModelRunner`` the engine would build."""
 
+    def __init__(self, args: EngineArgs, runner=None) -> None:
         self.args = args
         self.device = args.resolve_device()
         self.model_config = args.create_model_config()
         self.cache_config = args.create_cache_config()
         self.scheduler_config = args.create_scheduler_config(self.model_config, self.device)
-        self.runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
-                                  self.device, args.attention_backend, args.seed)
+        if runner is None:
+            from shared.model_runner import ModelRunner
+
+            runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
+                                 self.device, args.attention_backend, args.seed)
+        self.runner = runner
         cc = self.cache_config
         if cc.num_gpu_blocks_override:
             num_blocks = cc.num_gpu_blocks_override
@@ -191,6 +197,8 @@ class EngineCore:
                 f"{cdiv(len(prompt), self.block_size)} blocks", "first_block_index")
         seed = self.hash_seeds.get(cache_salt)
         if seed is None:
+            if len(self.hash_seeds) >= 4096:  # salts are client strings: keep the map bounded
+                self.hash_seeds.clear()
             seed = self.hash_seeds[cache_salt] = hash_seed(mc.served_model_name, cache_salt)
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs: list[Request] = []

@@ -153,20 +153,22 @@ class KVCacheManager:
     def pin(self, block_ids: Sequence[int], pin_id: int | None = None) -> int:
         """Take one reference on each of ``block_ids`` (blocks in use) for a transfer.
 
-        With ``pin_id`` the blocks join that pin; otherwise a new pin is made. Returns the pin
-        id; :meth:`unpin` drops every reference it holds. Raises ``IntegrityError`` for a block
-        that is free (a transfer may only touch blocks some request holds).
+        With ``pin_id`` (still held) the blocks join that pin; otherwise a new pin is made.
+        Returns the pin id; :meth:`unpin` drops every reference it holds. Raises
+        ``IntegrityError`` (nothing changed) for a block that is free: a transfer may only
+        touch blocks some request holds.
         """
         blocks = [self.pool.blocks[b] for b in block_ids]
         for b in blocks:
             if b.ref_cnt <= 0:
                 raise IntegrityError(f"pinning {b}, which no request holds")
-        if pin_id is None:
+        held = self.pins.get(pin_id) if pin_id is not None else None
+        if held is None:
             pin_id = self._next_pin
             self._next_pin += 1
-            self.pins[pin_id] = []
+            held = self.pins[pin_id] = []
         self.pool.touch(blocks)
-        self.pins[pin_id].extend(blocks)
+        held.extend(blocks)
         return pin_id
 
     def unpin(self, pin_id: int) -> bool:

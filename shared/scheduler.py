@@ -133,7 +133,7 @@ class Scheduler:
             while True:
                 if self.kv.allocate_slots(req, num_new) is not None:
                     break
-                victim = self.running.pop()
+                victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim, out)
                 preempted = True
                 scheduled.pop(victim.request_id, None)
@@ -160,6 +160,17 @@ class Scheduler:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         return out
+
+    def _victim_index(self, first: int) -> int:
+        """Index of the request to preempt among ``running[first:]``: the most recently
+        admitted one that holds no transfer pin (preempting a request whose blocks a transfer
+        pins frees little, since the pin keeps them, and delays the transfer that would release
+        them); the most recently admitted one when every candidate holds a pin."""
+        for j in range(len(self.running) - 1, first - 1, -1):
+            exp = self.running[j].kv_export
+            if exp is None or exp.pin_id is None:
+                return j
+        return len(self.running) - 1
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens
