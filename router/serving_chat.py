@@ -97,19 +97,19 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage], *
                              kwargs: dict[str, Any] | None = None) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
-    rendered = template_messages(messages, ctx.limits.max_json_depth)
 
     def render() -> str:
         return ctx.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt,
+            template_messages(messages, ctx.limits.max_json_depth),
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, documents=documents,
             kwargs=kwargs)
 
     try:
-        # rendering is Python (Jinja): off the loop for long conversations, where the GIL
-        # still lets the loop run between bytecodes
-        if sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192 \
-                or len(messages) > 64:
+        # flattening and rendering are Python (Jinja), per message: off the loop for long
+        # conversations (the GIL still gives the loop its turns between bytecodes)
+        if len(messages) > 64 or sum(
+                len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192:
             text = await asyncio.to_thread(render)
         else:
             text = render()
