@@ -17,7 +17,8 @@ sends mutated ``Generate`` / ``Prefill`` calls straight to the workers.
 
 Properties, checked per response and at the end:
   * no 5xx other than a 503 whose body is OpenAI-style JSON; no connection reset or hang;
-    every 4xx has an OpenAI-style JSON body; a 200 stream ends with ``data: [DONE]``;
+    every 4xx has an OpenAI-style JSON body; a 200 stream ends with ``data: [DONE]``; a body
+    holding NaN or Infinity (not JSON numbers) is never accepted;
   * gRPC calls end with a status from the allowed set (never UNKNOWN / INTERNAL / a hang);
   * every worker process is alive, SERVING, its ``check_integrity()`` passes, and once idle it
     holds no block (nothing leaked);
@@ -81,11 +82,17 @@ def _deep(depth: int, leaf: Any = 1, kind: str = "list") -> Any:
 class BodyMaker:
     """Seeded request bodies: a valid base plus unusual settings or hostile mutations."""
 
-    def __init__(self, rng: random.Random, model: str, vocab: int, max_model_len: int) -> None:
+    FAMILIES = ("prompt", "messages", "tokens", "seed-overflow", "stop", "stop-ids", "drop-field",
+                "field-value", "truncated", "bom", "bad-utf8", "deep-brackets", "nan-literal",
+                "content-type", "request-id")
+
+    def __init__(self, rng: random.Random, model: str, vocab: int, max_model_len: int,
+                 skip: frozenset[str] = frozenset()) -> None:
         self.rng = rng
         self.model = model
         self.vocab = vocab
         self.max_model_len = max_model_len
+        self.skip = skip  # hostile families not to use (triage: isolate one failure class)
 
     # ---- values ---------------------------------------------------------------------------
     def token_ids(self) -> list[int]:
@@ -173,7 +180,8 @@ class BodyMaker:
         if r.random() < 0.3:
             body["n"] = r.choice([1, 2, 3])
         if r.random() < 0.3:
-            body["seed"] = r.choice([0, 7, 2**63 - 1, -(2**63)])
+            top = 2**63 - 3 if "seed-overflow" in self.skip else 2**63 - 1  # n <= 3 here
+            body["seed"] = r.choice([0, 7, top, -(2**63)])
         return body
 
     def edge(self, body: dict, chat: bool) -> None:
@@ -240,40 +248,64 @@ class BodyMaker:
         for _ in range(r.choice([1, 1, 2, 3]) if hostile else 0):
             roll = r.random()
             if roll < 0.12 and path == "/v1/completions":
-                body["prompt"] = self.hostile_prompt()
+                family = "prompt"
             elif roll < 0.24 and path == "/v1/chat/completions":
-                body["messages"] = self.hostile_messages()
+                family = "messages"
             elif roll < 0.30 and path == "/detokenize":
+                family = "tokens"
+            elif roll < 0.36:
+                family = "seed-overflow"
+            elif roll < 0.42:
+                family = "stop"
+            elif roll < 0.46:
+                family = "stop-ids"
+            elif roll < 0.50:
+                family = "drop-field"
+            else:
+                family = "field-value"
+            if family in self.skip:
+                continue
+            if family == "prompt":
+                body["prompt"] = self.hostile_prompt()
+            elif family == "messages":
+                body["messages"] = self.hostile_messages()
+            elif family == "tokens":
                 body["tokens"] = self.hostile_prompt()
-            elif roll < 0.36:  # the case that took both decode workers down in wave 1
+            elif family == "seed-overflow":  # the case that took both decode workers down
                 body.update(n=r.choice([2, 3, 128]), seed=r.choice([2**63 - 1, 2**63 - 2]),
                             temperature=1)
-            elif roll < 0.42:
+            elif family == "stop":
                 body["stop"] = r.choice([["x"] * 65, ["a" * 9000], [""], "\ud800", ["e"] * 10,
                                          [r.choice(HOSTILE_STRINGS)]])
-            elif roll < 0.46:
+            elif family == "stop-ids":
                 body["stop_token_ids"] = r.choice([[self.vocab], [-1], list(range(2000)), [2**32]])
-            elif roll < 0.50:
+            elif family == "drop-field":
                 body.pop(r.choice(sorted(body)), None)
             else:
                 body[r.choice(fields)] = self.hostile_value()
         raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
         headers: dict[str, Any] = {"content-type": "application/json"}
         roll = r.random() if hostile else 1.0
-        if roll < 0.03:
+        raw_family = ("truncated" if roll < 0.03 else "bom" if roll < 0.05 else
+                      "bad-utf8" if roll < 0.07 else "deep-brackets" if roll < 0.085 else
+                      "nan-literal" if roll < 0.095 else "content-type" if roll < 0.11 else
+                      "request-id" if roll < 0.16 else "")
+        if raw_family in self.skip:
+            raw_family = ""
+        if raw_family == "truncated":
             raw = raw[: r.randrange(0, max(1, len(raw)))]
-        elif roll < 0.05:
+        elif raw_family == "bom":
             raw = b"\xff\xfe" + raw
-        elif roll < 0.07:
+        elif raw_family == "bad-utf8":
             raw = raw.replace(b'"hello', b'"\xc3\x28hello', 1)
-        elif roll < 0.085:
+        elif raw_family == "deep-brackets":
             raw = b"[" * 100_000 + b"]" * 100_000
-        elif roll < 0.095:
+        elif raw_family == "nan-literal":
             raw = b'{"prompt": NaN, "max_tokens": Infinity}'
-        elif roll < 0.11:
+        elif raw_family == "content-type":
             headers["content-type"] = r.choice(["text/plain", "application/x-www-form-urlencoded",
                                                 "application/json; charset=latin-1"])
-        elif roll < 0.16:
+        elif raw_family == "request-id":
             headers["x-request-id"] = r.choice(["same-id", "same-id", "x" * 5000,
                                                 "\u00e9".encode(), ""])
         return path, raw, headers
@@ -313,6 +345,9 @@ class Report:
             "canary_changed": self.canary_changed,
             "ok": self.ok,
         }
+
+
+_NON_FINITE = re.compile(rb'[:\[,]\s*-?(?:NaN|Infinity)\s*[,\]}]')
 
 
 def _failure_class(status: str, detail: str) -> str:
@@ -370,6 +405,9 @@ async def _http_one(client, url: str, path: str, raw: bytes, headers: dict[str, 
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             return Outcome("http", f"{status}-not-json", False, text[:200])
+    elif _NON_FINITE.search(raw):  # NaN / Infinity are not JSON numbers: never accepted
+        return Outcome("http", f"{status}-accepted-non-finite", False, raw[:200].decode(
+            "utf-8", "replace"))
     return Outcome("http", str(status), True)
 
 
@@ -455,7 +493,8 @@ def _grpc_sampling(rng: random.Random, hostile: bool):
     return m
 
 
-def grpc_requests(rng: random.Random, vocab: int, workers: dict[str, dict], n: int) -> list:
+def grpc_requests(rng: random.Random, vocab: int, workers: dict[str, dict], n: int,
+                  allow_hostile: bool = True) -> list:
     """(role, address, request) triples of mutated Generate / Prefill calls."""
     from shared.proto import pdserve_pb2 as pb
 
@@ -463,7 +502,7 @@ def grpc_requests(rng: random.Random, vocab: int, workers: dict[str, dict], n: i
     prefill = [w for w in workers.values() if w.get("role") == "prefill"]
     out = []
     for i in range(n):
-        hostile = rng.random() < 0.6
+        hostile = rng.random() < 0.6 and allow_hostile
         ids_choice = rng.random() if hostile else 1.0
         if ids_choice < 0.15:
             ids = [vocab, vocab + 7]
@@ -510,12 +549,13 @@ def grpc_requests(rng: random.Random, vocab: int, workers: dict[str, dict], n: i
 
 
 async def run_grpc(rng: random.Random, vocab: int, workers: dict[str, dict], n: int,
-                   concurrency: int, timeout_s: float, report: Report) -> None:
+                   concurrency: int, timeout_s: float, report: Report,
+                   hostile: bool = True) -> None:
     import grpc
 
     from shared.proto import pdserve_pb2_grpc as pb_grpc
 
-    calls = grpc_requests(rng, vocab, workers, n)
+    calls = grpc_requests(rng, vocab, workers, n, hostile)
     channels: dict[str, grpc.aio.Channel] = {}
     sem = asyncio.Semaphore(concurrency)
 
@@ -614,6 +654,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--output", default=None, help="write the report as JSON here")
+    parser.add_argument("--skip-family", action="append", default=[],
+                        choices=BodyMaker.FAMILIES,
+                        help="leave out one family of hostile HTTP mutations (repeatable): "
+                             "isolates failure classes when one of them takes workers down")
+    parser.add_argument("--no-grpc-hostile", action="store_true",
+                        help="send only well-formed gRPC calls")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -641,11 +687,13 @@ async def fuzz(args: argparse.Namespace) -> Report:
     report = Report()
     before = await canary(url, model)
     rng = random.Random(args.seed)
-    await run_http(url, BodyMaker(rng, model, vocab, max_model_len), args.requests,
-                   args.concurrency, args.timeout, report)
+    maker = BodyMaker(rng, model, vocab, max_model_len,
+                      frozenset(getattr(args, "skip_family", ()) or ()))
+    await run_http(url, maker, args.requests, args.concurrency, args.timeout, report)
     if workers and args.grpc_requests:
         await run_grpc(random.Random(args.seed + 1), vocab, workers, args.grpc_requests,
-                       args.concurrency, args.timeout, report)
+                       args.concurrency, args.timeout, report,
+                       hostile=not getattr(args, "no_grpc_hostile", False))
     if workers:
         report.worker_problems = await asyncio.to_thread(check_workers, workers)
     try:

@@ -4,14 +4,16 @@ FastAPI parses a body with ``json.loads`` (which accepts NaN, lone UTF-16 surrog
 nesting its C stack allows) and then validates it with pydantic. :class:`JSONBodyRoute` gives
 every route a request whose ``json()`` refuses, with a 400 that says why:
 
-- bytes that are not UTF-8, and bodies that are not JSON;
+- bytes that are not UTF-8, and bodies that are not JSON, ``NaN`` / ``Infinity`` included
+  (Python's parser accepts them; RFC 8259 has no such numbers);
 - nesting deeper than the parser's recursion limit (``RecursionError``, never a 500);
 - lone surrogates (``"\\ud800"``) anywhere in a string or key: Python keeps them in ``str``,
   but they cannot be encoded as UTF-8 again, so echoing one (a stop string, an error message)
   would fail while writing the response.
 
-NaN and infinities are refused by the models (``allow_inf_nan=False``); the body size by the
-body-limit middleware; deep nesting inside tools and messages by ``router/sampling.py``.
+Numbers too large for a float (``1e999``) parse as infinity and are refused by the models
+(``allow_inf_nan=False``); the body size by the body-limit middleware; deep nesting inside
+tools and messages by ``router/sampling.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,35 @@ from router.errors import InvalidRequestError
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFiniteNumber(name)
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _non_finite_path(text: str) -> tuple[str, str]:
+    """(dotted path, literal) of the first NaN / Infinity in ``text`` (the failure path only)."""
+    stack: list[tuple[Any, str]] = [(json.loads(text, parse_constant=_Marker), "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, _Marker):
+            return path or "body", v.name
+        if isinstance(v, dict):
+            stack.extend((c, f"{path}.{k}" if path else str(k)) for k, c in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((c, f"{path}.{i}" if path else str(i)) for i, c in reversed(list(enumerate(v))))
+    return "body", "NaN"
+
+
 class BodyError(StarletteHTTPException):
     """A body the router refuses before validation; carries the OpenAI-style error."""
 
@@ -49,7 +80,12 @@ def parse_json_body(raw: bytes) -> Any:
         raise BodyError(InvalidRequestError(
             f"the request body is not valid UTF-8 (byte {e.start})", param="body")) from None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_refuse_constant)
+    except _NonFiniteNumber:
+        where, literal = _non_finite_path(text)
+        raise BodyError(InvalidRequestError(
+            f"{where}: {literal} is not a JSON number (the value must be finite)",
+            param=where)) from None
     except json.JSONDecodeError as e:
         raise BodyError(InvalidRequestError(
             f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
