@@ -135,7 +135,7 @@ class BodyMaker:
             lambda: "hello " * r.choice([10, 3000, 100_000]),
             lambda: r.choice(HOSTILE_STRINGS),
             lambda: [[r.randrange(0, v)] * 3, "x"],
-            lambda: [],
+            list,
             lambda: [[]],
         ])()
 
@@ -143,7 +143,7 @@ class BodyMaker:
         r = self.rng
         good = {"role": "user", "content": "hello there"}
         return r.choice([
-            lambda: [],
+            list,
             lambda: [{"role": r.choice(HOSTILE_STRINGS), "content": "x"}],
             lambda: [{"role": "user"}],
             lambda: [{"role": "user", "content": None}],

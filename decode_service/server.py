@@ -26,12 +26,31 @@ from shared.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.sampling_params import SamplingParamsError
-from shared.service import (GRPC_OPTIONS, WorkerRuntime, add_worker_cli_args, cancel_transfer,
-                            configure_logging, failure_metadata, serve_worker, unpin_when_terminal,
-                            wait_transfer, worker_stats)
-from shared.wire import (FAILURE_ENGINE, FAILURE_REQUEST, MAX_CACHE_SALT_CHARS, MAX_ID_CHARS,
-                         WireError, check_deadline, check_text, first_token_from_proto,
-                         logprob_to_proto, resume_from_proto, sampling_from_proto)
+from shared.service import (
+    GRPC_OPTIONS,
+    WorkerRuntime,
+    add_worker_cli_args,
+    cancel_transfer,
+    configure_logging,
+    failure_metadata,
+    serve_worker,
+    unpin_when_terminal,
+    wait_transfer,
+    worker_stats,
+)
+from shared.wire import (
+    FAILURE_ENGINE,
+    FAILURE_REQUEST,
+    MAX_CACHE_SALT_CHARS,
+    MAX_ID_CHARS,
+    WireError,
+    check_deadline,
+    check_text,
+    first_token_from_proto,
+    logprob_to_proto,
+    resume_from_proto,
+    sampling_from_proto,
+)
 
 logger = logging.getLogger(__name__)
 ROLE = "decode"

@@ -24,11 +24,28 @@ from shared.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.sampling_params import SamplingParamsError
-from shared.service import (WorkerRuntime, add_worker_cli_args, cancel_transfer, configure_logging,
-                            failure_metadata, serve_worker, unpin_when_terminal, wait_transfer,
-                            worker_stats)
-from shared.wire import (FAILURE_ENGINE, FAILURE_REQUEST, MAX_ADDRESS_BYTES, MAX_CACHE_SALT_CHARS,
-                         MAX_ID_CHARS, WireError, check_text, logprob_to_proto, sampling_from_proto)
+from shared.service import (
+    WorkerRuntime,
+    add_worker_cli_args,
+    cancel_transfer,
+    configure_logging,
+    failure_metadata,
+    serve_worker,
+    unpin_when_terminal,
+    wait_transfer,
+    worker_stats,
+)
+from shared.wire import (
+    FAILURE_ENGINE,
+    FAILURE_REQUEST,
+    MAX_ADDRESS_BYTES,
+    MAX_CACHE_SALT_CHARS,
+    MAX_ID_CHARS,
+    WireError,
+    check_text,
+    logprob_to_proto,
+    sampling_from_proto,
+)
 
 logger = logging.getLogger(__name__)
 ROLE = "prefill"

@@ -22,8 +22,13 @@ from dataclasses import dataclass
 from shared.config import ConfigError, EngineArgs, GiB
 from shared.hashing import hash_seed
 from shared.kv_cache_manager import KVCacheManager, cdiv
-from shared.outputs import (CompletionOutput, EngineCoreOutput, FailureKind, RequestFailure,
-                            RequestOutput)
+from shared.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    FailureKind,
+    RequestFailure,
+    RequestOutput,
+)
 from shared.request import KVExport, Logprob, Request, RequestStatus
 from shared.sampling_params import SamplingParams, SamplingParamsError
 from shared.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
@@ -457,5 +462,12 @@ class LLM:
         return results
 
 
-__all__ = ["LLM", "EngineCore", "EngineArgs", "SamplingParams", "InvalidRequestError",
-           "PromptTooLongError", "RequestStatus"]
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "EngineCore",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "RequestStatus",
+    "SamplingParams",
+]

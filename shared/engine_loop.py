@@ -85,7 +85,7 @@ class EngineLoop:
     def remove_sink(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
 
-    def add_batch_sink(self, sink: "AsyncOutputs") -> None:
+    def add_batch_sink(self, sink: AsyncOutputs) -> None:
         """Receive every step's outputs at once (after the per-request sinks)."""
         self._batch_sinks.append(sink)
 
@@ -111,7 +111,7 @@ class EngineLoop:
             if sink is not None and o.request_id not in failed:
                 try:
                     sink(o)
-                except Exception as e:  # noqa: BLE001 - the request's own failure
+                except Exception as e:
                     logger.exception("output sink of %s failed", o.request_id)
                     failed[o.request_id] = e
         if outputs:
@@ -124,7 +124,7 @@ class EngineLoop:
                 try:
                     if sink is not None:
                         sink(o)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("output sink of %s failed on its final output", rid)
                     self._sinks.pop(rid, None)
                     sink = None
@@ -157,7 +157,7 @@ class EngineLoop:
             if self.on_fatal is not None:
                 try:
                     self.on_fatal(e)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("on_fatal callback failed")
 
     def _fail_everything(self, e: BaseException) -> None:
@@ -174,7 +174,7 @@ class EngineLoop:
             try:
                 if sink is not None:
                     sink(o)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("output sink of %s failed", o.request_id)
         for batch_sink in self._batch_sinks:
             batch_sink(dead)

@@ -121,11 +121,11 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample ``index`` of an ``n > 1`` request (seed + index, as vLLM).
         ``validate()`` guarantees that ``seed + index`` fits in a signed 64-bit integer."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         return dataclasses.replace(self, stop_token_ids=list(self.stop_token_ids))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from shared.config import SchedulerConfig
 from shared.kv_cache_manager import KVCacheManager, cdiv
-from shared.request import KVExport, Logprob, RemotePrefill, Request, RequestStatus
+from shared.request import Logprob, RemotePrefill, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class Scheduler:
                         if not sib.is_finished:
                             updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
                     req.siblings = []
-            except Exception as e:  # noqa: BLE001 - the request's own failure
+            except Exception as e:
                 logger.exception("step update of request %s failed", req.request_id)
                 failures.append(SeqFailure(req, f"{type(e).__name__}: {e}"))
         return updates, failures
@@ -363,9 +363,7 @@ class Scheduler:
         elif token in p.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = token
-        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH
-        elif req.num_tokens >= self.config.max_model_len:
+        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
         else:
             return False

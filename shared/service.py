@@ -125,8 +125,13 @@ class WorkerRuntime:
         if not self.args.redis_url:
             logger.info("no --redis-url: running without registry")
             return
-        from shared.directory import (DirectoryKeys, KVEventPublisher, WorkerInfo, WorkerLease,
-                                      connect_sync)
+        from shared.directory import (
+            DirectoryKeys,
+            KVEventPublisher,
+            WorkerInfo,
+            WorkerLease,
+            connect_sync,
+        )
 
         client = connect_sync(self.args.redis_url)
         info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
@@ -180,7 +185,7 @@ def start_metrics_server(host: str, port: int, registry):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server API)
+        def do_GET(self):
             if self.path.split("?")[0] == "/metrics":
                 body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
             elif self.path == "/health":

@@ -12,8 +12,7 @@ import math
 from collections.abc import Sequence
 
 from shared.proto import pdserve_pb2 as pb
-from shared.proto.failure import (FAILURE_ENGINE, FAILURE_KEY, FAILURE_REQUEST,  # noqa: F401
-                                  failure_metadata)
+from shared.proto.failure import FAILURE_ENGINE, FAILURE_KEY, FAILURE_REQUEST, failure_metadata  # noqa: F401
 from shared.request import Logprob
 from shared.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from shared.scheduler import SampledToken

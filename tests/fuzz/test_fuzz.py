@@ -92,7 +92,7 @@ def _schemathesis_run(cluster, examples: int) -> dict:
             @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             @given(case=op.as_strategy(generation_mode=mode))
-            def check(case):
+            def check(case, path=path, mode=mode):
                 resp = case.call(base_url=cluster.url, timeout=60)
                 key = f"{path} {mode.value} {resp.status_code}"
                 seen[key] = seen.get(key, 0) + 1

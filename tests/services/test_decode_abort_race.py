@@ -32,7 +32,7 @@ class _RecordingPrefill:
     def __init__(self) -> None:
         self.calls: list[pb.PrefillRequest] = []
 
-    async def Prefill(self, request, timeout=None):  # noqa: N802 (gRPC stub API)
+    async def Prefill(self, request, timeout=None):
         self.calls.append(request)
         await asyncio.sleep(3600)
 
