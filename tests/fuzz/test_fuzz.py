@@ -86,26 +86,29 @@ def _schemathesis_run(cluster, examples: int) -> dict:
     schema = schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
     seen: dict[str, int] = {}
     bad: list[str] = []
+    def make_check(path: str, mode: GenerationMode, strategy):
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=strategy)
+        def check(case):
+            resp = case.call(base_url=cluster.url, timeout=60)
+            key = f"{path} {mode.value} {resp.status_code}"
+            seen[key] = seen.get(key, 0) + 1
+            ok = resp.status_code < 500
+            if resp.status_code == 503:
+                try:
+                    ok = isinstance(resp.json()["error"]["message"], str)
+                except (ValueError, KeyError, TypeError):
+                    ok = False
+            if not ok:
+                bad.append(f"{key}: {resp.text[:200]} <- {case.body!r:.300}")
+
+        return check
+
     for path, method in _OPERATIONS:
         op = schema[path][method]
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode))
-            def check(case, path=path, mode=mode):
-                resp = case.call(base_url=cluster.url, timeout=60)
-                key = f"{path} {mode.value} {resp.status_code}"
-                seen[key] = seen.get(key, 0) + 1
-                ok = resp.status_code < 500
-                if resp.status_code == 503:
-                    try:
-                        ok = isinstance(resp.json()["error"]["message"], str)
-                    except (ValueError, KeyError, TypeError):
-                        ok = False
-                if not ok:
-                    bad.append(f"{key}: {resp.text[:200]} <- {case.body!r:.300}")
-
-            check()
+            make_check(path, mode, op.as_strategy(generation_mode=mode))()
     return {"statuses": seen, "bad": bad}
 
 
