@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -80,23 +81,37 @@ def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
     ref_tokens = ref.choices[0].logprobs.tokens
     assert len(ref_tokens) == 600
 
-    stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
-    tokens: list[str] = []
-    usage = None
-    killed = None
-    for chunk in stream:
-        if chunk.choices:
-            tokens += chunk.choices[0].logprobs.tokens
-        elif chunk.usage:
-            usage = chunk.usage
-        if killed is None and len(tokens) >= 5:
-            for name in ("decode-0", "decode-1"):
-                if running(c.ready[name]["grpc"]):
-                    child = next(ch for ch in c.children if ch.name == name)
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                    killed = name
-                    break
+    # Channels opened before the stream: a new channel takes ~200 ms to connect here, and the
+    # whole 600-token stream only ~500 ms, so finding the serving worker through fresh channels
+    # (as this test once did) often found it after it had sent its last token: no failover.
+    names = ("decode-0", "decode-1")
+    channels = {n: grpc.insecure_channel(c.ready[n]["grpc"]) for n in names}
+    try:
+        for ch in channels.values():
+            grpc.channel_ready_future(ch).result(timeout=30)
+        stubs = {n: decode_stub(ch) for n, ch in channels.items()}
+        stream = client.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **kw)
+        tokens: list[str] = []
+        usage = None
+        killed = None
+        for chunk in stream:
+            if chunk.choices:
+                tokens += chunk.choices[0].logprobs.tokens
+            elif chunk.usage:
+                usage = chunk.usage
+            if killed is None and len(tokens) >= 5:
+                for name in names:
+                    if stubs[name].Stats(pb.StatsRequest(), timeout=10).running:
+                        child = next(ch for ch in c.children if ch.name == name)
+                        os.killpg(child.proc.pid, signal.SIGKILL)
+                        killed = (name, len(tokens))
+                        break
+    finally:
+        for ch in channels.values():
+            ch.close()
     assert killed is not None, "no decode worker was running the request"
+    assert killed[1] < 300, f"killed only after {killed[1]} of 600 tokens had arrived"
     assert tokens == ref_tokens  # identical greedy continuation, no token lost or repeated
     assert usage.completion_tokens == 600
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
