@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = Path(args.model) if args.model else None
             if model_dir is None:
-                from shared.tiny_model import make_tiny_model
+                from shared.cli.tiny_model import make_tiny_model
 
                 model_dir = make_tiny_model(Path(tmp) / "tiny")
             res = {"router": serving_path(model_dir)}
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis() as server:
         model_dir = Path(args.model) if args.model else None
         if model_dir is None:
-            from shared.tiny_model import make_tiny_model
+            from shared.cli.tiny_model import make_tiny_model
 
             model_dir = make_tiny_model(Path(tmp) / "tiny")
         res = {"overhead": asyncio.run(overhead(args, model_dir, server.url)),

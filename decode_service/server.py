@@ -21,12 +21,12 @@ import grpc
 
 from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
 from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
-from shared.engine_loop import AsyncOutputs, EngineDeadError
-from shared.outputs import EngineCoreOutput, FailureKind
+from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
+from shared.engine.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.sampling_params import SamplingParamsError
-from shared.service import (
+from shared.engine.sampling_params import SamplingParamsError
+from shared.worker.service import (
     GRPC_OPTIONS,
     WorkerRuntime,
     add_worker_cli_args,
@@ -38,7 +38,7 @@ from shared.service import (
     wait_transfer,
     worker_stats,
 )
-from shared.wire import (
+from shared.worker.wire import (
     FAILURE_ENGINE,
     FAILURE_REQUEST,
     MAX_CACHE_SALT_CHARS,

@@ -329,7 +329,7 @@ def bench_decode(ctx: Ctx, peak: float) -> None:
 def bench_e2e(ctx: Ctx, batch: int, prompt_len: int, max_tokens: int) -> None:
     try:
         from shared.engine import LLM, SamplingParams
-        from shared.tiny_model import make_tiny_model
+        from shared.cli.tiny_model import make_tiny_model
     except ImportError as e:
         ctx.add(Row("e2e", "small model decode", f"skipped: engine not importable ({e})", None))
         return

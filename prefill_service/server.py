@@ -19,12 +19,12 @@ import time
 import grpc
 
 from shared.engine import InvalidRequestError
-from shared.engine_loop import EngineDeadError
-from shared.outputs import EngineCoreOutput, FailureKind
+from shared.worker.engine_loop import EngineDeadError
+from shared.engine.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.sampling_params import SamplingParamsError
-from shared.service import (
+from shared.engine.sampling_params import SamplingParamsError
+from shared.worker.service import (
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
@@ -35,7 +35,7 @@ from shared.service import (
     wait_transfer,
     worker_stats,
 )
-from shared.wire import (
+from shared.worker.wire import (
     FAILURE_ENGINE,
     FAILURE_REQUEST,
     MAX_ADDRESS_BYTES,

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from shared.launcher import Cluster, cluster_args
+from shared.cli.launcher import Cluster, cluster_args
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _model_dir(root: Path, preset: str, arch: str) -> Path:
-    from shared.tiny_model import make_tiny_model
+    from shared.cli.tiny_model import make_tiny_model
 
     path = root / f"{preset}-{arch}"
     if not (path / "model.safetensors").exists():

@@ -230,7 +230,7 @@ def ensure_test_model(preset: str = "tiny") -> str:
     """Make the test model once (under ~/.cache/pdserve/models) and return its path."""
     path = DEFAULT_MODEL_DIR / f"{preset}-llama"
     if not (path / "model.safetensors").exists():
-        from shared.tiny_model import make_tiny_model
+        from shared.cli.tiny_model import make_tiny_model
 
         print(f"[pdserve] making the {preset} test model in {path}", flush=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

@@ -1,4 +1,4 @@
-"""The engine: ``EngineCore`` (the step loop the services drive) and the offline ``LLM`` API.
+"""``EngineCore``: the step loop the services drive (the offline ``LLM`` API is in ``llm.py``).
 
 ``EngineCore`` is single-threaded by contract: call ``add_request`` / ``abort_request`` /
 ``step`` from one thread (the services run it in a dedicated engine thread and talk to it
@@ -21,17 +21,15 @@ from dataclasses import dataclass
 
 from shared.config import ConfigError, EngineArgs, GiB
 from shared.hashing import hash_seed
-from shared.kv_cache_manager import KVCacheManager, cdiv
-from shared.outputs import (
-    CompletionOutput,
+from shared.engine.kv_cache_manager import KVCacheManager, cdiv
+from shared.engine.outputs import (
     EngineCoreOutput,
     FailureKind,
     RequestFailure,
-    RequestOutput,
 )
-from shared.request import KVExport, Logprob, Request, RequestStatus
-from shared.sampling_params import SamplingParams, SamplingParamsError
-from shared.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
+from shared.engine.request import KVExport, Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams, SamplingParamsError
+from shared.engine.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +82,7 @@ class EngineCore:
         self.cache_config = args.create_cache_config()
         self.scheduler_config = args.create_scheduler_config(self.model_config, self.device)
         if runner is None:
-            from shared.model_runner import ModelRunner
+            from shared.engine.model_runner import ModelRunner
 
             runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
                                  self.device, args.attention_backend, args.seed)
@@ -365,101 +363,6 @@ class EngineCore:
             kv_utilization=held_tokens / slots if slots else 0.0,
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=sch.num_preemptions, pinned_blocks=self.kv.num_pinned_blocks)
-
-
-class LLM:
-    """Offline batch generation, like ``vllm.LLM``."""
-
-    def __init__(self, model: str, **engine_args) -> None:
-        from tokenizers import Tokenizer
-
-        self.engine = EngineCore(EngineArgs(model=model, **engine_args))
-        tok_path = engine_args.get("tokenizer") or model
-        self.tokenizer = Tokenizer.from_file(f"{tok_path}/tokenizer.json")
-        self._counter = 0
-
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (a string, a token-id list, or ``{"prompt_token_ids": ...}``).
-
-        Outputs come back in prompt order. A prompt the engine refuses raises
-        ``InvalidRequestError`` before any prompt is queued.
-        """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        token_lists, texts = [], []
-        for p in prompts:
-            if isinstance(p, str):
-                token_lists.append(self.tokenizer.encode(p).ids)
-                texts.append(p)
-            elif isinstance(p, dict):
-                token_lists.append(list(p["prompt_token_ids"]))
-                texts.append(p.get("prompt"))
-            else:
-                token_lists.append(list(p))
-                texts.append(None)
-        ids = []
-        added = []
-        try:
-            for toks, sp in zip(token_lists, plist):
-                rid = str(self._counter)
-                self._counter += 1
-                self.engine.add_request(rid, toks, sp)
-                ids.append(rid)
-                added.append(rid)
-        except InvalidRequestError:
-            self.engine.abort_request(added)
-            raise
-        return self._run(ids, texts, token_lists, plist, use_tqdm)
-
-    def _run(self, ids, texts, token_lists, plist, use_tqdm) -> list[RequestOutput]:
-        acc: dict[str, dict[int, dict]] = {rid: {} for rid in ids}
-        cached: dict[str, int] = {}
-        pending = set(ids)
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts")
-        while pending:
-            for o in self.engine.step():
-                if o.request_id not in acc:
-                    continue
-                seq = acc[o.request_id].setdefault(o.index, {"ids": [], "lps": [], "finish": None,
-                                                              "stop": None, "error": None})
-                seq["ids"] += o.new_token_ids
-                seq["lps"] += o.new_logprobs
-                cached[o.request_id] = o.num_cached_tokens
-                if o.finished:
-                    seq["finish"], seq["stop"] = o.finish_reason, o.stop_token_id
-                    if o.failure is not None:
-                        seq["error"] = o.failure.message
-                    n = plist[ids.index(o.request_id)].n
-                    if len([s for s in acc[o.request_id].values() if s["finish"]]) == n:
-                        pending.discard(o.request_id)
-                        if bar:
-                            bar.update(1)
-            if not self.engine.has_unfinished_requests() and pending:
-                raise RuntimeError(f"engine idle with {len(pending)} unfinished requests")
-        if bar:
-            bar.close()
-        results = []
-        for rid, text, toks, sp in zip(ids, texts, token_lists, plist):
-            outs = []
-            for idx in range(sp.n):
-                s = acc[rid].get(idx) or {"ids": [], "lps": [], "finish": "error", "stop": None,
-                                          "error": "the request failed before this sample began"}
-                lps: list[Logprob] | None = s["lps"] if sp.logprobs is not None else None
-                outs.append(CompletionOutput(
-                    index=idx, text=self.tokenizer.decode(s["ids"], skip_special_tokens=True),
-                    token_ids=s["ids"],
-                    cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
-                    logprobs=lps, finish_reason=s["finish"], stop_reason=s["stop"],
-                    error=s["error"]))
-            results.append(RequestOutput(rid, text, toks, outs, True, cached.get(rid, 0)))
-        return results
 
 
 __all__ = [

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from shared.block_pool import BlockPool, IntegrityError, KVCacheBlock
-from shared.request import Request
+from shared.engine.block_pool import BlockPool, IntegrityError, KVCacheBlock
+from shared.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,8 +18,8 @@ from kernels import default_backend, get_backend
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
-from shared.sampler import SampleRow, Sampler
-from shared.scheduler import SampledToken, SchedulerOutput
+from shared.engine.sampler import SampleRow, Sampler
+from shared.engine.scheduler import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.request import Logprob
+from shared.engine.request import Logprob
 
 
 class FailureKind(str, enum.Enum):

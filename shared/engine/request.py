@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.hashing import ROOT_HASH, block_hashes
-from shared.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

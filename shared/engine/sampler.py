@@ -6,7 +6,7 @@ position is the index of the output token being drawn. The draw is the exponenti
 the row's own probabilities and noise, so outputs do not depend on the batch.
 
 Failures belong to rows: when the batched draw raises, each row is drawn alone and a row that
-still fails comes back as a :class:`~shared.scheduler.SampleError` (the engine fails that
+still fails comes back as a :class:`~shared.engine.scheduler.SampleError` (the engine fails that
 request and serves the others), never as an exception for the whole batch.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from shared.request import Logprob
-from shared.sampling_params import SamplingParams
-from shared.scheduler import SampledToken, SampleError
+from shared.engine.request import Logprob
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import SampledToken, SampleError
 
 logger = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.config import SchedulerConfig
-from shared.kv_cache_manager import KVCacheManager, cdiv
-from shared.request import Logprob, RemotePrefill, Request, RequestStatus
+from shared.engine.kv_cache_manager import KVCacheManager, cdiv
+from shared.engine.request import Logprob, RemotePrefill, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

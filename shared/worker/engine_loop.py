@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from shared.engine import EngineCore
-from shared.outputs import EngineCoreOutput, FailureKind, RequestFailure
+from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 
 logger = logging.getLogger(__name__)
 

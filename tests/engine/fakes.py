@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shared.config import EngineArgs
 from shared.engine import EngineCore
-from shared.scheduler import SampledToken, SampleError, SchedulerOutput
+from shared.engine.scheduler import SampledToken, SampleError, SchedulerOutput
 
 EOS = 2
 

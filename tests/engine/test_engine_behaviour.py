@@ -11,7 +11,7 @@ import pytest
 from shared.config import ConfigError, EngineArgs
 from shared.engine import LLM, EngineCore, InvalidRequestError, PromptTooLongError
 from shared.models.loader import ModelLoadError
-from shared.sampling_params import SamplingParams, SamplingParamsError
+from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.engine.helpers import hf_greedy, random_prompts
 
 

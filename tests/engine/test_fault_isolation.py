@@ -10,11 +10,11 @@ import time
 import pytest
 
 from shared.engine import InvalidRequestError
-from shared.engine_loop import EngineDeadError, EngineLoop
-from shared.outputs import FailureKind
-from shared.sampler import Sampler, SampleRow
-from shared.sampling_params import SamplingParams, SamplingParamsError
-from shared.scheduler import SampledToken, SampleError
+from shared.worker.engine_loop import EngineDeadError, EngineLoop
+from shared.engine.outputs import FailureKind
+from shared.engine.sampler import Sampler, SampleRow
+from shared.engine.sampling_params import SamplingParams, SamplingParamsError
+from shared.engine.scheduler import SampledToken, SampleError
 from tests.engine.fakes import fake_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -185,7 +185,7 @@ def test_an_exception_in_a_request_update_fails_only_that_request(tmp_path, monk
 
 
 def test_a_failure_that_breaks_an_invariant_stops_the_engine(tmp_path, monkeypatch):
-    from shared.block_pool import IntegrityError
+    from shared.engine.block_pool import IntegrityError
 
     e = fake_engine(tmp_path)
     e.add_request("a", [11, 12, 13], GREEDY)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.engine import LLM
-from shared.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from tests.engine.helpers import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

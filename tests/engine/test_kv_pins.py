@@ -12,8 +12,8 @@ Both tests failed before the pins existed (the other request's table held the tr
 
 from __future__ import annotations
 
-from shared.request import RequestStatus
-from shared.sampling_params import SamplingParams
+from shared.engine.request import RequestStatus
+from shared.engine.sampling_params import SamplingParams
 from tests.engine.fakes import fake_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine import LLM
-from shared.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from tests.engine.helpers import hf_greedy, mismatches, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 16

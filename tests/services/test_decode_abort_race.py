@@ -20,7 +20,7 @@ import pytest
 from decode_service.server import DecodeServicer
 from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
-from shared.service import WorkerRuntime, add_worker_cli_args
+from shared.worker.service import WorkerRuntime, add_worker_cli_args
 
 
 class _Context:

@@ -14,7 +14,7 @@ import redis
 from shared.engine import LLM
 from shared.hashing import block_hashes, hash_seed
 from shared.proto import pdserve_pb2 as pb
-from shared.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from tests.cluster_utils import (channel_to, decode_stub, generate, make_cluster, prefill_stub,
                                  wait_until)
 from tests.engine.helpers import hf_greedy, random_prompts

@@ -19,7 +19,7 @@ from shared.directory import DirectoryKeys, EmbeddedRedis
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.failure import FAILURE_ENGINE, FAILURE_KEY
-from shared.service import WorkerRuntime, add_worker_cli_args, serve_worker
+from shared.worker.service import WorkerRuntime, add_worker_cli_args, serve_worker
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,5 @@
+import sys
+
+from shared.cli.main import main
+
+sys.exit(main())
