@@ -29,11 +29,6 @@ def cluster(tiny_llama, tmp_path_factory):
         c.stop()
 
 
-def running(address: str) -> int:
-    with channel_to(address) as ch:
-        return decode_stub(ch).Stats(pb.StatsRequest(), timeout=10).running
-
-
 def _decode_stats(c):
     out = {}
     for name in ("decode-0", "decode-1"):
