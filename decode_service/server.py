@@ -21,6 +21,7 @@ import grpc
 
 from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
 from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
+from shared.engine.connector import RemotePrefillParams
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.engine.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
@@ -93,14 +94,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     # ---- engine thread -----------------------------------------------------------------
     def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
-        remote = engine.take_remote_prefills()
-        for req in remote:
-            rp = req.remote_prefill
+        for job in engine.take_remote_prefills():
             if self.aloop is None:  # cannot happen (Generate set it); never leak the pin
-                engine.unpin(rp.pin_id)
+                engine.unpin(job.pin_id)
                 continue
-            self.aloop.call_soon_threadsafe(self._start_remote, req.parent_id,
-                                            rp.first_block_index, list(rp.block_ids), rp.pin_id)
+            self.aloop.call_soon_threadsafe(self._start_remote, job.request_id,
+                                            job.first_block_index, list(job.block_ids), job.pin_id)
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -136,7 +135,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             try:
                 await asyncio.wrap_future(rt.loop.submit(lambda e: e.add_request(
                     eid, prompt, params, cache_salt=request.cache_salt or None,
-                    remote_prefill=remote, resume=resume, arrival_time=flight.arrival)))
+                    kv_transfer=RemotePrefillParams() if remote else None, resume=resume,
+                    arrival_time=flight.arrival)))
             except DuplicateRequestError as e:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except InvalidRequestError as e:

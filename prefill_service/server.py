@@ -19,6 +19,7 @@ import time
 import grpc
 
 from shared.engine import InvalidRequestError
+from shared.engine.connector import RemoteDecodeParams
 from shared.worker.engine_loop import EngineDeadError
 from shared.engine.outputs import EngineCoreOutput, FailureKind
 from shared.proto import pdserve_pb2 as pb
@@ -117,7 +118,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             try:
                 await asyncio.wrap_future(rt.loop.submit(lambda e: e.add_request(
                     eid, prompt, params, cache_salt=request.cache_salt or None,
-                    prefill_only=True, kv_export_first_block=first, arrival_time=arrival)))
+                    kv_transfer=RemoteDecodeParams(first), arrival_time=arrival)))
                 added = True
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

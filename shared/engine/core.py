@@ -27,7 +27,9 @@ from shared.engine.outputs import (
     FailureKind,
     RequestFailure,
 )
-from shared.engine.request import KVExport, Request, RequestStatus
+from shared.engine.connector import (KVConnector, KVTransferParams, KVTransferParamsError,
+                                     RemotePrefillJob)
+from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.engine.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
 
@@ -71,11 +73,14 @@ class EngineStats:
 
 
 class EngineCore:
-    """Scheduler + KV-cache manager + model runner. ``runner`` (tests: a fake runner with
-    ``kv_cache_budget``, ``num_blocks_for``, ``block_bytes``, ``allocate_kv_cache`` and
-    ``execute``) replaces the ``ModelRunner`` the engine would build."""
+    """Scheduler + KV-cache manager + model runner, and the worker role's KV connector.
 
-    def __init__(self, args: EngineArgs, runner=None) -> None:
+    ``runner`` (tests: a fake runner with ``kv_cache_budget``, ``num_blocks_for``,
+    ``block_bytes``, ``allocate_kv_cache`` and ``execute``) replaces the ``ModelRunner`` the
+    engine would build; ``connector`` (``shared/engine/connector.py``) is how a prefill or
+    decode worker takes part in its requests' KV (default: none, colocated)."""
+
+    def __init__(self, args: EngineArgs, runner=None, connector: KVConnector | None = None) -> None:
         self.args = args
         self.device = args.resolve_device()
         self.model_config = args.create_model_config()
@@ -100,10 +105,10 @@ class EngineCore:
         num_host = cc.swap_space // self.runner.block_bytes if self.scheduler_config.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, num_host)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.connector = connector or KVConnector()
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
         self.hash_seeds: dict[str | None, int] = {}
         self.parents: dict[str, list[Request]] = {}
-        self.pending_remote: list[Request] = []
         self.capacity_line = self._capacity_line(num_blocks, num_host)
         logger.info(self.capacity_line)
 
@@ -136,20 +141,18 @@ class EngineCore:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-        remote_prefill: bool = False,
-        prefill_only: bool = False,
-        kv_export_first_block: int | None = None,
+        kv_transfer: KVTransferParams | None = None,
         resume: Sequence[Sequence[int]] | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request (``params.n`` sequences).
 
-        ``remote_prefill``: decode role; reserve blocks and wait for a prefill worker's KV.
-        ``prefill_only``: prefill role; finish after the first token. ``kv_export_first_block``:
-        report blocks from that index on as they complete; each reported block is pinned
-        (``EngineCoreOutput.kv_pin_id``) until the caller calls :meth:`unpin`. ``resume``:
-        failover; per sample, output tokens already produced elsewhere (continue after them).
-        Raises ``InvalidRequestError`` (nothing queued) on bad input.
+        ``kv_transfer``: the request's part in a KV transfer, for the engine's connector
+        (``RemotePrefillParams``: the prompt's KV comes from a prefill worker;
+        ``RemoteDecodeParams``: blocks go to a decode worker as they complete, each reported
+        one pinned, ``EngineCoreOutput.kv_pin_id``, until the caller calls :meth:`unpin`).
+        ``resume``: failover; per sample, output tokens already produced elsewhere (continue
+        after them). Raises ``InvalidRequestError`` (nothing queued) on bad input.
         """
         mc = self.model_config
         if not isinstance(request_id, str) or not request_id:
@@ -192,33 +195,29 @@ class EngineCore:
                         f"resume holds {len(r)} tokens; max_tokens {params.max_tokens} leaves "
                         "nothing to generate", "resume")
                 self._check_token_ids(r, "resume")
-        if kv_export_first_block is not None and not (
-                isinstance(kv_export_first_block, int)
-                and 0 <= kv_export_first_block < cdiv(len(prompt), self.block_size)):
-            raise InvalidRequestError(
-                f"kv_export_first_block {kv_export_first_block!r} is outside the prompt's "
-                f"{cdiv(len(prompt), self.block_size)} blocks", "first_block_index")
+        try:
+            self.connector.check(kv_transfer, len(prompt), self.block_size)
+        except KVTransferParamsError as e:
+            raise InvalidRequestError(str(e), e.param) from e
         seed = self.hash_seeds.get(cache_salt)
         if seed is None:
             if len(self.hash_seeds) >= 4096:  # salts are client strings: keep the map bounded
                 self.hash_seeds.clear()
             seed = self.hash_seeds[cache_salt] = hash_seed(mc.served_model_name, cache_salt)
         now = arrival_time if arrival_time is not None else time.monotonic()
+        prompt_ids = tuple(prompt)
         seqs: list[Request] = []
         for i in range(params.n):
             done = list(resume[i]) if resume else []
             seq_params = params.for_sample(i) if params.n > 1 else params
             seqs.append(Request(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                parent_id=request_id, index=i, prompt_token_ids=prompt,
+                parent_id=request_id, index=i, prompt_token_ids=prompt_ids,
                 sampling_params=seq_params, eos_token_ids=mc.eos_token_ids,
                 block_size=self.block_size, hash_seed=seed, arrival_time=now,
-                output_token_ids=done, num_resumed_tokens=len(done),
-                prefill_only=prefill_only, wants_remote_prefill=remote_prefill and not done))
+                output_token_ids=done, num_resumed_tokens=len(done)))
         leader = seqs[0]
-        if kv_export_first_block is not None:
-            n_blocks = cdiv(len(prompt), self.block_size) - kv_export_first_block
-            leader.kv_export = KVExport(kv_export_first_block, max(0, n_blocks))
+        self.connector.add(leader, kv_transfer)
         self.parents[request_id] = seqs
         if resume:  # each sample has its own tokens: independent sequences, no fork
             for s in seqs:
@@ -276,7 +275,6 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run one forward pass, sample; returns this step's per-sequence deltas."""
         out = self.scheduler.schedule()
-        self.pending_remote.extend(out.remote_prefills)
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
@@ -311,7 +309,7 @@ class EngineCore:
             new_logprobs=u.new_logprobs, finish_reason=r.finish_reason() if u.finished else None,
             stop_token_id=r.stop_token_id, num_prompt_tokens=r.num_prompt_tokens,
             num_cached_tokens=max(r.num_cached_tokens, 0), kv_blocks_ready=u.kv_blocks_ready,
-            kv_pin_id=r.kv_export.pin_id if u.kv_blocks_ready and r.kv_export else None,
+            kv_pin_id=u.kv_pin_id,
             failure=failure, arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
             first_token_time=r.first_token_time, finished_time=r.finished_time)
 
@@ -321,22 +319,12 @@ class EngineCore:
             if seqs and all(s.is_finished for s in seqs):
                 del self.parents[pid]
 
-    def take_remote_prefills(self) -> list[Request]:
-        """Requests admitted since the last call that now wait for a prefill worker's KV
-        (read ``request.remote_prefill`` for the block range; ``parent_id`` names them).
-
-        The caller owns each returned request's ``remote_prefill.pin_id`` and must
-        :meth:`unpin` it once its receive is terminal (or at once if it never starts one);
-        requests aborted before this call are unpinned here, since no transfer began.
-        """
-        out, self.pending_remote = self.pending_remote, []
-        live = []
-        for r in out:
-            if r.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                live.append(r)
-            elif r.remote_prefill is not None:
-                self.unpin(r.remote_prefill.pin_id)
-        return live
+    def take_remote_prefills(self) -> list[RemotePrefillJob]:
+        """Remote prefills reserved since the last call (decode role; ``request_id`` is the
+        parent's). The caller owns each job's ``pin_id`` and must :meth:`unpin` it once its
+        receive is terminal (or at once if it never posts one); requests aborted before this
+        call were unpinned by the connector, since no transfer began."""
+        return self.connector.take_jobs()
 
     # ---- introspection -----------------------------------------------------------------
     def block_ids_of(self, request_id: str) -> list[int]:

@@ -128,6 +128,8 @@ class KVCacheManager:
         Full blocks are shared by reference; the partially filled last block, which both will
         write next, is copied (copy-on-write done eagerly at fork). Returns the ``(src, dst)``
         block copies to run before the next forward pass, or ``None`` when no block is free.
+        The child's table then holds the parent's ``num_computed_tokens`` tokens of KV (the
+        scheduler records that on the child).
         """
         parent_blocks = self.req_blocks[parent.request_id]
         num_tokens = parent.num_computed_tokens
@@ -146,7 +148,6 @@ class KVCacheManager:
         self.req_blocks[child.request_id] = blocks
         self.num_cached_blocks[child.request_id] = min(
             self.num_cached_blocks.get(parent.request_id, 0), num_full)
-        child.num_computed_tokens = num_tokens
         return copies
 
     # ---- pins --------------------------------------------------------------------------

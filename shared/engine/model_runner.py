@@ -1,4 +1,5 @@
-"""The model runner: the only place that turns a ``SchedulerOutput`` into tensors.
+"""The model runner: the only place that turns a ``SchedulerOutput`` into tensors (it reads
+nothing else: no ``Request``).
 
 It owns the model, the KV pool tensor (block-major, see docs/architecture.md), the host swap
 pool and the sampler. ``execute`` runs block copies/swaps, one forward pass over the packed
@@ -18,8 +19,8 @@ from kernels import default_backend, get_backend
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
-from shared.engine.sampler import SampleRow, Sampler
-from shared.engine.scheduler import SampledToken, SchedulerOutput
+from shared.engine.sampler import Sampler
+from shared.engine.scheduler_output import SampleResult, SampleSpec, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -144,7 +145,9 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        """Copies / swaps, one forward pass over every scheduled chunk, and one draw per
+        ``SampleSpec``; returns the draws by ``seq_id``."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         self._move_blocks(out)
         if not out.scheduled:
@@ -160,32 +163,27 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
         tables = np.zeros((n_seqs, max_blocks), dtype=np.int32)
         logit_rows: list[int] = []
-        rows: list[SampleRow] = []
+        rows: list[SampleSpec] = []
         t = 0
         for i, s in enumerate(out.scheduled):
-            req, n = s.request, s.num_new_tokens
-            c = req.num_computed_tokens
+            c, n = s.start, len(s.token_ids)
             ids = np.asarray(s.block_ids, dtype=np.int64)
             tables[i, : len(ids)] = ids
             if n == 1:
-                input_ids[t] = req.all_token_ids[c]
+                input_ids[t] = s.token_ids[0]
                 positions[t] = c
                 slots[t] = ids[c // bs] * bs + c % bs
             else:
                 pos = np.arange(c, c + n)
-                input_ids[t:t + n] = req.all_token_ids[c:c + n]
+                input_ids[t:t + n] = s.token_ids
                 positions[t:t + n] = pos
                 slots[t:t + n] = ids[pos // bs] * bs + pos % bs
             t += n
             seq_lens[i] = c + n
             qsl[i + 1] = t
-            if s.sample:
-                first = req.num_output_tokens == req.num_resumed_tokens
-                for seq in [req] + (req.siblings if first else []):
-                    logit_rows.append(t - 1)
-                    rows.append(SampleRow(seq.request_id, seq.sampling_params,
-                                          seq.prompt_token_ids, seq.output_token_ids,
-                                          seq.eos_token_ids))
+            for spec in s.samples:
+                logit_rows.append(t - 1)
+                rows.append(spec)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
@@ -200,7 +198,7 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
         sampled = self.sampler(logits, rows)
-        return {r.request_id: tok for r, tok in zip(rows, sampled)}
+        return {r.seq_id: tok for r, tok in zip(rows, sampled)}
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Byte views: index_put is not implemented for every dtype (fp8), bytes always are.

@@ -43,25 +43,6 @@ class Logprob:
     top: list[tuple[int, float]]
 
 
-@dataclass(slots=True)
-class RemotePrefill:
-    """Decode role: the blocks a prefill worker must push (indices into the block table)."""
-
-    first_block_index: int
-    block_ids: list[int]  # destination block id for each needed block, in order
-    pin_id: int | None = None  # the KV-cache manager's pin on block_ids (see KVCacheManager.pin)
-
-
-@dataclass(slots=True)
-class KVExport:
-    """Prefill role: report blocks ``[first_block_index, end)`` as they become complete."""
-
-    first_block_index: int
-    num_blocks: int
-    next_to_report: int = 0  # relative to first_block_index
-    pin_id: int | None = None  # pin holding every block reported so far (until unpinned)
-
-
 @dataclass(eq=False, slots=True)
 class Request:
     """One sequence. A parent request with ``n > 1`` becomes ``n`` sibling ``Request`` objects.
@@ -74,7 +55,7 @@ class Request:
     request_id: str  # engine-unique id of this sequence
     parent_id: str  # the id the caller used (equal to request_id when n == 1)
     index: int  # which of the parent's n samples
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # never changes (siblings share it)
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
     block_size: int
@@ -89,11 +70,7 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
     stop_token_id: int | None = None
-    siblings: list["Request"] = field(default_factory=list)  # n > 1: forked at first token
-    remote_prefill: RemotePrefill | None = None
-    wants_remote_prefill: bool = False
-    kv_export: KVExport | None = None
-    prefill_only: bool = False  # prefill role: finish after the first token
+    siblings: list[Request] = field(default_factory=list)  # n > 1: forked at first token
     num_resumed_tokens: int = 0  # failover: output tokens given by the caller, not sampled here
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -14,28 +14,15 @@ from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
-
 import torch
 import xxhash
 
 from shared.engine.request import Logprob
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import SampledToken, SampleError
+from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec
 
 logger = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
-
-
-@dataclass(slots=True)
-class SampleRow:
-    """One token to draw: the logits row comes from ``logits[i]`` for the i-th row."""
-
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_ids: tuple[int, ...]
 
 
 def _row_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
@@ -57,7 +44,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor,
-                 rows: list[SampleRow]) -> list[SampledToken | SampleError]:
+                 rows: list[SampleSpec]) -> list[SampledToken | SampleError]:
         # logits: [N, V] (model dtype), row i belongs to rows[i]
         try:
             return self._sample_batch(logits, rows)
@@ -73,11 +60,11 @@ class Sampler:
         return out
 
     @staticmethod
-    def _row_error(row: SampleRow, e: Exception) -> SampleError:
-        logger.error("sampling failed for request %s: %r", row.request_id, e, exc_info=e)
+    def _row_error(row: SampleSpec, e: Exception) -> SampleError:
+        logger.error("sampling failed for request %s: %r", row.seq_id, e, exc_info=e)
         return SampleError(f"sampling failed: {type(e).__name__}: {e}")
 
-    def _sample_batch(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SampleSpec]) -> list[SampledToken]:
         n = len(rows)
         want_lp = [r.params.logprobs is not None for r in rows]
         if not any(want_lp) and all(r.params.greedy and not self._needs_processing(r) for r in rows):
@@ -87,7 +74,7 @@ class Sampler:
         logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
         for i, r in enumerate(rows):
             p = r.params
-            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
@@ -122,11 +109,11 @@ class Sampler:
         return logits.argmax(dim=-1)
 
     @staticmethod
-    def _needs_processing(r: SampleRow) -> bool:
+    def _needs_processing(r: SampleSpec) -> bool:
         p = r.params
-        return p.needs_penalties or (p.min_tokens > 0 and len(r.output_token_ids) < p.min_tokens)
+        return p.needs_penalties or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
 
-    def _apply_penalties(self, logits: torch.Tensor, i: int, r: SampleRow) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, i: int, r: SampleSpec) -> None:
         p = r.params
         row = logits[i]
         dev = logits.device
@@ -142,7 +129,7 @@ class Sampler:
             counts = torch.bincount(out_ids, minlength=self.vocab_size)[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         # logits: [M, V] for non-greedy rows -> sampled ids [M]
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
@@ -174,7 +161,7 @@ class Sampler:
                 generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                g = _row_generator(r.params.seed, len(r.output_token_ids), dev)
+                g = _row_generator(r.params.seed, r.num_output_tokens, dev)
                 noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
 

@@ -17,75 +17,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from shared.config import SchedulerConfig
+from shared.engine.connector import KVConnector
 from shared.engine.kv_cache_manager import KVCacheManager, cdiv
-from shared.engine.request import Logprob, RemotePrefill, Request, RequestStatus
+from shared.engine.request import Request, RequestStatus
+from shared.engine.scheduler_output import (SampledToken, SampleError, SampleResult, SampleSpec,
+                                            ScheduledSeq, SchedulerOutput, SeqFailure, SeqUpdate)
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # computed this step, starting at request.num_computed_tokens
-    sample: bool  # this step reaches the last known token: sample the next one
-    block_ids: list[int]  # the request's whole block table
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    remote_prefills: list[Request] = field(default_factory=list)  # now WAITING_FOR_REMOTE_KV
-    num_preempted: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_out
-                    or self.blocks_to_swap_in)
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: Logprob | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SampleError:
-    """The sampler could not draw this sequence's token; its request fails alone."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class SeqFailure:
-    """A sequence whose step failed (its parent request fails; the others go on)."""
-
-    request: Request
-    reason: str
-
-
-@dataclass(slots=True)
-class SeqUpdate:
-    """What one sequence gained this step (the engine turns these into outputs)."""
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[Logprob]
-    finished: bool
-    kv_blocks_ready: list[tuple[int, int]] = field(default_factory=list)  # (block index, id)
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "SampleSpec", "SampledToken",
+           "SampleError", "SampleResult", "SeqFailure", "SeqUpdate"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Owns the queues, the token budget and request states; the only writer of
+    ``Request.num_computed_tokens``. Roles take part only through ``connector``."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector or KVConnector()
+        self.connector.bind(kv)
         self.block_size = kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -120,7 +75,7 @@ class Scheduler:
         out = SchedulerOutput(blocks_to_copy=self.pending_copies)
         self.pending_copies = []
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled: dict[str, ScheduledSeq] = {}
         preempted = False
 
         i = 0
@@ -157,8 +112,9 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         now = time.monotonic()
         for s in out.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
+            req = self.requests[s.seq_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         return out
 
     def _victim_index(self, first: int) -> int:
@@ -167,8 +123,7 @@ class Scheduler:
         pins frees little, since the pin keeps them, and delays the transfer that would release
         them); the most recently admitted one when every candidate holds a pin."""
         for j in range(len(self.running) - 1, first - 1, -1):
-            exp = self.running[j].kv_export
-            if exp is None or exp.pin_id is None:
+            if not self.connector.holds_pin(self.running[j]):
                 return j
         return len(self.running) - 1
 
@@ -179,9 +134,17 @@ class Scheduler:
             num_new = threshold
         return min(num_new, budget)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        sample = req.num_computed_tokens + num_new >= req.num_tokens
-        return ScheduledRequest(req, num_new, sample, self.kv.block_ids(req.request_id))
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+        """The plain-data work item of ``req`` for this step (its tokens, block table and, when
+        the chunk reaches the last known token, what to sample)."""
+        c = req.num_computed_tokens
+        samples: tuple[SampleSpec, ...] = ()
+        if c + num_new >= req.num_tokens:
+            first = req.num_output_tokens == req.num_resumed_tokens
+            seqs = [req, *req.siblings] if first and req.siblings else [req]
+            samples = tuple(_sample_spec(s) for s in seqs)
+        return ScheduledSeq(req.request_id, c, req.all_token_ids[c:c + num_new],
+                            self.kv.block_ids(req.request_id), samples)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
@@ -228,23 +191,17 @@ class Scheduler:
             computed, num_computed = self.kv.get_computed_blocks(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
-            if req.wants_remote_prefill and req.num_output_tokens == 0:
-                # Reserve blocks for the whole prompt; a prefill worker pushes the KV.
-                num_new = req.num_tokens - num_computed
-                new_blocks = self.kv.allocate_slots(req, num_new, computed, cache=False)
-                if new_blocks is None:
+            external = self.connector.num_external_tokens(req, num_computed)
+            if external:
+                # Reserve (uncached) blocks for them; another worker computes their KV.
+                if self.kv.allocate_slots(req, external, computed, cache=False) is None:
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = num_computed
-                first = num_computed // self.block_size
-                ids = self.kv.block_ids(req.request_id)
-                # the transfer's own reference: an abort frees the table, not these blocks,
-                # until the decode service unpins them once the receive is terminal
-                req.remote_prefill = RemotePrefill(first, ids[first:],
-                                                   self.kv.pin(ids[first:]) if ids[first:] else None)
+                self.connector.on_reserved(req, self.kv.block_ids(req.request_id),
+                                           num_computed // self.block_size)
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.remote_waiting[req.request_id] = req
-                out.remote_prefills.append(req)
                 continue
             num_new = req.num_tokens - num_computed
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -268,7 +225,7 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken | SampleError],
+        self, out: SchedulerOutput, sampled: dict[str, SampleResult],
     ) -> tuple[list[SeqUpdate], list[SeqFailure]]:
         """Advance every scheduled request by its computed tokens and append sampled ones.
 
@@ -281,68 +238,46 @@ class Scheduler:
         failures: list[SeqFailure] = []
         now = time.monotonic()
         for s in out.scheduled:
-            req = s.request
-            if req.status != RequestStatus.RUNNING:  # aborted meanwhile
+            req = self.requests.get(s.seq_id)
+            if req is None or req.status != RequestStatus.RUNNING:  # aborted meanwhile
                 continue
             try:
-                bad = self._sample_error(req, s, sampled)
+                bad = self._sample_error(s, sampled)
                 if bad is not None:
                     failures.append(SeqFailure(req, bad.reason))
                     continue
                 req.num_computed_tokens += s.num_new_tokens
-                ready = self._export_ready(req)
-                if not s.sample:
+                ready = self.connector.blocks_ready(req)
+                pin = self.connector.pin_of(req) if ready else None
+                if not s.samples:
                     if ready:
-                        updates.append(SeqUpdate(req, [], [], False, ready))
+                        updates.append(SeqUpdate(req, [], [], False, ready, pin))
                     continue
                 first = req.num_output_tokens == req.num_resumed_tokens
-                updates.append(self._append(req, sampled[req.request_id], now, ready))
+                update = self._append(req, sampled[req.request_id], now)
+                update.kv_blocks_ready, update.kv_pin_id = ready, pin
+                updates.append(update)
                 if first and req.siblings:
                     for sib in req.siblings:
                         if not sib.is_finished:
                             updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
                     req.siblings = []
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the request's own failure
                 logger.exception("step update of request %s failed", req.request_id)
                 failures.append(SeqFailure(req, f"{type(e).__name__}: {e}"))
         return updates, failures
 
     @staticmethod
-    def _sample_error(req: Request, s: ScheduledRequest,
-                      sampled: dict[str, SampledToken | SampleError]) -> SampleError | None:
-        if not s.sample:
-            return None
-        seqs = [req] + (req.siblings if req.num_output_tokens == req.num_resumed_tokens else [])
-        for seq in seqs:
-            tok = sampled.get(seq.request_id)
+    def _sample_error(s: ScheduledSeq, sampled: dict[str, SampleResult]) -> SampleError | None:
+        for spec in s.samples:
+            tok = sampled.get(spec.seq_id)
             if tok is None:
-                return SampleError(f"no token was sampled for {seq.request_id}")
+                return SampleError(f"no token was sampled for {spec.seq_id}")
             if isinstance(tok, SampleError):
                 return tok
         return None
 
-    def _export_ready(self, req: Request) -> list[tuple[int, int]]:
-        exp = req.kv_export
-        if exp is None:
-            return []
-        computed = min(req.num_computed_tokens, req.num_prompt_tokens)
-        complete = computed // self.block_size
-        if computed == req.num_prompt_tokens:
-            complete = cdiv(computed, self.block_size)
-        end = min(complete - exp.first_block_index, exp.num_blocks)
-        if end <= exp.next_to_report:
-            return []
-        ids = self.kv.block_ids(req.request_id)
-        ready = [(exp.first_block_index + j, ids[exp.first_block_index + j])
-                 for j in range(exp.next_to_report, end)]
-        exp.next_to_report = end
-        # handed to the sender from here on: pinned until the transfer is terminal, so a
-        # preemption, an abort or the finish cannot free them under the send
-        exp.pin_id = self.kv.pin([b for _, b in ready], exp.pin_id)
-        return ready
-
-    def _append(self, req: Request, tok: SampledToken, now: float,
-                ready: list[tuple[int, int]] | None = None) -> SeqUpdate:
+    def _append(self, req: Request, tok: SampledToken, now: float) -> SeqUpdate:
         req.append_output_token(tok.token_id)
         if tok.logprob is not None:
             req.logprobs.append(tok.logprob)
@@ -351,19 +286,17 @@ class Scheduler:
         finished = self._check_stop(req, tok.token_id)
         if finished:
             self._finish(req, now)
-        return SeqUpdate(req, [tok.token_id], [tok.logprob] if tok.logprob else [], finished,
-                         ready or [])
+        return SeqUpdate(req, [tok.token_id], [tok.logprob] if tok.logprob else [], finished)
 
     def _check_stop(self, req: Request, token: int) -> bool:
         p = req.sampling_params
-        if req.prefill_only:
-            req.status = RequestStatus.FINISHED_LENGTH
-        elif not p.ignore_eos and token in req.eos_token_ids:
+        if not p.ignore_eos and token in req.eos_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = token
-        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or (
+                req.num_tokens >= self.config.max_model_len):
             req.status = RequestStatus.FINISHED_LENGTH
         else:
             return False
@@ -375,13 +308,14 @@ class Scheduler:
         sib.num_cached_tokens = leader.num_cached_tokens
         sib.first_scheduled_time = leader.first_scheduled_time
         update = self._append(sib, tok, now)
-        if sib.is_finished or leader.prefill_only:
+        if sib.is_finished:
             return update
         copies = self.kv.fork(leader, sib)
         if copies is None:  # no block for the copy: recompute it later (prefix cache helps)
             sib.status = RequestStatus.WAITING
             self.waiting.append(sib)
         else:
+            sib.num_computed_tokens = leader.num_computed_tokens
             self.pending_copies.extend(copies)
             sib.status = RequestStatus.RUNNING
             self.running.append(sib)
@@ -392,6 +326,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.free(req)
+        self.connector.request_finished(req)
         self.requests.pop(req.request_id, None)
 
     # ---- remote prefill (decode role) --------------------------------------------------
@@ -442,8 +377,18 @@ class Scheduler:
             req.status = status
             req.finished_time = time.monotonic()
             self.kv.free(req)
+            self.connector.request_finished(req)
             aborted.append(req)
         return aborted
 
     def live_request_ids(self) -> set[str]:
         return set(self.requests)
+
+
+def _sample_spec(req: Request) -> SampleSpec:
+    p = req.sampling_params
+    if not p.needs_penalties:
+        return SampleSpec(req.request_id, p, req.num_output_tokens, req.eos_token_ids)
+    return SampleSpec(req.request_id, p, req.num_output_tokens, req.eos_token_ids,
+                      req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                      tuple(req.output_token_ids))

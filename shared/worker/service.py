@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.config import EngineArgs
 from shared.engine import EngineCore
+from shared.engine.connector import connector_for_role
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from shared.worker.metrics import WorkerMetrics
 from shared.engine.outputs import EngineCoreOutput
@@ -83,7 +84,7 @@ class WorkerRuntime:
         self.role = role
         self.args = args
         self.worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-        self.engine = EngineCore(EngineArgs.from_cli_args(args))
+        self.engine = EngineCore(EngineArgs.from_cli_args(args), connector=connector_for_role(role))
         mc = self.engine.model_config
         self.model_name = mc.served_model_name
         self.metrics = WorkerMetrics(role, self.worker_id, self.model_name, self.engine.stats)

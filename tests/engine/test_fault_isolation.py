@@ -10,11 +10,12 @@ import time
 import pytest
 
 from shared.engine import InvalidRequestError
-from shared.worker.engine_loop import EngineDeadError, EngineLoop
+from shared.engine.connector import RemoteDecodeParams, RemotePrefillParams
 from shared.engine.outputs import FailureKind
-from shared.engine.sampler import Sampler, SampleRow
+from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
-from shared.engine.scheduler import SampledToken, SampleError
+from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec
+from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from tests.engine.fakes import fake_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -88,10 +89,11 @@ def test_sampling_params_refuse_bad_values_naming_them(kwargs, param):
     ([5, 6], dict(resume=[[1, 2], [3]]), "resume"),  # n=1
     ([5, 6], dict(resume=[[1, 400]]), "resume"),
     ([5, 6], dict(resume=[list(range(3, 60))]), "resume"),  # nothing left to generate
-    ([5, 6], dict(kv_export_first_block=1), "first_block_index"),
+    ([5, 6], dict(kv_transfer=RemoteDecodeParams(1)), "first_block_index"),  # 1 block only
+    ([5, 6], dict(kv_transfer=RemotePrefillParams()), "kv_transfer"),  # a prefill engine
 ])
 def test_engine_refuses_bad_requests_and_keeps_serving(tmp_path, prompt, kwargs, param):
-    e = fake_engine(tmp_path)
+    e = fake_engine(tmp_path, role="prefill")
     params = kwargs.pop("params", GREEDY)
     e.add_request("before", [7, 8, 9], GREEDY)
     with pytest.raises(InvalidRequestError) as info:
@@ -107,7 +109,7 @@ def test_sampler_never_raises_for_extreme_seeds():
     import torch
 
     s = Sampler(vocab_size=50, device=torch.device("cpu"), seed=0)
-    rows = [SampleRow("r", SamplingParams(temperature=1.0, seed=seed), [1], [], ())
+    rows = [SampleSpec("r", SamplingParams(temperature=1.0, seed=seed), 0, ())
             for seed in (2**63 - 1, -(2**63), 0)]
     out = s(torch.randn(3, 50), rows)
     assert all(isinstance(t, SampledToken) and 0 <= t.token_id < 50 for t in out)
@@ -120,13 +122,13 @@ def test_a_row_that_fails_in_the_sampler_fails_alone(monkeypatch):
     real = s._sample_batch
 
     def flaky(logits, rows):
-        if any(r.request_id == "bad" for r in rows):
+        if any(r.seq_id == "bad" for r in rows):
             raise RuntimeError("boom")
         return real(logits, rows)
 
     monkeypatch.setattr(s, "_sample_batch", flaky)
     logits = torch.randn(3, 50)
-    rows = [SampleRow(rid, SamplingParams(temperature=0), [1], [], ()) for rid in ("a", "bad", "c")]
+    rows = [SampleSpec(rid, SamplingParams(temperature=0), 0, ()) for rid in ("a", "bad", "c")]
     out = s(logits, rows)
     assert isinstance(out[1], SampleError) and "boom" in out[1].reason
     assert [out[0].token_id, out[2].token_id] == logits[[0, 2]].argmax(-1).tolist()

@@ -12,6 +12,7 @@ Both tests failed before the pins existed (the other request's table held the tr
 
 from __future__ import annotations
 
+from shared.engine.connector import RemoteDecodeParams, RemotePrefillParams
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.fakes import fake_engine
@@ -29,11 +30,11 @@ def test_prefill_preemption_never_frees_blocks_handed_to_the_sender(tmp_path):
     # scheduler must preempt one of them and R2 retries its allocation right away. Before the
     # pins it preempted R1 and R2 took R1's exported block; now R1's pinned blocks stay out of
     # reach, and R2 (which holds no pin) is the one preempted.
-    e = fake_engine(tmp_path, num_blocks=4, block_size=16, long_prefill_token_threshold=16,
-                    max_num_batched_tokens=64)
+    e = fake_engine(tmp_path, num_blocks=4, role="prefill", block_size=16,
+                    long_prefill_token_threshold=16, max_num_batched_tokens=64)
     e.add_request("r2", list(range(10, 70)), GREEDY)  # 60 tokens: 4 blocks
     e.add_request("r1", list(range(20, 60)), SamplingParams(temperature=0, max_tokens=1),
-                  prefill_only=True, kv_export_first_block=0)  # 40 tokens: 3 blocks
+                  kv_transfer=RemoteDecodeParams(0))  # 40 tokens: 3 blocks
     handed: set[int] = set()
     pins: set[int] = set()
     preempted = r1_done = False
@@ -63,12 +64,12 @@ def test_prefill_preemption_never_frees_blocks_handed_to_the_sender(tmp_path):
 
 
 def test_decode_abort_after_admission_keeps_reserved_blocks_until_unpinned(tmp_path):
-    e = fake_engine(tmp_path, num_blocks=6, block_size=16)
-    e.add_request("a", list(range(5, 45)), GREEDY, remote_prefill=True)  # 3 blocks reserved
+    e = fake_engine(tmp_path, num_blocks=6, role="decode", block_size=16)
+    e.add_request("a", list(range(5, 45)), GREEDY, kv_transfer=RemotePrefillParams())  # 3 blocks reserved
     e.step()  # admits "a" into WAITING_FOR_REMOTE_KV
-    (req,) = e.take_remote_prefills()  # the decode service now owns the pin
-    reserved = set(req.remote_prefill.block_ids)
-    assert len(reserved) == 3 and req.remote_prefill.pin_id is not None
+    (job,) = e.take_remote_prefills()  # the decode service now owns the pin
+    reserved = set(job.block_ids)
+    assert len(reserved) == 3 and job.pin_id is not None
     # the client cancels right away, before (or while) the receives are posted
     e.abort_request(["a"])
     e.check_integrity()
@@ -80,7 +81,7 @@ def test_decode_abort_after_admission_keeps_reserved_blocks_until_unpinned(tmp_p
         assert not (_blocks(e, "b") & reserved), "b got a block of a's pending receive"
     assert e.scheduler.requests["b"].status == RequestStatus.WAITING  # no room until unpinned
     # the receive is terminal (cancelled): unpin, and "b" can run
-    assert e.unpin(req.remote_prefill.pin_id)
+    assert e.unpin(job.pin_id)
     while e.has_unfinished_requests():
         e.step()
     e.check_integrity()
@@ -88,8 +89,8 @@ def test_decode_abort_after_admission_keeps_reserved_blocks_until_unpinned(tmp_p
 
 
 def test_abort_before_the_service_took_the_remote_prefill_unpins_it(tmp_path):
-    e = fake_engine(tmp_path, num_blocks=6, block_size=16)
-    e.add_request("a", list(range(5, 45)), GREEDY, remote_prefill=True)
+    e = fake_engine(tmp_path, num_blocks=6, role="decode", block_size=16)
+    e.add_request("a", list(range(5, 45)), GREEDY, kv_transfer=RemotePrefillParams())
     e.step()
     e.abort_request(["a"])  # before take_remote_prefills: no transfer can have started
     assert e.take_remote_prefills() == []
@@ -98,14 +99,14 @@ def test_abort_before_the_service_took_the_remote_prefill_unpins_it(tmp_path):
 
 
 def test_remote_prefill_success_then_unpin_leaves_only_the_table(tmp_path):
-    e = fake_engine(tmp_path, num_blocks=8, block_size=16)
-    e.add_request("a", list(range(5, 45)), GREEDY, remote_prefill=True)
+    e = fake_engine(tmp_path, num_blocks=8, role="decode", block_size=16)
+    e.add_request("a", list(range(5, 45)), GREEDY, kv_transfer=RemotePrefillParams())
     e.step()
-    (req,) = e.take_remote_prefills()
+    (job,) = e.take_remote_prefills()
     outs = e.finish_remote_prefill("a", None)
     assert outs == []  # None: local prefill of the missing blocks
-    assert e.unpin(req.remote_prefill.pin_id)
-    assert not e.unpin(req.remote_prefill.pin_id), "a pin drops once"
+    assert e.unpin(job.pin_id)
+    assert not e.unpin(job.pin_id), "a pin drops once"
     while e.has_unfinished_requests():
         e.step()
         e.check_integrity()
@@ -116,11 +117,11 @@ def test_when_every_candidate_holds_a_pin_the_pinned_blocks_survive_its_preempti
     # two exporting prefills that cannot both fit: one of them must be preempted; the blocks it
     # handed to its sender stay pinned, so the other never gets them. Each transfer ends (the
     # test unpins) once its request finished, as the prefill service does.
-    e = fake_engine(tmp_path, num_blocks=5, block_size=16, long_prefill_token_threshold=16,
-                    max_num_batched_tokens=64)
+    e = fake_engine(tmp_path, num_blocks=5, role="prefill", block_size=16,
+                    long_prefill_token_threshold=16, max_num_batched_tokens=64)
     one = SamplingParams(temperature=0, max_tokens=1)
-    e.add_request("p1", list(range(10, 58)), one, prefill_only=True, kv_export_first_block=0)
-    e.add_request("p2", list(range(20, 68)), one, prefill_only=True, kv_export_first_block=0)
+    e.add_request("p1", list(range(10, 58)), one, kv_transfer=RemoteDecodeParams(0))
+    e.add_request("p2", list(range(20, 68)), one, kv_transfer=RemoteDecodeParams(0))
     handed: dict[str, set[int]] = {"p1": set(), "p2": set()}
     pin_of: dict[str, int] = {}
     for _ in range(60):
