@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from shared.config import ConfigError, EngineArgs, GiB
 from shared.hashing import hash_seed
-from shared.engine.kv_cache_manager import KVCacheManager, cdiv
+from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.outputs import (
     EngineCoreOutput,
     FailureKind,
@@ -353,12 +353,5 @@ class EngineCore:
             num_preemptions=sch.num_preemptions, pinned_blocks=self.kv.num_pinned_blocks)
 
 
-__all__ = [
-    "LLM",
-    "EngineArgs",
-    "EngineCore",
-    "InvalidRequestError",
-    "PromptTooLongError",
-    "RequestStatus",
-    "SamplingParams",
-]
+__all__ = ["EngineCore", "EngineStats", "InvalidRequestError", "PromptTooLongError",
+           "DuplicateRequestError", "RequestFailedError"]

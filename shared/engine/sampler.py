@@ -18,7 +18,6 @@ import torch
 import xxhash
 
 from shared.engine.request import Logprob
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec
 
 logger = logging.getLogger(__name__)
