@@ -18,6 +18,8 @@ from bench.metrics import (
 )
 from bench.runner import arrival_offsets
 
+pytestmark = pytest.mark.unit
+
 ALL = ["ttft", "tpot", "itl", "e2el"]
 
 

@@ -18,6 +18,8 @@ from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from tests.engine.fakes import fake_engine
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 

@@ -16,6 +16,9 @@ from shared.engine.connector import RemoteDecodeParams, RemotePrefillParams
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.fakes import fake_engine
+import pytest
+
+pytestmark = pytest.mark.unit
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

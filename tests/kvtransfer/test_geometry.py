@@ -7,6 +7,8 @@ from kvt_helpers import small_geometry
 
 from kvtransfer import KVGeometry, ProtocolError
 
+pytestmark = pytest.mark.unit
+
 
 def test_small_model_block_is_32_kib():
     g = small_geometry()

@@ -37,6 +37,8 @@ from kvtransfer import (
 from kvtransfer.loopback import LoopbackLink
 from kvtransfer.protocol import Data, decode_ops, encode_ops
 
+pytestmark = pytest.mark.unit
+
 DONE, FAILED, CANCELLED = TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED
 
 

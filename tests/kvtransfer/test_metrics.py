@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtransfer import TransferMetrics
 
+pytestmark = pytest.mark.unit
+
 
 def test_counters_and_prometheus_exposition():
     registry = CollectorRegistry()

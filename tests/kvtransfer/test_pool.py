@@ -11,6 +11,8 @@ from kvt_helpers import small_geometry
 from kvtransfer import PoolGeometryError
 from kvtransfer.pool import PoolView, copy_region
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]

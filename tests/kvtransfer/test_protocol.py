@@ -26,6 +26,8 @@ from kvtransfer.protocol import (
     encode_ops,
 )
 
+pytestmark = pytest.mark.unit
+
 ALL_OPS = [
     Hello({"model": "m"}, True, "abc"),
     HelloOk("rid", 7),

@@ -9,6 +9,8 @@ import pytest
 
 from kvtransfer.reactor import Reactor
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def reactor():

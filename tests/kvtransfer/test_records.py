@@ -7,6 +7,9 @@ import collections
 from kvtransfer.inbound import InboundTransfer
 from kvtransfer.outbound import take_run
 from kvtransfer.protocol import Data
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def runs(pairs, dst, max_blocks):

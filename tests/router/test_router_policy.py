@@ -8,6 +8,8 @@ import pytest
 
 from router.policy import Candidate, PolicyConfig, choose_route, decode_load
 
+pytestmark = pytest.mark.unit
+
 
 def cand(wid, cached=0, running=0, waiting=0, free=10_000, inflight=0, bs=16):
     return Candidate(wid, f"{wid}:1", cached, running, waiting, free, bs, inflight)
