@@ -1,8 +1,8 @@
 """Paged-KV kernels: Triton kernels for CUDA and their plain-torch references.
 
-``get_backend("torch" | "triton")`` returns a module exposing ``write_kv``,
-``paged_attention`` and ``paged_decode_attention`` with identical signatures (see
-``kernels/reference.py`` for the contracts). ``default_backend(device)`` picks one for a device.
+``get_backend("torch" | "triton" | "cpp")`` returns a module exposing ``write_kv``,
+``paged_attention``, ``paged_decode_attention`` and ``argmax_rows`` with identical signatures
+(see ``kernels/reference.py`` for the contracts). ``default_backend(device)`` picks one for a device.
 Kernels import nothing from the project.
 """
 

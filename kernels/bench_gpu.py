@@ -18,9 +18,10 @@ Phases (each prints progress; later phases are skipped, and say so, when the dea
    every context token + queries + outputs + block tables; timed with CUDA graphs. Reported as
    GB/s and as a fraction of the device's peak DRAM bandwidth (spec sheet value by device name,
    else the driver's memory clock x bus width; ``--peak-gbps`` overrides).
-3. **End to end**: decode tokens/s of the project's ``small`` test model through
-   ``shared.engine.LLM`` with the Triton backend (and the torch backend for comparison);
-   skipped with a message when the engine is not importable.
+3. **End to end**: decode tokens/s of the project's ``small`` test model through the engine
+   with the Triton backend (and the torch backend for comparison), run by ``bench/gpu_e2e.py``
+   in a child process (kernels import nothing from the project); skipped with a message when
+   the engine cannot run.
 
 Exit status 1 if any correctness check fails. Needs only torch and triton for phases 1-2.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -327,45 +327,29 @@ def bench_decode(ctx: Ctx, peak: float) -> None:
 
 
 def bench_e2e(ctx: Ctx, batch: int, prompt_len: int, max_tokens: int) -> None:
+    """Phase 3 runs ``bench/gpu_e2e.py`` in a child process: kernels import nothing from the
+    project (the engine lives in ``shared``), so the end-to-end part is the bench's."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "bench.gpu_e2e", "--device", ctx.device, "--batch", str(batch),
+           "--prompt", str(prompt_len), "--tokens", str(max_tokens),
+           "--deadline", str(max(1.0, ctx.left() - 5))]
+    if ctx.dry_run:
+        cmd.append("--dry-run")
     try:
-        from shared.engine import LLM, SamplingParams
-        from shared.cli.tiny_model import make_tiny_model
-    except ImportError as e:
-        ctx.add(Row("e2e", "small model decode", f"skipped: engine not importable ({e})", None))
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False,
+                              timeout=max(10.0, ctx.left()))
+    except subprocess.TimeoutExpired:
+        ctx.add(Row("e2e", "small model decode", "skipped: deadline", None))
         return
-    preset = "tiny" if ctx.dry_run else "small"
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / preset, preset=preset)
-        import random
-
-        rng = random.Random(0)
-        prompts = [[rng.randrange(10, 2000) for _ in range(prompt_len)] for _ in range(batch)]
-        backends = [("triton", "auto"), ("triton", "fp8"), ("torch", "auto")]
-        for backend, kv_dtype in backends:
-            if ctx.left() < 25:
-                ctx.add(Row("e2e", f"{backend} kv={kv_dtype}", "skipped: deadline", None))
-                continue
-            t0 = time.monotonic()
-            llm = LLM(str(model_dir), device=ctx.device, attention_backend=backend,
-                      kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB" if ctx.dry_run else "8GiB",
-                      max_num_seqs=batch, enable_prefix_caching=False, seed=0)
-
-            def run(n: int, llm=llm) -> float:
-                sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                start = time.monotonic()
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-                assert all(len(o.outputs[0].token_ids) == n for o in outs)
-                return time.monotonic() - start
-
-            run(2)  # warm-up: compiles kernels
-            t_prefill = run(1)  # prefill + first token
-            t_full = run(max_tokens)
-            decode_tps = batch * (max_tokens - 1) / max(t_full - t_prefill, 1e-9)
-            ctx.add(Row("e2e", f"{preset} model, {backend} kv={kv_dtype}",
-                        f"{decode_tps:,.0f} decode tok/s (batch {batch}, prompt {prompt_len}, "
-                        f"{max_tokens} tokens; {batch * max_tokens / t_full:,.0f} tok/s overall; "
-                        f"load+warm-up {time.monotonic() - t0 - t_full - t_prefill:.0f} s)"))
-            del llm
+    rows = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    for r in rows:
+        ctx.add(Row("e2e", r["name"], r["result"], None))
+    if proc.returncode != 0 or not rows:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        ctx.add(Row("e2e", "small model decode", f"skipped: {tail[0]}", None))
 
 
 def print_summary(rows: list[Row]) -> None:
@@ -397,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before any @triton.jit runs
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: kernels, shared
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: kernels
     import torch
     import triton
 

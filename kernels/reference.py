@@ -202,3 +202,9 @@ def paged_decode_attention(
         enable_gqa=num_heads != num_kv_heads,
     )
     return o.squeeze(2)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` logits (any float dtype) -> ``[N]`` ids of each row's first maximum; exact
+    (an upcast changes no comparison). Every backend provides it for greedy sampling."""
+    return logits.float().argmax(dim=-1)

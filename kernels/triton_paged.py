@@ -42,6 +42,7 @@ from kernels.triton_write_kv import launch_write_kv
 
 __all__ = [
     "KernelArgumentError",
+    "argmax_rows",
     "decode_config",
     "paged_attention",
     "paged_decode_attention",
@@ -239,3 +240,8 @@ def paged_attention(
     return launch_prefill(query, kv_cache, layer, block_tables, seq_lens, query_start_loc,
                           float(scale), k_scale, v_scale, geom, per_head, config,
                           _emulate_bf16(query.dtype))
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` -> ``[N]`` greedy ids (the backend contract of ``kernels/reference.py``)."""
+    return logits.argmax(dim=-1)

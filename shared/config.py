@@ -170,16 +170,6 @@ class EngineArgs:
         return out
 
     # ---- resolution --------------------------------------------------------------------
-    def resolve_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        try:
-            import torch
-
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            return "cpu"
-
     def create_model_config(self) -> ModelConfig:
         path = Path(self.model)
         cfg_file = path / "config.json"

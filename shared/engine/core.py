@@ -82,7 +82,9 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, runner=None, connector: KVConnector | None = None) -> None:
         self.args = args
-        self.device = args.resolve_device()
+        from shared.engine.device import resolve_device  # the tensor side: deferred
+
+        self.device = resolve_device(args.device)
         self.model_config = args.create_model_config()
         self.cache_config = args.create_cache_config()
         self.scheduler_config = args.create_scheduler_config(self.model_config, self.device)

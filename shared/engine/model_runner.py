@@ -61,7 +61,8 @@ class ModelRunner:
         if seed is not None:
             torch.manual_seed(seed)
         self.model = load_model(model_config, device, self.backend)
-        self.sampler = Sampler(model_config.vocab_size, self.device, seed)
+        self.sampler = Sampler(model_config.vocab_size, self.device, seed,
+                               argmax_rows=self.backend.argmax_rows)
         self.block_size = cache_config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None

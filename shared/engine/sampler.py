@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Callable
 import torch
 import xxhash
 
@@ -32,9 +33,14 @@ def _row_generator(seed: int, position: int, device: torch.device) -> torch.Gene
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int | None) -> None:
+    """``argmax_rows`` is the attention backend's greedy argmax (``kernels`` contract); the
+    sampler uses nothing else of the backend."""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int | None,
+                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self._argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
         self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -101,11 +107,7 @@ class Sampler:
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         # logits: [N, V] model dtype -> [N] ids; exact (an upcast changes no comparison)
-        if logits.device.type == "cpu":
-            from kernels.cpu_paged import argmax_rows
-
-            return argmax_rows(logits)
-        return logits.argmax(dim=-1)
+        return self._argmax_rows(logits)
 
     @staticmethod
     def _needs_processing(r: SampleSpec) -> bool:
