@@ -134,11 +134,35 @@ def _number(text: str) -> float:
     return float(text.rstrip("kM")) * scale
 
 
+_SNAPSHOT_JS = """
+const rows = [...document.querySelectorAll(arguments[0])];
+return rows.map((r) => ({
+  text: r.innerText,
+  attrs: Object.fromEntries([...r.attributes].map((a) => [a.name, a.value])),
+  cells: [...r.cells].map((c) => c.innerText),
+  bars: [...r.querySelectorAll(".bar > div")].map((b) => b.getBoundingClientRect().width),
+}));
+"""
+
+
+def _rows(driver, selector: str) -> list[dict]:
+    """The rows matching ``selector`` as plain data, read in one script call. The page
+    re-renders its tables on every poll, so an element handle found in one poll is stale in
+    the next (this test once failed with StaleElementReferenceException reading ``row.text``
+    after such a re-render); a snapshot taken in one call cannot go stale."""
+    return driver.execute_script(_SNAPSHOT_JS, selector)
+
+
+def _text(driver, element_id: str) -> str:
+    return driver.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : '';",
+        element_id)
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
                     reason=f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)")
 def test_dashboard_page_shows_workers_and_live_load(cluster, tmp_path):
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     c, url = cluster
@@ -146,36 +170,35 @@ def test_dashboard_page_shows_workers_and_live_load(cluster, tmp_path):
     try:
         wait = WebDriverWait(driver, 20, poll_frequency=0.2)
         driver.get(f"{url}/dashboard")
-        wait.until(lambda d: d.find_element(By.ID, "status").text == "live")
+        wait.until(lambda d: _text(d, "status") == "live")
         for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-            row = wait.until(lambda d, w=wid: d.find_elements(
-                By.CSS_SELECTOR, f'#workers tr[data-worker-id="{w}"]'))[0]
-            assert role in row.text and "routable" in row.text, row.text
-        start = _number(driver.find_element(By.ID, "kpi-requests-total").text)
+            row = wait.until(lambda d, w=wid: _rows(d, f'#workers tr[data-worker-id="{w}"]'))[0]
+            assert role in row["text"] and "routable" in row["text"], row["text"]
+        start = _number(_text(driver, "kpi-requests-total"))
 
         with Load(url, c.served_model_name, threads=2) as load:
             # the count and the rate go up while load runs
-            wait.until(lambda d: _number(d.find_element(By.ID, "kpi-requests-total").text) >= start + 5)
-            wait.until(lambda d: _number(d.find_element(By.ID, "kpi-req-rate").text) > 0)
-            wait.until(lambda d: d.find_element(By.ID, "kpi-ttft").text not in ("", "–", "– / –"))
+            wait.until(lambda d: _number(_text(d, "kpi-requests-total")) >= start + 5)
+            wait.until(lambda d: _number(_text(d, "kpi-req-rate")) > 0)
+            wait.until(lambda d: _text(d, "kpi-ttft") not in ("", "–", "– / –"))
             # a phase-breakdown row of a disaggregated request, with prefill and KV transfer
             row = wait.until(lambda d: [
-                r for r in d.find_elements(By.CSS_SELECTOR, '#recent tr[data-path="disagg"]')
-                if float(r.get_attribute("data-prefill-s") or 0) > 0
-                and float(r.get_attribute("data-transfer-s") or 0) > 0])[0]
-            assert "prefill-0 → decode-0" in row.text
-            assert "prefill" in row.text and "KV" in row.text and "blocks" in row.text
-            segments = row.find_elements(By.CSS_SELECTOR, ".bar > div")
-            assert len(segments) >= 3 and all(s.size["width"] >= 0 for s in segments)
+                r for r in _rows(d, '#recent tr[data-path="disagg"]')
+                if float(r["attrs"].get("data-prefill-s") or 0) > 0
+                and float(r["attrs"].get("data-transfer-s") or 0) > 0])[0]
+            assert "prefill-0 → decode-0" in row["text"]
+            assert "prefill" in row["text"] and "KV" in row["text"] and "blocks" in row["text"]
+            assert len(row["bars"]) >= 3 and all(w >= 0 for w in row["bars"])
             # worker figures scraped from the workers' /metrics: KV moved from P to D
-            wait.until(lambda d: "/s" in d.find_element(
-                By.CSS_SELECTOR, '#workers tr[data-worker-id="decode-0"] td:nth-child(12)').text)
+            wait.until(lambda d: any(
+                "/s" in r["cells"][11] for r in _rows(d, '#workers tr[data-worker-id="decode-0"]')
+                if len(r["cells"]) > 11))
             # let the charts gather a few seconds of history, then take the screenshot
             time.sleep(12)
             assert load.error is None, load.error
             shot = tmp_path / "dashboard.png"
             driver.save_screenshot(str(shot))
-            mid = _number(driver.find_element(By.ID, "kpi-requests-total").text)
+            mid = _number(_text(driver, "kpi-requests-total"))
         assert mid > start and load.done > 0
         assert shot.stat().st_size > 20_000
         if os.environ.get("PDSERVE_UPDATE_SCREENSHOT") == "1":
