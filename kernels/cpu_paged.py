@@ -2,9 +2,10 @@
 
 The torch reference (``kernels/reference.py``) gathers every sequence's blocks into a
 contiguous tensor each layer and step; on a CPU that copy dominates a decode step. This module
-compiles (once, with ``torch.utils.cpp_extension``, cached under ``~/.cache/torch_extensions``)
-a decode kernel that walks the block table and runs an online softmax over each block where it
-lies, parallel over (sequence, KV head) with ``at::parallel_for``. Everything else (the KV write
+compiles ``kernels/csrc/cpu_paged.cpp`` (once per source, torch version and CPU model, with
+``torch.utils.cpp_extension``, cached under ``~/.cache/torch_extensions``) into a decode
+kernel that walks the block table and runs an online softmax over each block where it lies,
+parallel over (sequence, KV head) with ``at::parallel_for``. Everything else (the KV write
 and multi-token prefill chunks, whose cost is the attention math itself) uses the reference.
 Also here: a row argmax for greedy sampling and ``small_linear``, a bf16 matmul for decode
 steps' few rows (AVX512-BF16), which the model's projections and LM head offer their input to.
@@ -15,9 +16,12 @@ extension built; ``get_backend("cpp")`` falls back to the reference with a warni
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
+from pathlib import Path
 
 import torch
 
@@ -26,410 +30,36 @@ from kernels.reference import gather_kv, is_fp8, write_kv  # noqa: F401  (re-exp
 
 logger = logging.getLogger(__name__)
 
-_CPP = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <cmath>
-#include <algorithm>
-#include <type_traits>
-#include <vector>
-
-template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-// 16 consecutive K/V elements as fp32 lanes.
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (rel. error
-// ~2e-7), times 2^n with scalef. Inputs here are <= 0 (scores minus their running max).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-template <typename T> struct HasLoad16 : std::false_type {};
-template <> struct HasLoad16<float> : std::true_type {};
-template <> struct HasLoad16<at::BFloat16> : std::true_type {};
-template <> struct HasLoad16<at::Half> : std::true_type {};
-
-// Sums of 16 vectors at once: r[i] = sum of the 16 lanes of v[i] (a transpose-and-add tree,
-// 15 adds instead of 16 horizontal reductions). The lane order of the tree is fixed up by
-// one permute (order derived by simulating the shuffles).
-static inline __m512 hsum16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)
-    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)
-    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
-                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(perm, z);
-}
-
-// One (sequence, KV head): online softmax over its blocks, 16 tokens at a time. D a multiple
-// of 16 (<= 256); the G query heads of the group share every K/V row load.
-// V = D / 16 and G are compile-time constants so the accumulators live in registers.
-template <typename KT, int V, int G>
-static void decode_one_avx512(const float* qf, const KT* kvp, const int32_t* table, int64_t len,
-                              int64_t BS, int64_t s_tok, int64_t s_kv, int64_t s_block,
-                              int64_t layer_off, int64_t h, float vscale, float* acc, float* m,
-                              float* l, float* sbuf) {
-  constexpr int64_t D = V * 16;
-  __m512 q[G * V];
-  __m512 a[G * V];
-  __m512 part[G * 16];  // [g][t]: per-token partial dot products of a 16-token group
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < V; ++v) {
-      q[g * V + v] = _mm512_loadu_ps(qf + g * D + v * 16);
-      a[g * V + v] = _mm512_setzero_ps();
-    }
-  const __m512 vs = _mm512_set1_ps(vscale);
-  for (int64_t base = 0; base < len; base += 16) {
-    // a group of up to 16 consecutive positions (a group never straddles two blocks: the
-    // block size is 8 or a multiple of 16)
-    const int64_t blk_idx = base / BS, off = base % BS;
-    const int64_t ntok = std::min<int64_t>({16, len - base, BS - off});
-    const KT* kb = kvp + table[blk_idx] * s_block + layer_off + h * D + off * s_tok;
-    const KT* vb = kb + s_kv;
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t < ntok) {
-        const KT* kt = kb + t * s_tok;
-        __m512 kr[V];
-        for (int64_t v = 0; v < V; ++v) kr[v] = load16(kt + v * 16);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 d = _mm512_mul_ps(q[g * V], kr[0]);
-          for (int64_t v = 1; v < V; ++v) d = _mm512_fmadd_ps(q[g * V + v], kr[v], d);
-          part[g * 16 + t] = d;
-        }
-      } else {
-        for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
-      }
-    }
-    const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 sc = hsum16(part + g * 16);
-      const float bmax = _mm512_mask_reduce_max_ps(valid, sc);
-      const float mnew = std::max(m[g], bmax);
-      const float corr = std::exp(m[g] - mnew);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
-      _mm512_storeu_ps(sbuf + g * 16, e);
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
-      l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
-      m[g] = mnew;
-    }
-    for (int64_t t = 0; t < ntok; ++t) {
-      const KT* vt = vb + t * s_tok;
-      __m512 vr[V];
-      for (int64_t v = 0; v < V; ++v) vr[v] = _mm512_mul_ps(load16(vt + v * 16), vs);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sbuf[g * 16 + t]);
-        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_fmadd_ps(p, vr[v], a[g * V + v]);
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * D + v * 16, a[g * V + v]);
-}
-
-template <typename KT>
-static bool decode_one_dispatch(int64_t V, int64_t G, const float* qf, const KT* kvp,
-                                const int32_t* table, int64_t len, int64_t BS, int64_t s_tok,
-                                int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h,
-                                float vscale, float* acc, float* m, float* l, float* sbuf) {
-#define PDS_CASE(VV, GG)                                                                     \
-  if (V == VV && G == GG) {                                                                  \
-    decode_one_avx512<KT, VV, GG>(qf, kvp, table, len, BS, s_tok, s_kv, s_block, layer_off,  \
-                                  h, vscale, acc, m, l, sbuf);                               \
-    return true;                                                                             \
-  }
-#define PDS_GROUPS(VV) PDS_CASE(VV, 1) PDS_CASE(VV, 2) PDS_CASE(VV, 4) PDS_CASE(VV, 5) \
-                       PDS_CASE(VV, 6) PDS_CASE(VV, 7) PDS_CASE(VV, 8)
-  PDS_GROUPS(2) PDS_GROUPS(4) PDS_GROUPS(8)
-#undef PDS_GROUPS
-#undef PDS_CASE
-  return false;
-}
-#endif
-
-// q: [S, Hq, D]; kv: [NB, L, 2, BS, Hkv, D] (contiguous); tables: [S, MB] int32;
-// lens: [S] int32; out: [S, Hq, D] (q's dtype). k/v scales: [1] or [Hkv] float32 (fp8 only).
-template <typename QT, typename KT>
-static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale,
-                        const float* ks, const float* vs, int64_t n_scale, at::Tensor& out) {
-  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t L = kv.size(1), BS = kv.size(3), Hkv = kv.size(4);
-  const int64_t G = Hq / Hkv, MB = tables.size(1);
-  const int64_t s_tok = Hkv * D, s_kv = BS * s_tok, s_layer = 2 * s_kv, s_block = L * s_layer;
-  const QT* qp = q.data_ptr<QT>();
-  const KT* kvp = kv.data_ptr<KT>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  QT* op = out.data_ptr<QT>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sbuf(G * std::max<int64_t>(BS, 16)), row(D);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = idx / Hkv, h = idx % Hkv;
-      const float kscale = ks ? ks[n_scale == 1 ? 0 : h] : 1.f;
-      const float vscale = vs ? vs[n_scale == 1 ? 0 : h] : 1.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const QT* qh = qp + (s * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qh[d]) * sc * kscale;
-        m[g] = -INFINITY; l[g] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t len = lp[s];
-      const int64_t nb = (len + BS - 1) / BS;
-#ifdef __AVX512F__
-      if constexpr (HasLoad16<KT>::value) {
-        if (D % 16 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB &&
-            decode_one_dispatch<KT>(D / 16, G, qf.data(), kvp, tp + s * MB, len, BS, s_tok,
-                                    s_kv, s_block, layer * s_layer, h, vscale, acc.data(),
-                                    m.data(), l.data(), sbuf.data())) {
-          for (int64_t g = 0; g < G; ++g) {
-            QT* oh = op + (s * Hq + h * G + g) * D;
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[g * D + d] * inv);
-          }
-          continue;
-        }
-      }
-#endif
-      for (int64_t j = 0; j < nb && j < MB; ++j) {
-        const int64_t blk = tp[s * MB + j];
-        const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
-        const KT* kb = kvp + blk * s_block + layer * s_layer + h * D;
-        const KT* vb = kb + s_kv;
-        // scores: each K row is converted once and dotted with the G query heads of the group
-        for (int64_t t = 0; t < ntok; ++t) {
-          const KT* kt = kb + t * s_tok;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = to_f(kt[d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float dot = 0.f;
-            #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-            sbuf[g * BS + t] = dot;
-          }
-        }
-        // online softmax update per query head
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = sbuf.data() + g * BS;
-          float bmax = -INFINITY;
-          for (int64_t t = 0; t < ntok; ++t) bmax = std::max(bmax, sg[t]);
-          const float mnew = std::max(m[g], bmax);
-          const float corr = std::exp(m[g] - mnew);
-          float lsum = 0.f;
-          #pragma omp simd reduction(+:lsum)
-          for (int64_t t = 0; t < ntok; ++t) { sg[t] = std::exp(sg[t] - mnew); lsum += sg[t]; }
-          float* ag = acc.data() + g * D;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-          l[g] = l[g] * corr + lsum;
-          m[g] = mnew;
-        }
-        // values: each V row converted once, accumulated into every head of the group
-        for (int64_t t = 0; t < ntok; ++t) {
-          const KT* vt = vb + t * s_tok;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = to_f(vt[d]) * vscale;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = sbuf[g * BS + t];
-            float* ag = acc.data() + g * D;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        QT* oh = op + (s * Hq + h * G + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[g * D + d] * inv);
-      }
-    }
-  });
-}
-
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale,
-                        const c10::optional<at::Tensor>& k_scale,
-                        const c10::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "q must be [S,Hq,D] and kv [NB,L,2,BS,Hkv,D]");
-  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "q and kv must be contiguous");
-  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
-              "block tables and seq lens must be int32");
-  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "tables/lens must be contiguous");
-  TORCH_CHECK(q.size(2) == kv.size(5) && q.size(1) % kv.size(4) == 0, "head geometry mismatch");
-  auto out = at::empty_like(q);
-  const float* ks = nullptr; const float* vs = nullptr; int64_t n_scale = 1;
-  if (kv.scalar_type() == at::kFloat8_e4m3fn) {
-    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "fp8 KV needs k_scale and v_scale");
-    ks = k_scale->data_ptr<float>(); vs = v_scale->data_ptr<float>(); n_scale = k_scale->numel();
-  }
-#define DISPATCH_KV(QT)                                                                     \
-  switch (kv.scalar_type()) {                                                              \
-    case at::kFloat: decode_impl<QT, float>(q, kv, layer, tables, lens, scale, ks, vs, n_scale, out); break; \
-    case at::kBFloat16: decode_impl<QT, at::BFloat16>(q, kv, layer, tables, lens, scale, ks, vs, n_scale, out); break; \
-    case at::kHalf: decode_impl<QT, at::Half>(q, kv, layer, tables, lens, scale, ks, vs, n_scale, out); break; \
-    case at::kFloat8_e4m3fn: decode_impl<QT, c10::Float8_e4m3fn>(q, kv, layer, tables, lens, scale, ks, vs, n_scale, out); break; \
-    default: TORCH_CHECK(false, "unsupported KV dtype ", kv.scalar_type());                 \
-  }
-  switch (q.scalar_type()) {
-    case at::kFloat: DISPATCH_KV(float); break;
-    case at::kBFloat16: DISPATCH_KV(at::BFloat16); break;
-    case at::kHalf: DISPATCH_KV(at::Half); break;
-    default: TORCH_CHECK(false, "unsupported query dtype ", q.scalar_type());
-  }
-  return out;
-}
-
-// y[M, N] = x[M, K] @ w[N, K]^T for bf16 x and w with few rows (decode steps: the LM head and
-// the layers' projections at small batch), fp32 accumulation, bf16 output rounded to nearest
-// even like torch's. AVX512-BF16 dot products of 32 pairs per instruction; 16 weight rows at a
-// time (8 KB for K = 256, kept in L1 while every x row passes over them), their 16 partial-sum
-// vectors reduced together by hsum16. K a multiple of 32, N a multiple of 16.
-static bool bf16_gemm_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M,K] and w [N,K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "linear_bf16 takes bf16 tensors");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "x and w must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
-  auto y = at::empty({M, N}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t KC = K / 32;
-  at::parallel_for(0, N / 16, 8, [&](int64_t b0, int64_t b1) {
-    alignas(64) float out[16];
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      const uint16_t* wb = wp + nb * 16 * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const uint16_t* xr = xp + m * K;
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t kc = 0; kc < KC; ++kc) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + kc * 32);
-          for (int j = 0; j < 16; ++j)
-            acc[j] = _mm512_dpbf16_ps(acc[j], xv,
-                                      (__m512bh)_mm512_loadu_si512(wb + j * K + kc * 32));
-        }
-        _mm512_store_ps(out, hsum16(acc));
-        at::BFloat16* yr = yp + m * N + nb * 16;
-        for (int j = 0; j < 16; ++j) yr[j] = at::BFloat16(out[j]);
-      }
-    }
-  });
-  return y;
-#else
-  TORCH_CHECK(false, "linear_bf16 needs AVX512-BF16");
-#endif
-}
-
-// Row-wise argmax (first index of the maximum, as torch.argmax), for greedy sampling straight
-// from the model-dtype logits. x: [N, V] contiguous -> [N] int64.
-template <typename T>
-static int64_t argmax_row(const T* row, int64_t n) {
-  int64_t i = 0, best_i = 0;
-  float best = -INFINITY;
-#ifdef __AVX512F__
-  if constexpr (HasLoad16<T>::value) {
-    if (n >= 16) {
-      __m512 vmax = load16(row);
-      __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      __m512i cur = vidx;
-      const __m512i step = _mm512_set1_epi32(16);
-      for (i = 16; i + 16 <= n; i += 16) {
-        cur = _mm512_add_epi32(cur, step);
-        const __m512 v = load16(row + i);
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
-        vmax = _mm512_mask_blend_ps(gt, vmax, v);
-        vidx = _mm512_mask_blend_epi32(gt, vidx, cur);
-      }
-      alignas(64) float vals[16];
-      alignas(64) int32_t idxs[16];
-      _mm512_store_ps(vals, vmax);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(idxs), vidx);
-      best = vals[0]; best_i = idxs[0];
-      for (int k = 1; k < 16; ++k)
-        if (vals[k] > best || (vals[k] == best && idxs[k] < best_i)) { best = vals[k]; best_i = idxs[k]; }
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(row[i]);
-    if (v > best) { best = v; best_i = i; }
-  }
-  return best_i;
-}
-
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "argmax_rows needs a contiguous [N, V] tensor");
-  const int64_t N = x.size(0), V = x.size(1);
-  auto out = at::empty({N}, x.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  auto run = [&](auto* p) {
-    at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) op[r] = argmax_row(p + r * V, V);
-    });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(x.data_ptr<float>()); break;
-    case at::kBFloat16: run(x.data_ptr<at::BFloat16>()); break;
-    case at::kHalf: run(x.data_ptr<at::Half>()); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
-  }
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
-  m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
-  m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
-}
-"""
 
 _lock = threading.Lock()
 _ext = None
 _failed: str | None = None
+
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_paged.cpp"
+_FLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for exactly these)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def extension_name() -> str:
+    """``pdserve_cpu_paged_<hash>``: the hash covers the source, the flags, torch's version and
+    the CPU's features, so a changed kernel, or a cache dir shared with another CPU model (AMX
+    or not), builds afresh instead of loading a stale or illegal binary."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (" ".join(_FLAGS), torch.__version__, _cpu_flags()):
+        h.update(b"\0" + part.encode())
+    return f"pdserve_cpu_paged_{h.hexdigest()[:16]}"
 
 
 def _load():
@@ -439,12 +69,11 @@ def _load():
     with _lock:
         if _ext is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import load_inline
+                from torch.utils.cpp_extension import load
 
-                flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
-                _ext = load_inline(name="pdserve_cpu_paged_v8", cpp_sources=[_CPP],
-                                   extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                   verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")))
+                _ext = load(name=extension_name(), sources=[str(SOURCE)],
+                            extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                            verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")))
             except Exception as e:  # no compiler, no headers: the reference still works
                 _failed = f"{type(e).__name__}: {e}"
                 logger.warning("CPU paged-attention extension unavailable (%s); "
