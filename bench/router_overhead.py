@@ -332,7 +332,8 @@ def serving_path(model_dir: Path, tokens: int = 64, requests: int = 200) -> dict
     from router.metrics import RouterMetrics
     from router.output import OutputParams
     from router.sampling import Limits
-    from router.serving import Generation, ServingContext
+    from router.context import ServingContext
+    from router.generation import Generation
     from router.tokenizer import RouterTokenizer
     from shared.proto import pdserve_pb2 as pb
 

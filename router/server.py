@@ -47,7 +47,8 @@ from router.protocol import (
     TokenizeRequest,
 )
 from router.sampling import Limits
-from router.serving import RAW_SEND, ClientDisconnected, ServingContext
+from router.context import ServingContext
+from router.sse import RAW_SEND, ClientDisconnected
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
 from router.serving_tokens import detokenize, models, tokenize
@@ -127,7 +128,7 @@ def _replay(messages, then=None):
 
 class _RouterApp(FastAPI):
     """FastAPI that also puts the server's own ``send`` into every HTTP scope (under
-    ``RAW_SEND``), for :class:`router.serving.SSEResponse`'s per-token body chunks."""
+    ``RAW_SEND``), for :class:`router.sse.SSEResponse`'s per-token body chunks."""
 
     def build_middleware_stack(self):
         stack = super().build_middleware_stack()

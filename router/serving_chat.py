@@ -20,7 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.chat_template import ChatTemplateError
+from router.context import ServingContext
 from router.errors import InvalidRequestError, RouterError
+from router.generation import Generation
+from router.logprobs import chat_logprobs
 from router.output import OutputParams, SampleDelta, TokenEntry
 from router.protocol import (
     ChatChoice,
@@ -31,24 +34,8 @@ from router.protocol import (
     ChatResponseMessage,
 )
 from router.sampling import check_json_depth, check_unsupported, validate_common
-from router.serving import (
-    SSE_DONE,
-    SSE_HEADERS,
-    DisconnectWatch,
-    Generation,
-    ServingContext,
-    SSEResponse,
-    base_request_id,
-    chat_logprobs,
-    response_headers,
-    json_str,
-    prepare_prompt_runs,
-    run_generation,
-    sse,
-    truncate_prompt,
-    until_disconnected,
-    warn_unknown_fields,
-)
+from router.serving import serve, stream_end, stream_error, truncate_prompt, warn_unknown_fields
+from router.sse import json_str
 
 
 def template_messages(messages: list[ChatMessage],
@@ -131,55 +118,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         add_special_tokens=req.add_special_tokens, tools=req.tools, documents=req.documents,
         kwargs=req.chat_template_kwargs)
     prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
-    samplings, params = await prepare_prompt_runs(ctx, req, prompts)
-    request_id = f"chatcmpl-{base_request_id(raw)}"
-    created = int(time.time())
-    ticket = ctx.admit()
-    gen = Generation(ctx, request_id, prompts, samplings, params, req.cache_salt or "", arrival)
-    headers = response_headers(raw, request_id)
+    return await serve(ctx, req, raw, prompts, arrival, "chatcmpl", _stream,
+                       lambda *a: _body(ctx, *a))
 
-    async def close() -> None:
-        await gen.aclose()
-        ticket.release()
 
-    if req.stream:
-        watch = DisconnectWatch(raw.receive)  # one watcher for routing and the stream
-        try:
-            await watch.guard(gen.start())
-        except BaseException:
-            watch.stop()
-            await close()
-            raise
-        opts = req.stream_options
-        usage_mode = ("continuous" if opts and opts.include_usage and opts.continuous_usage_stats
-                      else "final" if opts and opts.include_usage else "")
-        return SSEResponse(_stream(ctx, gen, params, request_id, created, usage_mode, close),
-                           close, headers={**SSE_HEADERS, **headers}, watch=watch)
-    entries: dict[int, list[TokenEntry]] = {}
-
-    def collect(deltas: list[SampleDelta]) -> None:
-        for d in deltas:
-            entries.setdefault(d.index, []).extend(d.tokens)
-
-    try:
-        await until_disconnected(raw, run_generation(ctx, gen, collect))
-    finally:
-        await close()
-    def build() -> JSONResponse:
-        choices = [
-            ChatChoice(
-                index=s.index, message=ChatResponseMessage(content=s.text),
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
-                if params.logprobs is not None else None)
-            for s in gen.samples]
-        body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                                      choices=choices, usage=gen.usage())
-        return JSONResponse(body.model_dump(), headers=headers)
-
-    # building the body is Python per output token: off the loop when the output is large
-    big = gen.completion_tokens * (1 + (params.logprobs or 0)) > 16384
-    return await asyncio.to_thread(build) if big else build()
+def _body(ctx: ServingContext, gen: Generation, params: OutputParams,
+          entries: dict[int, list[TokenEntry]], request_id: str, created: int) -> JSONResponse:
+    choices = [
+        ChatChoice(
+            index=s.index, message=ChatResponseMessage(content=s.text),
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
+            if params.logprobs is not None else None)
+        for s in gen.samples]
+    body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                  choices=choices, usage=gen.usage())
+    return JSONResponse(body.model_dump())
 
 
 async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
@@ -240,12 +194,8 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
             events = [e for d in deltas if (e := event(d)) is not None]
             if events:
                 yield "".join(events)
-        if include_usage:  # one write for the usage chunk and the end marker
-            yield sse({**head, "choices": [], "usage": gen.usage().model_dump()}) + SSE_DONE
-        else:
-            yield SSE_DONE
+        yield stream_end(gen, head, include_usage)  # usage chunk and end marker: one write
     except RouterError as e:
-        ctx.metrics.error(e.status)
-        yield sse(e.to_dict()) + SSE_DONE
+        yield stream_error(ctx, e)
     finally:
         await close()

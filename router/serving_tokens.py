@@ -15,7 +15,7 @@ from router.protocol import (
     TokenizeResponse,
 )
 from router.sampling import check_json_depth
-from router.serving import ServingContext
+from router.context import ServingContext
 from router.serving_chat import render_chat_prompt
 
 

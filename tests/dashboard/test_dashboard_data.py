@@ -18,13 +18,12 @@ from fastapi.testclient import TestClient
 from router.dashboard import (
     Dashboard,
     LiveStats,
-    PhaseTimings,
-    RequestRecord,
     add_dashboard_routes,
     parse_worker_metrics,
     quantile,
 )
 from router.metrics import RouterMetrics
+from router.records import PhaseTimings, RequestRecord
 from shared.directory import ROLE_DECODE, ROLE_PREFILL, WorkerInfo, WorkerLoad, WorkerRecord
 
 

@@ -19,7 +19,9 @@ from router.dispatch import SeqOutput, StreamEnd, _Watchdog
 from router.metrics import _ITL_BUCKETS, LoopHistogram, RouterMetrics
 from router.output import OutputParams, SampleOutput
 from router.sampling import Limits
-from router.serving import SSE_DONE, DisconnectWatch, Generation, ServingContext, SSEResponse
+from router.context import ServingContext
+from router.generation import Generation
+from router.sse import SSE_DONE, DisconnectWatch, SSEResponse
 from router.tokenizer import RouterTokenizer
 from shared.proto import pdserve_pb2 as pb
 

@@ -1,0 +1,182 @@
+"""Server-sent events for the OpenAI streaming responses: the lean ``SSEResponse``, one
+client-disconnect watcher per request, and the event formatting helpers.
+
+Nothing here knows about generation: an ``SSEResponse`` sends the strings an async iterator
+yields (``data: [DONE]`` ends the body) and always closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+RAW_SEND = "pdserve.raw_send"  # scope key: the server's own ``send``, under every middleware
+SSE_DONE = "data: [DONE]\n\n"  # the last event of every stream
+
+
+class DisconnectWatch:
+    """One watcher task on the ASGI ``receive`` for a whole request: when the client
+    disconnects it sets ``gone`` and cancels the task attached at that moment, if any.
+
+    :meth:`guard` attaches the current task while it awaits some work (routing and the first
+    token) and turns the cancellation into :class:`ClientDisconnected`; a streaming response
+    then attaches itself (:meth:`attach`) for the body. Between the two nothing is attached,
+    so a disconnect there only sets ``gone`` (which the response checks first) and never
+    cancels the handover in the web framework. :meth:`stop` (idempotent) ends the watcher.
+    """
+
+    __slots__ = ("_target", "_watcher", "gone")
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        self.gone = False
+        self._target: asyncio.Task | None = None
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._target is not None:
+            self._target.cancel()
+
+    def attach(self) -> asyncio.Task:
+        """Cancel the current task on disconnect from now on; returns it."""
+        self._target = asyncio.current_task()
+        return self._target
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the client disconnects first (then cancel it and raise
+        :class:`ClientDisconnected`)."""
+        task = self.attach()
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+            task.uncancel()
+            raise ClientDisconnected() from None
+        finally:
+            self._target = None
+
+    def stop(self) -> None:
+        self._target = None
+        self._watcher.cancel()
+
+
+class SSEResponse(StreamingResponse):
+    """A lean server-sent-events response.
+
+    Sends each string of ``events`` as it comes; a client disconnect cancels the stream at
+    once (``watch``, the request's :class:`DisconnectWatch`, or a new one), and the iterator
+    is always closed and ``on_close`` always awaited, even when the client left before the
+    first byte. The ``data: [DONE]`` event ends the body (in the same write).
+
+    Per-token costs kept down: the headers go through the middleware stack's ``send`` (so the
+    middlewares know that the response started), the body chunks straight to the server's
+    ``send`` when the app put it in the scope under :data:`RAW_SEND` (no middleware here looks
+    at response bodies, and each wrapper costs a coroutine call per chunk); and after the
+    first event the body is sent from a task of its own, whose stack is a few frames deep.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str], watch: DisconnectWatch | None = None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+        self._watch = watch
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        watch = self._watch if self._watch is not None else DisconnectWatch(receive)
+        task = watch.attach()
+        pump: asyncio.Task | None = None
+        try:
+            if watch.gone:  # left while the response was being handed over
+                return
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            send_body = scope.get(RAW_SEND, send)
+            # The first event is normally ready (the first output came before the response):
+            # send it from here, right after the headers. The rest runs in a task of its own:
+            # this coroutine sits under the whole middleware stack, and resuming it once per
+            # token would walk all of it.
+            first = await anext(self.body_iterator, None)
+            if first is None:
+                await send_body({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if await self._send(send_body, first):
+                return
+            pump = asyncio.get_running_loop().create_task(self._pump(send_body, watch))
+            await pump
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            task.uncancel()
+        except OSError:  # the connection broke under a send
+            pass
+        finally:
+            watch.stop()
+            if pump is not None and not pump.done():
+                pump.cancel()
+                await asyncio.wait([pump])
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            await self._on_close()
+
+    async def _send(self, send: Any, event: str) -> bool:
+        """Send one event; True when it was the last (``data: [DONE]``): then the iterator is
+        closed first (the request is released) and the body ends in the same write."""
+        if event.endswith(SSE_DONE):
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": False})
+            return True
+        await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        return False
+
+    async def _pump(self, send: Any, watch: DisconnectWatch) -> None:
+        """Send the remaining events, then end the body; ends quietly when the client left."""
+        watch.attach()
+        try:
+            async for event in self.body_iterator:
+                if await self._send(send, event):
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+        except OSError:  # the connection broke under a send
+            pass
+
+
+async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it and raise
+    :class:`ClientDisconnected`)."""
+    watch = DisconnectWatch(raw.receive)
+    try:
+        return await watch.guard(work)
+    finally:
+        watch.stop()
+
+
+# ``json.dumps(s, ensure_ascii=False)`` for a str ``s``, without building an encoder per call
+json_str: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
