@@ -48,6 +48,7 @@ from kvtransfer.errors import (
 from kvtransfer.geometry import KVGeometry
 from kvtransfer.handles import RecvHandle, as_int_list
 from kvtransfer.inbound import InboundLink, InboundMessage, InboundTransfer
+from kvtransfer.lifecycle import TransferEnd
 from kvtransfer.metrics import TransferCounters, TransferMetrics
 from kvtransfer.pool import PoolView
 from kvtransfer.protocol import (
@@ -75,7 +76,7 @@ from kvtransfer.protocol import (
 logger = logging.getLogger("kvtransfer")
 
 
-class Receiver(KVReceiver):
+class Receiver(TransferEnd, KVReceiver):
     """Receives blocks into ``pool`` over ``transport``; see the module docstring.
 
     Options: ``verify_checksums`` (default on; a sender with checksums off is then refused),
@@ -108,6 +109,7 @@ class Receiver(KVReceiver):
         self._verify = verify_checksums
         self._max_posted = max_posted_receives
         self._settle_timeout_s = settle_timeout_s
+        self._direction = "recv"
         self._metrics = metrics if metrics is not None else TransferMetrics()
         self.receiver_id = uuid.uuid4().hex[:16]
         # Shared with caller threads (guarded by _lock).
@@ -237,68 +239,31 @@ class Receiver(KVReceiver):
             code="cancelled",
         )
 
-    def _decide(
-        self,
-        t: InboundTransfer,
-        state: TransferState,
-        error: KVTransferError | None,
-        reason: str | None,
-        *,
-        code: str | None = None,
-        index: int | None = None,
-    ) -> None:
-        """Fix the outcome of ``t`` and tell the sender (``code``); it settles once no receive
-        into its blocks is outstanding."""
-        if t.outcome is not None:
-            return
-        t.outcome = (state, error, reason)
+    # ---- lifecycle hooks (kvtransfer/lifecycle.py) -------------------------------------
+
+    def _on_decided(self, t: InboundTransfer, error: KVTransferError | None,
+                    code: str | None = None, index: int | None = None) -> None:
+        """Tell the sender (``code``, and the block ``index`` a checksum failed at)."""
         with self._lock:
             if self._expected.get(t.transfer_id) is t:
                 del self._expected[t.transfer_id]
         link = t.link
         if code is not None and link is not None and not link.closed and t.x is not None:
             self._send(link, Fail(t.x, code, str(error)[:1000], index))
-        if not t.busy:
-            self._finalize(t)
-        elif t.settle_timer is None:
-            t.settle_timer = self._reactor.call_later(
-                self._settle_timeout_s, self._on_settle_timeout, t
-            )
 
-    def _on_settle_timeout(self, t: InboundTransfer) -> None:
-        if not t.handle.done and t.link is not None:
-            logger.warning(
-                "kvtransfer: %d receives of transfer %r did not settle within %.1fs; closing "
-                "the connection from %s",
-                t.posted,
-                t.transfer_id,
-                self._settle_timeout_s,
-                t.link.peer,
-            )
-            t.link.link.close()
+    def _outstanding(self, t: InboundTransfer) -> tuple[int, str] | None:
+        return None if t.link is None else (t.posted, str(t.link.peer))
 
-    def _finalize(self, t: InboundTransfer) -> None:
-        if t.handle.done:
-            return
-        state, error, reason = t.outcome  # type: ignore[misc]
-        for timer in (t.deadline_timer, t.settle_timer):
-            if timer is not None:
-                timer.cancel()
+    def _break_peer(self, t: InboundTransfer) -> None:
+        assert t.link is not None
+        t.link.link.close()
+
+    def _detach(self, t: InboundTransfer) -> None:
         link = t.link
         if link is not None and t.x is not None:
             if link.transfers.get(t.x) is t:
                 del link.transfers[t.x]
             link.retire(t.x)
-        self._live.discard(t)
-        t.handle._settle(state, error)
-        if state is TransferState.DONE:
-            self._metrics.transfer_done("recv", t.handle.seconds)
-        elif state is TransferState.CANCELLED:
-            self._metrics.transfer_cancelled("recv")
-        else:
-            self._metrics.transfer_failed("recv", reason or "protocol")
-        with self._lock:
-            self._ids.discard(t.transfer_id)
 
     # ---- connections (reactor thread) --------------------------------------------------
 

@@ -47,6 +47,7 @@ from kvtransfer.errors import (
 )
 from kvtransfer.geometry import KVGeometry
 from kvtransfer.handles import SendHandle, as_int_list
+from kvtransfer.lifecycle import TransferEnd
 from kvtransfer.metrics import TransferCounters, TransferMetrics
 from kvtransfer.outbound import CONNECTING, DEAD, READY, Connection, OutboundTransfer, take_run
 from kvtransfer.pool import PoolView
@@ -74,7 +75,7 @@ from kvtransfer.protocol import (
 logger = logging.getLogger("kvtransfer")
 
 
-class Sender(KVSender):
+class Sender(TransferEnd, KVSender):
     """Pushes blocks of ``pool`` to receivers over ``transport``; see the module docstring.
 
     Options: ``checksums`` (send xxh3_64 per block, default on), ``max_active_transfers``,
@@ -115,6 +116,7 @@ class Sender(KVSender):
         self._max_blocks_per_msg = max(1, max_message_bytes // geometry.block_bytes)
         self._connect_timeout_s = connect_timeout_s
         self._settle_timeout_s = settle_timeout_s
+        self._direction = "send"
         self._metrics = metrics if metrics is not None else TransferMetrics()
         self._faults = fault_injector
         self.sender_id = uuid.uuid4().hex[:16]
@@ -305,19 +307,10 @@ class Sender(KVSender):
             notify=True,
         )
 
-    def _decide(
-        self,
-        t: OutboundTransfer,
-        state: TransferState,
-        error: KVTransferError | None,
-        reason: str | None,
-        *,
-        notify: bool = False,
-    ) -> None:
-        """Fix the outcome of ``t``; it settles once no send of it is outstanding."""
-        if t.outcome is not None:
-            return
-        t.outcome = (state, error, reason)
+    # ---- lifecycle hooks (kvtransfer/lifecycle.py) -------------------------------------
+
+    def _on_decided(self, t: OutboundTransfer, error: KVTransferError | None,
+                    notify: bool = False) -> None:
         t.pending.clear()
         if t in self._slot_queue:
             self._slot_queue.remove(t)
@@ -327,12 +320,6 @@ class Sender(KVSender):
         elif notify and conn is not None and conn.state == CONNECTING and t in conn.waiting:
             # The receiver is waiting for this transfer: tell it as soon as we can talk.
             conn.cancel_on_ready.append((t.transfer_id, t.dst, str(error)[:1000]))
-        if not t.busy:
-            self._finalize(t)
-        elif t.settle_timer is None:
-            t.settle_timer = self._reactor.call_later(
-                self._settle_timeout_s, self._on_settle_timeout, t
-            )
 
     def _maybe_done(self, t: OutboundTransfer) -> None:
         if t.outcome is None and t.acked and t.fin_sent and not t.busy:
@@ -340,49 +327,31 @@ class Sender(KVSender):
         elif t.outcome is not None and not t.busy:
             self._finalize(t)
 
-    def _on_settle_timeout(self, t: OutboundTransfer) -> None:
-        if not t.handle.done and t.conn is not None:
-            logger.warning(
-                "kvtransfer: %d sends of transfer %r did not settle within %.1fs; closing "
-                "the connection to %s",
-                t.inflight,
-                t.transfer_id,
-                self._settle_timeout_s,
-                t.address,
-            )
-            self._fail_conn(
-                t.conn, PeerLostError(f"receiver {t.address} stopped consuming data"), "peer_lost"
-            )
+    def _outstanding(self, t: OutboundTransfer) -> tuple[int, str] | None:
+        return None if t.conn is None else (t.inflight, str(t.address))
 
-    def _finalize(self, t: OutboundTransfer) -> None:
-        if t.handle.done:
-            return
-        state, error, reason = t.outcome  # type: ignore[misc]
-        for timer in (t.deadline_timer, t.settle_timer):
-            if timer is not None:
-                timer.cancel()
+    def _break_peer(self, t: OutboundTransfer) -> None:
+        assert t.conn is not None
+        self._fail_conn(
+            t.conn, PeerLostError(f"receiver {t.address} stopped consuming data"), "peer_lost"
+        )
+
+    def _detach(self, t: OutboundTransfer) -> None:
         conn = t.conn
         if conn is not None:
             if t.x is not None and conn.transfers.get(t.x) is t:
                 del conn.transfers[t.x]
             if t in conn.waiting:
                 conn.waiting.remove(t)
-        self._live.discard(t)
-        t.handle._settle(state, error)
-        if state is TransferState.DONE:
-            self._metrics.transfer_done("send", t.handle.seconds)
-        elif state is TransferState.CANCELLED:
-            self._metrics.transfer_cancelled("send")
-        else:
-            self._metrics.transfer_failed("send", reason or "protocol")
-        with self._lock:
-            self._ids.discard(t.transfer_id)
-            drained = self._closing and not self._ids
+
+    def _after_finalize(self, t: OutboundTransfer) -> None:
         if t.active:
             t.active = False
             self._active -= 1
             while self._slot_queue and self._active < self._max_active and not self._closing:
                 self._activate(self._slot_queue.popleft())
+        with self._lock:
+            drained = self._closing and not self._ids
         if drained:
             self._drained.set()
 
