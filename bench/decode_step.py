@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_paged  # noqa: E402
-from shared.engine import LLM  # noqa: E402
-from shared.engine.sampling_params import SamplingParams  # noqa: E402
+from kernels import cpu_paged
+from shared.engine import LLM
+from shared.engine.sampling_params import SamplingParams
 
 
 def step_ms(model: str, batch: int, prompt_len: int, steps: int, small: bool) -> float:

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.engine import LLM  # noqa: E402
-from shared.engine.sampling_params import SamplingParams  # noqa: E402
+from shared.engine import LLM
+from shared.engine.sampling_params import SamplingParams
 
 
 def sharegpt_like(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:

@@ -229,7 +229,7 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
         if args.streams and args.stream_rounds:
             prompts = [" ".join(rng.choice(words) for _ in range(args.prompt_words)) + f" s{i}"
                        for i in range(args.stream_requests)]
-            for name, (proc, url) in routers.items():  # warm-up (connections, caches)
+            for _name, (proc, url) in routers.items():  # warm-up (connections, caches)
                 await _concurrent(url, proc.pid, args, prompts[: args.streams])
             names = list(routers)
             for r in range(args.stream_rounds):
@@ -290,14 +290,14 @@ async def lookups(redis_url: str, n_blocks: int, n_lookups: int, prompt_blocks: 
         toks = [rng.randrange(5, 2000) for _ in range(prompt_blocks * 16)]
         chain = block_hashes(toks, 16, seed)
         chains.append(toks)
-        for lease, pub in rng.sample(leases, rng.choice((1, 2))):
+        for _lease, pub in rng.sample(leases, rng.choice((1, 2))):
             pub.publish([BlockStored(tuple(chain))])
         stored += len(chain)
     client = connect_async(redis_url)
     reader = DirectoryReader(client, keys)
     live = {lease.info.worker_id: lease.generation for lease, _ in leases}
     t_hit, t_miss = [], []
-    for i in range(n_lookups):
+    for _ in range(n_lookups):
         toks = rng.choice(chains)
         hashes = block_hashes(toks, 16, seed)
         t0 = time.perf_counter()
@@ -327,13 +327,13 @@ def serving_path(model_dir: Path, tokens: int = 64, requests: int = 200) -> dict
     requests. What this leaves out (gRPC receive, the HTTP write, the event loop) is what the
     process measurements above add."""
     from router import dispatch, serving_chat, serving_completions
+    from router.context import ServingContext
     from router.dashboard import LiveStats
     from router.dispatch import StreamEnd
+    from router.generation import Generation
     from router.metrics import RouterMetrics
     from router.output import OutputParams
     from router.sampling import Limits
-    from router.context import ServingContext
-    from router.generation import Generation
     from router.tokenizer import RouterTokenizer
     from shared.proto import pdserve_pb2 as pb
 

@@ -22,11 +22,11 @@ import grpc
 from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
 from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
 from shared.engine.connector import RemotePrefillParams
-from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.engine.outputs import EngineCoreOutput, FailureKind
+from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.engine.sampling_params import SamplingParamsError
+from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
     GRPC_OPTIONS,
     WorkerRuntime,
@@ -248,7 +248,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             task.cancel()  # cancels the Prefill RPC and the posted receives
             try:
                 await task
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - its outcome no longer matters
                 pass
         try:
             await asyncio.wait_for(asyncio.wrap_future(
@@ -318,7 +318,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             raise
         except EngineDeadError:
             return
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of P: prefill locally
             reason = _fallback_reason(e)
             logger.warning("remote prefill of %s via %s failed (%s: %s); prefilling locally",
                            req.request_id, req.prefill_address, reason, e)

@@ -111,7 +111,7 @@ class TransferEnd:
                 timer.cancel()
         self._detach(t)
         self._live.discard(t)
-        t.handle._settle(state, error)  # noqa: SLF001 - the handles' reactor-side API
+        t.handle._settle(state, error)  # the handles' reactor-side API
         if state is TransferState.DONE:
             self._metrics.transfer_done(self._direction, t.handle.seconds)
         elif state is TransferState.CANCELLED:

@@ -20,11 +20,11 @@ import grpc
 
 from shared.engine import InvalidRequestError
 from shared.engine.connector import RemoteDecodeParams
-from shared.worker.engine_loop import EngineDeadError
 from shared.engine.outputs import EngineCoreOutput, FailureKind
+from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.engine.sampling_params import SamplingParamsError
+from shared.worker.engine_loop import EngineDeadError
 from shared.worker.service import (
     WorkerRuntime,
     add_worker_cli_args,
@@ -95,7 +95,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         try:
             handle = self.sender.open(request.transfer_id or rid, bytes(request.decode_kv_address),
                                       dst, timeout_s=self.transfer_timeout_s)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a bad address or a dead link: refused
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"cannot open a KV transfer to the decode worker: {e}")
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
@@ -149,7 +149,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             handle.finish()
             try:
                 await wait_transfer(handle, self.transfer_timeout_s)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any transfer failure: the status says it
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
             finished = True
             res = pb.PrefillResult(

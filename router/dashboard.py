@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from router.records import RequestRecord
 from fastapi import FastAPI, Request
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from router.records import RequestRecord
 from shared.directory import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 
 PAGE = Path(__file__).resolve().parent / "static" / "dashboard.html"

@@ -310,7 +310,7 @@ class GenerationStream:
                     self.attempts += 1
                     if self.attempts > self.d.cfg.max_retries:
                         if overloaded and not any(self.tokens):
-                            raise OverloadedError("decode workers are at capacity; retry later")
+                            raise OverloadedError("decode workers are at capacity; retry later") from None
                         raise UpstreamError(f"generation failed after {self.attempts} attempts; "
                                             f"last failure: {last_error}") from None
                     self.d.metrics.c_retries.inc()

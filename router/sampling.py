@@ -170,7 +170,7 @@ def validate_common(req: SamplingFields, limits: Limits) -> None:
             raise _bad(f"cache_salt has {len(req.cache_salt)} characters; at most "
                        f"{limits.max_cache_salt_chars} are allowed", "cache_salt")
     if req.truncate_prompt_tokens is not None and not (
-            req.truncate_prompt_tokens == -1 or 1 <= req.truncate_prompt_tokens):
+            req.truncate_prompt_tokens == -1 or req.truncate_prompt_tokens >= 1):
         raise _bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")

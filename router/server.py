@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from router.body import BodyError, JSONBodyRoute
 from router.config import RouterConfig
+from router.context import ServingContext
 from router.dashboard import Dashboard, LiveStats, add_dashboard_routes
 from router.dispatch import DispatchConfig, Dispatcher
 from router.errors import (
@@ -47,11 +48,10 @@ from router.protocol import (
     TokenizeRequest,
 )
 from router.sampling import Limits
-from router.context import ServingContext
-from router.sse import RAW_SEND, ClientDisconnected
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
 from router.serving_tokens import detokenize, models, tokenize
+from router.sse import RAW_SEND, ClientDisconnected
 from router.tokenizer import RouterTokenizer
 from router.workers import WorkerPool
 from shared.config import ConfigError, EngineArgs, ModelConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from router.context import ServingContext
 from router.errors import InvalidRequestError
 from router.protocol import (
     DetokenizeRequest,
@@ -15,7 +16,6 @@ from router.protocol import (
     TokenizeResponse,
 )
 from router.sampling import check_json_depth
-from router.context import ServingContext
 from router.serving_chat import render_chat_prompt
 
 

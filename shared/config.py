@@ -147,7 +147,7 @@ class EngineArgs:
                        help="most top logprobs a request may ask for (vLLM's --max-logprobs)")
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 

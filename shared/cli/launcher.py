@@ -91,7 +91,7 @@ class Cluster:
         if threads:
             env["PDSERVE_NUM_THREADS"] = str(threads)
             env["OMP_NUM_THREADS"] = str(threads)
-        f = open(log, "ab")
+        f = open(log, "ab")  # noqa: SIM115 - handed to the child, closed right after
         proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], stdout=f,
                                 stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         f.close()

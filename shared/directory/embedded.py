@@ -87,7 +87,7 @@ class EmbeddedRedis:
                      "no", "--dir", self._dir, "--daemonize", "no", "--protected-mode", "yes",
                      "--maxclients", "10000", "--loglevel", "warning"],
                     stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=_session_dying_with_parent)  # noqa: PLW1509 - only prctl runs
+                    preexec_fn=_session_dying_with_parent)  # only prctl runs before exec
             self.port = port
             if self._wait_ready(timeout_s):
                 return self.url

@@ -20,18 +20,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.config import ConfigError, EngineArgs, GiB
-from shared.hashing import hash_seed
+from shared.engine.connector import (
+    KVConnector,
+    KVTransferParams,
+    KVTransferParamsError,
+    RemotePrefillJob,
+)
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.outputs import (
     EngineCoreOutput,
     FailureKind,
     RequestFailure,
 )
-from shared.engine.connector import (KVConnector, KVTransferParams, KVTransferParamsError,
-                                     RemotePrefillJob)
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.engine.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
+from shared.hashing import hash_seed
 
 logger = logging.getLogger(__name__)
 

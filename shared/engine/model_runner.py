@@ -17,10 +17,10 @@ import torch
 
 from kernels import default_backend, get_backend
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
-from shared.models.llama import AttentionMetadata
-from shared.models.loader import load_model
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import SampleResult, SampleSpec, SchedulerOutput
+from shared.models.llama import AttentionMetadata
+from shared.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30

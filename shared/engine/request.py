@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.hashing import ROOT_HASH, block_hashes
 from shared.engine.sampling_params import SamplingParams
+from shared.hashing import ROOT_HASH, block_hashes
 
 
 class RequestStatus(enum.IntEnum):

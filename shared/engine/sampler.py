@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable
+
 import torch
 import xxhash
 

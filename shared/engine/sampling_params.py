@@ -88,12 +88,12 @@ class SamplingParams:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if self.seed is not None:
-            # sample i of an n > 1 request draws with seed + i: that must fit in int64 too
-            if not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
-                raise bad("seed", self.seed,
-                          f"an integer in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] for n={self.n} "
-                          "(sample i uses seed + i, a signed 64-bit integer)")
+        # sample i of an n > 1 request draws with seed + i: that must fit in int64 too
+        if self.seed is not None and (
+                not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1)):
+            raise bad("seed", self.seed,
+                      f"an integer in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] for n={self.n} "
+                      "(sample i uses seed + i, a signed 64-bit integer)")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or (

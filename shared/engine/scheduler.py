@@ -22,8 +22,16 @@ from shared.config import SchedulerConfig
 from shared.engine.connector import KVConnector
 from shared.engine.kv_cache_manager import KVCacheManager, cdiv
 from shared.engine.request import Request, RequestStatus
-from shared.engine.scheduler_output import (SampledToken, SampleError, SampleResult, SampleSpec,
-                                            ScheduledSeq, SchedulerOutput, SeqFailure, SeqUpdate)
+from shared.engine.scheduler_output import (
+    SampledToken,
+    SampleError,
+    SampleResult,
+    SampleSpec,
+    ScheduledSeq,
+    SchedulerOutput,
+    SeqFailure,
+    SeqUpdate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +270,7 @@ class Scheduler:
                         if not sib.is_finished:
                             updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
                     req.siblings = []
-            except Exception as e:  # noqa: BLE001 - the request's own failure
+            except Exception as e:  # the request's own failure (logged, then failed alone)
                 logger.exception("step update of request %s failed", req.request_id)
                 failures.append(SeqFailure(req, f"{type(e).__name__}: {e}"))
         return updates, failures

@@ -51,7 +51,7 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
+                for hf_name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                     if "rotary_emb.inv_freq" in hf_name:
                         continue
                     name, shard = fused_param_name(hf_name)
@@ -68,7 +68,7 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     missing = []
-    for name, param in params.items():
+    for name, _param in params.items():
         parts = 3 if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias") else (
             2 if "gate_up_proj" in name else 1)
         keys = [name] if parts == 1 else [f"{name}#{i}" for i in range(parts)]

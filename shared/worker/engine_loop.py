@@ -96,7 +96,7 @@ class EngineLoop:
                 continue
             try:
                 fut.set_result(fn(self.engine))
-            except BaseException as e:  # delivered to the caller
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
                 fut.set_exception(e)
 
     def deliver(self, outputs: list[EngineCoreOutput]) -> None:

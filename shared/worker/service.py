@@ -26,10 +26,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shared.config import EngineArgs
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
+from shared.engine.outputs import EngineCoreOutput
+from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from shared.worker.metrics import WorkerMetrics
-from shared.engine.outputs import EngineCoreOutput
-from shared.proto.failure import failure_metadata  # noqa: F401 (re-exported for the roles)
 
 logger = logging.getLogger(__name__)
 

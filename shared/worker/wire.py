@@ -11,11 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from shared.proto import pdserve_pb2 as pb
-from shared.proto.failure import FAILURE_ENGINE, FAILURE_KEY, FAILURE_REQUEST, failure_metadata  # noqa: F401
 from shared.engine.request import Logprob
 from shared.engine.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 from shared.engine.scheduler import SampledToken
+from shared.proto import pdserve_pb2 as pb
+from shared.proto.failure import (  # noqa: F401 - re-exported for the two roles
+    FAILURE_ENGINE,
+    FAILURE_KEY,
+    FAILURE_REQUEST,
+    failure_metadata,
+)
 
 MAX_ID_CHARS = 256  # request_id, transfer_id, worker ids
 MAX_CACHE_SALT_CHARS = 1024

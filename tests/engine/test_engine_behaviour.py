@@ -10,8 +10,8 @@ import pytest
 
 from shared.config import ConfigError, EngineArgs
 from shared.engine import LLM, EngineCore, InvalidRequestError, PromptTooLongError
-from shared.models.loader import ModelLoadError
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
+from shared.models.loader import ModelLoadError
 from tests.engine.helpers import hf_greedy, random_prompts
 
 
@@ -36,7 +36,7 @@ def test_randomized_steps_keep_integrity(tiny_llama, mode):
     produced: dict[tuple[str, int], int] = {}
     finished: set[str] = set()
     next_id = 0
-    for step in range(400):
+    for _step in range(400):
         if rng.random() < 0.35:
             n_prompt = rng.randint(1, 250)
             prompt = [rng.randrange(3, 2048) for _ in range(n_prompt)]

@@ -12,11 +12,12 @@ Both tests failed before the pins existed (the other request's table held the tr
 
 from __future__ import annotations
 
+import pytest
+
 from shared.engine.connector import RemoteDecodeParams, RemotePrefillParams
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.fakes import fake_engine
-import pytest
 
 pytestmark = pytest.mark.unit
 

@@ -416,7 +416,9 @@ def test_malformed_and_unexpected_messages_to_receiver_are_rejected(loopback_pai
     replies: list = []
     transport, link = _raw_link(receiver._transport.network, receiver, replies)
     try:
-        send = lambda payload: transport.reactor.run_sync(link.send_ctrl, payload)
+        def send(payload):
+            return transport.reactor.run_sync(link.send_ctrl, payload)
+
         send(b"\x00garbage")
         send(encode_ops([Open(1, "x", [1])]))  # before the handshake
         send(encode_ops([Hello(geometry.to_wire(), True, "raw")]))

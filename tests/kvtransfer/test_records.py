@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import collections
 
+import pytest
+
 from kvtransfer.inbound import InboundTransfer
 from kvtransfer.outbound import take_run
 from kvtransfer.protocol import Data
-import pytest
 
 pytestmark = pytest.mark.unit
 

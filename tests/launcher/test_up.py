@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
     port = free_port()
     env = dict(os.environ, PDSERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
-    log = open(tmp_path / "up.log", "w+")
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read while the process runs
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--kv-cache-memory", "64MiB",
          "--run-dir", str(tmp_path / "run")],

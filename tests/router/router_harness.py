@@ -46,9 +46,10 @@ class FakeWorker:
             cmd += ["--redis-url", redis_url]
         for k, v in opts.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-        self.log = tempfile.NamedTemporaryFile(prefix=f"fake-{worker_id}-", suffix=".log")
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
+            prefix=f"fake-{worker_id}-", suffix=".log")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     preexec_fn=_session_dying_with_parent,  # noqa: PLW1509
+                                     preexec_fn=_session_dying_with_parent,
                                      cwd=ROOT)
         line = self._readline(timeout=20)
         if not line.startswith("READY "):

@@ -42,8 +42,9 @@ def _decode_stats(c):
 def test_cached_prefix_routes_to_its_decode_worker(cluster):
     """Runs before the kill test (file order): a follow-up sharing a long prefix goes to the
     decode worker that already holds it, for three different prefixes."""
-    import openai
     import random
+
+    import openai
 
     c, url = cluster
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)

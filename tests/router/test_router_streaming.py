@@ -14,13 +14,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from router import serving_chat, serving_completions
+from router.context import ServingContext
 from router.dashboard import LiveStats
 from router.dispatch import SeqOutput, StreamEnd, _Watchdog
+from router.generation import Generation
 from router.metrics import _ITL_BUCKETS, LoopHistogram, RouterMetrics
 from router.output import OutputParams, SampleOutput
 from router.sampling import Limits
-from router.context import ServingContext
-from router.generation import Generation
 from router.sse import SSE_DONE, DisconnectWatch, SSEResponse
 from router.tokenizer import RouterTokenizer
 from shared.proto import pdserve_pb2 as pb

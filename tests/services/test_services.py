@@ -12,11 +12,17 @@ import pytest
 import redis
 
 from shared.engine import LLM
+from shared.engine.sampling_params import SamplingParams
 from shared.hashing import block_hashes, hash_seed
 from shared.proto import pdserve_pb2 as pb
-from shared.engine.sampling_params import SamplingParams
-from tests.cluster_utils import (channel_to, decode_stub, generate, make_cluster, prefill_stub,
-                                 wait_until)
+from tests.cluster_utils import (
+    channel_to,
+    decode_stub,
+    generate,
+    make_cluster,
+    prefill_stub,
+    wait_until,
+)
 from tests.engine.helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.integration
@@ -73,7 +79,6 @@ def test_seeded_sampling_matches_colocated_engine(cluster, tiny_llama):
 
 def test_second_turn_transfers_only_new_blocks(cluster, tiny_llama):
     p_addr, d_addr = cluster.ready["prefill-0"]["grpc"], cluster.ready["decode-0"]["grpc"]
-    bs = cluster.ready["decode-0"].get("block_size", 16)
     turn1 = random_prompts(23, lengths=[160])[0]
     with channel_to(d_addr) as ch:
         stub = decode_stub(ch)
@@ -137,7 +142,7 @@ def test_decode_cancel_midstream_leaks_nothing(cluster):
                 call.cancel()
                 break
     for addr, role in ((d_addr, "decode"), (p_addr, "prefill")):
-        s = wait_until(lambda: (lambda st: st if st.used_blocks == 0 and st.running == 0 else None)(
+        s = wait_until(lambda addr=addr, role=role: (lambda st: st if st.used_blocks == 0 and st.running == 0 else None)(
             _stats(addr, role)), what=f"{role} to release every block")
         assert s.integrity_ok, s.integrity_error
         if role == "prefill":

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.connector import (DecodeConnector, PrefillConnector, RemoteDecodeParams,
-                                     RemotePrefillParams)
+from shared.engine.connector import (
+    DecodeConnector,
+    PrefillConnector,
+    RemoteDecodeParams,
+    RemotePrefillParams,
+)
 from shared.engine.request import RequestStatus
 from shared.engine.scheduler_output import SampledToken
 from tests.unit.factories import BLOCK, make_request, make_scheduler, new_tokens, step
