@@ -72,22 +72,63 @@ class Workload:
 
 
 WORKLOADS = [
-    Workload("r256_n64", "random 256->64, n=64, rate inf",
-             (*_R256, "--num-prompts", "64", "--request-rate", "inf"), quick=True),
-    Workload("r256_n256", "random 256->64, n=256, rate inf",
-             (*_R256, "--num-prompts", "256", "--request-rate", "inf")),
-    Workload("r256_n64_c16", "random 256->64, n=64, max-concurrency 16",
-             (*_R256, "--num-prompts", "64", "--max-concurrency", "16")),
-    Workload("r256_n16_c1", "random 256->64, n=16, max-concurrency 1",
-             (*_R256, "--num-prompts", "16", "--max-concurrency", "1")),
-    Workload("prefixrep1024", "prefix_repetition 4x1024 prefix + 64 suffix ->64, n=64, rate inf",
-             ("--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
-              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
-              "--prefix-repetition-output-len", "64", "--num-prompts", "64",
-              "--request-rate", "inf")),
-    Workload("r1088_n64", "random 1088->64, n=64, rate inf (no sharing)",
-             ("--dataset-name", "random", "--random-input-len", "1088", "--random-output-len",
-              "64", "--num-prompts", "64", "--request-rate", "inf")),
+    Workload(
+        "r256_n64",
+        "random 256->64, n=64, rate inf",
+        (*_R256, "--num-prompts", "64", "--request-rate", "inf"),
+        quick=True,
+    ),
+    Workload(
+        "r256_n256",
+        "random 256->64, n=256, rate inf",
+        (*_R256, "--num-prompts", "256", "--request-rate", "inf"),
+    ),
+    Workload(
+        "r256_n64_c16",
+        "random 256->64, n=64, max-concurrency 16",
+        (*_R256, "--num-prompts", "64", "--max-concurrency", "16"),
+    ),
+    Workload(
+        "r256_n16_c1",
+        "random 256->64, n=16, max-concurrency 1",
+        (*_R256, "--num-prompts", "16", "--max-concurrency", "1"),
+    ),
+    Workload(
+        "prefixrep1024",
+        "prefix_repetition 4x1024 prefix + 64 suffix ->64, n=64, rate inf",
+        (
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            "1024",
+            "--prefix-repetition-suffix-len",
+            "64",
+            "--prefix-repetition-num-prefixes",
+            "4",
+            "--prefix-repetition-output-len",
+            "64",
+            "--num-prompts",
+            "64",
+            "--request-rate",
+            "inf",
+        ),
+    ),
+    Workload(
+        "r1088_n64",
+        "random 1088->64, n=64, rate inf (no sharing)",
+        (
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "1088",
+            "--random-output-len",
+            "64",
+            "--num-prompts",
+            "64",
+            "--request-rate",
+            "inf",
+        ),
+    ),
 ]
 
 # (result key in vllm bench's JSON, label, higher is better)
@@ -109,6 +150,7 @@ def seed_for(workload_index: int, rep: int, base: int) -> int:
 # Machine load
 # ---------------------------------------------------------------------------------------
 
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -119,8 +161,9 @@ def wait_quiet(max_load: float, max_wait: float, what: str) -> list[float]:
     la = loadavg()
     if max_load <= 0 or la[0] <= max_load:
         return la
-    print(f"[compare] load {la} > {max_load} before {what}; waiting up to {max_wait:.0f}s",
-          flush=True)
+    print(
+        f"[compare] load {la} > {max_load} before {what}; waiting up to {max_wait:.0f}s", flush=True
+    )
     while time.monotonic() - t0 < max_wait:
         time.sleep(15)
         la = loadavg()
@@ -134,19 +177,23 @@ def wait_quiet(max_load: float, max_wait: float, what: str) -> list[float]:
 def code_version() -> dict:
     """The pdserve code a server is started from: HEAD, and the files that differ from it
     (read-only git commands; the checkout is shared, so record it at every start)."""
+
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=30, check=False).stdout
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
 
     import hashlib
 
     dirty = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"head": git("log", "-1", "--format=%h %ci %s").strip(), "modified_tracked_files": dirty,
-            "diff_sha1": hashlib.sha1(git("diff", "HEAD").encode()).hexdigest()[:12]
-            if dirty else None}
+    return {
+        "head": git("log", "-1", "--format=%h %ci %s").strip(),
+        "modified_tracked_files": dirty,
+        "diff_sha1": hashlib.sha1(git("diff", "HEAD").encode()).hexdigest()[:12] if dirty else None,
+    }
 
 
 def _proc_stat(pid: int) -> tuple[int, float] | None:
@@ -201,13 +248,15 @@ def tree_cpu(root: int) -> dict[str, float]:
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items(),
-                                                                     key=lambda kv: -kv[1])}
+    return {
+        k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items(), key=lambda kv: -kv[1])
+    }
 
 
 # ---------------------------------------------------------------------------------------
 # Prometheus scraping
 # ---------------------------------------------------------------------------------------
+
 
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """``/metrics`` as {"name{label=value,...}": value}; {} if unreachable."""
@@ -223,8 +272,9 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
         for s in fam.samples:
             if s.name.endswith("_created"):
                 continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k not in ("model_name", "engine"))
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
+            )
             out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
@@ -277,6 +327,7 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
 # ---------------------------------------------------------------------------------------
 # Servers
 # ---------------------------------------------------------------------------------------
+
 
 def _http_ok(url: str) -> bool:
     try:
@@ -337,8 +388,12 @@ class Server:
         return {}
 
     def describe(self) -> dict:
-        return {"cmd": shlex.join(self.cmd), "env": self.env_extra, "log": str(self.log),
-                "startup_s": round(self.started_s, 1)}
+        return {
+            "cmd": shlex.join(self.cmd),
+            "env": self.env_extra,
+            "log": str(self.log),
+            "startup_s": round(self.started_s, 1),
+        }
 
     def start(self, startup_timeout: float) -> None:
         if _http_ok(f"{self.base_url}/health"):
@@ -349,17 +404,27 @@ class Server:
         print(f"[compare] starting {self.name}: {shlex.join(self.cmd)}", flush=True)
         t0 = time.monotonic()
         with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                         cwd=ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
         print(f"[compare] {self.name} pid {self.proc.pid}, log {self.log}", flush=True)
         while not self.ready():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during "
-                                   f"startup; log tail:\n{_tail(self.log)}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} during "
+                    f"startup; log tail:\n{_tail(self.log)}"
+                )
             if time.monotonic() - t0 > startup_timeout:
                 self.stop()
-                raise TimeoutError(f"{self.name} not ready after {startup_timeout:.0f}s; "
-                                   f"log tail:\n{_tail(self.log)}")
+                raise TimeoutError(
+                    f"{self.name} not ready after {startup_timeout:.0f}s; "
+                    f"log tail:\n{_tail(self.log)}"
+                )
             time.sleep(1.0)
         self.started_s = time.monotonic() - t0
         print(f"[compare] {self.name} ready in {self.started_s:.0f}s", flush=True)
@@ -378,8 +443,11 @@ class Server:
         try:
             p.wait(grace_s)
         except subprocess.TimeoutExpired:
-            print(f"[compare] {self.name} (pid {pid}) ignored SIGTERM for {grace_s:.0f}s: "
-                  "SIGKILL to its process group", flush=True)
+            print(
+                f"[compare] {self.name} (pid {pid}) ignored SIGTERM for {grace_s:.0f}s: "
+                "SIGKILL to its process group",
+                flush=True,
+            )
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -393,26 +461,55 @@ class VllmServer(Server):
 
     name = "vllm"
 
-    def __init__(self, model: str, port: int, log: Path, lifetime_s: int = 7200,
-                 omp_bind: str | None = None, kv_gib: int = 1, extra: list[str] | None = None,
-                 python: Path = VLLM_PY, cli: Path = VLLM_CLI) -> None:
+    def __init__(
+        self,
+        model: str,
+        port: int,
+        log: Path,
+        lifetime_s: int = 7200,
+        omp_bind: str | None = None,
+        kv_gib: int = 1,
+        extra: list[str] | None = None,
+        python: Path = VLLM_PY,
+        cli: Path = VLLM_CLI,
+    ) -> None:
         super().__init__(port, log, lifetime_s)
         self.model = model
         self.python = python
         self.cli = cli
         self.extra = extra or []
-        self.env_extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_HOST_IP": "127.0.0.1",
-                          "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                          "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        self.env_extra = {
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
         if omp_bind:
             self.env_extra["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind
         self.config = "C" if omp_bind else "A"
 
     def command(self) -> list[str]:
-        return [str(self.python), str(self.cli), "serve", self.model, "--host", "127.0.0.1",
-                "--port", str(self.port), "--dtype", "bfloat16",
-                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-                "--max-num-batched-tokens", str(MAX_BATCHED), *self.extra]
+        return [
+            str(self.python),
+            str(self.cli),
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens",
+            str(MAX_BATCHED),
+            *self.extra,
+        ]
 
     def ready(self) -> bool:
         return _http_ok(f"{self.base_url}/health")
@@ -425,8 +522,12 @@ class VllmServer(Server):
         found: dict[str, str] = {"config": self.config}
         try:
             for ln in self.log.read_text(errors="replace").splitlines():
-                for key in ("core ids=", "reserved_cpus=", "Reducing Torch threads",
-                            "VLLM_CPU_OMP_THREADS_BIND="):
+                for key in (
+                    "core ids=",
+                    "reserved_cpus=",
+                    "Reducing Torch threads",
+                    "VLLM_CPU_OMP_THREADS_BIND=",
+                ):
                     if key in ln and key not in found:
                         found[key] = ln.split("]", 1)[-1].strip()[:200]
         except OSError:
@@ -442,9 +543,19 @@ class PdserveServer(Server):
 
     name = "pdserve"
 
-    def __init__(self, model: str, port: int, log: Path, run_dir: Path, prefill: int = 1,
-                 decode: int = 1, lifetime_s: int = 7200, threads_per_worker: int | None = None,
-                 kv_cache_memory: str = "1GiB", extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        port: int,
+        log: Path,
+        run_dir: Path,
+        prefill: int = 1,
+        decode: int = 1,
+        lifetime_s: int = 7200,
+        threads_per_worker: int | None = None,
+        kv_cache_memory: str = "1GiB",
+        extra: list[str] | None = None,
+    ) -> None:
         super().__init__(port, log, lifetime_s)
         self.model = model
         self.run_dir = run_dir
@@ -457,12 +568,30 @@ class PdserveServer(Server):
 
     def command(self) -> list[str]:
         exe = ROOT / ".venv" / "bin" / "pdserve"
-        cmd = [str(exe) if exe.exists() else "pdserve", "up", "--model", self.model,
-               "--prefill", str(self.prefill), "--decode", str(self.decode),
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED),
-               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", self.kv_cache_memory,
-               "--run-dir", str(self.run_dir)]
+        cmd = [
+            str(exe) if exe.exists() else "pdserve",
+            "up",
+            "--model",
+            self.model,
+            "--prefill",
+            str(self.prefill),
+            "--decode",
+            str(self.decode),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens",
+            str(MAX_BATCHED),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-memory",
+            self.kv_cache_memory,
+            "--run-dir",
+            str(self.run_dir),
+        ]
         if self.threads_per_worker:
             cmd += ["--threads-per-worker", str(self.threads_per_worker)]
         return cmd + self.extra
@@ -501,18 +630,29 @@ class PdserveServer(Server):
     def threads(self) -> dict:
         n = max(1, self.prefill + self.decode)
         per = self.threads_per_worker or max(1, (os.cpu_count() or 1) // n)
-        return {"torch_threads_per_worker": per, "workers": n,
-                "source": "--threads-per-worker" if self.threads_per_worker
-                else "pdserve up default: cores // workers"}
+        return {
+            "torch_threads_per_worker": per,
+            "workers": n,
+            "source": "--threads-per-worker"
+            if self.threads_per_worker
+            else "pdserve up default: cores // workers",
+        }
 
     def log_issues(self) -> dict:
         return {p.name: scan_log(p) for p in sorted(self.run_dir.glob("*.log"))}
 
     def describe(self) -> dict:
-        return {**super().describe(), "run_dir": str(self.run_dir), "threads": self.threads(),
-                "workers": {k: {kk: v.get(kk) for kk in ("role", "grpc", "metrics",
-                                                          "kv_capacity", "num_blocks")}
-                            for k, v in self.workers().items()}}
+        return {
+            **super().describe(),
+            "run_dir": str(self.run_dir),
+            "threads": self.threads(),
+            "workers": {
+                k: {
+                    kk: v.get(kk) for kk in ("role", "grpc", "metrics", "kv_capacity", "num_blocks")
+                }
+                for k, v in self.workers().items()
+            },
+        }
 
 
 def scrape_all(server: Server) -> dict[str, dict[str, float]]:
@@ -527,45 +667,97 @@ def deltas(before: dict, after: dict) -> dict:
 # The client: `vllm bench serve` from the vllm-cpu venv, for both systems
 # ---------------------------------------------------------------------------------------
 
+
 def ensure_model(model_dir: Path) -> Path:
     if (model_dir / "model.safetensors").exists():
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
     exe = ROOT / ".venv" / "bin" / "pdserve"
-    cmd = [str(exe) if exe.exists() else "pdserve", "make-tiny-model", str(tmp), "--preset", "small"]
+    cmd = [
+        str(exe) if exe.exists() else "pdserve",
+        "make-tiny-model",
+        str(tmp),
+        "--preset",
+        "small",
+    ]
     print(f"[compare] making the model: {shlex.join(cmd)}", flush=True)
     subprocess.run(["timeout", "600", *cmd], check=True, cwd=ROOT, start_new_session=True)
     tmp.rename(model_dir)
     return model_dir
 
 
-_SCALARS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
-            "request_throughput", "output_throughput", "total_token_throughput",
-            "max_concurrent_requests")
+_SCALARS = (
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrent_requests",
+)
 
 
-def vllm_bench(base_url: str, model: str, args: list[str], seed: int, raw_dir: Path, name: str,
-               python: Path = VLLM_PY, cli: Path = VLLM_CLI, timeout_s: int = 900) -> dict:
+def vllm_bench(
+    base_url: str,
+    model: str,
+    args: list[str],
+    seed: int,
+    raw_dir: Path,
+    name: str,
+    python: Path = VLLM_PY,
+    cli: Path = VLLM_CLI,
+    timeout_s: int = 900,
+) -> dict:
     """One ``vllm bench serve`` run; returns its scalar metrics (ms), the load averages
     before and after, and the errors of failed requests."""
     raw_dir.mkdir(parents=True, exist_ok=True)
     result = raw_dir / f"{name}.json"
     log = raw_dir / f"{name}.log"
     result.unlink(missing_ok=True)
-    cmd = ["timeout", str(timeout_s), str(python), str(cli), "bench", "serve",
-           "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-           "--model", model, "--ignore-eos", "--temperature", "0",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--save-detailed", "--result-dir", str(raw_dir),
-           "--result-filename", result.name, "--disable-tqdm", *args, "--seed", str(seed)]
+    cmd = [
+        "timeout",
+        str(timeout_s),
+        str(python),
+        str(cli),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(raw_dir),
+        "--result-filename",
+        result.name,
+        "--disable-tqdm",
+        *args,
+        "--seed",
+        str(seed),
+    ]
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     la0 = loadavg()
     t0 = time.monotonic()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "wb") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
         try:
             rc = p.wait()
         except BaseException:
@@ -573,9 +765,15 @@ def vllm_bench(base_url: str, model: str, args: list[str], seed: int, raw_dir: P
             p.wait(30)
             raise
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out: dict = {"seed": seed, "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
-                 "client_cpu_s": round(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime, 2),
-                 "load_before": la0, "load_after": loadavg(), "raw": str(result)}
+    out: dict = {
+        "seed": seed,
+        "rc": rc,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "client_cpu_s": round(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime, 2),
+        "load_before": la0,
+        "load_after": loadavg(),
+        "raw": str(result),
+    }
     if not result.exists():
         out["error"] = f"no result (rc {rc}); log tail:\n{_tail(log, 25)}"
         return out
@@ -593,9 +791,17 @@ def vllm_bench(base_url: str, model: str, args: list[str], seed: int, raw_dir: P
     return out
 
 
-def run_suite(server: Server, model: str, workloads: list[tuple[int, Workload]], seeds: int,
-              seed_base: int, raw_dir: Path, label: str, max_load: float = 0.0,
-              run_load_wait: float = 0.0) -> list[dict]:
+def run_suite(
+    server: Server,
+    model: str,
+    workloads: list[tuple[int, Workload]],
+    seeds: int,
+    seed_base: int,
+    raw_dir: Path,
+    label: str,
+    max_load: float = 0.0,
+    run_load_wait: float = 0.0,
+) -> list[dict]:
     runs = []
     for wi, w in workloads:
         for rep in range(seeds):
@@ -603,22 +809,32 @@ def run_suite(server: Server, model: str, workloads: list[tuple[int, Workload]],
             if run_load_wait > 0:
                 wait_quiet(max_load, run_load_wait, f"{label} {w.name} seed {seed}")
             if not server.alive():
-                runs.append({"workload": w.name, "seed": seed, "rc": None,
-                             "error": f"{server.name} is not running; log tail:\n{_tail(server.log)}"})
+                runs.append(
+                    {
+                        "workload": w.name,
+                        "seed": seed,
+                        "rc": None,
+                        "error": f"{server.name} is not running; log tail:\n{_tail(server.log)}",
+                    }
+                )
                 continue
-            r = vllm_bench(server.base_url, model, list(w.args), seed, raw_dir,
-                           f"{label}_{w.name}_s{seed}")
+            r = vllm_bench(
+                server.base_url, model, list(w.args), seed, raw_dir, f"{label}_{w.name}_s{seed}"
+            )
             r["workload"] = w.name
             runs.append(r)
             m = r.get("metrics", {})
-            print(f"[compare] {label:<8} {w.name:<14} seed {seed}: "
-                  f"ok {m.get('completed', '?')}/{m.get('completed', 0) + m.get('failed', 0)}  "
-                  f"out {m.get('output_throughput', float('nan')):7.0f} tok/s  "
-                  f"TTFT p50 {m.get('median_ttft_ms', float('nan')):7.1f} "
-                  f"p99 {m.get('p99_ttft_ms', float('nan')):7.1f}  "
-                  f"TPOT p50 {m.get('median_tpot_ms', float('nan')):6.2f}  "
-                  f"ITL p99 {m.get('p99_itl_ms', float('nan')):7.1f} ms  "
-                  f"load {r['load_before'][0]:.2f}->{r['load_after'][0]:.2f}", flush=True)
+            print(
+                f"[compare] {label:<8} {w.name:<14} seed {seed}: "
+                f"ok {m.get('completed', '?')}/{m.get('completed', 0) + m.get('failed', 0)}  "
+                f"out {m.get('output_throughput', float('nan')):7.0f} tok/s  "
+                f"TTFT p50 {m.get('median_ttft_ms', float('nan')):7.1f} "
+                f"p99 {m.get('p99_ttft_ms', float('nan')):7.1f}  "
+                f"TPOT p50 {m.get('median_tpot_ms', float('nan')):6.2f}  "
+                f"ITL p99 {m.get('p99_itl_ms', float('nan')):7.1f} ms  "
+                f"load {r['load_before'][0]:.2f}->{r['load_after'][0]:.2f}",
+                flush=True,
+            )
             if "error" in r:
                 print(f"[compare]   ERROR: {r['error']}", flush=True)
             if r.get("errors"):
@@ -629,21 +845,56 @@ def run_suite(server: Server, model: str, workloads: list[tuple[int, Workload]],
 
 def warmup(server: Server, model: str, raw_dir: Path, label: str) -> dict:
     """Untimed: 16 short and 4 long prompts, so lazy initialisation is not measured."""
-    a = vllm_bench(server.base_url, model, [*_R256, "--num-prompts", "16", "--request-rate", "inf"],
-                   7, raw_dir, f"{label}_warmup_short")
-    b = vllm_bench(server.base_url, model,
-                   ["--dataset-name", "random", "--random-input-len", "1088",
-                    "--random-output-len", "8", "--num-prompts", "4", "--request-rate", "inf"],
-                   8, raw_dir, f"{label}_warmup_long")
+    a = vllm_bench(
+        server.base_url,
+        model,
+        [*_R256, "--num-prompts", "16", "--request-rate", "inf"],
+        7,
+        raw_dir,
+        f"{label}_warmup_short",
+    )
+    b = vllm_bench(
+        server.base_url,
+        model,
+        [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "1088",
+            "--random-output-len",
+            "8",
+            "--num-prompts",
+            "4",
+            "--request-rate",
+            "inf",
+        ],
+        8,
+        raw_dir,
+        f"{label}_warmup_long",
+    )
     return {"short": a.get("metrics", a.get("error")), "long": b.get("metrics", b.get("error"))}
 
 
-def measure(server: Server, model: str, workloads, seeds: int, seed_base: int, raw_dir: Path,
-            label: str, startup_timeout: float, max_load: float, load_wait: float,
-            run_load_wait: float = 0.0) -> dict:
+def measure(
+    server: Server,
+    model: str,
+    workloads,
+    seeds: int,
+    seed_base: int,
+    raw_dir: Path,
+    label: str,
+    startup_timeout: float,
+    max_load: float,
+    load_wait: float,
+    run_load_wait: float = 0.0,
+) -> dict:
     """Start ``server``, warm it up, run the suite, scrape metrics, stop it."""
     la = wait_quiet(max_load, load_wait, f"starting {server.name}")
-    rec: dict = {"system": label, "load_at_start": la, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    rec: dict = {
+        "system": label,
+        "load_at_start": la,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     if isinstance(server, PdserveServer):
         rec["code"] = code_version()
     try:
@@ -653,8 +904,9 @@ def measure(server: Server, model: str, workloads, seeds: int, seed_base: int, r
         rec["load_at_suite_start"] = la
         before = scrape_all(server)
         cpu0 = tree_cpu(server.proc.pid)
-        rec["runs"] = run_suite(server, model, workloads, seeds, seed_base, raw_dir, label,
-                                max_load, run_load_wait)
+        rec["runs"] = run_suite(
+            server, model, workloads, seeds, seed_base, raw_dir, label, max_load, run_load_wait
+        )
         rec["server_cpu_s"] = cpu_delta(cpu0, tree_cpu(server.proc.pid))
         rec["server_metrics"] = deltas(before, scrape_all(server))
         rec["load_at_end"] = loadavg()
@@ -673,12 +925,18 @@ def measure(server: Server, model: str, workloads, seeds: int, seed_base: int, r
 # Ratios and the table
 # ---------------------------------------------------------------------------------------
 
+
 def _stats(values: list[float]) -> dict | None:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return None
-    return {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals), "n": len(vals),
-            "values": [round(v, 3) for v in vals]}
+    return {
+        "mean": sum(vals) / len(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "n": len(vals),
+        "values": [round(v, 3) for v in vals],
+    }
 
 
 def per_workload(rec: dict, key: str) -> dict[str, dict | None]:
@@ -693,18 +951,26 @@ def per_workload(rec: dict, key: str) -> dict[str, dict | None]:
 
 def ratios(pd: dict, vl: dict) -> dict:
     out: dict[str, dict] = {}
-    for key, _, _ in TABLE_METRICS + [("median_itl_ms", "ITL p50", False),
-                                       ("p99_tpot_ms", "TPOT p99", False),
-                                       ("median_e2el_ms", "E2E p50", False)]:
+    for key, _, _ in TABLE_METRICS + [
+        ("median_itl_ms", "ITL p50", False),
+        ("p99_tpot_ms", "TPOT p99", False),
+        ("median_e2el_ms", "E2E p50", False),
+    ]:
         a, b = per_workload(pd, key), per_workload(vl, key)
-        for w in sorted(set(a) | set(b), key=lambda n: [x.name for x in WORKLOADS].index(n)
-                        if n in [x.name for x in WORKLOADS] else 99):
+        for w in sorted(
+            set(a) | set(b),
+            key=lambda n: (
+                [x.name for x in WORKLOADS].index(n) if n in [x.name for x in WORKLOADS] else 99
+            ),
+        ):
             sa, sb = a.get(w), b.get(w)
             r = None
             if sa and sb and sb["mean"] > 0:
-                r = {"mean": sa["mean"] / sb["mean"],
-                     "lo": sa["min"] / sb["max"] if sb["max"] > 0 else None,
-                     "hi": sa["max"] / sb["min"] if sb["min"] > 0 else None}
+                r = {
+                    "mean": sa["mean"] / sb["mean"],
+                    "lo": sa["min"] / sb["max"] if sb["max"] > 0 else None,
+                    "hi": sa["max"] / sb["min"] if sb["min"] > 0 else None,
+                }
             out.setdefault(w, {})[key] = {"ratio": r, "pdserve": sa, "vllm": sb}
     return out
 
@@ -720,20 +986,29 @@ def _nd(key: str, v: float) -> int:
 
 
 def format_tables(rat: dict) -> str:
-    head = ("pdserve / vLLM (mean over seeds; >1 = pdserve higher: better for tok/s, worse for "
-            "latencies)")
-    lines = [head, "",
-             "| workload | " + " | ".join(lbl for _, lbl, _ in TABLE_METRICS) + " |",
-             "|---|" + "---|" * len(TABLE_METRICS)]
+    head = (
+        "pdserve / vLLM (mean over seeds; >1 = pdserve higher: better for tok/s, worse for "
+        "latencies)"
+    )
+    lines = [
+        head,
+        "",
+        "| workload | " + " | ".join(lbl for _, lbl, _ in TABLE_METRICS) + " |",
+        "|---|" + "---|" * len(TABLE_METRICS),
+    ]
     for w, ms in rat.items():
         cells = []
         for key, _, _ in TABLE_METRICS:
             r = ms.get(key, {}).get("ratio")
             cells.append(f"{r['mean']:.2f}x" if r else "n/a")
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
-    lines += ["", "Absolute figures, mean (min-max) over seeds; latencies in ms", "",
-              "| workload | system | " + " | ".join(lbl for _, lbl, _ in TABLE_METRICS) + " |",
-              "|---|---|" + "---|" * len(TABLE_METRICS)]
+    lines += [
+        "",
+        "Absolute figures, mean (min-max) over seeds; latencies in ms",
+        "",
+        "| workload | system | " + " | ".join(lbl for _, lbl, _ in TABLE_METRICS) + " |",
+        "|---|---|" + "---|" * len(TABLE_METRICS),
+    ]
     for w, ms in rat.items():
         for sysname in ("vllm", "pdserve"):
             cells = []
@@ -753,28 +1028,43 @@ def failures(rec: dict) -> list[str]:
     for r in rec.get("runs", []):
         m = r.get("metrics", {})
         if r.get("error") or m.get("failed"):
-            out.append(f"{r['workload']} seed {r['seed']}: failed {m.get('failed', '?')} "
-                       f"{r.get('error', '')} {json.dumps(r.get('errors', {}))[:600]}")
+            out.append(
+                f"{r['workload']} seed {r['seed']}: failed {m.get('failed', '?')} "
+                f"{r.get('error', '')} {json.dumps(r.get('errors', {}))[:600]}"
+            )
     return out
 
 
 # ---------------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
-                   help="the small model (made here once with make-tiny-model --preset small)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="the small model (made here once with make-tiny-model --preset small)",
+    )
     p.add_argument("--quick", action="store_true", help="only the n=64 rate-inf workload")
-    p.add_argument("--workloads", default=None,
-                   help="comma-separated workload names (default: all, or the quick one)")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated workload names (default: all, or the quick one)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="repetitions per workload (new seed each)")
     p.add_argument("--seed-base", type=int, default=100)
     p.add_argument("--skip-vllm", action="store_true", help="reuse the saved vLLM half")
     p.add_argument("--skip-pdserve", action="store_true", help="reuse the saved pdserve half")
-    p.add_argument("--vllm-config", choices=["A", "C"], default="A",
-                   help="A: vLLM defaults (model on 1 OMP thread, core 0); "
-                        "C: VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores)")
+    p.add_argument(
+        "--vllm-config",
+        choices=["A", "C"],
+        default="A",
+        help="A: vLLM defaults (model on 1 OMP thread, core 0); "
+        "C: VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores)",
+    )
     p.add_argument("--vllm-extra", default="", help="extra flags for vllm serve")
     p.add_argument("--pdserve-extra", default="", help="extra flags for pdserve up")
     p.add_argument("--prefill", type=int, default=1)
@@ -787,13 +1077,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--raw-dir", type=Path, default=RAW, help="raw bench JSON, server logs")
     p.add_argument("--startup-timeout", type=float, default=600)
-    p.add_argument("--max-load", type=float, default=1.5,
-                   help="wait for the 1-min load average to drop to this before each system "
-                        "(0: don't wait)")
-    p.add_argument("--load-wait", type=float, default=300,
-                   help="longest wait for --max-load before each system and its suite (s)")
-    p.add_argument("--run-load-wait", type=float, default=60,
-                   help="longest wait for --max-load before each bench run (s; 0: don't)")
+    p.add_argument(
+        "--max-load",
+        type=float,
+        default=1.5,
+        help="wait for the 1-min load average to drop to this before each system (0: don't wait)",
+    )
+    p.add_argument(
+        "--load-wait",
+        type=float,
+        default=300,
+        help="longest wait for --max-load before each system and its suite (s)",
+    )
+    p.add_argument(
+        "--run-load-wait",
+        type=float,
+        default=60,
+        help="longest wait for --max-load before each bench run (s; 0: don't)",
+    )
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
@@ -817,8 +1118,11 @@ def main(argv: list[str] | None = None) -> int:
     raw = a.raw_dir / tag
     model = str(ensure_model(a.model_dir))
     saved = {s: a.out_dir / f"compare_{tag}_{s}.json" for s in ("vllm", "pdserve")}
-    print(f"[compare] tag {tag}; model {model}; workloads {[w.name for _, w in chosen]}; "
-          f"{a.seeds} seeds each; load {loadavg()}", flush=True)
+    print(
+        f"[compare] tag {tag}; model {model}; workloads {[w.name for _, w in chosen]}; "
+        f"{a.seeds} seeds each; load {loadavg()}",
+        flush=True,
+    )
 
     recs: dict[str, dict] = {}
     for system in ("vllm", "pdserve"):
@@ -831,18 +1135,39 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[compare] reusing {saved[system]} ({recs[system].get('started')})", flush=True)
             continue
         if system == "vllm":
-            server: Server = VllmServer(model, a.vllm_port, raw / "vllm_serve.log",
-                                        omp_bind="0-1" if a.vllm_config == "C" else None,
-                                        extra=shlex.split(a.vllm_extra))
+            server: Server = VllmServer(
+                model,
+                a.vllm_port,
+                raw / "vllm_serve.log",
+                omp_bind="0-1" if a.vllm_config == "C" else None,
+                extra=shlex.split(a.vllm_extra),
+            )
         else:
-            server = PdserveServer(model, a.pdserve_port, raw / "pdserve_up.log", raw / "pdserve_run",
-                                   prefill=a.prefill, decode=a.decode,
-                                   threads_per_worker=a.threads_per_worker,
-                                   kv_cache_memory=a.kv_cache_memory,
-                                   extra=shlex.split(a.pdserve_extra))
+            server = PdserveServer(
+                model,
+                a.pdserve_port,
+                raw / "pdserve_up.log",
+                raw / "pdserve_run",
+                prefill=a.prefill,
+                decode=a.decode,
+                threads_per_worker=a.threads_per_worker,
+                kv_cache_memory=a.kv_cache_memory,
+                extra=shlex.split(a.pdserve_extra),
+            )
         try:
-            rec = measure(server, model, chosen, a.seeds, a.seed_base, raw, system,
-                          a.startup_timeout, a.max_load, a.load_wait, a.run_load_wait)
+            rec = measure(
+                server,
+                model,
+                chosen,
+                a.seeds,
+                a.seed_base,
+                raw,
+                system,
+                a.startup_timeout,
+                a.max_load,
+                a.load_wait,
+                a.run_load_wait,
+            )
         except (RuntimeError, TimeoutError) as e:
             print(f"[compare] {system} failed: {e}", flush=True)
             return 1
@@ -851,20 +1176,29 @@ def main(argv: list[str] | None = None) -> int:
         recs[system] = rec
 
     rat = ratios(recs["pdserve"], recs["vllm"])
-    summary = {"tag": tag, "model": model, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "limits": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_BATCHED,
-                          "max_model_len": MAX_MODEL_LEN,
-                          "kv": "vLLM VLLM_CPU_KVCACHE_SPACE=1 (GiB, total); pdserve "
-                                f"--kv-cache-memory {a.kv_cache_memory} per worker"},
-               "client": "vllm bench serve (vllm-cpu 0.32.0 venv) --ignore-eos --temperature 0",
-               "threads": {s: recs[s].get("server", {}).get("threads") for s in recs},
-               "pdserve_code": recs["pdserve"].get("code"),
-               "started": {s: recs[s].get("started") for s in recs},
-               "load": {s: {k: recs[s].get(k) for k in ("load_at_start", "load_at_suite_start",
-                                                        "load_at_end")} for s in recs},
-               "workloads": {w.name: w.desc for w in WORKLOADS if w.name in rat},
-               "ratios": rat,
-               "failures": {s: failures(recs[s]) for s in recs}}
+    summary = {
+        "tag": tag,
+        "model": model,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "limits": {
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": MAX_BATCHED,
+            "max_model_len": MAX_MODEL_LEN,
+            "kv": "vLLM VLLM_CPU_KVCACHE_SPACE=1 (GiB, total); pdserve "
+            f"--kv-cache-memory {a.kv_cache_memory} per worker",
+        },
+        "client": "vllm bench serve (vllm-cpu 0.32.0 venv) --ignore-eos --temperature 0",
+        "threads": {s: recs[s].get("server", {}).get("threads") for s in recs},
+        "pdserve_code": recs["pdserve"].get("code"),
+        "started": {s: recs[s].get("started") for s in recs},
+        "load": {
+            s: {k: recs[s].get(k) for k in ("load_at_start", "load_at_suite_start", "load_at_end")}
+            for s in recs
+        },
+        "workloads": {w.name: w.desc for w in WORKLOADS if w.name in rat},
+        "ratios": rat,
+        "failures": {s: failures(recs[s]) for s in recs},
+    }
     out = a.out_dir / f"compare_{tag}.json"
     out.write_text(json.dumps(summary, indent=1))
     print()

@@ -32,8 +32,11 @@ def step_ms(model: str, batch: int, prompt_len: int, steps: int, small: bool) ->
         engine = LLM(model, kv_cache_memory="512MiB").engine
         rng = random.Random(batch)
         for i in range(batch):
-            engine.add_request(f"r{i}", [rng.randrange(100, 1000) for _ in range(prompt_len)],
-                               SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+            engine.add_request(
+                f"r{i}",
+                [rng.randrange(100, 1000) for _ in range(prompt_len)],
+                SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
+            )
         for _ in range(4):  # prefill, then a few warm decode steps
             engine.step()
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):

@@ -67,41 +67,59 @@ def run_pdserve(llm: LLM, work) -> dict:
     dt = time.perf_counter() - t0
     engine.step = original_step
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
-            "kv_utilization_mean": statistics.fmean(utils) if utils else 0.0,
-            "kv_utilization_min": min(utils) if utils else 0.0, "steps": len(utils)}
+    return {
+        "seconds": dt,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / dt,
+        "kv_utilization_mean": statistics.fmean(utils) if utils else 0.0,
+        "kv_utilization_min": min(utils) if utils else 0.0,
+        "steps": len(utils),
+    }
 
 
 def run_hf(model, work, batch: int) -> dict:
     t0 = time.perf_counter()
     n_out = 0
     for i in range(0, len(work), batch):
-        chunk = work[i:i + batch]
+        chunk = work[i : i + batch]
         width = max(len(p) for p, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for j, (p, _) in enumerate(chunk):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         longest = max(o for _, o in chunk)
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
         n_out += sum(o for _, o in chunk)
     dt = time.perf_counter() - t0
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
 
 
-def decode_step_ms(llm: LLM, model, batch: int, ctx: int = 128, steps: int = 32) -> tuple[float, float]:
+def decode_step_ms(
+    llm: LLM, model, batch: int, ctx: int = 128, steps: int = 32
+) -> tuple[float, float]:
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, 1000) for _ in range(ctx)] for _ in range(batch)]
     # pdserve: time per engine step once every sequence is decoding.
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"step{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=steps + 4,
-                                                                  ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
-            engine.scheduler.waiting:
+        engine.add_request(
+            f"step{batch}-{i}",
+            p,
+            SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True),
+        )
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -139,43 +157,75 @@ def main() -> int:
         os.environ["PDSERVE_NUM_THREADS"] = str(args.threads)
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096,
-              enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+    )
     dtype = getattr(torch, llm.engine.model_config.dtype)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     work = sharegpt_like(args.num_prompts, args.seed, llm.engine.model_config.vocab_size)
-    print(f"[bench] {len(work)} requests, prompt tokens {sum(len(p) for p, _ in work)}, "
-          f"output tokens {sum(o for _, o in work)}, dtype {llm.engine.model_config.dtype}, "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"[bench] {len(work)} requests, prompt tokens {sum(len(p) for p, _ in work)}, "
+        f"output tokens {sum(o for _, o in work)}, dtype {llm.engine.model_config.dtype}, "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     run_pdserve(llm, work[:8])  # warm-up
     print("[bench] pdserve ...", flush=True)
     ours = run_pdserve(llm, work)
-    print(f"[bench]   {ours['output_tok_s']:.0f} output tok/s in {ours['seconds']:.1f}s", flush=True)
+    print(
+        f"[bench]   {ours['output_tok_s']:.0f} output tok/s in {ours['seconds']:.1f}s", flush=True
+    )
     print(f"[bench] transformers static batches of {args.hf_batch} ...", flush=True)
     theirs = run_hf(hf, work, args.hf_batch)
-    print(f"[bench]   {theirs['output_tok_s']:.0f} output tok/s in {theirs['seconds']:.1f}s", flush=True)
+    print(
+        f"[bench]   {theirs['output_tok_s']:.0f} output tok/s in {theirs['seconds']:.1f}s",
+        flush=True,
+    )
     steps = {}
     for b in (1, 16, 64):
         o, h = decode_step_ms(llm, hf, b)
         steps[b] = {"pdserve_ms": o, "transformers_ms": h}
-        print(f"[bench] decode step batch {b:>2}: pdserve {o:.2f} ms, transformers {h:.2f} ms", flush=True)
+        print(
+            f"[bench] decode step batch {b:>2}: pdserve {o:.2f} ms, transformers {h:.2f} ms",
+            flush=True,
+        )
     ratio = ours["output_tok_s"] / theirs["output_tok_s"]
     print("\n| system | output tok/s | seconds | KV utilization |")
     print("|---|---|---|---|")
-    print(f"| pdserve (continuous batching) | {ours['output_tok_s']:.0f} | {ours['seconds']:.1f} | "
-          f"{ours['kv_utilization_mean']:.1%} (min {ours['kv_utilization_min']:.1%}) |")
-    print(f"| transformers (static batch {args.hf_batch}) | {theirs['output_tok_s']:.0f} | "
-          f"{theirs['seconds']:.1f} | - |")
+    print(
+        f"| pdserve (continuous batching) | {ours['output_tok_s']:.0f} | {ours['seconds']:.1f} | "
+        f"{ours['kv_utilization_mean']:.1%} (min {ours['kv_utilization_min']:.1%}) |"
+    )
+    print(
+        f"| transformers (static batch {args.hf_batch}) | {theirs['output_tok_s']:.0f} | "
+        f"{theirs['seconds']:.1f} | - |"
+    )
     print(f"\nthroughput ratio pdserve / transformers: {ratio:.2f}x")
     print("\n| decode batch | pdserve ms/step | transformers ms/step | ratio |")
     print("|---|---|---|---|")
     for b, v in steps.items():
-        print(f"| {b} | {v['pdserve_ms']:.2f} | {v['transformers_ms']:.2f} | "
-              f"{v['transformers_ms'] / v['pdserve_ms']:.2f}x |")
+        print(
+            f"| {b} | {v['pdserve_ms']:.2f} | {v['transformers_ms']:.2f} | "
+            f"{v['transformers_ms'] / v['pdserve_ms']:.2f}x |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "pdserve": ours, "transformers": theirs,
-                               "ratio": ratio, "decode_steps": steps}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "pdserve": ours,
+                "transformers": theirs,
+                "ratio": ratio,
+                "decode_steps": steps,
+            },
+            indent=2,
+        )
+    )
     _plot(out.with_suffix(".png"), ours, theirs, steps)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
     return 0
@@ -188,8 +238,11 @@ def _plot(path: Path, ours: dict, theirs: dict, steps: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(["pdserve", "transformers\nstatic"], [ours["output_tok_s"], theirs["output_tok_s"]],
-          color=["tab:blue", "tab:gray"])
+    a.bar(
+        ["pdserve", "transformers\nstatic"],
+        [ours["output_tok_s"], theirs["output_tok_s"]],
+        color=["tab:blue", "tab:gray"],
+    )
     a.set_ylabel("output tokens / s")
     a.set_title("mixed-length workload")
     xs = list(steps)

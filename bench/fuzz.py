@@ -45,30 +45,114 @@ from pathlib import Path
 from typing import Any
 
 HOSTILE_NUMBERS: list[Any] = [
-    0, -1, 1, 2, 7, 255, 256, 4096, 2**31 - 1, 2**31, 2**32, 2**32 + 1, 2**53 + 1,
-    2**63 - 1, 2**63, 2**64, 2**64 + 1, -(2**31), -(2**63), -(2**63) - 1, -(2**64), 10**30,
-    0.0, -0.0, 0.5, 1.5, 1e-320, 1e-7, 1e38, 3.5e38, 1e39, 1e308, -1e308,
-    float("nan"), float("inf"), float("-inf"),
+    0,
+    -1,
+    1,
+    2,
+    7,
+    255,
+    256,
+    4096,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**32 + 1,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    2**64 + 1,
+    -(2**31),
+    -(2**63),
+    -(2**63) - 1,
+    -(2**64),
+    10**30,
+    0.0,
+    -0.0,
+    0.5,
+    1.5,
+    1e-320,
+    1e-7,
+    1e38,
+    3.5e38,
+    1e39,
+    1e308,
+    -1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
 ]
 HOSTILE_STRINGS: list[str] = [
-    "", " ", "x", "\x00", "\ud800", "a\udfffb", "\ud83d\ude00", "\u202e", "\ufeff", "\n" * 50,
-    "<|endoftext|>", "</s>", "<s>", "{{ raise_exception('x') }}", "{% for x in y %}",
-    "\u00e9" * 1000, "x" * 20000, "null", "[]", "0",
+    "",
+    " ",
+    "x",
+    "\x00",
+    "\ud800",
+    "a\udfffb",
+    "\ud83d\ude00",
+    "\u202e",
+    "\ufeff",
+    "\n" * 50,
+    "<|endoftext|>",
+    "</s>",
+    "<s>",
+    "{{ raise_exception('x') }}",
+    "{% for x in y %}",
+    "\u00e9" * 1000,
+    "x" * 20000,
+    "null",
+    "[]",
+    "0",
 ]
 _FIELDS_COMMON = [
-    "model", "n", "best_of", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-    "logit_bias", "stream", "stream_options", "user", "cache_salt", "return_tokens_as_token_ids",
-    "use_beam_search", "allowed_token_ids", "bad_words", "prompt_logprobs",
-    "truncate_prompt_tokens", "response_format", "priority", "max_tokens", "logprobs",
-    "spaces_between_special_tokens", "an_unknown_field",
+    "model",
+    "n",
+    "best_of",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "user",
+    "cache_salt",
+    "return_tokens_as_token_ids",
+    "use_beam_search",
+    "allowed_token_ids",
+    "bad_words",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+    "response_format",
+    "priority",
+    "max_tokens",
+    "logprobs",
+    "spaces_between_special_tokens",
+    "an_unknown_field",
 ]
 _FIELDS_COMPLETION = _FIELDS_COMMON + ["prompt", "echo", "suffix", "add_special_tokens"]
 _FIELDS_CHAT = _FIELDS_COMMON + [
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "documents", "echo",
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "documents",
+    "echo",
 ]
 
 
@@ -82,12 +166,32 @@ def _deep(depth: int, leaf: Any = 1, kind: str = "list") -> Any:
 class BodyMaker:
     """Seeded request bodies: a valid base plus unusual settings or hostile mutations."""
 
-    FAMILIES = ("prompt", "messages", "tokens", "seed-overflow", "stop", "stop-ids", "drop-field",
-                "field-value", "truncated", "bom", "bad-utf8", "deep-brackets", "nan-literal",
-                "content-type", "request-id")
+    FAMILIES = (
+        "prompt",
+        "messages",
+        "tokens",
+        "seed-overflow",
+        "stop",
+        "stop-ids",
+        "drop-field",
+        "field-value",
+        "truncated",
+        "bom",
+        "bad-utf8",
+        "deep-brackets",
+        "nan-literal",
+        "content-type",
+        "request-id",
+    )
 
-    def __init__(self, rng: random.Random, model: str, vocab: int, max_model_len: int,
-                 skip: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        model: str,
+        vocab: int,
+        max_model_len: int,
+        skip: frozenset[str] = frozenset(),
+    ) -> None:
         self.rng = rng
         self.model = model
         self.vocab = vocab
@@ -122,55 +226,100 @@ class BodyMaker:
     def hostile_prompt(self) -> Any:
         r = self.rng
         v = self.vocab
-        return r.choice([
-            lambda: [v, v + 1],
-            lambda: [-1, 5],
-            lambda: [2**32 + 5],
-            lambda: [2**63],
-            lambda: [1.5, 2],
-            lambda: [self.token_ids(), []],
-            lambda: [self.token_ids() for _ in range(300)],
-            lambda: ["hello"] * r.choice([2, 257, 1000]),
-            lambda: [r.randrange(0, v) for _ in range(self.max_model_len + r.choice([-1, 0, 5]))],
-            lambda: "hello " * r.choice([10, 3000, 100_000]),
-            lambda: r.choice(HOSTILE_STRINGS),
-            lambda: [[r.randrange(0, v)] * 3, "x"],
-            list,
-            lambda: [[]],
-        ])()
+        return r.choice(
+            [
+                lambda: [v, v + 1],
+                lambda: [-1, 5],
+                lambda: [2**32 + 5],
+                lambda: [2**63],
+                lambda: [1.5, 2],
+                lambda: [self.token_ids(), []],
+                lambda: [self.token_ids() for _ in range(300)],
+                lambda: ["hello"] * r.choice([2, 257, 1000]),
+                lambda: [
+                    r.randrange(0, v) for _ in range(self.max_model_len + r.choice([-1, 0, 5]))
+                ],
+                lambda: "hello " * r.choice([10, 3000, 100_000]),
+                lambda: r.choice(HOSTILE_STRINGS),
+                lambda: [[r.randrange(0, v)] * 3, "x"],
+                list,
+                lambda: [[]],
+            ]
+        )()
 
     def hostile_messages(self) -> Any:
         r = self.rng
         good = {"role": "user", "content": "hello there"}
-        return r.choice([
-            list,
-            lambda: [{"role": r.choice(HOSTILE_STRINGS), "content": "x"}],
-            lambda: [{"role": "user"}],
-            lambda: [{"role": "user", "content": None}],
-            lambda: [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-            lambda: [{"role": "user", "content": [{"type": "text", "text": r.choice(HOSTILE_STRINGS)}]}],
-            lambda: [{"role": "user", "content": [{"type": "text"}]}],
-            lambda: [{"role": "user", "content": ["not a dict"]}],
-            lambda: [{"role": "user", "content": _deep(r.choice([3, 80, 500]))}],
-            lambda: [good, {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "1", "type": "function", "function": {
-                    "name": "f", "arguments": "[" * r.choice([10, 100, 5000]) + "]" * 3}}]}],
-            lambda: [good, {"role": "assistant", "tool_calls": [
-                {"function": {"name": "f", "arguments": json.dumps(_deep(r.choice([20, 90])))}}]}],
-            lambda: [good, {"role": "assistant", "tool_calls": "nope"}],
-            lambda: [good, {"role": "tool", "content": "42", "tool_call_id": r.choice(HOSTILE_STRINGS)}],
-            lambda: [good] * r.choice([2, 100, 3000]),
-            lambda: [{"role": "user", "content": "x" * r.choice([100, 300_000])}],
-            lambda: [{"role": "user", "content": "hi", "extra": _deep(200, kind="dict")}],
-            lambda: "hello",
-            lambda: [{"role": "assistant", "content": "hi"}],
-        ])()
+        return r.choice(
+            [
+                list,
+                lambda: [{"role": r.choice(HOSTILE_STRINGS), "content": "x"}],
+                lambda: [{"role": "user"}],
+                lambda: [{"role": "user", "content": None}],
+                lambda: [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ],
+                lambda: [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": r.choice(HOSTILE_STRINGS)}],
+                    }
+                ],
+                lambda: [{"role": "user", "content": [{"type": "text"}]}],
+                lambda: [{"role": "user", "content": ["not a dict"]}],
+                lambda: [{"role": "user", "content": _deep(r.choice([3, 80, 500]))}],
+                lambda: [
+                    good,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "1",
+                                "type": "function",
+                                "function": {
+                                    "name": "f",
+                                    "arguments": "[" * r.choice([10, 100, 5000]) + "]" * 3,
+                                },
+                            }
+                        ],
+                    },
+                ],
+                lambda: [
+                    good,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "function": {
+                                    "name": "f",
+                                    "arguments": json.dumps(_deep(r.choice([20, 90]))),
+                                }
+                            }
+                        ],
+                    },
+                ],
+                lambda: [good, {"role": "assistant", "tool_calls": "nope"}],
+                lambda: [
+                    good,
+                    {"role": "tool", "content": "42", "tool_call_id": r.choice(HOSTILE_STRINGS)},
+                ],
+                lambda: [good] * r.choice([2, 100, 3000]),
+                lambda: [{"role": "user", "content": "x" * r.choice([100, 300_000])}],
+                lambda: [{"role": "user", "content": "hi", "extra": _deep(200, kind="dict")}],
+                lambda: "hello",
+                lambda: [{"role": "assistant", "content": "hi"}],
+            ]
+        )()
 
     # ---- bodies ---------------------------------------------------------------------------
     def base(self, chat: bool) -> dict:
         r = self.rng
-        body: dict[str, Any] = {"model": self.model, "max_tokens": r.choice([1, 2, 4, 8]),
-                                "temperature": r.choice([0, 0.7, 1.0])}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": r.choice([1, 2, 4, 8]),
+            "temperature": r.choice([0, 0.7, 1.0]),
+        }
         if chat:
             body["messages"] = [{"role": "user", "content": "hello there"}]
         else:
@@ -190,42 +339,81 @@ class BodyMaker:
         v = self.vocab
         history = [
             {"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-            {"role": "assistant", "content": "ok", "tool_calls": [{"id": "c1", "type": "function",
-             "function": {"name": "f", "arguments": "{\"x\": [1, {\"y\": 2}]}"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {
+                "role": "assistant",
+                "content": "ok",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"x": [1, {"y": 2}]}'},
+                    }
+                ],
+            },
             {"role": "tool", "content": "3", "tool_call_id": "c1"},
-            {"role": "user", "content": "again"}]
-        r.choice([
-            lambda: body.update(temperature=r.choice([0.01, 2.0, 1e-6, 100.0])),
-            lambda: body.update(top_k=r.choice([-1, 1, 2, v, v * 10, 2**31 - 1])),
-            lambda: body.update(top_p=r.choice([1e-9, 0.01, 0.5, 1.0])),
-            lambda: body.update(min_p=r.choice([0.0, 0.5, 1.0])),
-            lambda: body.update(repetition_penalty=r.choice([0.01, 2.0, 1e6]),
-                                presence_penalty=r.choice([-2, 2]),
-                                frequency_penalty=r.choice([-2, 2])),
-            lambda: body.update(n=r.choice([2, 4, 16]), seed=2**63 - 1 - 15),
-            lambda: body.update(n=r.choice([2, 3]), seed=-(2**63)),
-            lambda: body.update(logprobs=True, top_logprobs=r.choice([0, 1, 20])) if chat
-            else body.update(logprobs=r.choice([0, 1, 20])),
-            lambda: body.update(stop=r.choice([["e"], ["the", "a"], "\n", ["\u00e9", "\ud83d\ude00"]]),
-                                include_stop_str_in_output=r.random() < 0.5),
-            lambda: body.update(stop_token_ids=[r.randrange(v) for _ in range(r.choice([1, 8]))],
-                                min_tokens=r.choice([0, 1, 3])),
-            lambda: body.update(ignore_eos=True, max_tokens=r.choice([16, 64])),
-            lambda: body.pop("max_tokens", None),
-            lambda: body.update(cache_salt=r.choice(["tenant-a", "b" * 256])),
-            lambda: body.update(skip_special_tokens=False, spaces_between_special_tokens=False),
-            lambda: body.update(return_tokens_as_token_ids=True, logprobs=True if chat else 2),
-            lambda: body.update(stream=True, stream_options={
-                "include_usage": True, "continuous_usage_stats": r.random() < 0.5}),
-            lambda: body.update(truncate_prompt_tokens=r.choice([-1, 1, 5])),
-            lambda: body.update(messages=history) if chat else body.update(
-                prompt=[r.randrange(v) for _ in range(self.max_model_len - r.choice([1, 2, 8]))],
-                max_tokens=1),
-            lambda: body.update(messages=history * 3) if chat else body.update(
-                prompt=[self.token_ids() for _ in range(r.choice([2, 8]))]),
-            lambda: body.update(user="u", priority=r.choice([0, -5, 10]), an_unknown_field=1),
-        ])()
+            {"role": "user", "content": "again"},
+        ]
+        r.choice(
+            [
+                lambda: body.update(temperature=r.choice([0.01, 2.0, 1e-6, 100.0])),
+                lambda: body.update(top_k=r.choice([-1, 1, 2, v, v * 10, 2**31 - 1])),
+                lambda: body.update(top_p=r.choice([1e-9, 0.01, 0.5, 1.0])),
+                lambda: body.update(min_p=r.choice([0.0, 0.5, 1.0])),
+                lambda: body.update(
+                    repetition_penalty=r.choice([0.01, 2.0, 1e6]),
+                    presence_penalty=r.choice([-2, 2]),
+                    frequency_penalty=r.choice([-2, 2]),
+                ),
+                lambda: body.update(n=r.choice([2, 4, 16]), seed=2**63 - 1 - 15),
+                lambda: body.update(n=r.choice([2, 3]), seed=-(2**63)),
+                lambda: (
+                    body.update(logprobs=True, top_logprobs=r.choice([0, 1, 20]))
+                    if chat
+                    else body.update(logprobs=r.choice([0, 1, 20]))
+                ),
+                lambda: body.update(
+                    stop=r.choice([["e"], ["the", "a"], "\n", ["\u00e9", "\ud83d\ude00"]]),
+                    include_stop_str_in_output=r.random() < 0.5,
+                ),
+                lambda: body.update(
+                    stop_token_ids=[r.randrange(v) for _ in range(r.choice([1, 8]))],
+                    min_tokens=r.choice([0, 1, 3]),
+                ),
+                lambda: body.update(ignore_eos=True, max_tokens=r.choice([16, 64])),
+                lambda: body.pop("max_tokens", None),
+                lambda: body.update(cache_salt=r.choice(["tenant-a", "b" * 256])),
+                lambda: body.update(skip_special_tokens=False, spaces_between_special_tokens=False),
+                lambda: body.update(return_tokens_as_token_ids=True, logprobs=True if chat else 2),
+                lambda: body.update(
+                    stream=True,
+                    stream_options={
+                        "include_usage": True,
+                        "continuous_usage_stats": r.random() < 0.5,
+                    },
+                ),
+                lambda: body.update(truncate_prompt_tokens=r.choice([-1, 1, 5])),
+                lambda: (
+                    body.update(messages=history)
+                    if chat
+                    else body.update(
+                        prompt=[
+                            r.randrange(v) for _ in range(self.max_model_len - r.choice([1, 2, 8]))
+                        ],
+                        max_tokens=1,
+                    )
+                ),
+                lambda: (
+                    body.update(messages=history * 3)
+                    if chat
+                    else body.update(prompt=[self.token_ids() for _ in range(r.choice([2, 8]))])
+                ),
+                lambda: body.update(user="u", priority=r.choice([0, -5, 10]), an_unknown_field=1),
+            ]
+        )()
 
     def request(self) -> tuple[str, bytes, dict[str, Any]]:
         """(path, raw body, headers)."""
@@ -236,8 +424,11 @@ class BodyMaker:
             path = r.choice(["/tokenize", "/detokenize"])
         body = self.base(chat)
         if path == "/tokenize":
-            body = {"model": self.model, "prompt": "hello"} if not chat else {
-                "model": self.model, "messages": [{"role": "user", "content": "hi"}]}
+            body = (
+                {"model": self.model, "prompt": "hello"}
+                if not chat
+                else {"model": self.model, "messages": [{"role": "user", "content": "hi"}]}
+            )
         if path == "/detokenize":
             body = {"model": self.model, "tokens": self.token_ids()}
         fields = _FIELDS_CHAT if chat else _FIELDS_COMPLETION
@@ -272,11 +463,20 @@ class BodyMaker:
             elif family == "tokens":
                 body["tokens"] = self.hostile_prompt()
             elif family == "seed-overflow":  # the case that took both decode workers down
-                body.update(n=r.choice([2, 3, 128]), seed=r.choice([2**63 - 1, 2**63 - 2]),
-                            temperature=1)
+                body.update(
+                    n=r.choice([2, 3, 128]), seed=r.choice([2**63 - 1, 2**63 - 2]), temperature=1
+                )
             elif family == "stop":
-                body["stop"] = r.choice([["x"] * 65, ["a" * 9000], [""], "\ud800", ["e"] * 10,
-                                         [r.choice(HOSTILE_STRINGS)]])
+                body["stop"] = r.choice(
+                    [
+                        ["x"] * 65,
+                        ["a" * 9000],
+                        [""],
+                        "\ud800",
+                        ["e"] * 10,
+                        [r.choice(HOSTILE_STRINGS)],
+                    ]
+                )
             elif family == "stop-ids":
                 body["stop_token_ids"] = r.choice([[self.vocab], [-1], list(range(2000)), [2**32]])
             elif family == "drop-field":
@@ -286,10 +486,23 @@ class BodyMaker:
         raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
         headers: dict[str, Any] = {"content-type": "application/json"}
         roll = r.random() if hostile else 1.0
-        raw_family = ("truncated" if roll < 0.03 else "bom" if roll < 0.05 else
-                      "bad-utf8" if roll < 0.07 else "deep-brackets" if roll < 0.085 else
-                      "nan-literal" if roll < 0.095 else "content-type" if roll < 0.11 else
-                      "request-id" if roll < 0.16 else "")
+        raw_family = (
+            "truncated"
+            if roll < 0.03
+            else "bom"
+            if roll < 0.05
+            else "bad-utf8"
+            if roll < 0.07
+            else "deep-brackets"
+            if roll < 0.085
+            else "nan-literal"
+            if roll < 0.095
+            else "content-type"
+            if roll < 0.11
+            else "request-id"
+            if roll < 0.16
+            else ""
+        )
         if raw_family in self.skip:
             raw_family = ""
         if raw_family == "truncated":
@@ -303,11 +516,17 @@ class BodyMaker:
         elif raw_family == "nan-literal":
             raw = b'{"prompt": NaN, "max_tokens": Infinity}'
         elif raw_family == "content-type":
-            headers["content-type"] = r.choice(["text/plain", "application/x-www-form-urlencoded",
-                                                "application/json; charset=latin-1"])
+            headers["content-type"] = r.choice(
+                [
+                    "text/plain",
+                    "application/x-www-form-urlencoded",
+                    "application/json; charset=latin-1",
+                ]
+            )
         elif raw_family == "request-id":
-            headers["x-request-id"] = r.choice(["same-id", "same-id", "x" * 5000,
-                                                "\u00e9".encode(), ""])
+            headers["x-request-id"] = r.choice(
+                ["same-id", "same-id", "x" * 5000, "\u00e9".encode(), ""]
+            )
         return path, raw, headers
 
 
@@ -338,7 +557,9 @@ class Report:
         return {
             "requests": sum(o.kind == "http" for o in self.outcomes),
             "grpc_calls": sum(o.kind == "grpc" for o in self.outcomes),
-            "statuses": dict(sorted(Counter(f"{o.kind}:{o.status}" for o in self.outcomes).items())),
+            "statuses": dict(
+                sorted(Counter(f"{o.kind}:{o.status}" for o in self.outcomes).items())
+            ),
             "failures": len(self.failures),
             "failure_classes": self.classes,
             "worker_problems": self.worker_problems,
@@ -347,7 +568,7 @@ class Report:
         }
 
 
-_NON_FINITE = re.compile(rb'[:\[,]\s*-?(?:NaN|Infinity)\s*[,\]}]')
+_NON_FINITE = re.compile(rb"[:\[,]\s*-?(?:NaN|Infinity)\s*[,\]}]")
 
 
 def _failure_class(status: str, detail: str) -> str:
@@ -357,13 +578,16 @@ def _failure_class(status: str, detail: str) -> str:
 
 # ---- HTTP ---------------------------------------------------------------------------------
 
-async def _http_one(client, url: str, path: str, raw: bytes, headers: dict[str, Any],
-                    timeout_s: float) -> Outcome:
+
+async def _http_one(
+    client, url: str, path: str, raw: bytes, headers: dict[str, Any], timeout_s: float
+) -> Outcome:
     import httpx
 
     try:
-        async with client.stream("POST", url + path, content=raw, headers=headers,
-                                 timeout=timeout_s) as resp:
+        async with client.stream(
+            "POST", url + path, content=raw, headers=headers, timeout=timeout_s
+        ) as resp:
             body = b""
             async for chunk in resp.aiter_bytes():
                 body += chunk
@@ -406,13 +630,21 @@ async def _http_one(client, url: str, path: str, raw: bytes, headers: dict[str, 
         except (ValueError, KeyError, TypeError):
             return Outcome("http", f"{status}-not-json", False, text[:200])
     elif _NON_FINITE.search(raw):  # NaN / Infinity are not JSON numbers: never accepted
-        return Outcome("http", f"{status}-accepted-non-finite", False, raw[:200].decode(
-            "utf-8", "replace"))
+        return Outcome(
+            "http", f"{status}-accepted-non-finite", False, raw[:200].decode("utf-8", "replace")
+        )
     return Outcome("http", str(status), True)
 
 
-async def run_http(url: str, maker: BodyMaker, n: int, concurrency: int, timeout_s: float,
-                   report: Report, progress: bool = True) -> None:
+async def run_http(
+    url: str,
+    maker: BodyMaker,
+    n: int,
+    concurrency: int,
+    timeout_s: float,
+    report: Report,
+    progress: bool = True,
+) -> None:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -421,6 +653,7 @@ async def run_http(url: str, maker: BodyMaker, n: int, concurrency: int, timeout
     t0 = time.monotonic()
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits) as client:
+
         async def one(req):
             nonlocal done
             async with sem:
@@ -431,8 +664,12 @@ async def run_http(url: str, maker: BodyMaker, n: int, concurrency: int, timeout
                 report.classes.setdefault(cls, f"{req[0]} {req[1][:300]!r}")
             done += 1
             if progress and (done % 50 == 0 or done == n):
-                print(f"[fuzz] http {done}/{n}  failures {len(report.failures)}  "
-                      f"{time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+                print(
+                    f"[fuzz] http {done}/{n}  failures {len(report.failures)}  "
+                    f"{time.monotonic() - t0:.0f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         await asyncio.gather(*(one(r) for r in reqs))
 
@@ -442,10 +679,22 @@ async def canary(url: str, model: str) -> list[str]:
 
     async with httpx.AsyncClient() as client:
         out = []
-        for body in ({"model": model, "prompt": "The canary sings", "max_tokens": 12,
-                      "temperature": 0, "ignore_eos": True},
-                     {"model": model, "messages": [{"role": "user", "content": "canary?"}],
-                      "max_tokens": 12, "temperature": 0, "ignore_eos": True}):
+        for body in (
+            {
+                "model": model,
+                "prompt": "The canary sings",
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "canary?"}],
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        ):
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = await client.post(url + path, json=body, timeout=120)
             r.raise_for_status()
@@ -456,16 +705,29 @@ async def canary(url: str, model: str) -> list[str]:
 
 # ---- gRPC ---------------------------------------------------------------------------------
 
-_GRPC_OK = {"OK", "INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION", "OUT_OF_RANGE",
-            "UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
+_GRPC_OK = {
+    "OK",
+    "INVALID_ARGUMENT",
+    "ALREADY_EXISTS",
+    "FAILED_PRECONDITION",
+    "OUT_OF_RANGE",
+    "UNAVAILABLE",
+    "ABORTED",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "CANCELLED",
+}
 
 
 def _grpc_sampling(rng: random.Random, hostile: bool):
     from shared.proto import pdserve_pb2 as pb
 
     if not hostile:
-        m = pb.SamplingParams(n=rng.choice([1, 1, 2, 3]), max_tokens=rng.choice([1, 2, 4]),
-                              temperature=rng.choice([0.0, 0.8]))
+        m = pb.SamplingParams(
+            n=rng.choice([1, 1, 2, 3]),
+            max_tokens=rng.choice([1, 2, 4]),
+            temperature=rng.choice([0.0, 0.8]),
+        )
         if rng.random() < 0.5:
             m.seed = rng.choice([0, 2**63 - 3, -(2**63)])
         if rng.random() < 0.3:
@@ -473,8 +735,14 @@ def _grpc_sampling(rng: random.Random, hostile: bool):
         return m
     m = pb.SamplingParams(n=rng.choice([0, 1, 2, 3, 1000, 2**32 - 1]))
     floats = [0.0, 1.0, -1.0, 0.5, 1e30, float("nan"), float("inf"), -float("inf"), 3.0]
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         if rng.random() < 0.3:
             setattr(m, name, rng.choice(floats))
     if rng.random() < 0.3:
@@ -493,8 +761,9 @@ def _grpc_sampling(rng: random.Random, hostile: bool):
     return m
 
 
-def grpc_requests(rng: random.Random, vocab: int, workers: dict[str, dict], n: int,
-                  allow_hostile: bool = True) -> list:
+def grpc_requests(
+    rng: random.Random, vocab: int, workers: dict[str, dict], n: int, allow_hostile: bool = True
+) -> list:
     """(role, address, request) triples of mutated Generate / Prefill calls."""
     from shared.proto import pdserve_pb2 as pb
 
@@ -522,35 +791,57 @@ def grpc_requests(rng: random.Random, vocab: int, workers: dict[str, dict], n: i
             nblk = max(0, nb - first)
             dst = rng.choice([list(range(nblk)), [2**32 - 1] * nblk, [], list(range(nblk + 3))])
             req = pb.PrefillRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=_grpc_sampling(rng, hostile),
+                request_id=rid,
+                prompt_token_ids=ids,
+                sampling=_grpc_sampling(rng, hostile),
                 cache_salt=rng.choice(["", "s", "y" * 5000]),
-                decode_kv_address=rng.choice([b"", b"\x00garbage", os.urandom(64), b"\xff" * 10000]),
-                first_block_index=first, dst_block_ids=dst,
-                transfer_id=rng.choice(["", "t", f"t{i}"]))
+                decode_kv_address=rng.choice(
+                    [b"", b"\x00garbage", os.urandom(64), b"\xff" * 10000]
+                ),
+                first_block_index=first,
+                dst_block_ids=dst,
+                transfer_id=rng.choice(["", "t", f"t{i}"]),
+            )
             out.append(("prefill", w["grpc"], req))
         elif decode:
             w = rng.choice(decode)
             req = pb.GenerateRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=_grpc_sampling(rng, hostile),
+                request_id=rid,
+                prompt_token_ids=ids,
+                sampling=_grpc_sampling(rng, hostile),
                 cache_salt=rng.choice(["", "s", "z" * 5000]) if hostile else "",
                 deadline_s=rng.choice([0.0, 5.0, -1.0, float("nan"), float("inf"), 1e-9])
-                if hostile else 30.0)
+                if hostile
+                else 30.0,
+            )
             if prefill and rng.random() < 0.4:
-                req.prefill_address = rng.choice([rng.choice(prefill)["grpc"], "127.0.0.1:1",
-                                                  "nonsense", "x" * 1000]) if hostile else \
-                    rng.choice(prefill)["grpc"]
+                req.prefill_address = (
+                    rng.choice([rng.choice(prefill)["grpc"], "127.0.0.1:1", "nonsense", "x" * 1000])
+                    if hostile
+                    else rng.choice(prefill)["grpc"]
+                )
             if hostile and rng.random() < 0.3:
                 for _ in range(rng.choice([1, 2, 5])):
-                    req.resume.append(pb.ResumeTokens(
-                        index=rng.choice([0, 1, 7, 2**32 - 1]),
-                        token_ids=rng.choice([[1, 2], [vocab], [], list(range(3000))])))
+                    req.resume.append(
+                        pb.ResumeTokens(
+                            index=rng.choice([0, 1, 7, 2**32 - 1]),
+                            token_ids=rng.choice([[1, 2], [vocab], [], list(range(3000))]),
+                        )
+                    )
             out.append(("decode", w["grpc"], req))
     return out
 
 
-async def run_grpc(rng: random.Random, vocab: int, workers: dict[str, dict], n: int,
-                   concurrency: int, timeout_s: float, report: Report,
-                   hostile: bool = True) -> None:
+async def run_grpc(
+    rng: random.Random,
+    vocab: int,
+    workers: dict[str, dict],
+    n: int,
+    concurrency: int,
+    timeout_s: float,
+    report: Report,
+    hostile: bool = True,
+) -> None:
     import grpc
 
     from shared.proto import pdserve_pb2_grpc as pb_grpc
@@ -563,7 +854,8 @@ async def run_grpc(rng: random.Random, vocab: int, workers: dict[str, dict], n: 
         ch = channels.get(address)
         if ch is None:
             ch = channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", 64 << 20)])
+                address, options=[("grpc.max_send_message_length", 64 << 20)]
+            )
         async with sem:
             try:
                 if role == "decode":
@@ -578,8 +870,9 @@ async def run_grpc(rng: random.Random, vocab: int, workers: dict[str, dict], n: 
         out = Outcome("grpc", f"{role}:{status}", status in _GRPC_OK, detail[:200])
         report.outcomes.append(out)
         if not out.ok:
-            report.classes.setdefault(_failure_class(out.status, out.detail),
-                                      f"{role} {str(req)[:300]!r}")
+            report.classes.setdefault(
+                _failure_class(out.status, out.detail), f"{role} {str(req)[:300]!r}"
+            )
 
     try:
         await asyncio.gather(*(one(*c) for c in calls))
@@ -589,6 +882,7 @@ async def run_grpc(rng: random.Random, vocab: int, workers: dict[str, dict], n: 
 
 
 # ---- workers ------------------------------------------------------------------------------
+
 
 def read_workers(run_dir: Path) -> dict[str, dict]:
     out = {}
@@ -616,11 +910,16 @@ def check_workers(workers: dict[str, dict], settle_s: float = 30.0) -> list[str]
                 continue
         try:
             with grpc.insecure_channel(info["grpc"]) as ch:
-                h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                h = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10
+                )
                 if h.status != health_pb2.HealthCheckResponse.SERVING:
                     problems.append(f"{name}: health {h.status}")
-                stub = (pb_grpc.DecodeWorkerStub(ch) if info.get("role") == "decode"
-                        else pb_grpc.PrefillWorkerStub(ch))
+                stub = (
+                    pb_grpc.DecodeWorkerStub(ch)
+                    if info.get("role") == "decode"
+                    else pb_grpc.PrefillWorkerStub(ch)
+                )
                 deadline = time.monotonic() + settle_s
                 while True:
                     s = stub.Stats(pb.StatsRequest(check_integrity=True), timeout=10)
@@ -631,9 +930,11 @@ def check_workers(workers: dict[str, dict], settle_s: float = 30.0) -> list[str]
                 if not s.integrity_ok:
                     problems.append(f"{name}: integrity: {s.integrity_error}")
                 elif not idle:
-                    problems.append(f"{name}: not idle {settle_s:g} s after the run: running "
-                                    f"{s.running}, waiting {s.waiting}, blocks in use "
-                                    f"{s.used_blocks}")
+                    problems.append(
+                        f"{name}: not idle {settle_s:g} s after the run: running "
+                        f"{s.running}, waiting {s.waiting}, blocks in use "
+                        f"{s.used_blocks}"
+                    )
         except grpc.RpcError as e:
             problems.append(f"{name}: {e.code().name}: {e.details()}")
     return problems
@@ -641,25 +942,35 @@ def check_workers(workers: dict[str, dict], settle_s: float = 30.0) -> list[str]
 
 # ---- entry point --------------------------------------------------------------------------
 
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--run-dir", default=None,
-                        help="the cluster's run dir (pdserve up --run-dir): workers' ready files")
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="the cluster's run dir (pdserve up --run-dir): workers' ready files",
+    )
     parser.add_argument("--model", default=None, help="served model name (default: /v1/models)")
-    parser.add_argument("--model-dir", default=None,
-                        help="model directory, for its vocabulary size (default 32000)")
+    parser.add_argument(
+        "--model-dir", default=None, help="model directory, for its vocabulary size (default 32000)"
+    )
     parser.add_argument("--requests", type=int, default=400, help="HTTP requests")
     parser.add_argument("--grpc-requests", type=int, default=200, help="gRPC calls to the workers")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--output", default=None, help="write the report as JSON here")
-    parser.add_argument("--skip-family", action="append", default=[],
-                        choices=BodyMaker.FAMILIES,
-                        help="leave out one family of hostile HTTP mutations (repeatable): "
-                             "isolates failure classes when one of them takes workers down")
-    parser.add_argument("--no-grpc-hostile", action="store_true",
-                        help="send only well-formed gRPC calls")
+    parser.add_argument(
+        "--skip-family",
+        action="append",
+        default=[],
+        choices=BodyMaker.FAMILIES,
+        help="leave out one family of hostile HTTP mutations (repeatable): "
+        "isolates failure classes when one of them takes workers down",
+    )
+    parser.add_argument(
+        "--no-grpc-hostile", action="store_true", help="send only well-formed gRPC calls"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -687,13 +998,21 @@ async def fuzz(args: argparse.Namespace) -> Report:
     report = Report()
     before = await canary(url, model)
     rng = random.Random(args.seed)
-    maker = BodyMaker(rng, model, vocab, max_model_len,
-                      frozenset(getattr(args, "skip_family", ()) or ()))
+    maker = BodyMaker(
+        rng, model, vocab, max_model_len, frozenset(getattr(args, "skip_family", ()) or ())
+    )
     await run_http(url, maker, args.requests, args.concurrency, args.timeout, report)
     if workers and args.grpc_requests:
-        await run_grpc(random.Random(args.seed + 1), vocab, workers, args.grpc_requests,
-                       args.concurrency, args.timeout, report,
-                       hostile=not getattr(args, "no_grpc_hostile", False))
+        await run_grpc(
+            random.Random(args.seed + 1),
+            vocab,
+            workers,
+            args.grpc_requests,
+            args.concurrency,
+            args.timeout,
+            report,
+            hostile=not getattr(args, "no_grpc_hostile", False),
+        )
     if workers:
         report.worker_problems = await asyncio.to_thread(check_workers, workers)
     try:

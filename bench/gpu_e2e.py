@@ -37,9 +37,16 @@ def run(args: argparse.Namespace) -> int:
                 emit(f"{backend} kv={kv_dtype}", "skipped: deadline")
                 continue
             t0 = time.monotonic()
-            llm = LLM(str(model_dir), device=args.device, attention_backend=backend,
-                      kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB" if args.dry_run else "8GiB",
-                      max_num_seqs=batch, enable_prefix_caching=False, seed=0)
+            llm = LLM(
+                str(model_dir),
+                device=args.device,
+                attention_backend=backend,
+                kv_cache_dtype=kv_dtype,
+                kv_cache_memory="1GiB" if args.dry_run else "8GiB",
+                max_num_seqs=batch,
+                enable_prefix_caching=False,
+                seed=0,
+            )
 
             def generate(n: int, llm=llm) -> float:
                 sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -52,10 +59,12 @@ def run(args: argparse.Namespace) -> int:
             t_prefill = generate(1)  # prefill + first token
             t_full = generate(max_tokens)
             decode_tps = batch * (max_tokens - 1) / max(t_full - t_prefill, 1e-9)
-            emit(f"{preset} model, {backend} kv={kv_dtype}",
-                 f"{decode_tps:,.0f} decode tok/s (batch {batch}, prompt {prompt_len}, "
-                 f"{max_tokens} tokens; {batch * max_tokens / t_full:,.0f} tok/s overall; "
-                 f"load+warm-up {time.monotonic() - t0 - t_full - t_prefill:.0f} s)")
+            emit(
+                f"{preset} model, {backend} kv={kv_dtype}",
+                f"{decode_tps:,.0f} decode tok/s (batch {batch}, prompt {prompt_len}, "
+                f"{max_tokens} tokens; {batch * max_tokens / t_full:,.0f} tok/s overall; "
+                f"load+warm-up {time.monotonic() - t0 - t_full - t_prefill:.0f} s)",
+            )
             del llm
     return 0
 

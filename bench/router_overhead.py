@@ -65,11 +65,18 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[k]
 
 
-def _start(cmd: list[str], ready: str | None = None,
-           cwd: Path = ROOT) -> tuple[subprocess.Popen, str]:
+def _start(
+    cmd: list[str], ready: str | None = None, cwd: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
     """Start ``cmd`` in its own process group; with ``ready``, wait for that first line."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     line = ""
     if ready is not None:
         line = proc.stdout.readline()  # the fake worker prints it within seconds, or dies
@@ -92,8 +99,11 @@ def _stop(proc: subprocess.Popen) -> None:
 async def _direct(stub, pb, prompt_ids: list[int], max_tokens: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     ttft = None
-    req = pb.GenerateRequest(request_id=f"b{random.getrandbits(48):x}", prompt_token_ids=prompt_ids,
-                             sampling=pb.SamplingParams(n=1, max_tokens=max_tokens, ignore_eos=True))
+    req = pb.GenerateRequest(
+        request_id=f"b{random.getrandbits(48):x}",
+        prompt_token_ids=prompt_ids,
+        sampling=pb.SamplingParams(n=1, max_tokens=max_tokens, ignore_eos=True),
+    )
     async for chunk in stub.Generate(req, timeout=30):
         if ttft is None and chunk.outputs:
             ttft = time.perf_counter() - t0
@@ -101,8 +111,14 @@ async def _direct(stub, pb, prompt_ids: list[int], max_tokens: int) -> tuple[flo
 
 
 async def _via_router(client, url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -116,8 +132,14 @@ async def _via_router(client, url: str, prompt: str, max_tokens: int) -> tuple[f
 
 async def _stream_one(session, url: str, prompt: str, max_tokens: int) -> int:
     """One streaming completion; returns the number of SSE events received."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     events = 0
     tail = b""
     async with session.post(f"{url}/v1/completions", json=body) as r:
@@ -137,8 +159,10 @@ async def _concurrent(url: str, pid: int, args, prompts: list[str]) -> dict:
     import aiohttp
 
     sem = asyncio.Semaphore(args.streams)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
+
         async def one(p: str) -> int:
             async with sem:
                 return await _stream_one(session, url, p, args.stream_tokens)
@@ -150,10 +174,15 @@ async def _concurrent(url: str, pid: int, args, prompts: list[str]) -> dict:
         wall = time.perf_counter() - t0
         cpu = _cpu_s(pid) - cpu0
     tokens = len(prompts) * args.stream_tokens
-    return {"wall_s": wall, "output_tokens_per_s": tokens / wall, "events": events,
-            "router_cpu_us_per_token": cpu / tokens * 1e6,
-            "router_cpu_ms_per_request": cpu / len(prompts) * 1e3,
-            "router_cpu_util": cpu / wall, "load_average": [load0, os.getloadavg()[0]]}
+    return {
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "events": events,
+        "router_cpu_us_per_token": cpu / tokens * 1e6,
+        "router_cpu_ms_per_request": cpu / len(prompts) * 1e3,
+        "router_cpu_util": cpu / wall,
+        "load_average": [load0, os.getloadavg()[0]],
+    }
 
 
 async def overhead(args, model_dir: Path, redis_url: str) -> dict:
@@ -165,9 +194,24 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
     from shared.proto import pdserve_pb2_grpc as pb_grpc
 
     # two decode workers, so that every routed request does a real directory lookup
-    workers = [_start([sys.executable, str(ROOT / "tests/router/fake_worker.py"), "--model", MODEL,
-                       "--worker-id", f"bench-d{i}", "--redis-url", redis_url, "--prefix", "bench:"],
-                      ready="READY") for i in range(2)]
+    workers = [
+        _start(
+            [
+                sys.executable,
+                str(ROOT / "tests/router/fake_worker.py"),
+                "--model",
+                MODEL,
+                "--worker-id",
+                f"bench-d{i}",
+                "--redis-url",
+                redis_url,
+                "--prefix",
+                "bench:",
+            ],
+            ready="READY",
+        )
+        for i in range(2)
+    ]
     ready = workers[0][1]
     roots = {"router": ROOT}
     if args.baseline_root:
@@ -176,11 +220,30 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
     try:
         for name, root in roots.items():
             port = _free_port()
-            proc, _ = _start([sys.executable, "-m", "shared.cli", "router", "--model",
-                              str(model_dir), "--served-model-name", MODEL, "--redis-url",
-                              redis_url, "--directory-prefix", "bench:", "--host", "127.0.0.1",
-                              "--port", str(port), "--disable-uvicorn-access-log",
-                              "--uvicorn-log-level", "warning"], cwd=root)
+            proc, _ = _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "shared.cli",
+                    "router",
+                    "--model",
+                    str(model_dir),
+                    "--served-model-name",
+                    MODEL,
+                    "--redis-url",
+                    redis_url,
+                    "--directory-prefix",
+                    "bench:",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--disable-uvicorn-access-log",
+                    "--uvicorn-log-level",
+                    "warning",
+                ],
+                cwd=root,
+            )
             routers[name] = (proc, f"http://127.0.0.1:{port}")
         worker_addr = f"127.0.0.1:{ready.split()[1]}"
         tok = RouterTokenizer.from_model_dir(model_dir)
@@ -199,8 +262,18 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
             channel = grpc.aio.insecure_channel(worker_addr)
             stub = pb_grpc.DecodeWorkerStub(channel)
             rng = random.Random(0)
-            words = ["the", "a", "river", "mountain", "forest", "weather", "question", "answer",
-                     "system", "prompt"]
+            words = [
+                "the",
+                "a",
+                "river",
+                "mountain",
+                "forest",
+                "weather",
+                "question",
+                "answer",
+                "system",
+                "prompt",
+            ]
             kinds = ["direct", *routers]
             results = {k: ([], []) for k in kinds}
             cpu0: dict[str, float] = {}
@@ -215,25 +288,29 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                     if kind == "direct":
                         ttft, e2e = await _direct(stub, pb, ids, args.max_tokens)
                     else:
-                        ttft, e2e = await _via_router(client, routers[kind][1], prompt,
-                                                      args.max_tokens)
+                        ttft, e2e = await _via_router(
+                            client, routers[kind][1], prompt, args.max_tokens
+                        )
                     if i >= args.warmup:
                         results[kind][0].append(ttft)
                         results[kind][1].append(e2e)
             n = max(1, args.requests)
-            cpu_ms = {k: (_cpu_s(p.pid) - cpu0[k]) / n * 1e3 for k, (p, _) in routers.items()
-                      if k in cpu0}
+            cpu_ms = {
+                k: (_cpu_s(p.pid) - cpu0[k]) / n * 1e3 for k, (p, _) in routers.items() if k in cpu0
+            }
             load1 = os.getloadavg()[0]
             await channel.close()
         concurrent: dict[str, list[dict]] = {k: [] for k in routers}
         if args.streams and args.stream_rounds:
-            prompts = [" ".join(rng.choice(words) for _ in range(args.prompt_words)) + f" s{i}"
-                       for i in range(args.stream_requests)]
+            prompts = [
+                " ".join(rng.choice(words) for _ in range(args.prompt_words)) + f" s{i}"
+                for i in range(args.stream_requests)
+            ]
             for _name, (proc, url) in routers.items():  # warm-up (connections, caches)
                 await _concurrent(url, proc.pid, args, prompts[: args.streams])
             names = list(routers)
             for r in range(args.stream_rounds):
-                for name in (names if r % 2 == 0 else names[::-1]):
+                for name in names if r % 2 == 0 else names[::-1]:
                     proc, url = routers[name]
                     concurrent[name].append(await _concurrent(url, proc.pid, args, prompts))
     finally:
@@ -241,8 +318,12 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
             _stop(proc)
         for w, _ in workers:
             _stop(w)
-    out: dict = {"sequential": {}, "concurrent": concurrent,
-                 "load_average": [load0, load1], "cpus": os.cpu_count()}
+    out: dict = {
+        "sequential": {},
+        "concurrent": concurrent,
+        "load_average": [load0, load1],
+        "cpus": os.cpu_count(),
+    }
     if args.requests:
         for name in routers:
             o = {}
@@ -250,10 +331,14 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                 for p in (50, 90, 99):
                     d = _pct(results["direct"][k], p)
                     v = _pct(results[name][k], p)
-                    o[f"{metric}_p{p}"] = {"direct_ms": d * 1e3, "router_ms": v * 1e3,
-                                           "added_ms": (v - d) * 1e3}
-                o[f"{metric}_mean_added_ms"] = (statistics.mean(results[name][k])
-                                                - statistics.mean(results["direct"][k])) * 1e3
+                    o[f"{metric}_p{p}"] = {
+                        "direct_ms": d * 1e3,
+                        "router_ms": v * 1e3,
+                        "added_ms": (v - d) * 1e3,
+                    }
+                o[f"{metric}_mean_added_ms"] = (
+                    statistics.mean(results[name][k]) - statistics.mean(results["direct"][k])
+                ) * 1e3
             o["router_cpu_ms_per_request"] = cpu_ms[name]
             out["sequential"][name] = o
     return out
@@ -278,8 +363,14 @@ async def lookups(redis_url: str, n_blocks: int, n_lookups: int, prompt_blocks: 
     rng = random.Random(n_blocks)
     leases = []
     for w in range(4):
-        info = WorkerInfo(worker_id=f"w{w}", role="decode", model=MODEL, grpc=f"h:{w}",
-                          block_size=16, num_blocks=n_blocks)
+        info = WorkerInfo(
+            worker_id=f"w{w}",
+            role="decode",
+            model=MODEL,
+            grpc=f"h:{w}",
+            block_size=16,
+            num_blocks=n_blocks,
+        )
         lease = WorkerLease(connect_sync(redis_url), info, keys=keys, ttl_s=600)
         lease.register()
         leases.append((lease, KVEventPublisher(lease.client, lease)))
@@ -314,10 +405,15 @@ async def lookups(redis_url: str, n_blocks: int, n_lookups: int, prompt_blocks: 
     for lease, pub in leases:
         pub.clear()
         lease.deregister()
-    return {"blocks": stored, "prompt_blocks": prompt_blocks,
-            "hit_p50_ms": _pct(t_hit, 50) * 1e3, "hit_p99_ms": _pct(t_hit, 99) * 1e3,
-            "miss_p50_ms": _pct(t_miss, 50) * 1e3, "miss_p99_ms": _pct(t_miss, 99) * 1e3,
-            "redis_used_memory_mb": info["used_memory"] / 2**20}
+    return {
+        "blocks": stored,
+        "prompt_blocks": prompt_blocks,
+        "hit_p50_ms": _pct(t_hit, 50) * 1e3,
+        "hit_p99_ms": _pct(t_hit, 99) * 1e3,
+        "miss_p50_ms": _pct(t_miss, 50) * 1e3,
+        "miss_p99_ms": _pct(t_miss, 99) * 1e3,
+        "redis_used_memory_mb": info["used_memory"] / 2**20,
+    }
 
 
 def serving_path(model_dir: Path, tokens: int = 64, requests: int = 200) -> dict:
@@ -339,9 +435,18 @@ def serving_path(model_dir: Path, tokens: int = 64, requests: int = 200) -> dict
 
     tok = RouterTokenizer.from_model_dir(model_dir)
     ids = tok.encode("the quick brown fox jumps over the lazy dog and " * 40, False)[:tokens]
-    raw = [pb.GenerateChunk(request_id="x", worker_id="w", outputs=[pb.SeqDelta(
-        index=0, token_ids=[t], finish_reason="length" if i == len(ids) - 1 else "")]
-    ).SerializeToString() for i, t in enumerate(ids)]
+    raw = [
+        pb.GenerateChunk(
+            request_id="x",
+            worker_id="w",
+            outputs=[
+                pb.SeqDelta(
+                    index=0, token_ids=[t], finish_reason="length" if i == len(ids) - 1 else ""
+                )
+            ],
+        ).SerializeToString()
+        for i, t in enumerate(ids)
+    ]
 
     class Stream:  # GenerationStream's interface, fed from the bytes above
         def __init__(self, inp) -> None:
@@ -366,13 +471,27 @@ def serving_path(model_dir: Path, tokens: int = 64, requests: int = 200) -> dict
         def stream(self, inp) -> Stream:
             return Stream(inp)
 
-    ctx = ServingContext(MODEL, tok, Dispatcher(), Limits(4096, tok.vocab_size),
-                         RouterMetrics(MODEL), 600.0, live=LiveStats())
+    ctx = ServingContext(
+        MODEL,
+        tok,
+        Dispatcher(),
+        Limits(4096, tok.vocab_size),
+        RouterMetrics(MODEL),
+        600.0,
+        live=LiveStats(),
+    )
     params = OutputParams()
 
     async def one(module, usage_mode: str) -> None:
-        gen = Generation(ctx, "cmpl-x", [ids], [pb.SamplingParams(max_tokens=tokens)], params,
-                         "", time.monotonic())
+        gen = Generation(
+            ctx,
+            "cmpl-x",
+            [ids],
+            [pb.SamplingParams(max_tokens=tokens)],
+            params,
+            "",
+            time.monotonic(),
+        )
         await gen.start()
 
         async def close() -> None:
@@ -409,13 +528,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-requests", type=int, default=640)
     p.add_argument("--stream-tokens", type=int, default=64)
     p.add_argument("--stream-rounds", type=int, default=3)
-    p.add_argument("--baseline-root", default=None,
-                   help="also run a router from this tree (its own router/) for comparison")
+    p.add_argument(
+        "--baseline-root",
+        default=None,
+        help="also run a router from this tree (its own router/) for comparison",
+    )
     p.add_argument("--lookups", type=int, default=500, help="directory lookups (0 = skip)")
-    p.add_argument("--lookup-prompt-blocks", type=int, default=128,
-                   help="blocks per looked-up prompt (128 x 16 = 2048 tokens)")
-    p.add_argument("--serving-path", action="store_true",
-                   help="only the in-process per-token cost of the serving code (no sockets)")
+    p.add_argument(
+        "--lookup-prompt-blocks",
+        type=int,
+        default=128,
+        help="blocks per looked-up prompt (128 x 16 = 2048 tokens)",
+    )
+    p.add_argument(
+        "--serving-path",
+        action="store_true",
+        help="only the in-process per-token cost of the serving code (no sockets)",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -431,16 +560,27 @@ def main(argv: list[str] | None = None) -> int:
             res = {"router": serving_path(model_dir)}
             if args.baseline_root:  # the other tree's router/, in a process of its own
                 base = str(Path(args.baseline_root).resolve())
-                code = (f"import sys, json, pathlib; sys.path.insert(0, {base!r}); "
-                        "from bench.router_overhead import serving_path; "
-                        f"print(json.dumps(serving_path(pathlib.Path({str(model_dir)!r}))))")
-                out = subprocess.run([sys.executable, "-c", code], cwd=base, check=True,
-                                     capture_output=True, text=True).stdout
+                code = (
+                    f"import sys, json, pathlib; sys.path.insert(0, {base!r}); "
+                    "from bench.router_overhead import serving_path; "
+                    f"print(json.dumps(serving_path(pathlib.Path({str(model_dir)!r}))))"
+                )
+                out = subprocess.run(
+                    [sys.executable, "-c", code],
+                    cwd=base,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 res["baseline"] = json.loads(out.strip().splitlines()[-1])
         for name, r in res.items():
-            print(f"{name}: serving path in process (Generation + SSE formatting, usage on, no "
-                  "sockets): " + ", ".join(f"{k.removesuffix('_us_per_token')} {v:.2f} us/token"
-                                           for k, v in r.items()))
+            print(
+                f"{name}: serving path in process (Generation + SSE formatting, usage on, no "
+                "sockets): "
+                + ", ".join(
+                    f"{k.removesuffix('_us_per_token')} {v:.2f} us/token" for k, v in r.items()
+                )
+            )
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0
@@ -450,59 +590,89 @@ def main(argv: list[str] | None = None) -> int:
             from shared.cli.tiny_model import make_tiny_model
 
             model_dir = make_tiny_model(Path(tmp) / "tiny")
-        res = {"overhead": asyncio.run(overhead(args, model_dir, server.url)),
-               "lookups": [asyncio.run(lookups(server.url, n, args.lookups,
-                                               args.lookup_prompt_blocks))
-                           for n in (1_000, 100_000)] if args.lookups else []}
+        res = {
+            "overhead": asyncio.run(overhead(args, model_dir, server.url)),
+            "lookups": [
+                asyncio.run(lookups(server.url, n, args.lookups, args.lookup_prompt_blocks))
+                for n in (1_000, 100_000)
+            ]
+            if args.lookups
+            else [],
+        }
     o = res["overhead"]
     for name, seq in o["sequential"].items():
-        print(f"{name}: {args.requests} sequential requests, {args.max_tokens} tokens each "
-              f"(~{args.prompt_words}-word prompts), streaming:")
+        print(
+            f"{name}: {args.requests} sequential requests, {args.max_tokens} tokens each "
+            f"(~{args.prompt_words}-word prompts), streaming:"
+        )
         print("| metric | direct gRPC (ms) | via router (ms) | added (ms) |")
         print("|---|---:|---:|---:|")
         for k, v in seq.items():
             if isinstance(v, dict):
-                print(f"| {k} | {v['direct_ms']:.2f} | {v['router_ms']:.2f} | "
-                      f"{v['added_ms']:.2f} |")
-        print(f"mean added: TTFT {seq['ttft_mean_added_ms']:.2f} ms, e2e "
-              f"{seq['e2e_mean_added_ms']:.2f} ms; router CPU "
-              f"{seq['router_cpu_ms_per_request']:.2f} ms per request\n")
+                print(
+                    f"| {k} | {v['direct_ms']:.2f} | {v['router_ms']:.2f} | {v['added_ms']:.2f} |"
+                )
+        print(
+            f"mean added: TTFT {seq['ttft_mean_added_ms']:.2f} ms, e2e "
+            f"{seq['e2e_mean_added_ms']:.2f} ms; router CPU "
+            f"{seq['router_cpu_ms_per_request']:.2f} ms per request\n"
+        )
     if o["sequential"]:
-        print(f"load average {o['load_average'][0]:.1f} -> {o['load_average'][1]:.1f} "
-              f"on {o['cpus']} CPUs\n")
+        print(
+            f"load average {o['load_average'][0]:.1f} -> {o['load_average'][1]:.1f} "
+            f"on {o['cpus']} CPUs\n"
+        )
     for name, rounds in o["concurrent"].items():
-        print(f"{name}: {args.stream_requests} streaming requests x {args.stream_tokens} tokens, "
-              f"{args.streams} concurrent:")
-        print("| round | output tok/s | router CPU us/token | router CPU ms/request | "
-              "router CPU util | load avg |")
+        print(
+            f"{name}: {args.stream_requests} streaming requests x {args.stream_tokens} tokens, "
+            f"{args.streams} concurrent:"
+        )
+        print(
+            "| round | output tok/s | router CPU us/token | router CPU ms/request | "
+            "router CPU util | load avg |"
+        )
         print("|---:|---:|---:|---:|---:|---|")
         for i, r in enumerate(rounds):
-            print(f"| {i + 1} | {r['output_tokens_per_s']:.0f} | "
-                  f"{r['router_cpu_us_per_token']:.1f} | {r['router_cpu_ms_per_request']:.2f} | "
-                  f"{r['router_cpu_util']:.2f} | {r['load_average'][0]:.1f} -> "
-                  f"{r['load_average'][1]:.1f} |")
+            print(
+                f"| {i + 1} | {r['output_tokens_per_s']:.0f} | "
+                f"{r['router_cpu_us_per_token']:.1f} | {r['router_cpu_ms_per_request']:.2f} | "
+                f"{r['router_cpu_util']:.2f} | {r['load_average'][0]:.1f} -> "
+                f"{r['load_average'][1]:.1f} |"
+            )
         print()
     conc = {k: v for k, v in o["concurrent"].items() if v}
     for name, rounds in conc.items():
-        print(f"{name}: median router CPU "
-              f"{statistics.median(r['router_cpu_us_per_token'] for r in rounds):.1f} us/token, "
-              f"median {statistics.median(r['output_tokens_per_s'] for r in rounds):.0f} "
-              "output tok/s")
+        print(
+            f"{name}: median router CPU "
+            f"{statistics.median(r['router_cpu_us_per_token'] for r in rounds):.1f} us/token, "
+            f"median {statistics.median(r['output_tokens_per_s'] for r in rounds):.0f} "
+            "output tok/s"
+        )
     if "baseline" in conc and "router" in conc:
-        ratios = [a["router_cpu_us_per_token"] / b["router_cpu_us_per_token"]
-                  for a, b in zip(conc["router"], conc["baseline"], strict=True)]
-        print(f"router / baseline CPU per token, round by round: median "
-              f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})\n")
+        ratios = [
+            a["router_cpu_us_per_token"] / b["router_cpu_us_per_token"]
+            for a, b in zip(conc["router"], conc["baseline"], strict=True)
+        ]
+        print(
+            f"router / baseline CPU per token, round by round: median "
+            f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})\n"
+        )
     if res["lookups"]:
-        print("directory lookup (one EVALSHA, a chain of "
-              f"{args.lookup_prompt_blocks} blocks, 4 live workers):")
-        print("| cached blocks | hit p50 (ms) | hit p99 (ms) | miss p50 (ms) | miss p99 (ms) | "
-              "Redis MB |")
+        print(
+            "directory lookup (one EVALSHA, a chain of "
+            f"{args.lookup_prompt_blocks} blocks, 4 live workers):"
+        )
+        print(
+            "| cached blocks | hit p50 (ms) | hit p99 (ms) | miss p50 (ms) | miss p99 (ms) | "
+            "Redis MB |"
+        )
         print("|---:|---:|---:|---:|---:|---:|")
         for r in res["lookups"]:
-            print(f"| {r['blocks']:,} | {r['hit_p50_ms']:.3f} | {r['hit_p99_ms']:.3f} | "
-                  f"{r['miss_p50_ms']:.3f} | {r['miss_p99_ms']:.3f} | "
-                  f"{r['redis_used_memory_mb']:.1f} |")
+            print(
+                f"| {r['blocks']:,} | {r['hit_p50_ms']:.3f} | {r['hit_p99_ms']:.3f} | "
+                f"{r['miss_p50_ms']:.3f} | {r['miss_p99_ms']:.3f} | "
+                f"{r['redis_used_memory_mb']:.1f} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

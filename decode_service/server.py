@@ -98,8 +98,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             if self.aloop is None:  # cannot happen (Generate set it); never leak the pin
                 engine.unpin(job.pin_id)
                 continue
-            self.aloop.call_soon_threadsafe(self._start_remote, job.request_id,
-                                            job.first_block_index, list(job.block_ids), job.pin_id)
+            self.aloop.call_soon_threadsafe(
+                self._start_remote,
+                job.request_id,
+                job.first_block_index,
+                list(job.block_ids),
+                job.pin_id,
+            )
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -121,7 +126,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         except (WireError, SamplingParamsError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.flights:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already in flight")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already in flight"
+            )
         prompt = request.prompt_token_ids  # validated (and copied) by add_request
         remote = bool(request.prefill_address) and resume is None
         eid = f"{rid}@{next(self._serial)}"
@@ -133,17 +140,27 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         finished = False
         try:
             try:
-                await asyncio.wrap_future(rt.loop.submit(lambda e: e.add_request(
-                    eid, prompt, params, cache_salt=request.cache_salt or None,
-                    kv_transfer=RemotePrefillParams() if remote else None, resume=resume,
-                    arrival_time=flight.arrival)))
+                await asyncio.wrap_future(
+                    rt.loop.submit(
+                        lambda e: e.add_request(
+                            eid,
+                            prompt,
+                            params,
+                            cache_salt=request.cache_salt or None,
+                            kv_transfer=RemotePrefillParams() if remote else None,
+                            resume=resume,
+                            arrival_time=flight.arrival,
+                        )
+                    )
+                )
             except DuplicateRequestError as e:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except EngineDeadError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
-                                    failure_metadata(FAILURE_ENGINE))
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, str(e), failure_metadata(FAILURE_ENGINE)
+                )
             rt.metrics.path(flight.path)
             try:
                 async for chunk in self._stream(flight, request):
@@ -151,14 +168,18 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                         finished = True
                     yield chunk
             except _DeadlineExceeded:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"request {rid} exceeded its deadline of {request.deadline_s}s")
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {rid} exceeded its deadline of {request.deadline_s}s",
+                )
             except _Failed as e:
                 if e.kind is FailureKind.ENGINE:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, e.message,
-                                        failure_metadata(FAILURE_ENGINE))
-                await context.abort(grpc.StatusCode.INTERNAL, e.message,
-                                    failure_metadata(FAILURE_REQUEST))
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, e.message, failure_metadata(FAILURE_ENGINE)
+                    )
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, e.message, failure_metadata(FAILURE_REQUEST)
+                )
         finally:
             if not finished:  # client cancelled, deadline, or error: abort everywhere
                 flight.aborting = True
@@ -212,14 +233,19 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     done.add(o.index)
                     rt.metrics.finished(o.finish_reason)
                     timing_src = o
-            chunk = pb.GenerateChunk(request_id=rid, outputs=list(deltas.values()),
-                                     worker_id=rt.worker_id)
+            chunk = pb.GenerateChunk(
+                request_id=rid, outputs=list(deltas.values()), worker_id=rt.worker_id
+            )
             if len(done) == flight.n:
                 chunk.finished = True
                 completion = sum(counts)
-                chunk.usage.CopyFrom(pb.Usage(
-                    prompt_tokens=prompt_tokens, completion_tokens=completion,
-                    cached_tokens=max(cached, flight.remote_cached_tokens)))
+                chunk.usage.CopyFrom(
+                    pb.Usage(
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=completion,
+                        cached_tokens=max(cached, flight.remote_cached_tokens),
+                    )
+                )
                 chunk.timings.CopyFrom(self._timings(flight, timing_src, first_token_time, now))
                 if chunk.timings.queue_s:
                     rt.metrics.queue.observe(chunk.timings.queue_s)
@@ -228,18 +254,25 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 rt.metrics.generation_tokens.inc(completion)
             yield chunk
 
-    def _timings(self, flight: _Flight, o: EngineCoreOutput | None, first_token: float | None,
-                 now: float) -> pb.Timings:
-        t = pb.Timings(path=flight.path, transfer_s=flight.transfer_s,
-                       transfer_bytes=flight.transfer_bytes,
-                       blocks_transferred=flight.blocks_transferred)
+    def _timings(
+        self, flight: _Flight, o: EngineCoreOutput | None, first_token: float | None, now: float
+    ) -> pb.Timings:
+        t = pb.Timings(
+            path=flight.path,
+            transfer_s=flight.transfer_s,
+            transfer_bytes=flight.transfer_bytes,
+            blocks_transferred=flight.blocks_transferred,
+        )
         if o is not None and o.first_scheduled_time is not None:
             t.queue_s = max(0.0, o.first_scheduled_time - flight.arrival)
         if first_token is not None:
             t.first_token_s = first_token - flight.arrival
             t.decode_s = now - first_token
-            t.prefill_s = (flight.remote_prefill_s if flight.path == "disagg"
-                           else max(0.0, t.first_token_s - t.queue_s))
+            t.prefill_s = (
+                flight.remote_prefill_s
+                if flight.path == "disagg"
+                else max(0.0, t.first_token_s - t.queue_s)
+            )
         return t
 
     async def _abort(self, eid: str, flight: _Flight) -> None:
@@ -251,16 +284,18 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             except BaseException:  # noqa: BLE001 - its outcome no longer matters
                 pass
         try:
-            await asyncio.wait_for(asyncio.wrap_future(
-                self.rt.loop.submit(lambda e: e.abort_request([eid]))), 10.0)
+            await asyncio.wait_for(
+                asyncio.wrap_future(self.rt.loop.submit(lambda e: e.abort_request([eid]))), 10.0
+            )
         except EngineDeadError:
             pass  # nothing left to abort
         except Exception:
             logger.exception("abort of %s failed", eid)
 
     # ---- remote prefill ----------------------------------------------------------------
-    def _start_remote(self, eid: str, first_block: int, block_ids: list[int],
-                      pin_id: int | None) -> None:
+    def _start_remote(
+        self, eid: str, first_block: int, block_ids: list[int], pin_id: int | None
+    ) -> None:
         """Event loop, right after the engine step that reserved the blocks. The pin keeps
         them out of the free queue until the receive is terminal, whatever happens to the
         request meanwhile; a flight that is gone or ending never posts a receive."""
@@ -269,7 +304,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self._unpin(pin_id)
             return
         flight.remote_task = asyncio.ensure_future(
-            self._remote_prefill(flight, first_block, block_ids, pin_id))
+            self._remote_prefill(flight, first_block, block_ids, pin_id)
+        )
 
     def _unpin(self, pin_id: int | None) -> None:
         if pin_id is not None:
@@ -282,8 +318,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             entry = self.channels[address] = (channel, pb_grpc.PrefillWorkerStub(channel))
         return entry[1]
 
-    async def _remote_prefill(self, flight: _Flight, first_block: int, block_ids: list[int],
-                              pin_id: int | None) -> None:
+    async def _remote_prefill(
+        self, flight: _Flight, first_block: int, block_ids: list[int], pin_id: int | None
+    ) -> None:
         req = flight.request
         eid = flight.engine_id
         transfer_id = f"{req.request_id}:{uuid.uuid4().hex[:8]}"
@@ -291,18 +328,28 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         handle = None
         try:
             handle = self.receiver.expect(transfer_id, block_ids, timeout_s=self.prefill_timeout_s)
-            result = await self._stub(req.prefill_address).Prefill(pb.PrefillRequest(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                sampling=req.sampling, cache_salt=req.cache_salt,
-                decode_kv_address=self.receiver.address, decode_worker_id=self.rt.worker_id,
-                first_block_index=first_block, dst_block_ids=block_ids, transfer_id=transfer_id),
-                timeout=self.prefill_timeout_s)
+            result = await self._stub(req.prefill_address).Prefill(
+                pb.PrefillRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=req.sampling,
+                    cache_salt=req.cache_salt,
+                    decode_kv_address=self.receiver.address,
+                    decode_worker_id=self.rt.worker_id,
+                    first_block_index=first_block,
+                    dst_block_ids=block_ids,
+                    transfer_id=transfer_id,
+                ),
+                timeout=self.prefill_timeout_s,
+            )
             remaining = max(0.1, self.prefill_timeout_s - (time.monotonic() - t0))
             await wait_transfer(handle, remaining)
             tokens = sorted(result.first_tokens, key=lambda f: f.index)
             if [f.index for f in tokens] != list(range(flight.n)):
-                raise _BadPrefillResult(f"prefill worker returned first tokens for samples "
-                                        f"{[f.index for f in tokens]} of n={flight.n}")
+                raise _BadPrefillResult(
+                    f"prefill worker returned first tokens for samples "
+                    f"{[f.index for f in tokens]} of n={flight.n}"
+                )
             flight.transfer_s = time.monotonic() - t0
             flight.transfer_bytes = handle.bytes_received
             flight.blocks_transferred = len(block_ids)
@@ -310,8 +357,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             flight.remote_cached_tokens = result.num_cached_tokens
             first = [first_token_from_proto(f) for f in tokens]
             loop = self.rt.loop
-            await asyncio.wrap_future(loop.submit(
-                lambda e: loop.deliver(e.finish_remote_prefill(eid, first))))
+            await asyncio.wrap_future(
+                loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, first)))
+            )
         except asyncio.CancelledError:
             if handle is not None:
                 await cancel_transfer(handle)
@@ -320,8 +368,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             return
         except Exception as e:  # noqa: BLE001 - any failure of P: prefill locally
             reason = _fallback_reason(e)
-            logger.warning("remote prefill of %s via %s failed (%s: %s); prefilling locally",
-                           req.request_id, req.prefill_address, reason, e)
+            logger.warning(
+                "remote prefill of %s via %s failed (%s: %s); prefilling locally",
+                req.request_id,
+                req.prefill_address,
+                reason,
+                e,
+            )
             if handle is not None:
                 await cancel_transfer(handle)
             self.fallbacks += 1
@@ -329,8 +382,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             flight.path = "fallback"
             loop = self.rt.loop
             try:
-                await asyncio.wrap_future(loop.submit(
-                    lambda e: loop.deliver(e.finish_remote_prefill(eid, None))))
+                await asyncio.wrap_future(
+                    loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, None)))
+                )
             except EngineDeadError:
                 pass
         finally:
@@ -339,8 +393,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     # ---- Stats -------------------------------------------------------------------------
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.rt, request, fallbacks=self.fallbacks,
-                                  transfer=self.receiver.stats)
+        return await worker_stats(
+            self.rt, request, fallbacks=self.fallbacks, transfer=self.receiver.stats
+        )
 
 
 class _DeadlineExceeded(Exception):
@@ -380,6 +435,7 @@ def _fallback_reason(e: BaseException) -> str:
 
 # ---- entry points ----------------------------------------------------------------------
 
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_worker_cli_args(parser, ROLE)
 
@@ -393,10 +449,15 @@ async def _main(args: argparse.Namespace) -> int:
     from kvtransfer import TransferMetrics, create_receiver
 
     rt = WorkerRuntime(ROLE, args)
-    receiver = create_receiver("ucx", rt.engine.runner.kv_cache, rt.kv_geometry(),
-                               host=args.advertise_host or args.host, port=args.kv_port,
-                               verify_checksums=args.kv_checksums,
-                               metrics=TransferMetrics(rt.metrics.registry))
+    receiver = create_receiver(
+        "ucx",
+        rt.engine.runner.kv_cache,
+        rt.kv_geometry(),
+        host=args.advertise_host or args.host,
+        port=args.kv_port,
+        verify_checksums=args.kv_checksums,
+        metrics=TransferMetrics(rt.metrics.registry),
+    )
     servicer = DecodeServicer(rt, receiver, args.kv_transfer_timeout)
 
     async def shutdown() -> None:
@@ -404,6 +465,10 @@ async def _main(args: argparse.Namespace) -> int:
             await channel.close()
         receiver.close()
 
-    return await serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
-                       extra_ready={"kv_address": receiver.address.hex()},
-                       on_shutdown=shutdown, ucx_address=receiver.address.hex())
+    return await serve_worker(
+        rt,
+        lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
+        extra_ready={"kv_address": receiver.address.hex()},
+        on_shutdown=shutdown,
+        ucx_address=receiver.address.hex(),
+    )

@@ -38,10 +38,22 @@ from pathlib import Path
 
 # DRAM bandwidth from vendor spec sheets, GB/s (first substring match of the device name wins).
 PEAK_GBPS = (
-    ("GH200", 4000.0), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0),
-    ("H100", 3350.0), ("H800", 3350.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0), ("L40S", 864.0), ("L40", 864.0), ("L4", 300.0), ("A10G", 600.0),
-    ("A10", 600.0), ("RTX 4090", 1008.0), ("RTX 6000 Ada", 960.0),
+    ("GH200", 4000.0),
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("H800", 3350.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L40", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 6000 Ada", 960.0),
 )
 TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 
@@ -88,8 +100,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_problem(ctx: Ctx, seq_lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int,
-                 bs: int, dtype, kv_dtype, per_head: bool, seed: int) -> dict:
+def make_problem(
+    ctx: Ctx,
+    seq_lens: list[int],
+    q_lens: list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype,
+    kv_dtype,
+    per_head: bool,
+    seed: int,
+) -> dict:
     """Context K/V written through the reference into shuffled blocks of a random pool."""
     torch, dev = ctx.torch, ctx.device
     from kernels import compute_kv_scales
@@ -101,13 +124,17 @@ def make_problem(ctx: Ctx, seq_lens: list[int], q_lens: list[int], hq: int, hkv:
     tables = torch.full((len(seq_lens), max(nblk) + 1), int(perm[-1]), dtype=torch.int32)
     pos = 0
     for s, n in enumerate(nblk):
-        tables[s, :n] = perm[pos:pos + n]
+        tables[s, :n] = perm[pos : pos + n]
         pos += n
     n_ctx = sum(seq_lens)
     key = torch.randn(n_ctx, hkv, d, generator=gen).to(dev)  # [Tctx, Hkv, D] fp32
     value = torch.randn(n_ctx, hkv, d, generator=gen).to(dev)
-    slots = torch.cat([tables[s, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
-                       for s, n in enumerate(seq_lens)]).to(dev)
+    slots = torch.cat(
+        [
+            tables[s, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+            for s, n in enumerate(seq_lens)
+        ]
+    ).to(dev)
     ks = vs = None
     pool = torch.randn(num_blocks, 2, 2, bs, hkv, d, generator=gen).to(dev)  # 2 layers of noise
     if kv_dtype == torch.float8_e4m3fn:
@@ -126,7 +153,9 @@ def make_problem(ctx: Ctx, seq_lens: list[int], q_lens: list[int], hq: int, hkv:
         "block_tables": tables.to(dev),  # [S, max_blocks] int32
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=dev),  # [S]
         "query_start_loc": torch.tensor(qsl, dtype=torch.int32, device=dev),  # [S + 1]
-        "scale": d ** -0.5, "k_scale": ks, "v_scale": vs,
+        "scale": d**-0.5,
+        "k_scale": ks,
+        "v_scale": vs,
     }
 
 
@@ -141,23 +170,31 @@ def compare(ctx: Ctx, actual, expected, dtype) -> tuple[bool, str]:
 def check_kernels(ctx: Ctx) -> None:
     torch = ctx.torch
     fp8 = torch.float8_e4m3fn
-    dtypes = [(torch.float32, torch.float32, False), (torch.float16, torch.float16, False),
-              (torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, fp8, False),
-              (torch.float16, fp8, True)]
+    dtypes = [
+        (torch.float32, torch.float32, False),
+        (torch.float16, torch.float16, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.bfloat16, fp8, False),
+        (torch.float16, fp8, True),
+    ]
     # (head_dim, block_size, q heads, kv heads): GQA 4, 8, 1
-    geoms = ([(32, 16, 8, 2)] if ctx.dry_run else
-             [(128, 16, 32, 8), (64, 32, 8, 1), (32, 16, 4, 4)])
+    geoms = [(32, 16, 8, 2)] if ctx.dry_run else [(128, 16, 32, 8), (64, 32, 8, 1), (32, 16, 4, 4)]
     long_ctx = 100 if ctx.dry_run else 5000
     decode_lens = [1, 17, 130, long_ctx]
-    mixed = ([(24, 24), (70, 13), (33, 1), (20, 0)] if ctx.dry_run else
-             [(2000, 2000), (3100, 100), (513, 1), (77, 77), (20, 0), (1, 1)])
-    for (dtype, kv_dtype, per_head) in dtypes:
-        for (d, bs, hq, hkv) in geoms:
+    mixed = (
+        [(24, 24), (70, 13), (33, 1), (20, 0)]
+        if ctx.dry_run
+        else [(2000, 2000), (3100, 100), (513, 1), (77, 77), (20, 0), (1, 1)]
+    )
+    for dtype, kv_dtype, per_head in dtypes:
+        for d, bs, hq, hkv in geoms:
             if ctx.left() < 60:
                 ctx.add(Row("check", "remaining kernel checks", "skipped: deadline", False))
                 return
-            tag = (f"{str(dtype)[6:]}/kv={str(kv_dtype)[6:]}{'/head' if per_head else ''} "
-                   f"D={d} BS={bs} GQA={hq // hkv}")
+            tag = (
+                f"{str(dtype)[6:]}/kv={str(kv_dtype)[6:]}{'/head' if per_head else ''} "
+                f"D={d} BS={bs} GQA={hq // hkv}"
+            )
             common = (ctx, tag, dtype, kv_dtype, per_head, d, bs, hq, hkv)
             guarded(ctx, "check", f"write_kv {tag}", _check_write, *common)
             guarded(ctx, "check", f"decode {tag}", _check_decode, *common, decode_lens)
@@ -176,32 +213,68 @@ def _check_write(ctx: Ctx, tag: str, dtype, kv_dtype, per_head, d, bs, hq, hkv) 
     ctx.add(Row("check", f"write_kv {tag}", "bit-exact" if same else "differs", same))
 
 
-def _check_decode(ctx: Ctx, tag: str, dtype, kv_dtype, per_head, d, bs, hq, hkv,
-                  lens: list[int]) -> None:
+def _check_decode(
+    ctx: Ctx, tag: str, dtype, kv_dtype, per_head, d, bs, hq, hkv, lens: list[int]
+) -> None:
     """Heuristic config through the public API, then a forced 8-way split-K."""
     from kernels.checks import check_pool
     from kernels.triton_decode import DecodeConfig, launch_decode
 
-    p = make_problem(ctx, lens, [1] * len(lens), hq, hkv, d, bs, dtype, kv_dtype, per_head,
-                     seed=d + 1)
-    args = (p["query"], p["kv_cache"], 1, p["block_tables"], p["seq_lens"], p["scale"],
-            p["k_scale"], p["v_scale"])
+    p = make_problem(
+        ctx, lens, [1] * len(lens), hq, hkv, d, bs, dtype, kv_dtype, per_head, seed=d + 1
+    )
+    args = (
+        p["query"],
+        p["kv_cache"],
+        1,
+        p["block_tables"],
+        p["seq_lens"],
+        p["scale"],
+        p["k_scale"],
+        p["v_scale"],
+    )
     expected = ctx.ref.paged_decode_attention(*args)
     ok, msg = compare(ctx, ctx.tp.paged_decode_attention(*args), expected, dtype)
     ctx.add(Row("check", f"decode {tag}", msg, ok))
-    split = launch_decode(*args, check_pool(p["kv_cache"], 1), per_head and hkv > 1,
-                          DecodeConfig(tile_n=64, num_splits=8), ctx.tp._emulate_bf16(dtype))
+    split = launch_decode(
+        *args,
+        check_pool(p["kv_cache"], 1),
+        per_head and hkv > 1,
+        DecodeConfig(tile_n=64, num_splits=8),
+        ctx.tp._emulate_bf16(dtype),
+    )
     ok, msg = compare(ctx, split, expected, dtype)
     ctx.add(Row("check", f"decode split-K=8 {tag}", msg, ok))
 
 
-def _check_prefill(ctx: Ctx, tag: str, dtype, kv_dtype, per_head, d, bs, hq, hkv,
-                   mixed: list[tuple[int, int]]) -> None:
+def _check_prefill(
+    ctx: Ctx, tag: str, dtype, kv_dtype, per_head, d, bs, hq, hkv, mixed: list[tuple[int, int]]
+) -> None:
     """Full prompts, chunks after cached context, decode rows and idle sequences in one batch."""
-    p = make_problem(ctx, [s for s, _ in mixed], [q for _, q in mixed], hq, hkv, d, bs, dtype,
-                     kv_dtype, per_head, seed=d + 2)
-    args = (p["query"], p["kv_cache"], 1, p["block_tables"], p["seq_lens"],
-            p["query_start_loc"], p["scale"], p["k_scale"], p["v_scale"])
+    p = make_problem(
+        ctx,
+        [s for s, _ in mixed],
+        [q for _, q in mixed],
+        hq,
+        hkv,
+        d,
+        bs,
+        dtype,
+        kv_dtype,
+        per_head,
+        seed=d + 2,
+    )
+    args = (
+        p["query"],
+        p["kv_cache"],
+        1,
+        p["block_tables"],
+        p["seq_lens"],
+        p["query_start_loc"],
+        p["scale"],
+        p["k_scale"],
+        p["v_scale"],
+    )
     ok, msg = compare(ctx, ctx.tp.paged_attention(*args), ctx.ref.paged_attention(*args), dtype)
     ctx.add(Row("check", f"prefill/mixed {tag}", msg, ok))
 
@@ -217,18 +290,30 @@ def check_large_pool(ctx: Ctx) -> None:
     pool = torch.empty(nb, 1, 2, bs, hkv, d, dtype=torch.float16, device=ctx.device)
     tables = (nb - 1 - torch.randperm(16)).to(torch.int32).view(2, 8).to(ctx.device)
     lens = [120, 97]
-    slots = torch.cat([tables[s, torch.arange(n, device=ctx.device) // bs].long() * bs
-                       + torch.arange(n, device=ctx.device) % bs for s, n in enumerate(lens)])
+    slots = torch.cat(
+        [
+            tables[s, torch.arange(n, device=ctx.device) // bs].long() * bs
+            + torch.arange(n, device=ctx.device) % bs
+            for s, n in enumerate(lens)
+        ]
+    )
     kv = torch.randn(sum(lens), hkv, d, device=ctx.device, dtype=torch.float16)
     tp.write_kv(kv, -kv, pool, 0, slots)
     written = torch.equal(pool[slots // bs, 0, 1, slots % bs], -kv)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=ctx.device)
     q = torch.randn(2, 4, d, device=ctx.device, dtype=torch.float16)
-    args = (q, pool, 0, tables, seq_lens, d ** -0.5)
-    ok, msg = compare(ctx, tp.paged_decode_attention(*args), ref.paged_decode_attention(*args),
-                      torch.float16)
-    ctx.add(Row("check", f"int64 offsets ({pool.numel() / 2**31:.2f} x 2^31 elements)",
-                f"write {'exact' if written else 'WRONG'}, decode {msg}", ok and written))
+    args = (q, pool, 0, tables, seq_lens, d**-0.5)
+    ok, msg = compare(
+        ctx, tp.paged_decode_attention(*args), ref.paged_decode_attention(*args), torch.float16
+    )
+    ctx.add(
+        Row(
+            "check",
+            f"int64 offsets ({pool.numel() / 2**31:.2f} x 2^31 elements)",
+            f"write {'exact' if written else 'WRONG'}, decode {msg}",
+            ok and written,
+        )
+    )
     del pool
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
@@ -266,20 +351,22 @@ def time_ms(ctx: Ctx, fn, graph: bool = True) -> tuple[float, str]:
     return triton.testing.do_bench(fn, warmup=10, rep=50), "CUDA events"
 
 
-def _decode_problem(ctx: Ctx, batch: int, ctx_len: int, hq: int, hkv: int, d: int, bs: int,
-                    kv_dtype) -> tuple:
+def _decode_problem(
+    ctx: Ctx, batch: int, ctx_len: int, hq: int, hkv: int, d: int, bs: int, kv_dtype
+) -> tuple:
     torch, dev = ctx.torch, ctx.device
     nb_seq = cdiv(ctx_len, bs)
     num_blocks = batch * nb_seq
-    pool = torch.randn(num_blocks, 1, 2, bs, hkv, d, device=dev,
-                       dtype=torch.bfloat16).to(kv_dtype)  # [NB, 1, 2, BS, Hkv, D]
+    pool = torch.randn(num_blocks, 1, 2, bs, hkv, d, device=dev, dtype=torch.bfloat16).to(
+        kv_dtype
+    )  # [NB, 1, 2, BS, Hkv, D]
     tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(batch, nb_seq)
     seq_lens = torch.full((batch,), ctx_len, dtype=torch.int32, device=dev)
     q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)  # [S, Hq, D]
     scales = (None, None)
     if kv_dtype == torch.float8_e4m3fn:
         scales = (torch.ones(1, device=dev), torch.ones(1, device=dev))
-    return (q, pool, 0, tables, seq_lens, d ** -0.5, *scales)
+    return (q, pool, 0, tables, seq_lens, d**-0.5, *scales)
 
 
 def bench_decode(ctx: Ctx, peak: float) -> None:
@@ -288,8 +375,11 @@ def bench_decode(ctx: Ctx, peak: float) -> None:
     cannot serve repeated reads."""
     torch, tp, ref = ctx.torch, ctx.tp, ctx.ref
     hq, hkv, d, bs = (32, 8, 128, 16) if not ctx.dry_run else (4, 2, 32, 16)
-    configs = ([(1, 4096), (1, 32768), (16, 4096), (64, 2048), (64, 8192), (256, 1024),
-                (256, 4096)] if not ctx.dry_run else [(2, 64)])
+    configs = (
+        [(1, 4096), (1, 32768), (16, 4096), (64, 2048), (64, 8192), (256, 1024), (256, 4096)]
+        if not ctx.dry_run
+        else [(2, 64)]
+    )
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         elem = 1 if kv_dtype == torch.float8_e4m3fn else 2
         for batch, ctx_len in configs:
@@ -298,8 +388,10 @@ def bench_decode(ctx: Ctx, peak: float) -> None:
                 return
             kv_bytes = batch * ctx_len * hkv * d * 2 * elem
             copies = 1 if ctx.dry_run else max(1, cdiv(512 << 20, kv_bytes))
-            problems = [_decode_problem(ctx, batch, ctx_len, hq, hkv, d, bs, kv_dtype)
-                        for _ in range(copies)]
+            problems = [
+                _decode_problem(ctx, batch, ctx_len, hq, hkv, d, bs, kv_dtype)
+                for _ in range(copies)
+            ]
 
             def run_all(problems=problems, fn=tp.paged_decode_attention):
                 for args in problems:
@@ -310,17 +402,24 @@ def bench_decode(ctx: Ctx, peak: float) -> None:
             q, tables = problems[0][0], problems[0][3]
             nbytes = kv_bytes + 2 * q.numel() * q.element_size() + tables.numel() * 4
             gbps = nbytes / ms / 1e6
-            cfg = tp.decode_config(batch, hkv, tables.shape[1] * bs, d,
-                                   tp._num_sms(torch.device(ctx.device)))
+            cfg = tp.decode_config(
+                batch, hkv, tables.shape[1] * bs, d, tp._num_sms(torch.device(ctx.device))
+            )
             extra = ""
             if kv_bytes <= (1 << 30) and ctx.device == "cuda":
                 first = problems[0]
-                ref_ms, _ = time_ms(ctx, lambda first=first: ref.paged_decode_attention(*first),
-                                    graph=False)  # the reference syncs: no graph capture
+                ref_ms, _ = time_ms(
+                    ctx, lambda first=first: ref.paged_decode_attention(*first), graph=False
+                )  # the reference syncs: no graph capture
                 extra = f"; torch reference {ref_ms * 1e3:.0f} us = {ref_ms / ms:.1f}x slower"
-            ctx.add(Row("decode-bw", f"{str(kv_dtype)[6:]} batch={batch} ctx={ctx_len}",
-                        f"{ms * 1e3:.1f} us, {gbps:.0f} GB/s = {100 * gbps / peak:.0f}% of peak "
-                        f"(splits={cfg.num_splits}, {how}, {copies} pool(s){extra})"))
+            ctx.add(
+                Row(
+                    "decode-bw",
+                    f"{str(kv_dtype)[6:]} batch={batch} ctx={ctx_len}",
+                    f"{ms * 1e3:.1f} us, {gbps:.0f} GB/s = {100 * gbps / peak:.0f}% of peak "
+                    f"(splits={cfg.num_splits}, {how}, {copies} pool(s){extra})",
+                )
+            )
             del problems
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
@@ -333,14 +432,32 @@ def bench_e2e(ctx: Ctx, batch: int, prompt_len: int, max_tokens: int) -> None:
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "bench.gpu_e2e", "--device", ctx.device, "--batch", str(batch),
-           "--prompt", str(prompt_len), "--tokens", str(max_tokens),
-           "--deadline", str(max(1.0, ctx.left() - 5))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu_e2e",
+        "--device",
+        ctx.device,
+        "--batch",
+        str(batch),
+        "--prompt",
+        str(prompt_len),
+        "--tokens",
+        str(max_tokens),
+        "--deadline",
+        str(max(1.0, ctx.left() - 5)),
+    ]
     if ctx.dry_run:
         cmd.append("--dry-run")
     try:
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False,
-                              timeout=max(10.0, ctx.left()))
+        proc = subprocess.run(
+            cmd,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=max(10.0, ctx.left()),
+        )
     except subprocess.TimeoutExpired:
         ctx.add(Row("e2e", "small model decode", "skipped: deadline", None))
         return
@@ -364,10 +481,17 @@ def print_summary(rows: list[Row]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true",
-                   help="run every phase on the CPU through TRITON_INTERPRET=1 with tiny sizes")
-    p.add_argument("--deadline", type=float, default=240.0,
-                   help="seconds for the whole run (later phases are skipped past it)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every phase on the CPU through TRITON_INTERPRET=1 with tiny sizes",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=240.0,
+        help="seconds for the whole run (later phases are skipped past it)",
+    )
     p.add_argument("--peak-gbps", type=float, default=None, help="override the peak bandwidth")
     p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end model phase")
     p.add_argument("--e2e-batch", type=int, default=64)
@@ -396,19 +520,35 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda"
     from kernels import triton_paged as tp
 
-    ctx = Ctx(torch=torch, ref=ref, tp=tp, device=device, dry_run=args.dry_run,
-              deadline=start + args.deadline)
+    ctx = Ctx(
+        torch=torch,
+        ref=ref,
+        tp=tp,
+        device=device,
+        dry_run=args.dry_run,
+        deadline=start + args.deadline,
+    )
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     peak, source = peak_bandwidth(ctx, args.peak_gbps)
-    print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}; "
-          f"peak DRAM bandwidth {peak:.0f} GB/s ({source})", flush=True)
-    phases = [("1/3 correctness", lambda: (
-                  check_kernels(ctx),
-                  guarded(ctx, "check", "int64 offsets", lambda: check_large_pool(ctx)))),
-              ("2/3 decode bandwidth", lambda: bench_decode(ctx, peak))]
+    print(
+        f"device: {name}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"peak DRAM bandwidth {peak:.0f} GB/s ({source})",
+        flush=True,
+    )
+    phases = [
+        (
+            "1/3 correctness",
+            lambda: (
+                check_kernels(ctx),
+                guarded(ctx, "check", "int64 offsets", lambda: check_large_pool(ctx)),
+            ),
+        ),
+        ("2/3 decode bandwidth", lambda: bench_decode(ctx, peak)),
+    ]
     if not args.skip_e2e:
-        batch, prompt, tokens = ((2, 16, 4) if args.dry_run else
-                                 (args.e2e_batch, args.e2e_prompt, args.e2e_tokens))
+        batch, prompt, tokens = (
+            (2, 16, 4) if args.dry_run else (args.e2e_batch, args.e2e_prompt, args.e2e_tokens)
+        )
         phases.append(("3/3 end-to-end", lambda: bench_e2e(ctx, batch, prompt, tokens)))
     for title, phase in phases:
         print(f"== {title} ({ctx.left():.0f} s left)", flush=True)

@@ -71,13 +71,19 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load
 
-                _ext = load(name=extension_name(), sources=[str(SOURCE)],
-                            extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                            verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")))
+                _ext = load(
+                    name=extension_name(),
+                    sources=[str(SOURCE)],
+                    extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")),
+                )
             except Exception as e:  # noqa: BLE001 - no compiler, no headers: the reference works
                 _failed = f"{type(e).__name__}: {e}"
-                logger.warning("CPU paged-attention extension unavailable (%s); "
-                               "using the torch reference", _failed.splitlines()[0])
+                logger.warning(
+                    "CPU paged-attention extension unavailable (%s); using the torch reference",
+                    _failed.splitlines()[0],
+                )
     return _ext
 
 
@@ -97,10 +103,19 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [S, Hq, D]
     ext = _load()
     if ext is None or query.device.type != "cpu":
-        return reference.paged_decode_attention(query, kv_cache, layer, block_tables, seq_lens,
-                                                scale, k_scale, v_scale)
-    return ext.paged_decode(query.contiguous(), kv_cache, layer, block_tables.contiguous(),
-                            seq_lens.contiguous(), float(scale), k_scale, v_scale)
+        return reference.paged_decode_attention(
+            query, kv_cache, layer, block_tables, seq_lens, scale, k_scale, v_scale
+        )
+    return ext.paged_decode(
+        query.contiguous(),
+        kv_cache,
+        layer,
+        block_tables.contiguous(),
+        seq_lens.contiguous(),
+        float(scale),
+        k_scale,
+        v_scale,
+    )
 
 
 _SMALL_M = 16  # rows up to which linear_bf16 beats torch's bf16 matmul on this kind of CPU
@@ -113,9 +128,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     torch's bf16 matmul reads a 32000 x 256 LM head at ~10 GB/s for one row; this streams it
     at several times that."""
     global _bf16_gemm
-    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
-            or x.shape[0] > _SMALL_M or x.device.type != "cpu" or x.shape[1] % 32
-            or weight.shape[0] % 16):
+    if (
+        x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.dim() != 2
+        or x.shape[0] > _SMALL_M
+        or x.device.type != "cpu"
+        or x.shape[1] % 32
+        or weight.shape[0] % 16
+    ):
         return None
     ext = _load()
     if ext is None:
@@ -150,22 +171,41 @@ def paged_attention(
     """Prefill chunks through the reference; single-token rows through the C++ decode kernel."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     if bool((q_lens == 1).all()):
-        return paged_decode_attention(query, kv_cache, layer, block_tables, seq_lens, scale,
-                                      k_scale, v_scale)
+        return paged_decode_attention(
+            query, kv_cache, layer, block_tables, seq_lens, scale, k_scale, v_scale
+        )
     decode = torch.nonzero(q_lens == 1).flatten()
     if decode.numel() == 0:
-        return reference.paged_attention(query, kv_cache, layer, block_tables, seq_lens,
-                                         query_start_loc, scale, k_scale, v_scale)
+        return reference.paged_attention(
+            query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        )
     multi = torch.nonzero(q_lens != 1).flatten()
     out = torch.empty_like(query)
     rows = query_start_loc[decode].long()
-    out[rows] = paged_decode_attention(query[rows], kv_cache, layer, block_tables[decode],
-                                       seq_lens[decode], scale, k_scale, v_scale)
+    out[rows] = paged_decode_attention(
+        query[rows],
+        kv_cache,
+        layer,
+        block_tables[decode],
+        seq_lens[decode],
+        scale,
+        k_scale,
+        v_scale,
+    )
     # Prefill sequences: pack their rows and run the reference on them alone.
     starts, ends = query_start_loc[multi].long(), query_start_loc[multi + 1].long()
     idx = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(starts.tolist(), ends.tolist())])
     qsl = torch.zeros(multi.numel() + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(ends - starts, 0)
-    out[idx] = reference.paged_attention(query[idx], kv_cache, layer, block_tables[multi],
-                                         seq_lens[multi], qsl, scale, k_scale, v_scale)
+    out[idx] = reference.paged_attention(
+        query[idx],
+        kv_cache,
+        layer,
+        block_tables[multi],
+        seq_lens[multi],
+        qsl,
+        scale,
+        k_scale,
+        v_scale,
+    )
     return out

@@ -32,7 +32,8 @@ def compute_kv_scales(
     for name, x in (("key", key), ("value", value)):
         if not x.is_floating_point() or x.dim() < 2:
             raise KernelArgumentError(
-                f"{name} must be a float tensor [..., Hkv, D], got {x.dtype} {tuple(x.shape)}")
+                f"{name} must be a float tensor [..., Hkv, D], got {x.dtype} {tuple(x.shape)}"
+            )
         x = x.detach().reshape(-1, x.shape[-2], x.shape[-1]).to(torch.float32)  # [N, Hkv, D]
         if x.shape[0] == 0:
             raise KernelArgumentError(f"{name} sample is empty")

@@ -135,20 +135,22 @@ def paged_attention(
             decode_rows.append(s)
             continue
         n_blocks = -(-ctx // kv_cache.shape[3])
-        k, v = gather_kv(kv_cache, layer, block_tables[s, :n_blocks], ctx, query.dtype,
-                         k_scale, v_scale)
+        k, v = gather_kv(
+            kv_cache, layer, block_tables[s, :n_blocks], ctx, query.dtype, k_scale, v_scale
+        )
         out[q0:q1] = _attend(query[q0:q1], k, v, scale, ctx - q_len)
     if decode_rows:
         rows = torch.tensor(decode_rows, device=query.device)
         idx = query_start_loc[rows].long()
         out[idx] = paged_decode_attention(
-            query[idx], kv_cache, layer, block_tables[rows], seq_lens[rows], scale,
-            k_scale, v_scale)
+            query[idx], kv_cache, layer, block_tables[rows], seq_lens[rows], scale, k_scale, v_scale
+        )
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            offset: int) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
+) -> torch.Tensor:
     """q: [Tq, Hq, D], k/v: [Tk, Hkv, D]; query row i sees keys <= offset + i."""
     tq, tk = q.shape[0], k.shape[0]
     # [1, H, T, D]: with a batch dimension SDPA takes its fused (flash) CPU kernel; 3-D inputs
@@ -156,13 +158,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = qh.shape[1] != kh.shape[1]
     if offset == 0 and tq == tk:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         pos_q = torch.arange(tq, device=q.device).unsqueeze(1) + offset
         mask = torch.arange(tk, device=q.device).unsqueeze(0) <= pos_q  # [Tq, Tk]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                           enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -192,7 +192,9 @@ def paged_decode_attention(
         v = dequantize_fp8(v, v_scale, query.dtype)
     elif k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
-    mask = torch.arange(n_blocks * bs, device=query.device).unsqueeze(0) < seq_lens.long().unsqueeze(1)  # [S, Tk]
+    mask = torch.arange(n_blocks * bs, device=query.device).unsqueeze(
+        0
+    ) < seq_lens.long().unsqueeze(1)  # [S, Tk]
     o = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [S, Hq, 1, D]
         k.transpose(1, 2),  # [S, Hkv, Tk, D]

@@ -57,9 +57,15 @@ def _decode_kernel(
     v_scale_ptr,  # [1] or [Hkv] float32 (fp8 only)
     layer_offset,  # layer * pool stride of the layer dim (host-computed)
     scale_log2,  # softmax scale * log2(e)
-    stride_q_s, stride_q_h,
-    stride_o_s, stride_o_h, stride_o_p,  # stride_o_p: split stride of the partials
-    stride_kv_block, stride_kv_kv, stride_kv_slot, stride_kv_head,
+    stride_q_s,
+    stride_q_h,
+    stride_o_s,
+    stride_o_h,
+    stride_o_p,  # stride_o_p: split stride of the partials
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
     stride_bt_s,
     QUERY_GROUP: tl.constexpr,  # G = Hq // Hkv
     BLOCK_G: tl.constexpr,  # next power of two >= max(G, 16)
@@ -88,8 +94,11 @@ def _decode_kernel(
     heads = kv_head * QUERY_GROUP + g  # [BLOCK_G]
     g_mask = g < QUERY_GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q = tl.load(
+        q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
     compute_dtype = q.dtype
     q = to_compute_dtype(q, compute_dtype, EMULATE_BF16)
 
@@ -105,9 +114,23 @@ def _decode_kernel(
     for tile in range(tile_lo, tile_hi):
         tok = tile * TILE_N + offs_n  # [TILE_N] context positions
         n_mask = tok < seq_len
-        k, v = load_kv_tile(kv_base, bt_row, tok, n_mask, d, d_mask, stride_kv_block,
-                            stride_kv_slot, stride_kv_kv, k_scale, v_scale, compute_dtype,
-                            BLOCK_SIZE, FP8, EMULATE_BF16)  # [TILE_N, BLOCK_D] each
+        k, v = load_kv_tile(
+            kv_base,
+            bt_row,
+            tok,
+            n_mask,
+            d,
+            d_mask,
+            stride_kv_block,
+            stride_kv_slot,
+            stride_kv_kv,
+            k_scale,
+            v_scale,
+            compute_dtype,
+            BLOCK_SIZE,
+            FP8,
+            EMULATE_BF16,
+        )  # [TILE_N, BLOCK_D] each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, TILE_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -124,8 +147,11 @@ def _decode_kernel(
         o = acc / l_i[:, None]
         if EMULATE_BF16:
             o = round_rne(o, BF16_MANT_BITS, BF16_MIN_EXP)
-        tl.store(out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:
         row = seq * stride_o_s + heads * stride_o_h + split * stride_o_p  # [BLOCK_G]
         tl.store(out_ptr + row[:, None] + d[None, :], acc, mask=out_mask)
@@ -140,8 +166,11 @@ def _decode_reduce_kernel(
     partial_ptr,  # [S, Hq, NUM_SPLITS, D] fp32
     max_ptr,  # [S, Hq, NUM_SPLITS] fp32
     sum_ptr,  # [S, Hq, NUM_SPLITS] fp32
-    stride_o_s, stride_o_h,
-    stride_p_s, stride_p_h, stride_p_p,
+    stride_o_s,
+    stride_o_h,
+    stride_p_s,
+    stride_p_h,
+    stride_p_p,
     num_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -159,13 +188,19 @@ def _decode_reduce_kernel(
     m_all = tl.max(m, 0)
     w = tl.exp2(m - m_all)  # empty splits: exp2(-inf) = 0
     denom = tl.sum(l_sum * w, 0)
-    part = tl.load(partial_ptr + seq * stride_p_s + head * stride_p_h + p[:, None] * stride_p_p
-                   + d[None, :], mask=d_mask[None, :], other=0.0)  # [NUM_SPLITS, BLOCK_D]
+    part = tl.load(
+        partial_ptr + seq * stride_p_s + head * stride_p_h + p[:, None] * stride_p_p + d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )  # [NUM_SPLITS, BLOCK_D]
     o = tl.sum(part * w[:, None], 0) / denom  # [BLOCK_D]
     if EMULATE_BF16:
         o = round_rne(o, BF16_MANT_BITS, BF16_MIN_EXP)
-    tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + d, o.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    tl.store(
+        out_ptr + seq * stride_o_s + head * stride_o_h + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 def launch_decode(
@@ -196,21 +231,37 @@ def launch_decode(
         target, m_buf, l_buf = out, dummy, dummy
         stride_o = (out.stride(0), out.stride(1), 0)
     else:
-        target = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
-                             device=query.device)  # [S, Hq, P, D] partial accumulators
-        m_buf = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32,
-                            device=query.device)  # [S, Hq, P]
+        target = torch.empty(
+            (num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=query.device
+        )  # [S, Hq, P, D] partial accumulators
+        m_buf = torch.empty(
+            (num_seqs, num_heads, splits), dtype=torch.float32, device=query.device
+        )  # [S, Hq, P]
         l_buf = torch.empty_like(m_buf)  # [S, Hq, P]
         stride_o = (target.stride(0), target.stride(1), target.stride(2))
     # grid: one program per (sequence, kv head, split); each handles the G query heads of the group
     grid = (num_seqs, geom.num_kv_heads, splits)
     _decode_kernel[grid](
-        target, m_buf, l_buf, query, kv_cache, block_tables, seq_lens,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        layer * kv_cache.stride(1), scale * LOG2E,
-        query.stride(0), query.stride(1),
-        stride_o[0], stride_o[1], stride_o[2],
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        target,
+        m_buf,
+        l_buf,
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        k_scale if fp8 else dummy,
+        v_scale if fp8 else dummy,
+        layer * kv_cache.stride(1),
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        stride_o[0],
+        stride_o[1],
+        stride_o[2],
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
         block_tables.stride(0),
         QUERY_GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -229,9 +280,15 @@ def launch_decode(
     if splits > 1:
         # grid: one program per (sequence, query head) merges its splits
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, target, m_buf, l_buf,
-            out.stride(0), out.stride(1),
-            target.stride(0), target.stride(1), target.stride(2),
+            out,
+            target,
+            m_buf,
+            l_buf,
+            out.stride(0),
+            out.stride(1),
+            target.stride(0),
+            target.stride(1),
+            target.stride(2),
             num_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,

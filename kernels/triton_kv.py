@@ -14,8 +14,9 @@ from kernels.triton_rounding import to_compute_dtype
 
 
 @triton.jit
-def load_kv_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8: tl.constexpr,
-                   PER_HEAD_SCALE: tl.constexpr):
+def load_kv_scales(
+    k_scale_ptr, v_scale_ptr, kv_head, FP8: tl.constexpr, PER_HEAD_SCALE: tl.constexpr
+):
     """(k_scale, v_scale) of ``kv_head`` for an fp8 pool; (1.0, 1.0), unused, otherwise."""
     if FP8:
         if PER_HEAD_SCALE:
@@ -27,9 +28,23 @@ def load_kv_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8: tl.constexpr,
 
 
 @triton.jit
-def load_kv_tile(kv_base, bt_row, tok, n_mask, d, d_mask, stride_kv_block, stride_kv_slot,
-                 stride_kv_kv, k_scale, v_scale, compute_dtype: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def load_kv_tile(
+    kv_base,
+    bt_row,
+    tok,
+    n_mask,
+    d,
+    d_mask,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_kv,
+    k_scale,
+    v_scale,
+    compute_dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """K and V (``[TILE_N, BLOCK_D]``, in ``compute_dtype``) of context positions ``tok``
     (``[TILE_N]``, masked by ``n_mask``). ``kv_base`` points at this layer's and KV head's
     first element, ``bt_row`` at the sequence's block-table row; offsets are int64."""
@@ -41,5 +56,7 @@ def load_kv_tile(kv_base, bt_row, tok, n_mask, d, d_mask, stride_kv_block, strid
     if FP8:
         k = k.to(tl.float32) * k_scale
         v = v.to(tl.float32) * v_scale
-    return (to_compute_dtype(k, compute_dtype, EMULATE_BF16),
-            to_compute_dtype(v, compute_dtype, EMULATE_BF16))
+    return (
+        to_compute_dtype(k, compute_dtype, EMULATE_BF16),
+        to_compute_dtype(v, compute_dtype, EMULATE_BF16),
+    )

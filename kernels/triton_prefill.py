@@ -70,9 +70,14 @@ def _prefill_kernel(
     num_seqs,
     layer_offset,  # layer * pool stride of the layer dim (host-computed)
     scale_log2,  # softmax scale * log2(e)
-    stride_q_t, stride_q_h,
-    stride_o_t, stride_o_h,
-    stride_kv_block, stride_kv_kv, stride_kv_slot, stride_kv_head,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
     stride_bt_s,
     QUERY_GROUP: tl.constexpr,  # G = Hq // Hkv
     BLOCK_G: tl.constexpr,  # next power of two >= G
@@ -104,8 +109,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_mask = d < HEAD_DIM
     tok_row = (q_start + qi).to(tl.int64)  # [BLOCK_M] packed token index
-    q = tl.load(q_ptr + tok_row[:, None] * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr + tok_row[:, None] * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     compute_dtype = q.dtype
     q = to_compute_dtype(q, compute_dtype, EMULATE_BF16)
     pos = ctx_before + qi  # [BLOCK_M] absolute position of each query row
@@ -125,9 +133,23 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         tok = start + offs_n  # [TILE_N] context positions
         n_mask = tok < kv_end
-        k, v = load_kv_tile(kv_base, bt_row, tok, n_mask, d, d_mask, stride_kv_block,
-                            stride_kv_slot, stride_kv_kv, k_scale, v_scale, compute_dtype,
-                            BLOCK_SIZE, FP8, EMULATE_BF16)  # [TILE_N, BLOCK_D] each
+        k, v = load_kv_tile(
+            kv_base,
+            bt_row,
+            tok,
+            n_mask,
+            d,
+            d_mask,
+            stride_kv_block,
+            stride_kv_slot,
+            stride_kv_kv,
+            k_scale,
+            v_scale,
+            compute_dtype,
+            BLOCK_SIZE,
+            FP8,
+            EMULATE_BF16,
+        )  # [TILE_N, BLOCK_D] each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = (tok[None, :] <= pos[:, None]) & n_mask[None, :]
@@ -146,8 +168,11 @@ def _prefill_kernel(
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if EMULATE_BF16:
         o = round_rne(o, BF16_MANT_BITS, BF16_MIN_EXP)
-    tl.store(out_ptr + tok_row[:, None] * stride_o_t + heads[:, None] * stride_o_h + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + tok_row[:, None] * stride_o_t + heads[:, None] * stride_o_h + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
 
 
 def launch_prefill(
@@ -179,12 +204,25 @@ def launch_prefill(
     # grid: enough query tiles for every sequence (see module docstring) x kv heads
     grid = (num_tokens // block_q + num_seqs, geom.num_kv_heads)
     _prefill_kernel[grid](
-        out, query, kv_cache, block_tables, seq_lens, query_start_loc,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        num_seqs, layer * kv_cache.stride(1), scale * LOG2E,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        out,
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        k_scale if fp8 else dummy,
+        v_scale if fp8 else dummy,
+        num_seqs,
+        layer * kv_cache.stride(1),
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
         block_tables.stride(0),
         QUERY_GROUP=group,
         BLOCK_G=block_g,

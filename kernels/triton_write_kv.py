@@ -36,9 +36,14 @@ def _write_kv_kernel(
     v_scale_ptr,  # [1] or [Hkv] float32
     layer_offset,  # layer * stride of the pool's layer dim (host-computed, may exceed int32)
     num_kv_heads,
-    stride_key_t, stride_key_h,
-    stride_value_t, stride_value_h,
-    stride_kv_block, stride_kv_kv, stride_kv_slot, stride_kv_head,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    stride_kv_block,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
     BLOCK_SIZE: tl.constexpr,  # tokens per pool block
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
@@ -65,8 +70,14 @@ def _write_kv_kernel(
 
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    dst = (kv_ptr + layer_offset + block * stride_kv_block + offset * stride_kv_slot
-           + heads[:, None] * stride_kv_head + dims[None, :])  # int64 offsets
+    dst = (
+        kv_ptr
+        + layer_offset
+        + block * stride_kv_block
+        + offset * stride_kv_slot
+        + heads[:, None] * stride_kv_head
+        + dims[None, :]
+    )  # int64 offsets
     if FP8:
         if PER_HEAD_SCALE:
             hmask = heads < num_kv_heads
@@ -112,12 +123,22 @@ def launch_write_kv(
     emulate_rne = interpreted and narrowing
     mant, min_exp = (E4M3_MANT_BITS, E4M3_MIN_EXP) if fp8 else (BF16_MANT_BITS, BF16_MIN_EXP)
     _write_kv_kernel[grid](
-        key, value, kv_cache, slot_mapping,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
-        layer * kv_cache.stride(1), geom.num_kv_heads,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        k_scale if fp8 else dummy,
+        v_scale if fp8 else dummy,
+        layer * kv_cache.stride(1),
+        geom.num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
         BLOCK_SIZE=geom.block_size,
         HEAD_DIM=geom.head_dim,
         BLOCK_D=block_d,

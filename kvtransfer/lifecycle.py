@@ -76,8 +76,14 @@ class TransferEnd:
         """``t``'s handle is terminal and its id released."""
 
     # ---- the lifecycle -----------------------------------------------------------------
-    def _decide(self, t: Any, state: TransferState, error: KVTransferError | None,
-                reason: str | None, **notify: Any) -> None:
+    def _decide(
+        self,
+        t: Any,
+        state: TransferState,
+        error: KVTransferError | None,
+        reason: str | None,
+        **notify: Any,
+    ) -> None:
         """Fix the outcome of ``t`` (once); it settles once nothing touches its blocks."""
         if t.outcome is not None:
             return
@@ -98,7 +104,11 @@ class TransferEnd:
         logger.warning(
             "kvtransfer: %d %s operations of transfer %r did not settle within %.1fs; "
             "closing the connection with %s",
-            count, self._direction, t.transfer_id, self._settle_timeout_s, peer,
+            count,
+            self._direction,
+            t.transfer_id,
+            self._settle_timeout_s,
+            peer,
         )
         self._break_peer(t)
 

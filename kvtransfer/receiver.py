@@ -241,8 +241,13 @@ class Receiver(TransferEnd, KVReceiver):
 
     # ---- lifecycle hooks (kvtransfer/lifecycle.py) -------------------------------------
 
-    def _on_decided(self, t: InboundTransfer, error: KVTransferError | None,
-                    code: str | None = None, index: int | None = None) -> None:
+    def _on_decided(
+        self,
+        t: InboundTransfer,
+        error: KVTransferError | None,
+        code: str | None = None,
+        index: int | None = None,
+    ) -> None:
         """Tell the sender (``code``, and the block ``index`` a checksum failed at)."""
         with self._lock:
             if self._expected.get(t.transfer_id) is t:

@@ -309,8 +309,9 @@ class Sender(TransferEnd, KVSender):
 
     # ---- lifecycle hooks (kvtransfer/lifecycle.py) -------------------------------------
 
-    def _on_decided(self, t: OutboundTransfer, error: KVTransferError | None,
-                    notify: bool = False) -> None:
+    def _on_decided(
+        self, t: OutboundTransfer, error: KVTransferError | None, notify: bool = False
+    ) -> None:
         t.pending.clear()
         if t in self._slot_queue:
             self._slot_queue.remove(t)

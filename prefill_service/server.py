@@ -78,26 +78,37 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             check_text(request.cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
             check_text(request.decode_worker_id, "decode_worker_id", MAX_ID_CHARS)
             if len(request.decode_kv_address) > MAX_ADDRESS_BYTES:
-                raise WireError(f"decode_kv_address has {len(request.decode_kv_address)} bytes; "
-                                f"at most {MAX_ADDRESS_BYTES} allowed", "decode_kv_address")
+                raise WireError(
+                    f"decode_kv_address has {len(request.decode_kv_address)} bytes; "
+                    f"at most {MAX_ADDRESS_BYTES} allowed",
+                    "decode_kv_address",
+                )
             if not prompt:
                 raise WireError("the prompt is empty", "prompt_token_ids")
             if first >= n_blocks or len(dst) != n_blocks - first:
                 raise WireError(
                     f"block range mismatch: prompt of {len(prompt)} tokens has {n_blocks} blocks "
                     f"of {bs}; first_block_index {first} needs {max(0, n_blocks - first)} "
-                    f"destination blocks, got {len(dst)}", "dst_block_ids")
+                    f"destination blocks, got {len(dst)}",
+                    "dst_block_ids",
+                )
             params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
         except (WireError, SamplingParamsError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         params.max_tokens = 1
         params.min_tokens = 0
         try:
-            handle = self.sender.open(request.transfer_id or rid, bytes(request.decode_kv_address),
-                                      dst, timeout_s=self.transfer_timeout_s)
+            handle = self.sender.open(
+                request.transfer_id or rid,
+                bytes(request.decode_kv_address),
+                dst,
+                timeout_s=self.transfer_timeout_s,
+            )
         except Exception as e:  # noqa: BLE001 - a bad address or a dead link: refused
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"cannot open a KV transfer to the decode worker: {e}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cannot open a KV transfer to the decode worker: {e}",
+            )
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         pins: list[int] = []  # the engine's pin on the blocks handed to the sender (one at most)
 
@@ -116,15 +127,25 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         added = finished = False
         try:
             try:
-                await asyncio.wrap_future(rt.loop.submit(lambda e: e.add_request(
-                    eid, prompt, params, cache_salt=request.cache_salt or None,
-                    kv_transfer=RemoteDecodeParams(first), arrival_time=arrival)))
+                await asyncio.wrap_future(
+                    rt.loop.submit(
+                        lambda e: e.add_request(
+                            eid,
+                            prompt,
+                            params,
+                            cache_salt=request.cache_salt or None,
+                            kv_transfer=RemoteDecodeParams(first),
+                            arrival_time=arrival,
+                        )
+                    )
+                )
                 added = True
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except EngineDeadError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
-                                    failure_metadata(FAILURE_ENGINE))
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, str(e), failure_metadata(FAILURE_ENGINE)
+                )
             firsts: dict[int, pb.FirstToken] = {}
             last: EngineCoreOutput | None = None
             cached = 0
@@ -135,7 +156,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE if engine else grpc.StatusCode.INTERNAL,
                         f"prefill of {rid} failed: {out.failure.message}",
-                        failure_metadata(FAILURE_ENGINE if engine else FAILURE_REQUEST))
+                        failure_metadata(FAILURE_ENGINE if engine else FAILURE_REQUEST),
+                    )
                 if out.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
                 cached = max(cached, out.num_cached_tokens)
@@ -153,10 +175,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
             finished = True
             res = pb.PrefillResult(
-                request_id=rid, first_tokens=[firsts[i] for i in sorted(firsts)],
-                block_checksums=list(handle.checksums or []), num_blocks_sent=len(dst),
-                bytes_sent=handle.bytes_sent, num_cached_tokens=cached, worker_id=rt.worker_id,
-                transfer_s=time.monotonic() - arrival)
+                request_id=rid,
+                first_tokens=[firsts[i] for i in sorted(firsts)],
+                block_checksums=list(handle.checksums or []),
+                num_blocks_sent=len(dst),
+                bytes_sent=handle.bytes_sent,
+                num_cached_tokens=cached,
+                worker_id=rt.worker_id,
+                transfer_s=time.monotonic() - arrival,
+            )
             if last is not None and last.first_scheduled_time is not None:
                 res.queue_s = max(0.0, last.first_scheduled_time - arrival)
                 res.prefill_s = max(0.0, done_compute - last.first_scheduled_time)
@@ -177,8 +204,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.pending_sends -= 1
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.rt, request, transfer=self.sender.stats,
-                                  pending_sends=self.pending_sends)
+        return await worker_stats(
+            self.rt, request, transfer=self.sender.stats, pending_sends=self.pending_sends
+        )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -194,13 +222,18 @@ async def _main(args: argparse.Namespace) -> int:
     from kvtransfer import TransferMetrics, create_sender
 
     rt = WorkerRuntime(ROLE, args)
-    sender = create_sender("ucx", rt.engine.runner.kv_cache, rt.kv_geometry(),
-                           checksums=args.kv_checksums,
-                           metrics=TransferMetrics(rt.metrics.registry))
+    sender = create_sender(
+        "ucx",
+        rt.engine.runner.kv_cache,
+        rt.kv_geometry(),
+        checksums=args.kv_checksums,
+        metrics=TransferMetrics(rt.metrics.registry),
+    )
     servicer = PrefillServicer(rt, sender, args.kv_transfer_timeout)
 
     async def shutdown() -> None:
         sender.close()
 
-    return await serve_worker(rt, lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, s),
-                              on_shutdown=shutdown)
+    return await serve_worker(
+        rt, lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, s), on_shutdown=shutdown
+    )

@@ -60,7 +60,9 @@ def _non_finite_path(text: str) -> tuple[str, str]:
         if isinstance(v, dict):
             stack.extend((c, f"{path}.{k}" if path else str(k)) for k, c in reversed(v.items()))
         elif isinstance(v, list):
-            stack.extend((c, f"{path}.{i}" if path else str(i)) for i, c in reversed(list(enumerate(v))))
+            stack.extend(
+                (c, f"{path}.{i}" if path else str(i)) for i, c in reversed(list(enumerate(v)))
+            )
     return "body", "NaN"
 
 
@@ -77,28 +79,41 @@ def parse_json_body(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BodyError(InvalidRequestError(
-            f"the request body is not valid UTF-8 (byte {e.start})", param="body")) from None
+        raise BodyError(
+            InvalidRequestError(
+                f"the request body is not valid UTF-8 (byte {e.start})", param="body"
+            )
+        ) from None
     try:
         obj = json.loads(text, parse_constant=_refuse_constant)
     except _NonFiniteNumber:
         where, literal = _non_finite_path(text)
-        raise BodyError(InvalidRequestError(
-            f"{where}: {literal} is not a JSON number (the value must be finite)",
-            param=where)) from None
+        raise BodyError(
+            InvalidRequestError(
+                f"{where}: {literal} is not a JSON number (the value must be finite)", param=where
+            )
+        ) from None
     except json.JSONDecodeError as e:
-        raise BodyError(InvalidRequestError(
-            f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-            param="body")) from None
+        raise BodyError(
+            InvalidRequestError(
+                f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                param="body",
+            )
+        ) from None
     except RecursionError:
-        raise BodyError(InvalidRequestError("the request body nests too deeply",
-                                            param="body")) from None
+        raise BodyError(
+            InvalidRequestError("the request body nests too deeply", param="body")
+        ) from None
     if _SURROGATE_ESCAPE.search(raw):
         where = _lone_surrogate(obj)
         if where is not None:
-            raise BodyError(InvalidRequestError(
-                f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not valid "
-                "Unicode text", param=where or "body"))
+            raise BodyError(
+                InvalidRequestError(
+                    f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not valid "
+                    "Unicode text",
+                    param=where or "body",
+                )
+            )
     return obj
 
 

@@ -39,10 +39,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -53,8 +59,11 @@ class ChatTemplate:
     """A compiled chat template plus the special-token variables it may use."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                           extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -65,17 +74,30 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, tools: list | None = None,
-               documents: list | None = None, kwargs: Mapping[str, Any] | None = None) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list | None = None,
+        documents: list | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt text. ``continue_final_message`` cuts it right after the last message."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError(
-                "continue_final_message and add_generation_prompt cannot both be true")
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         variables = {**self.special_tokens, **(kwargs or {})}
         try:
-            text = self._template.render(messages=list(messages), tools=tools, documents=documents,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            text = self._template.render(
+                messages=list(messages),
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
         except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
@@ -87,6 +109,7 @@ class ChatTemplate:
             cut = text.rfind(final.strip())
             if cut < 0:
                 raise ChatTemplateError(
-                    "continue_final_message: the final message does not appear in the rendered chat")
+                    "continue_final_message: the final message does not appear in the rendered chat"
+                )
             text = text[: cut + len(final.strip())]
         return text

@@ -72,124 +72,252 @@ class RouterConfig:
             raise ValueError("--request-timeout and --stall-timeout must be positive")
         if self.max_retries < 0:
             raise ValueError("--max-retries must be >= 0")
-        for flag, v in (("--max-n", self.max_n), ("--max-logprobs", self.max_logprobs + 1),
-                        ("--max-prompts-per-request", self.max_prompts_per_request),
-                        ("--max-choices-per-request", self.max_choices_per_request),
-                        ("--max-stop-strings", self.max_stop_strings + 1),
-                        ("--max-stop-chars", self.max_stop_chars + 1),
-                        ("--max-cache-salt-length", self.max_cache_salt_length),
-                        ("--max-json-depth", self.max_json_depth),
-                        ("--max-request-body", self.max_request_body_bytes)):
+        for flag, v in (
+            ("--max-n", self.max_n),
+            ("--max-logprobs", self.max_logprobs + 1),
+            ("--max-prompts-per-request", self.max_prompts_per_request),
+            ("--max-choices-per-request", self.max_choices_per_request),
+            ("--max-stop-strings", self.max_stop_strings + 1),
+            ("--max-stop-chars", self.max_stop_chars + 1),
+            ("--max-cache-salt-length", self.max_cache_salt_length),
+            ("--max-json-depth", self.max_json_depth),
+            ("--max-request-body", self.max_request_body_bytes),
+        ):
             if v < 1:
                 raise ValueError(f"{flag} is too small")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("model")
-        g.add_argument("--model", required=True, help="Hugging Face model directory (tokenizer, "
-                       "chat template, config.json)")
-        g.add_argument("--served-model-name", default=None,
-                       help="name in the API; must equal the workers' (default: --model)")
+        g.add_argument(
+            "--model",
+            required=True,
+            help="Hugging Face model directory (tokenizer, chat template, config.json)",
+        )
+        g.add_argument(
+            "--served-model-name",
+            default=None,
+            help="name in the API; must equal the workers' (default: --model)",
+        )
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
         g.add_argument("--chat-template", default=None, help="chat template file or inline text")
         g.add_argument("--max-model-len", type=int, default=None)
         g = parser.add_argument_group("workers")
-        g.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL"),
-                       help="worker registry and prefix directory (env PDSERVE_REDIS_URL)")
+        g.add_argument(
+            "--redis-url",
+            default=os.environ.get("PDSERVE_REDIS_URL"),
+            help="worker registry and prefix directory (env PDSERVE_REDIS_URL)",
+        )
         g.add_argument("--directory-prefix", default=DEFAULT_PREFIX)
-        g.add_argument("--decode-workers", type=_addresses, default=(),
-                       help="static decode workers host:port,... (overrides discovery)")
-        g.add_argument("--prefill-workers", type=_addresses, default=(),
-                       help="static prefill workers host:port,... (overrides discovery)")
-        g.add_argument("--block-size", type=int, default=16,
-                       help="block size of static workers missing from the registry")
+        g.add_argument(
+            "--decode-workers",
+            type=_addresses,
+            default=(),
+            help="static decode workers host:port,... (overrides discovery)",
+        )
+        g.add_argument(
+            "--prefill-workers",
+            type=_addresses,
+            default=(),
+            help="static prefill workers host:port,... (overrides discovery)",
+        )
+        g.add_argument(
+            "--block-size",
+            type=int,
+            default=16,
+            help="block size of static workers missing from the registry",
+        )
         g.add_argument("--worker-refresh-interval", type=float, default=0.5, help="seconds")
-        g.add_argument("--worker-cooldown", type=float, default=5.0,
-                       help="seconds a failed worker is kept out of routing")
+        g.add_argument(
+            "--worker-cooldown",
+            type=float,
+            default=5.0,
+            help="seconds a failed worker is kept out of routing",
+        )
         g = parser.add_argument_group("routing")
         d = PolicyConfig()
-        g.add_argument("--local-prefill-threshold", type=int, default=d.local_prefill_threshold,
-                       help="prefill on the decode worker when it lacks at most this many prompt "
-                            "tokens (conditional disaggregation)")
-        g.add_argument("--transfer-cost", type=float, default=d.transfer_cost,
-                       help="cost of moving one token of KV to the decode worker, in prefill tokens")
-        g.add_argument("--local-prefill-penalty", type=float, default=d.local_prefill_penalty,
-                       help="cost of one token prefilled on a decode worker, in prefill tokens")
-        g.add_argument("--decode-stall-cost", type=float, default=d.decode_stall_cost,
-                       help="extra local-prefill cost per token, as a fraction of the penalty, for "
-                            "each request the decode worker is already decoding")
-        g.add_argument("--directory-timeout", type=float, default=0.1,
-                       help="seconds; past it, route on load alone")
-        g.add_argument("--directory-sweep-interval", type=float, default=60.0,
-                       help="seconds between stale-entry sweeps of the directory (0 = off)")
+        g.add_argument(
+            "--local-prefill-threshold",
+            type=int,
+            default=d.local_prefill_threshold,
+            help="prefill on the decode worker when it lacks at most this many prompt "
+            "tokens (conditional disaggregation)",
+        )
+        g.add_argument(
+            "--transfer-cost",
+            type=float,
+            default=d.transfer_cost,
+            help="cost of moving one token of KV to the decode worker, in prefill tokens",
+        )
+        g.add_argument(
+            "--local-prefill-penalty",
+            type=float,
+            default=d.local_prefill_penalty,
+            help="cost of one token prefilled on a decode worker, in prefill tokens",
+        )
+        g.add_argument(
+            "--decode-stall-cost",
+            type=float,
+            default=d.decode_stall_cost,
+            help="extra local-prefill cost per token, as a fraction of the penalty, for "
+            "each request the decode worker is already decoding",
+        )
+        g.add_argument(
+            "--directory-timeout",
+            type=float,
+            default=0.1,
+            help="seconds; past it, route on load alone",
+        )
+        g.add_argument(
+            "--directory-sweep-interval",
+            type=float,
+            default=60.0,
+            help="seconds between stale-entry sweeps of the directory (0 = off)",
+        )
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="0.0.0.0")
         g.add_argument("--port", type=int, default=8000)
-        g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)")
-        g.add_argument("--request-timeout", type=float, default=600.0,
-                       help="seconds a request may take end to end")
-        g.add_argument("--stall-timeout", type=float, default=60.0,
-                       help="seconds without output before a decode worker counts as failed")
-        g.add_argument("--max-retries", type=int, default=2,
-                       help="re-routes per request after worker failures")
-        g.add_argument("--max-inflight-requests", type=int, default=0,
-                       help="429 beyond this many requests in flight (0 = unlimited)")
-        g.add_argument("--max-waiting-per-worker", type=int, default=0,
-                       help="429 when every decode worker has this many waiting (0 = off)")
+        g.add_argument(
+            "--api-key",
+            default=os.environ.get("PDSERVE_API_KEY"),
+            help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)",
+        )
+        g.add_argument(
+            "--request-timeout",
+            type=float,
+            default=600.0,
+            help="seconds a request may take end to end",
+        )
+        g.add_argument(
+            "--stall-timeout",
+            type=float,
+            default=60.0,
+            help="seconds without output before a decode worker counts as failed",
+        )
+        g.add_argument(
+            "--max-retries", type=int, default=2, help="re-routes per request after worker failures"
+        )
+        g.add_argument(
+            "--max-inflight-requests",
+            type=int,
+            default=0,
+            help="429 beyond this many requests in flight (0 = unlimited)",
+        )
+        g.add_argument(
+            "--max-waiting-per-worker",
+            type=int,
+            default=0,
+            help="429 when every decode worker has this many waiting (0 = off)",
+        )
         g = parser.add_argument_group(
-            "request limits", "what one request may ask for; beyond them it gets a 400 (413 for "
-            "the body) naming the parameter")
-        g.add_argument("--max-request-body", default="1MiB",
-                       help="413 above this body size. JSON parsing and validation hold the "
-                            "event loop: about 50 ms per MiB at worst on a 2-core CPU, so the "
-                            "default keeps /health within 100 ms; 1 MiB holds a prompt of about "
-                            "140k token ids or 250k tokens of text. Raise it for longer contexts")
-        g.add_argument("--max-logprobs", type=int, default=20,
-                       help="most top logprobs per token (vLLM's --max-logprobs)")
+            "request limits",
+            "what one request may ask for; beyond them it gets a 400 (413 for "
+            "the body) naming the parameter",
+        )
+        g.add_argument(
+            "--max-request-body",
+            default="1MiB",
+            help="413 above this body size. JSON parsing and validation hold the "
+            "event loop: about 50 ms per MiB at worst on a 2-core CPU, so the "
+            "default keeps /health within 100 ms; 1 MiB holds a prompt of about "
+            "140k token ids or 250k tokens of text. Raise it for longer contexts",
+        )
+        g.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=20,
+            help="most top logprobs per token (vLLM's --max-logprobs)",
+        )
         g.add_argument("--max-n", type=int, default=128, help="most samples per prompt (n)")
-        g.add_argument("--max-prompts-per-request", type=int, default=256,
-                       help="most prompts in one /v1/completions request")
-        g.add_argument("--max-choices-per-request", type=int, default=1024,
-                       help="most choices (prompts x n) in one request")
-        g.add_argument("--max-stop-strings", type=int, default=64,
-                       help="most stop strings (and stop_token_ids) per request")
-        g.add_argument("--max-stop-chars", type=int, default=8192,
-                       help="most characters in all stop strings of a request together")
-        g.add_argument("--max-cache-salt-length", type=int, default=256,
-                       help="most characters in cache_salt")
-        g.add_argument("--max-json-depth", type=int, default=64,
-                       help="deepest nesting of lists / objects in tools, tool calls, message "
-                            "parts, response_format and unknown fields")
-        g.add_argument("--uvicorn-log-level", default="info",
-                       choices=("critical", "error", "warning", "info", "debug", "trace"))
+        g.add_argument(
+            "--max-prompts-per-request",
+            type=int,
+            default=256,
+            help="most prompts in one /v1/completions request",
+        )
+        g.add_argument(
+            "--max-choices-per-request",
+            type=int,
+            default=1024,
+            help="most choices (prompts x n) in one request",
+        )
+        g.add_argument(
+            "--max-stop-strings",
+            type=int,
+            default=64,
+            help="most stop strings (and stop_token_ids) per request",
+        )
+        g.add_argument(
+            "--max-stop-chars",
+            type=int,
+            default=8192,
+            help="most characters in all stop strings of a request together",
+        )
+        g.add_argument(
+            "--max-cache-salt-length", type=int, default=256, help="most characters in cache_salt"
+        )
+        g.add_argument(
+            "--max-json-depth",
+            type=int,
+            default=64,
+            help="deepest nesting of lists / objects in tools, tool calls, message "
+            "parts, response_format and unknown fields",
+        )
+        g.add_argument(
+            "--uvicorn-log-level",
+            default="info",
+            choices=("critical", "error", "warning", "info", "debug", "trace"),
+        )
         g.add_argument("--disable-uvicorn-access-log", action="store_true")
-        g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds SIGTERM waits for in-flight requests before closing them; "
-                            "the router's own clean-up after that is bounded by 5 s")
+        g.add_argument(
+            "--shutdown-timeout",
+            type=float,
+            default=10.0,
+            help="seconds SIGTERM waits for in-flight requests before closing them; "
+            "the router's own clean-up after that is bounded by 5 s",
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> RouterConfig:
         return cls(
-            model=ns.model, served_model_name=ns.served_model_name, tokenizer=ns.tokenizer,
-            chat_template=ns.chat_template, max_model_len=ns.max_model_len,
-            redis_url=ns.redis_url, directory_prefix=ns.directory_prefix,
-            decode_workers=tuple(ns.decode_workers), prefill_workers=tuple(ns.prefill_workers),
-            block_size=ns.block_size, host=ns.host, port=ns.port, api_key=ns.api_key,
-            request_timeout_s=ns.request_timeout, max_retries=ns.max_retries,
-            stall_timeout_s=ns.stall_timeout, max_inflight_requests=ns.max_inflight_requests,
+            model=ns.model,
+            served_model_name=ns.served_model_name,
+            tokenizer=ns.tokenizer,
+            chat_template=ns.chat_template,
+            max_model_len=ns.max_model_len,
+            redis_url=ns.redis_url,
+            directory_prefix=ns.directory_prefix,
+            decode_workers=tuple(ns.decode_workers),
+            prefill_workers=tuple(ns.prefill_workers),
+            block_size=ns.block_size,
+            host=ns.host,
+            port=ns.port,
+            api_key=ns.api_key,
+            request_timeout_s=ns.request_timeout,
+            max_retries=ns.max_retries,
+            stall_timeout_s=ns.stall_timeout,
+            max_inflight_requests=ns.max_inflight_requests,
             max_waiting_per_worker=ns.max_waiting_per_worker,
             max_request_body_bytes=parse_bytes(ns.max_request_body),
             worker_refresh_interval_s=ns.worker_refresh_interval,
-            worker_cooldown_s=ns.worker_cooldown, directory_timeout_s=ns.directory_timeout,
-            directory_sweep_interval_s=ns.directory_sweep_interval, max_logprobs=ns.max_logprobs,
-            max_n=ns.max_n, max_prompts_per_request=ns.max_prompts_per_request,
+            worker_cooldown_s=ns.worker_cooldown,
+            directory_timeout_s=ns.directory_timeout,
+            directory_sweep_interval_s=ns.directory_sweep_interval,
+            max_logprobs=ns.max_logprobs,
+            max_n=ns.max_n,
+            max_prompts_per_request=ns.max_prompts_per_request,
             max_choices_per_request=ns.max_choices_per_request,
-            max_stop_strings=ns.max_stop_strings, max_stop_chars=ns.max_stop_chars,
-            max_cache_salt_length=ns.max_cache_salt_length, max_json_depth=ns.max_json_depth,
-            policy=PolicyConfig(local_prefill_threshold=ns.local_prefill_threshold,
-                                transfer_cost=ns.transfer_cost,
-                                local_prefill_penalty=ns.local_prefill_penalty,
-                                decode_stall_cost=ns.decode_stall_cost),
-            uvicorn_log_level=ns.uvicorn_log_level, access_log=not ns.disable_uvicorn_access_log,
-            shutdown_timeout_s=ns.shutdown_timeout)
+            max_stop_strings=ns.max_stop_strings,
+            max_stop_chars=ns.max_stop_chars,
+            max_cache_salt_length=ns.max_cache_salt_length,
+            max_json_depth=ns.max_json_depth,
+            policy=PolicyConfig(
+                local_prefill_threshold=ns.local_prefill_threshold,
+                transfer_cost=ns.transfer_cost,
+                local_prefill_penalty=ns.local_prefill_penalty,
+                decode_stall_cost=ns.decode_stall_cost,
+            ),
+            uvicorn_log_level=ns.uvicorn_log_level,
+            access_log=not ns.disable_uvicorn_access_log,
+            shutdown_timeout_s=ns.shutdown_timeout,
+        )

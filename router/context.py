@@ -40,8 +40,10 @@ class ServingContext:
         """Count one in-flight generation request; 429 beyond ``max_inflight``.
         The returned ticket's ``release()`` (idempotent) ends it."""
         if self.max_inflight and self.inflight >= self.max_inflight:
-            raise OverloadedError(f"the router already has {self.inflight} requests in flight "
-                                  f"(--max-inflight-requests {self.max_inflight}); retry later")
+            raise OverloadedError(
+                f"the router already has {self.inflight} requests in flight "
+                f"(--max-inflight-requests {self.max_inflight}); retry later"
+            )
         self.inflight += 1
         self.metrics.c_inflight.inc()
         return Ticket(self)
@@ -61,8 +63,11 @@ class ServingContext:
     def request_limits(self) -> Limits:
         """``limits``, with ``max_model_len`` lowered to the smallest one that the live decode
         workers advertise (workers may run with a shorter ``--max-model-len``)."""
-        advertised = [r.info.max_model_len for r in self.dispatcher.pool.records(ROLE_DECODE)
-                      if r.info.max_model_len > 0]
+        advertised = [
+            r.info.max_model_len
+            for r in self.dispatcher.pool.records(ROLE_DECODE)
+            if r.info.max_model_len > 0
+        ]
         if advertised and min(advertised) < self.limits.max_model_len:
             return replace(self.limits, max_model_len=min(advertised))
         return self.limits
@@ -71,8 +76,9 @@ class ServingContext:
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})",
-                                      param="prompt")
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
 
 
 class Ticket:

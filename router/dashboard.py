@@ -37,8 +37,10 @@ from shared.directory import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 
 PAGE = Path(__file__).resolve().parent / "static" / "dashboard.html"
 # The page may talk to its own origin only: no CDN, no external fonts, images or scripts.
-_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
+)
 
 # ---- sliding windows -------------------------------------------------------------------------
 
@@ -91,8 +93,14 @@ class LiveStats:
     both are computed from whole one-second slots plus the current partial one.
     """
 
-    def __init__(self, *, recent: int = 50, rate_window_s: int = 10, latency_window_s: int = 60,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        recent: int = 50,
+        rate_window_s: int = 10,
+        latency_window_s: int = 60,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rate_window_s = rate_window_s
         self.latency_window_s = latency_window_s
         self.recent: deque[RequestRecord] = deque(maxlen=recent)
@@ -154,13 +162,19 @@ class LiveStats:
         for s in lat:
             for k, v in s.paths.items():
                 paths[k] = paths.get(k, 0) + v
-        return {"rate_window_s": self.rate_window_s, "latency_window_s": self.latency_window_s,
-                "requests_per_s": sum(s.requests for s in rate) / span,
-                "output_tokens_per_s": sum(s.output_tokens for s in rate) / span,
-                "prompt_tokens_per_s": sum(s.prompt_tokens for s in rate) / span,
-                "ttft": merged("ttft"), "itl": merged("itl"), "e2e": merged("e2e"),
-                "paths": paths, "requests_total": self.requests_total,
-                "output_tokens_total": self.output_tokens_total}
+        return {
+            "rate_window_s": self.rate_window_s,
+            "latency_window_s": self.latency_window_s,
+            "requests_per_s": sum(s.requests for s in rate) / span,
+            "output_tokens_per_s": sum(s.output_tokens for s in rate) / span,
+            "prompt_tokens_per_s": sum(s.prompt_tokens for s in rate) / span,
+            "ttft": merged("ttft"),
+            "itl": merged("itl"),
+            "e2e": merged("e2e"),
+            "paths": paths,
+            "requests_total": self.requests_total,
+            "output_tokens_total": self.output_tokens_total,
+        }
 
 
 # ---- worker scraping ------------------------------------------------------------------------
@@ -179,8 +193,14 @@ _WORKER_SERIES = {
     "pdserve:kv_transfer_failures_total": "transfer_failures",
     "pdserve:prefill_fallbacks_total": "prefill_fallbacks",
 }
-COUNTERS = ("prefix_queries", "prefix_hits", "preemptions", "transfer_bytes",
-            "transfer_failures", "prefill_fallbacks")
+COUNTERS = (
+    "prefix_queries",
+    "prefix_hits",
+    "preemptions",
+    "transfer_bytes",
+    "transfer_failures",
+    "prefill_fallbacks",
+)
 
 
 def parse_worker_metrics(text: str) -> dict[str, float]:
@@ -204,8 +224,13 @@ class _History:
 class WorkerScraper:
     """Scrapes workers' ``/metrics`` and keeps ``history_s`` of samples per worker for rates."""
 
-    def __init__(self, client: httpx.AsyncClient, timeout_s: float = 0.5,
-                 history_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        timeout_s: float = 0.5,
+        history_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         self.timeout_s = timeout_s
         self.history_s = history_s
@@ -221,8 +246,9 @@ class WorkerScraper:
     async def scrape(self, records: Iterable[WorkerRecord]) -> None:
         """Fetch every record's metrics URL at once; bounded by ``timeout_s`` in total."""
         records = [r for r in records if r.info.metrics]
-        texts = await asyncio.gather(*(self._fetch(r.info.metrics) for r in records),
-                                     return_exceptions=True)
+        texts = await asyncio.gather(
+            *(self._fetch(r.info.metrics) for r in records), return_exceptions=True
+        )
         now = self._clock()
         parsed = await asyncio.to_thread(_parse_all, texts)
         live = {r.worker_id for r in records}
@@ -294,19 +320,28 @@ def pool_summary(workers: list[dict]) -> dict:
         return sum(s.get(key, 0.0) for s in scraped)
 
     blocks = sum(s.get("num_blocks", 0.0) for s in scraped)
-    kv = (sum(s.get("kv_usage", 0.0) * s.get("num_blocks", 0.0) for s in scraped) / blocks
-          if blocks else None)
+    kv = (
+        sum(s.get("kv_usage", 0.0) * s.get("num_blocks", 0.0) for s in scraped) / blocks
+        if blocks
+        else None
+    )
     deltas = [s["delta"] for s in scraped if s.get("delta")]
     dq = sum(d["prefix_queries"] for d in deltas)
-    rates = [s["transfer_bytes_per_s"] for s in scraped if s.get("transfer_bytes_per_s") is not None]
+    rates = [
+        s["transfer_bytes_per_s"] for s in scraped if s.get("transfer_bytes_per_s") is not None
+    ]
     return {
-        "workers": len(workers), "scraped": sum(1 for w in workers if w["scrape"].get("ok")),
-        "kv_usage": kv, "blocks_total": sum(w["num_blocks"] for w in workers),
+        "workers": len(workers),
+        "scraped": sum(1 for w in workers if w["scrape"].get("ok")),
+        "kv_usage": kv,
+        "blocks_total": sum(w["num_blocks"] for w in workers),
         "blocks_free": sum(w["free_blocks"] for w in workers),
         "prefix_hit_rate": sum(d["prefix_hits"] for d in deltas) / dq if dq else None,
-        "prefix_hit_rate_total": (total("prefix_hits") / total("prefix_queries")
-                                  if total("prefix_queries") else None),
-        "running": total("running"), "waiting": total("waiting"),
+        "prefix_hit_rate_total": (
+            total("prefix_hits") / total("prefix_queries") if total("prefix_queries") else None
+        ),
+        "running": total("running"),
+        "waiting": total("waiting"),
         "preemptions": total("preemptions"),
         "preemptions_window": sum(d["preemptions"] for d in deltas),
         "transfer_bytes_per_s": sum(rates) if rates else None,
@@ -317,12 +352,20 @@ def pool_summary(workers: list[dict]) -> dict:
 
 def router_totals(registry: Any) -> dict:
     """Cumulative figures from the router's own Prometheus registry."""
-    out: dict[str, Any] = {"paths": {}, "errors": {}, "retries": 0.0, "inflight": 0.0,
-                           "prompt_tokens": 0.0, "generation_tokens": 0.0}
-    simple = {"pdserve:router_retries_total": "retries",
-              "pdserve:router_num_requests_inflight": "inflight",
-              "pdserve:prompt_tokens_total": "prompt_tokens",
-              "pdserve:generation_tokens_total": "generation_tokens"}
+    out: dict[str, Any] = {
+        "paths": {},
+        "errors": {},
+        "retries": 0.0,
+        "inflight": 0.0,
+        "prompt_tokens": 0.0,
+        "generation_tokens": 0.0,
+    }
+    simple = {
+        "pdserve:router_retries_total": "retries",
+        "pdserve:router_num_requests_inflight": "inflight",
+        "pdserve:prompt_tokens_total": "prompt_tokens",
+        "pdserve:generation_tokens_total": "generation_tokens",
+    }
     for family in registry.collect():
         for s in family.samples:
             if s.name == "pdserve:router_requests_total":
@@ -340,9 +383,18 @@ class Dashboard:
     """Builds ``/dashboard/data``. ``pool`` needs ``records()``, ``healthy(role)``,
     ``inflight(worker_id)``, ``prefill_backlog(worker_id)``, ``decoding(worker_id)`` and ``last_error`` (a :class:`router.workers.WorkerPool`)."""
 
-    def __init__(self, pool: Any, registry: Any, live: LiveStats, model: str, *,
-                 client: httpx.AsyncClient | None = None, scrape_timeout_s: float = 0.5,
-                 cache_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        registry: Any,
+        live: LiveStats,
+        model: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        scrape_timeout_s: float = 0.5,
+        cache_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.registry = registry
         self.live = live
@@ -369,22 +421,34 @@ class Dashboard:
                 await self.scraper.scrape(self.pool.records())
                 self._scraped_at = self._clock()
                 self._scrape_s = self._scraped_at - t0
-        healthy = {r.worker_id for role in (ROLE_PREFILL, ROLE_DECODE)
-                   for r in self.pool.healthy(role)}
-        workers = [self._worker(r, r.worker_id in healthy) for r in sorted(
-            self.pool.records(), key=lambda r: (r.info.role != ROLE_PREFILL, r.worker_id))]
-        pools = {role: pool_summary([w for w in workers if w["role"] == role])
-                 for role in (ROLE_PREFILL, ROLE_DECODE)}
+        healthy = {
+            r.worker_id for role in (ROLE_PREFILL, ROLE_DECODE) for r in self.pool.healthy(role)
+        }
+        workers = [
+            self._worker(r, r.worker_id in healthy)
+            for r in sorted(
+                self.pool.records(), key=lambda r: (r.info.role != ROLE_PREFILL, r.worker_id)
+            )
+        ]
+        pools = {
+            role: pool_summary([w for w in workers if w["role"] == role])
+            for role in (ROLE_PREFILL, ROLE_DECODE)
+        }
         kv_rate = pools[ROLE_DECODE]["transfer_bytes_per_s"]
         if kv_rate is None:
             kv_rate = pools[ROLE_PREFILL]["transfer_bytes_per_s"]
         return {
-            "model": self.model, "now": time.time(), "uptime_s": self._clock() - self._started,
-            "window": self.live.window(), "router": router_totals(self.registry),
+            "model": self.model,
+            "now": time.time(),
+            "uptime_s": self._clock() - self._started,
+            "window": self.live.window(),
+            "router": router_totals(self.registry),
             "pools": pools,
-            "cluster": {"transfer_bytes_per_s": kv_rate,
-                        "preemptions": sum(p["preemptions"] for p in pools.values()),
-                        "preemptions_window": sum(p["preemptions_window"] for p in pools.values())},
+            "cluster": {
+                "transfer_bytes_per_s": kv_rate,
+                "preemptions": sum(p["preemptions"] for p in pools.values()),
+                "preemptions_window": sum(p["preemptions_window"] for p in pools.values()),
+            },
             "workers": workers,
             "recent": [r.to_json() for r in reversed(self.live.recent)],
             "registry_error": self.pool.last_error,
@@ -392,21 +456,32 @@ class Dashboard:
         }
 
     def _worker(self, r: WorkerRecord, healthy: bool) -> dict:
-        return {"id": r.worker_id, "role": r.info.role, "address": r.info.grpc,
-                "metrics_url": r.info.metrics,
-                "num_blocks": r.info.num_blocks, "free_blocks": r.load.free_blocks,
-                "running": r.load.running, "waiting": r.load.waiting,
-                "inflight": self.pool.inflight(r.worker_id),
-                "prefill_backlog": self.pool.prefill_backlog(r.worker_id),
-                "decoding": self.pool.decoding(r.worker_id), "healthy": healthy,
-                "generation": r.generation, "scrape": self.scraper.view(r)}
+        return {
+            "id": r.worker_id,
+            "role": r.info.role,
+            "address": r.info.grpc,
+            "metrics_url": r.info.metrics,
+            "num_blocks": r.info.num_blocks,
+            "free_blocks": r.load.free_blocks,
+            "running": r.load.running,
+            "waiting": r.load.waiting,
+            "inflight": self.pool.inflight(r.worker_id),
+            "prefill_backlog": self.pool.prefill_backlog(r.worker_id),
+            "decoding": self.pool.decoding(r.worker_id),
+            "healthy": healthy,
+            "generation": r.generation,
+            "scrape": self.scraper.view(r),
+        }
 
 
 def add_dashboard_routes(app: FastAPI) -> None:
     """``GET /dashboard`` and ``GET /dashboard/data`` (needs ``app.state.dashboard``)."""
     page = PAGE.read_bytes()
-    headers = {"Cache-Control": "no-store", "Content-Security-Policy": _CSP,
-               "X-Content-Type-Options": "nosniff"}
+    headers = {
+        "Cache-Control": "no-store",
+        "Content-Security-Policy": _CSP,
+        "X-Content-Type-Options": "nosniff",
+    }
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page() -> Response:

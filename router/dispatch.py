@@ -152,8 +152,15 @@ class _Watchdog:
 class Dispatcher:
     """Owns routing decisions; one per app."""
 
-    def __init__(self, pool: WorkerPool, reader: DirectoryReader | None, model: str,
-                 cfg: DispatchConfig, metrics: RouterMetrics, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        reader: DirectoryReader | None,
+        model: str,
+        cfg: DispatchConfig,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
         self.pool = pool
         self.reader = reader
         self.model = model
@@ -171,37 +178,61 @@ class Dispatcher:
     def stream(self, inp: GenerationInput) -> GenerationStream:
         return GenerationStream(self, inp)
 
-    async def route(self, prompt: Sequence[int], cache_salt: str = "",
-                    exclude: set[str] | frozenset[str] = frozenset(),
-                    allow_prefill: bool = True) -> tuple[RouteDecision, WorkerRecord]:
+    async def route(
+        self,
+        prompt: Sequence[int],
+        cache_salt: str = "",
+        exclude: set[str] | frozenset[str] = frozenset(),
+        allow_prefill: bool = True,
+    ) -> tuple[RouteDecision, WorkerRecord]:
         """Choose the pair for ``prompt``; raises NoWorkerError / OverloadedError."""
         decode = self.pool.healthy(ROLE_DECODE, exclude)
         if not decode:
-            raise NoWorkerError(f"no healthy decode worker is serving model {self.model!r}"
-                                + (f" ({len(exclude)} failed during this request)" if exclude else ""))
+            raise NoWorkerError(
+                f"no healthy decode worker is serving model {self.model!r}"
+                + (f" ({len(exclude)} failed during this request)" if exclude else "")
+            )
         bound = self.cfg.max_waiting_per_worker
         if bound and all(r.load.waiting >= bound for r in decode):
-            raise OverloadedError(f"every decode worker has at least {bound} requests waiting; "
-                                  "retry later")
+            raise OverloadedError(
+                f"every decode worker has at least {bound} requests waiting; retry later"
+            )
         prefill = self.pool.healthy(ROLE_PREFILL) if allow_prefill else []
         # with one decode worker and no prefill worker there is nothing to choose: skip Redis
-        cached = (await self._cached_tokens(prompt, cache_salt, decode + prefill)
-                  if len(decode) > 1 or prefill else {})
+        cached = (
+            await self._cached_tokens(prompt, cache_salt, decode + prefill)
+            if len(decode) > 1 or prefill
+            else {}
+        )
 
         def cand(r: WorkerRecord) -> Candidate:
-            return Candidate(r.worker_id, r.info.grpc, cached.get(r.worker_id, 0), r.load.running,
-                             r.load.waiting, r.load.free_blocks, r.info.block_size,
-                             self.pool.inflight(r.worker_id), self.pool.prefill_backlog(r.worker_id),
-                             self.pool.decoding(r.worker_id))
+            return Candidate(
+                r.worker_id,
+                r.info.grpc,
+                cached.get(r.worker_id, 0),
+                r.load.running,
+                r.load.waiting,
+                r.load.free_blocks,
+                r.info.block_size,
+                self.pool.inflight(r.worker_id),
+                self.pool.prefill_backlog(r.worker_id),
+                self.pool.decoding(r.worker_id),
+            )
 
-        decision = choose_route(len(prompt), [cand(r) for r in decode], [cand(r) for r in prefill],
-                                self.cfg.policy, self.rng)
+        decision = choose_route(
+            len(prompt),
+            [cand(r) for r in decode],
+            [cand(r) for r in prefill],
+            self.cfg.policy,
+            self.rng,
+        )
         assert decision is not None  # decode is non-empty
         record = next(r for r in decode if r.worker_id == decision.decode.worker_id)
         return decision, record
 
-    async def _cached_tokens(self, prompt: Sequence[int], cache_salt: str,
-                             workers: list[WorkerRecord]) -> dict[str, int]:
+    async def _cached_tokens(
+        self, prompt: Sequence[int], cache_salt: str, workers: list[WorkerRecord]
+    ) -> dict[str, int]:
         """Leading prompt tokens each worker holds, from the directory ({} when unknown)."""
         if self.reader is None:
             return {}
@@ -282,11 +313,14 @@ class GenerationStream:
                 if resumed and self.n == 1:
                     prompt = prompt + self.tokens[0]
                 try:
-                    decision, record = await self.d.route(prompt, self.inp.cache_salt, exclude,
-                                                          allow_prefill=not resumed)
+                    decision, record = await self.d.route(
+                        prompt, self.inp.cache_salt, exclude, allow_prefill=not resumed
+                    )
                 except NoWorkerError as e:
                     if overloaded:
-                        raise OverloadedError("every decode worker is at capacity; retry later") from e
+                        raise OverloadedError(
+                            "every decode worker is at capacity; retry later"
+                        ) from e
                     if exclude:
                         raise UpstreamError(f"{e.message}; last failure: {last_error}") from e
                     raise
@@ -310,22 +344,36 @@ class GenerationStream:
                     self.attempts += 1
                     if self.attempts > self.d.cfg.max_retries:
                         if overloaded and not any(self.tokens):
-                            raise OverloadedError("decode workers are at capacity; retry later") from None
-                        raise UpstreamError(f"generation failed after {self.attempts} attempts; "
-                                            f"last failure: {last_error}") from None
+                            raise OverloadedError(
+                                "decode workers are at capacity; retry later"
+                            ) from None
+                        raise UpstreamError(
+                            f"generation failed after {self.attempts} attempts; "
+                            f"last failure: {last_error}"
+                        ) from None
                     self.d.metrics.c_retries.inc()
                     sent = sum(map(len, self.tokens))
-                    logger.warning("request %s: %s; retrying (%s)", self.inp.request_id, last_error,
-                                   f"resuming after {sent} tokens" if sent else "no token sent yet")
+                    logger.warning(
+                        "request %s: %s; retrying (%s)",
+                        self.inp.request_id,
+                        last_error,
+                        f"resuming after {sent} tokens" if sent else "no token sent yet",
+                    )
         finally:
             if self.path is not None:
                 self.d.metrics.routed(self.path)
 
     def _request(self, decision: RouteDecision) -> pb.GenerateRequest:
-        rid = self.inp.request_id if self.attempts == 0 else f"{self.inp.request_id}.{self.attempts}"
-        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=self.inp.prompt_token_ids,
-                                 sampling=self.inp.sampling, cache_salt=self.inp.cache_salt,
-                                 deadline_s=max(0.001, self._remaining()))
+        rid = (
+            self.inp.request_id if self.attempts == 0 else f"{self.inp.request_id}.{self.attempts}"
+        )
+        req = pb.GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=self.inp.prompt_token_ids,
+            sampling=self.inp.sampling,
+            cache_salt=self.inp.cache_salt,
+            deadline_s=max(0.001, self._remaining()),
+        )
         if decision.prefill is not None:
             req.prefill_address = decision.prefill.address
             req.prefill_worker_id = decision.prefill.worker_id
@@ -334,8 +382,9 @@ class GenerationStream:
                 req.resume.append(pb.ResumeTokens(index=i, token_ids=toks))
         return req
 
-    async def _attempt(self, decision: RouteDecision,
-                       record: WorkerRecord) -> AsyncIterator[list[SeqOutput] | StreamEnd]:
+    async def _attempt(
+        self, decision: RouteDecision, record: WorkerRecord
+    ) -> AsyncIterator[list[SeqOutput] | StreamEnd]:
         """One Generate call on D, bounded by a :class:`_Watchdog` timer instead of per-chunk
         timers (this loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per
         call here). D also gets the deadline in ``deadline_s``."""
@@ -375,8 +424,15 @@ class GenerationStream:
                     lps = sd.logprobs if want_lp else ()
                     if fr := sd.finish_reason:
                         finished.add(i)
-                        outputs.append(SeqOutput(i, ids, fr, sd.stop_token_id
-                                                 if sd.HasField("stop_token_id") else None, lps))
+                        outputs.append(
+                            SeqOutput(
+                                i,
+                                ids,
+                                fr,
+                                sd.stop_token_id if sd.HasField("stop_token_id") else None,
+                                lps,
+                            )
+                        )
                     else:
                         outputs.append(SeqOutput(i, ids, "", None, lps))
                 if outputs:

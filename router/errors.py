@@ -15,8 +15,14 @@ class RouterError(Exception):
     err_type: str = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -25,8 +31,14 @@ class RouterError(Exception):
         self.headers = headers or {}
 
     def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
 
 
 class InvalidRequestError(RouterError):

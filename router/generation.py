@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 class RequestObserver(Protocol):
     """Who watches requests go by (the dashboard's ``LiveStats``)."""
 
-    def output(self, tokens: int, ttft_s: float | None = None,
-               itl_s: float | None = None) -> None: ...
+    def output(
+        self, tokens: int, ttft_s: float | None = None, itl_s: float | None = None
+    ) -> None: ...
 
     def request_finished(self, record: RequestRecord) -> None: ...
 
@@ -40,21 +41,36 @@ class Generation:
     """One HTTP request's generation over ``prompts`` x ``n`` samples (choice index
     ``prompt_index * n + sample``)."""
 
-    def __init__(self, ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                 samplings: list[pb.SamplingParams], params: OutputParams, cache_salt: str,
-                 arrival: float) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request_id: str,
+        prompts: list[list[int]],
+        samplings: list[pb.SamplingParams],
+        params: OutputParams,
+        cache_salt: str,
+        arrival: float,
+    ) -> None:
         self.ctx = ctx
         self.n = params.n
         self.prompts = prompts
         self.arrival = arrival
         deadline = arrival + ctx.request_timeout_s
         self.streams: list[GenerationStream] = [
-            ctx.dispatcher.stream(GenerationInput(
-                request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sp, deadline,
-                cache_salt))
-            for i, (p, sp) in enumerate(zip(prompts, samplings, strict=True))]
-        self.samples = [SampleOutput(i, ctx.tokenizer, params)
-                        for i in range(len(prompts) * self.n)]
+            ctx.dispatcher.stream(
+                GenerationInput(
+                    request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                    p,
+                    sp,
+                    deadline,
+                    cache_salt,
+                )
+            )
+            for i, (p, sp) in enumerate(zip(prompts, samplings, strict=True))
+        ]
+        self.samples = [
+            SampleOutput(i, ctx.tokenizer, params) for i in range(len(prompts) * self.n)
+        ]
         self.ends: list[StreamEnd | None] = [None] * len(prompts)
         self._iters: list[AsyncIterator] = []
         self._queue: asyncio.Queue | None = None
@@ -124,16 +140,26 @@ class Generation:
             if end is None:
                 continue
             d = stream.decision
-            live.request_finished(RequestRecord(
-                request_id=stream.inp.request_id, finished_at=finished_at, path=end.path,
-                decode_worker=end.worker_id,
-                prefill_worker=d.prefill.worker_id if d is not None and d.prefill is not None else "",
-                prompt_tokens=len(self.prompts[i]),
-                completion_tokens=sum(len(s.token_ids)
-                                      for s in self.samples[i * self.n:(i + 1) * self.n]),
-                cached_tokens=end.cached_tokens, ttft_s=self._ttft, e2e_s=e2e,
-                attempts=stream.attempts + 1,
-                timings=None if end.timings is None else PhaseTimings.from_proto(end.timings)))
+            live.request_finished(
+                RequestRecord(
+                    request_id=stream.inp.request_id,
+                    finished_at=finished_at,
+                    path=end.path,
+                    decode_worker=end.worker_id,
+                    prefill_worker=d.prefill.worker_id
+                    if d is not None and d.prefill is not None
+                    else "",
+                    prompt_tokens=len(self.prompts[i]),
+                    completion_tokens=sum(
+                        len(s.token_ids) for s in self.samples[i * self.n : (i + 1) * self.n]
+                    ),
+                    cached_tokens=end.cached_tokens,
+                    ttft_s=self._ttft,
+                    e2e_s=e2e,
+                    attempts=stream.attempts + 1,
+                    timings=None if end.timings is None else PhaseTimings.from_proto(end.timings),
+                )
+            )
 
     def _process(self, prompt_index: int, ev: list[SeqOutput] | StreamEnd) -> list[SampleDelta]:
         """One event of prompt ``prompt_index``'s stream -> the samples' new deltas. Runs once
@@ -142,7 +168,7 @@ class Generation:
         out: list[SampleDelta] = []
         if ev.__class__ is StreamEnd:
             self.ends[prompt_index] = ev
-            for s in self.samples[base:base + self.n]:
+            for s in self.samples[base : base + self.n]:
                 if not s.finished:  # the worker ended without saying why: report the cut
                     s.add((), (), "abort")
                 if (d := s.take()) is not None:
@@ -204,12 +230,14 @@ class Generation:
         if cached and len(cached) == len(self.ends) and all(c is not None for c in cached):
             details = PromptTokensDetails(cached_tokens=sum(cached))
         p, c = self.prompt_tokens, self.completion_tokens
-        return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                         prompt_tokens_details=details)
+        return UsageInfo(
+            prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details
+        )
 
 
-async def run_generation(ctx: ServingContext, gen: Generation,
-                         on_step: Callable[[list[SampleDelta]], None] | None = None) -> None:
+async def run_generation(
+    ctx: ServingContext, gen: Generation, on_step: Callable[[list[SampleDelta]], None] | None = None
+) -> None:
     """Drive ``gen`` to the end (non-streaming responses)."""
     try:
         await gen.start()

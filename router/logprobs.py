@@ -19,8 +19,9 @@ def token_text(ctx: ServingContext, params: OutputParams, token_id: int) -> str:
     return ctx.tokenizer.token_str(token_id)
 
 
-def completion_logprobs(ctx: ServingContext, params: OutputParams, entries: list[TokenEntry],
-                        offset_base: int = 0) -> dict:
+def completion_logprobs(
+    ctx: ServingContext, params: OutputParams, entries: list[TokenEntry], offset_base: int = 0
+) -> dict:
     """OpenAI completions ``logprobs`` object for ``entries``."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
@@ -44,14 +45,20 @@ def chat_logprobs(ctx: ServingContext, params: OutputParams, entries: list[Token
     for e in entries:
         lp = e.logprob
         tok = token_text(ctx, params, e.token_id)
-        item = {"token": tok,
-                "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
-                "bytes": list(ctx.tokenizer.token_bytes(e.token_id)),
-                "top_logprobs": []}
+        item = {
+            "token": tok,
+            "logprob": safe_logprob(lp.logprob) if lp is not None else -9999.0,
+            "bytes": list(ctx.tokenizer.token_bytes(e.token_id)),
+            "top_logprobs": [],
+        }
         if lp is not None:
             item["top_logprobs"] = [
-                {"token": token_text(ctx, params, t.token_id), "logprob": safe_logprob(t.logprob),
-                 "bytes": list(ctx.tokenizer.token_bytes(t.token_id))}
-                for t in lp.top[: params.logprobs or 0]]
+                {
+                    "token": token_text(ctx, params, t.token_id),
+                    "logprob": safe_logprob(t.logprob),
+                    "bytes": list(ctx.tokenizer.token_bytes(t.token_id)),
+                }
+                for t in lp.top[: params.logprobs or 0]
+            ]
         content.append(item)
     return {"content": content}

@@ -7,12 +7,80 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from shared.prom import LoopHistogram
 
 # vLLM's buckets for the same metrics
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -22,35 +90,72 @@ class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
-        self.requests = Counter("pdserve:router_requests", "Requests routed, by the path taken "
-                                "(disagg | local | fallback as reported by the decode worker)",
-                                ["model_name", "path"], registry=r)
-        self.retries = Counter("pdserve:router_retries", "Requests re-sent to another worker "
-                               "(before or after the first token)", labels, registry=r)
-        self.errors = Counter("pdserve:router_request_errors", "Requests answered with an error",
-                              ["model_name", "status"], registry=r)
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds",
-                              "Arrival at the router -> first output token",
-                              labels, buckets=_TTFT_BUCKETS, registry=r)
+        self.requests = Counter(
+            "pdserve:router_requests",
+            "Requests routed, by the path taken "
+            "(disagg | local | fallback as reported by the decode worker)",
+            ["model_name", "path"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve:router_retries",
+            "Requests re-sent to another worker (before or after the first token)",
+            labels,
+            registry=r,
+        )
+        self.errors = Counter(
+            "pdserve:router_request_errors",
+            "Requests answered with an error",
+            ["model_name", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Arrival at the router -> first output token",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         # observed once per streamed token: the lock-free kind (one label set: this model)
-        self.itl = LoopHistogram("pdserve:inter_token_latency_seconds",
-                                 "Time between output deltas of one request",
-                                 {"model_name": model_name}, _ITL_BUCKETS, r)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds",
-                             "Arrival at the router -> last output token", labels,
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.lookup = Histogram("pdserve:router_directory_lookup_seconds",
-                                "Prefix-directory lookup (one Redis pipeline)", labels,
-                                buckets=_LOOKUP_BUCKETS, registry=r)
-        self.prefix_hit_tokens = Counter("pdserve:router_prefix_hit_tokens",
-                                         "Prompt tokens already cached on the chosen decode worker",
-                                         labels, registry=r)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens routed", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Output tokens returned",
-                                         labels, registry=r)
-        self.inflight = Gauge("pdserve:router_num_requests_inflight",
-                              "HTTP generation requests in flight", labels, registry=r)
+        self.itl = LoopHistogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between output deltas of one request",
+            {"model_name": model_name},
+            _ITL_BUCKETS,
+            r,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Arrival at the router -> last output token",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.lookup = Histogram(
+            "pdserve:router_directory_lookup_seconds",
+            "Prefix-directory lookup (one Redis pipeline)",
+            labels,
+            buckets=_LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "pdserve:router_prefix_hit_tokens",
+            "Prompt tokens already cached on the chosen decode worker",
+            labels,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Prompt tokens routed", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Output tokens returned", labels, registry=r
+        )
+        self.inflight = Gauge(
+            "pdserve:router_num_requests_inflight",
+            "HTTP generation requests in flight",
+            labels,
+            registry=r,
+        )
         m = model_name
         self.c_retries = self.retries.labels(m)
         self.c_ttft, self.c_itl, self.c_e2e = self.ttft.labels(m), self.itl, self.e2e.labels(m)

@@ -99,13 +99,23 @@ class SampleOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprob] = (),
-            finish_reason: str = "", stop_token_id: int | None = None) -> None:
+    def add(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[pb.TokenLogprob] = (),
+        finish_reason: str = "",
+        stop_token_id: int | None = None,
+    ) -> None:
         """Account one engine delta. Ignored once the sample finished."""
         if self.finish_reason is not None:
             return
-        if (self._plain and not finish_reason and len(token_ids) == 1 and self._held is None
-                and token_ids[0] not in self.params.terminal_ids):
+        if (
+            self._plain
+            and not finish_reason
+            and len(token_ids) == 1
+            and self._held is None
+            and token_ids[0] not in self.params.terminal_ids
+        ):
             tid = token_ids[0]
             self.token_ids.append(tid)
             new = self._step(tid)
@@ -131,14 +141,18 @@ class SampleOutput:
                 return
         if finish_reason:
             if self._held is not None and not (
-                    finish_reason == "stop" and not self.params.include_stop_str_in_output):
+                finish_reason == "stop" and not self.params.include_stop_str_in_output
+            ):
                 held, self._held = self._held, None
                 if self._detokenize(held):
                     return
             self._held = None
             self.finish_reason = finish_reason
-            if finish_reason == "stop" and stop_token_id is not None and (
-                    stop_token_id in self.params.stop_token_ids):
+            if (
+                finish_reason == "stop"
+                and stop_token_id is not None
+                and (stop_token_id in self.params.stop_token_ids)
+            ):
                 self.stop_reason = stop_token_id
 
     def _detokenize(self, entry: TokenEntry) -> bool:
@@ -163,7 +177,9 @@ class SampleOutput:
         if best is None:
             return False
         i, s = best
-        self.text = self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
+        self.text = (
+            self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
+        )
         self.finish_reason, self.stop_reason = "stop", s
         self._held = None
         return True
@@ -190,5 +206,10 @@ class SampleOutput:
             entries = _NO_ENTRIES
         if finish is not None:
             self._finish_sent = True
-        return SampleDelta(self.index, self.text[sent:end], entries, finish,
-                           self.stop_reason if finish is not None else None)
+        return SampleDelta(
+            self.index,
+            self.text[sent:end],
+            entries,
+            finish,
+            self.stop_reason if finish is not None else None,
+        )

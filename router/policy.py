@@ -96,12 +96,19 @@ def local_prefill_cost(d: Candidate, lacking: int, cfg: PolicyConfig) -> float:
     """Prefilling ``lacking`` tokens on decode worker ``d``: its own prefill backlog (work
     ahead of this prompt) plus the tokens, weighted by the stall they cause to the sequences
     it is decoding."""
-    return d.prefill_backlog + cfg.local_prefill_penalty * (
-        1.0 + cfg.decode_stall_cost * d.decoding) * lacking
+    return (
+        d.prefill_backlog
+        + cfg.local_prefill_penalty * (1.0 + cfg.decode_stall_cost * d.decoding) * lacking
+    )
 
 
-def choose_route(prompt_len: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
-                 cfg: PolicyConfig, rng: random.Random | None = None) -> RouteDecision | None:
+def choose_route(
+    prompt_len: int,
+    decode: Sequence[Candidate],
+    prefill: Sequence[Candidate],
+    cfg: PolicyConfig,
+    rng: random.Random | None = None,
+) -> RouteDecision | None:
     """The cheapest option; ``None`` when there is no decode candidate. Ties break at random."""
     if prompt_len <= 0:
         raise ValueError("prompt_len must be positive")
@@ -110,7 +117,9 @@ def choose_route(prompt_len: int, decode: Sequence[Candidate], prefill: Sequence
     for d in decode:
         lacking = _uncached(prompt_len, d.cached_tokens)
         d_load = decode_load(d, prompt_len, cfg)
-        options.append(RouteDecision(d, None, local_prefill_cost(d, lacking, cfg) + d_load, lacking))
+        options.append(
+            RouteDecision(d, None, local_prefill_cost(d, lacking, cfg) + d_load, lacking)
+        )
         if lacking <= cfg.local_prefill_threshold:
             continue  # D holds nearly all of the prompt: conditional disaggregation says local
         for p, p_cost in p_costs:

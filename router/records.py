@@ -21,8 +21,15 @@ class PhaseTimings:
 
     @classmethod
     def from_proto(cls, t: Any) -> PhaseTimings:
-        return cls(t.queue_s, t.prefill_s, t.transfer_s, int(t.transfer_bytes),
-                   int(t.blocks_transferred), t.first_token_s, t.decode_s)
+        return cls(
+            t.queue_s,
+            t.prefill_s,
+            t.transfer_s,
+            int(t.transfer_bytes),
+            int(t.blocks_transferred),
+            t.first_token_s,
+            t.decode_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +77,14 @@ class RequestRecord:
             kv_ready = queue + prefill
         handoff = ft - kv_ready
         router = max(0.0, self.e2e_s - ft - t.decode_s)
-        return [("router", router), ("queue", queue), ("prefill", prefill),
-                ("transfer", transfer), ("handoff", handoff), ("decode", t.decode_s)]
+        return [
+            ("router", router),
+            ("queue", queue),
+            ("prefill", prefill),
+            ("transfer", transfer),
+            ("handoff", handoff),
+            ("decode", t.decode_s),
+        ]
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -22,8 +22,14 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 _INT32_MAX = (1 << 31) - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty")
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +68,16 @@ def check_unsupported(req: SamplingFields) -> None:
         raise _bad("bad_words is not supported", "bad_words")
     if req.prompt_logprobs is not None:
         raise _bad("prompt_logprobs is not supported", "prompt_logprobs")
-    if any(v is not None for v in (req.guided_json, req.guided_regex, req.guided_choice,
-                                    req.guided_grammar)):
+    if any(
+        v is not None
+        for v in (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+    ):
         raise _bad("guided decoding is not supported", "guided_json")
     rf = req.response_format
     if rf is not None and rf.get("type", "text") != "text":
-        raise _bad(f"response_format {rf.get('type')!r} is not supported (only 'text')",
-                   "response_format")
+        raise _bad(
+            f"response_format {rf.get('type')!r} is not supported (only 'text')", "response_format"
+        )
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise _bad("echo is not supported", "echo")
@@ -78,35 +87,48 @@ def check_unsupported(req: SamplingFields) -> None:
         if req.echo:
             raise _bad("echo is not supported", "echo")
         if req.tool_choice not in (None, "none"):
-            raise _bad("tool calling is not supported by this server: use tool_choice 'none' "
-                       "(tools are still rendered into the prompt)", "tool_choice")
+            raise _bad(
+                "tool calling is not supported by this server: use tool_choice 'none' "
+                "(tools are still rendered into the prompt)",
+                "tool_choice",
+            )
 
 
 def requested_max_tokens(req: SamplingFields) -> int | None:
     if isinstance(req, ChatCompletionRequest):
-        return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
     return req.max_tokens
 
 
 def resolve_max_tokens(req: SamplingFields, prompt_len: int, limits: Limits) -> int:
     """The completion budget; 400 when prompt + budget exceed the context window."""
-    name = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and \
-        req.max_completion_tokens is not None else "max_tokens"
+    name = (
+        "max_completion_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+        else "max_tokens"
+    )
     if prompt_len >= limits.max_model_len:
-        raise _bad(f"This model's maximum context length is {limits.max_model_len} tokens. "
-                   f"However, your prompt has {prompt_len} tokens, leaving no room for output. "
-                   f"Please reduce the length of the prompt.", "messages" if
-                   isinstance(req, ChatCompletionRequest) else "prompt")
+        raise _bad(
+            f"This model's maximum context length is {limits.max_model_len} tokens. "
+            f"However, your prompt has {prompt_len} tokens, leaving no room for output. "
+            f"Please reduce the length of the prompt.",
+            "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+        )
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
         return limits.max_model_len - prompt_len
     if max_tokens < 1:
         raise _bad(f"{name} must be at least 1, got {max_tokens}", name)
     if prompt_len + max_tokens > limits.max_model_len:
-        raise _bad(f"This model's maximum context length is {limits.max_model_len} tokens. "
-                   f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-                   f"prompt, {max_tokens} in the completion). Please reduce the length of the "
-                   f"prompt or of {name}.", name)
+        raise _bad(
+            f"This model's maximum context length is {limits.max_model_len} tokens. "
+            f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the length of the "
+            f"prompt or of {name}.",
+            name,
+        )
     return max_tokens
 
 
@@ -124,53 +146,72 @@ def validate_common(req: SamplingFields, limits: Limits) -> None:
         if v is not None and not -2.0 <= v <= 2.0:
             raise _bad(f"{name} must be in [-2, 2], got {v}", name)
     if req.repetition_penalty is not None and req.repetition_penalty <= 0:
-        raise _bad(f"repetition_penalty must be greater than zero, got {req.repetition_penalty}",
-                   "repetition_penalty")
+        raise _bad(
+            f"repetition_penalty must be greater than zero, got {req.repetition_penalty}",
+            "repetition_penalty",
+        )
     if req.temperature is not None and req.temperature < 0:
         raise _bad(f"temperature must be non-negative, got {req.temperature}", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise _bad(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
     if req.top_k is not None and not -1 <= req.top_k <= _INT32_MAX:
-        raise _bad(f"top_k must be -1 or 0 (disabled) or in [1, {_INT32_MAX}], got {req.top_k}",
-                   "top_k")
+        raise _bad(
+            f"top_k must be -1 or 0 (disabled) or in [1, {_INT32_MAX}], got {req.top_k}", "top_k"
+        )
     if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
         raise _bad(f"min_p must be in [0, 1], got {req.min_p}", "min_p")
     if req.seed is not None and not _INT64[0] <= req.seed <= _INT64[1] - (req.n - 1):
         # sample i of an n > 1 request draws with seed + i, which must fit in int64 too
-        raise _bad(f"seed must be a signed 64-bit integer such that seed + n - 1 fits "
-                   f"(at most {_INT64[1] - (req.n - 1)} for n={req.n}), got {req.seed}", "seed")
+        raise _bad(
+            f"seed must be a signed 64-bit integer such that seed + n - 1 fits "
+            f"(at most {_INT64[1] - (req.n - 1)} for n={req.n}), got {req.seed}",
+            "seed",
+        )
     if not 0 <= req.min_tokens <= limits.max_model_len:
-        raise _bad(f"min_tokens must be in [0, {limits.max_model_len}], got {req.min_tokens}",
-                   "min_tokens")
+        raise _bad(
+            f"min_tokens must be in [0, {limits.max_model_len}], got {req.min_tokens}", "min_tokens"
+        )
     mt = requested_max_tokens(req)
     if mt is not None and req.min_tokens > mt:
         raise _bad(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({mt})", "min_tokens")
     stops = stop_strings(req)
     if len(stops) > limits.max_stop_strings:
-        raise _bad(f"at most {limits.max_stop_strings} stop strings are allowed, got "
-                   f"{len(stops)}", "stop")
+        raise _bad(
+            f"at most {limits.max_stop_strings} stop strings are allowed, got {len(stops)}", "stop"
+        )
     if sum(map(len, stops)) > limits.max_stop_chars:
-        raise _bad(f"the stop strings hold {sum(map(len, stops))} characters; at most "
-                   f"{limits.max_stop_chars} are allowed", "stop")
+        raise _bad(
+            f"the stop strings hold {sum(map(len, stops))} characters; at most "
+            f"{limits.max_stop_chars} are allowed",
+            "stop",
+        )
     for s in stops:
         if not s:
             raise _bad("stop strings must be non-empty", "stop")
     stop_ids = req.stop_token_ids or ()
     if len(stop_ids) > limits.max_stop_strings:
-        raise _bad(f"at most {limits.max_stop_strings} stop_token_ids are allowed, got "
-                   f"{len(stop_ids)}", "stop_token_ids")
+        raise _bad(
+            f"at most {limits.max_stop_strings} stop_token_ids are allowed, got {len(stop_ids)}",
+            "stop_token_ids",
+        )
     for t in stop_ids:
         if not 0 <= t < limits.vocab_size:
-            raise _bad(f"stop_token_ids contains {t}, outside the vocabulary [0, "
-                       f"{limits.vocab_size})", "stop_token_ids")
+            raise _bad(
+                f"stop_token_ids contains {t}, outside the vocabulary [0, {limits.vocab_size})",
+                "stop_token_ids",
+            )
     if req.cache_salt is not None:
         if not req.cache_salt:
             raise _bad("cache_salt must be a non-empty string when given", "cache_salt")
         if len(req.cache_salt) > limits.max_cache_salt_chars:
-            raise _bad(f"cache_salt has {len(req.cache_salt)} characters; at most "
-                       f"{limits.max_cache_salt_chars} are allowed", "cache_salt")
+            raise _bad(
+                f"cache_salt has {len(req.cache_salt)} characters; at most "
+                f"{limits.max_cache_salt_chars} are allowed",
+                "cache_salt",
+            )
     if req.truncate_prompt_tokens is not None and not (
-            req.truncate_prompt_tokens == -1 or req.truncate_prompt_tokens >= 1):
+        req.truncate_prompt_tokens == -1 or req.truncate_prompt_tokens >= 1
+    ):
         raise _bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
@@ -192,8 +233,7 @@ def check_json_depth(value: object, max_depth: int, param: str) -> None:
     while stack:
         v, depth = stack.pop()
         if depth > max_depth:
-            raise _bad(f"{param} nests more than {max_depth} levels deep (--max-json-depth)",
-                       param)
+            raise _bad(f"{param} nests more than {max_depth} levels deep (--max-json-depth)", param)
         children = v.values() if isinstance(v, dict) else v
         for c in children:  # type: ignore[union-attr]
             if isinstance(c, (list, dict)):
@@ -203,11 +243,17 @@ def check_json_depth(value: object, max_depth: int, param: str) -> None:
 def check_prompt_count(num_prompts: int, n: int, limits: Limits) -> None:
     """Caps on prompts per request and on choices (prompts x n)."""
     if num_prompts > limits.max_prompts:
-        raise _bad(f"at most {limits.max_prompts} prompts per request are allowed, got "
-                   f"{num_prompts} (--max-prompts-per-request)", "prompt")
+        raise _bad(
+            f"at most {limits.max_prompts} prompts per request are allowed, got "
+            f"{num_prompts} (--max-prompts-per-request)",
+            "prompt",
+        )
     if num_prompts * n > limits.max_choices:
-        raise _bad(f"{num_prompts} prompts x n={n} = {num_prompts * n} choices; at most "
-                   f"{limits.max_choices} are allowed (--max-choices-per-request)", "n")
+        raise _bad(
+            f"{num_prompts} prompts x n={n} = {num_prompts * n} choices; at most "
+            f"{limits.max_choices} are allowed (--max-choices-per-request)",
+            "n",
+        )
 
 
 def stop_strings(req: SamplingFields) -> tuple[str, ...]:
@@ -221,8 +267,10 @@ def requested_logprobs(req: SamplingFields, limits: Limits) -> int | None:
     if isinstance(req, ChatCompletionRequest):
         top = req.top_logprobs
         if top is not None and not 0 <= top <= limits.max_logprobs:
-            raise _bad(f"top_logprobs must be between 0 and {limits.max_logprobs}, got {top}",
-                       "top_logprobs")
+            raise _bad(
+                f"top_logprobs must be between 0 and {limits.max_logprobs}, got {top}",
+                "top_logprobs",
+            )
         if top and not req.logprobs:
             raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
         return (top or 0) if req.logprobs else None
@@ -232,15 +280,23 @@ def requested_logprobs(req: SamplingFields, limits: Limits) -> int | None:
     return lp
 
 
-def build_params(req: SamplingFields, max_tokens: int,
-                 limits: Limits) -> tuple[pb.SamplingParams, OutputParams]:
+def build_params(
+    req: SamplingFields, max_tokens: int, limits: Limits
+) -> tuple[pb.SamplingParams, OutputParams]:
     """The engine's sampling parameters and the router's output parameters."""
     if req.min_tokens > max_tokens:
-        raise _bad(f"min_tokens ({req.min_tokens}) must not exceed the completion budget "
-                   f"({max_tokens} tokens)", "min_tokens")
-    sp = pb.SamplingParams(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                           ignore_eos=req.ignore_eos,
-                           stop_token_ids=list(req.stop_token_ids or ()))
+        raise _bad(
+            f"min_tokens ({req.min_tokens}) must not exceed the completion budget "
+            f"({max_tokens} tokens)",
+            "min_tokens",
+        )
+    sp = pb.SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=list(req.stop_token_ids or ()),
+    )
     defaults = limits.generation_defaults or {}
     for name in _DEFAULTABLE:
         v = getattr(req, name)
@@ -257,10 +313,15 @@ def build_params(req: SamplingFields, max_tokens: int,
         sp.logprobs = logprobs
     stop_ids = frozenset(req.stop_token_ids or ())
     terminal = stop_ids if req.ignore_eos else stop_ids | limits.eos_token_ids
-    out = OutputParams(n=req.n, stop=stop_strings(req), stop_token_ids=stop_ids,
-                       terminal_ids=terminal,
-                       include_stop_str_in_output=req.include_stop_str_in_output,
-                       skip_special_tokens=req.skip_special_tokens, min_tokens=req.min_tokens,
-                       logprobs=logprobs,
-                       return_tokens_as_token_ids=req.return_tokens_as_token_ids)
+    out = OutputParams(
+        n=req.n,
+        stop=stop_strings(req),
+        stop_token_ids=stop_ids,
+        terminal_ids=terminal,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+    )
     return sp, out

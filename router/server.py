@@ -71,8 +71,9 @@ _CLEANUP_TIMEOUT_S = 5.0  # the lifespan clean-up after uvicorn stopped serving
 
 def load_model_files(config: RouterConfig) -> tuple[RouterTokenizer, ModelConfig, dict]:
     """Tokenizer, model config and sampling defaults; raises ConfigError/ValueError if unusable."""
-    model_cfg = EngineArgs(model=config.model, served_model_name=config.name,
-                           max_model_len=config.max_model_len).create_model_config()
+    model_cfg = EngineArgs(
+        model=config.model, served_model_name=config.name, max_model_len=config.max_model_len
+    ).create_model_config()
     tok = RouterTokenizer.from_model_dir(config.model, config.tokenizer, config.chat_template)
     gen_file = Path(config.model) / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -150,48 +151,80 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tok, model_cfg, defaults = await asyncio.to_thread(load_model_files, config)
         redis_client = connect_async(config.redis_url) if config.redis_url else None
-        reader = (DirectoryReader(redis_client, DirectoryKeys(config.directory_prefix))
-                  if redis_client is not None else None)
-        pool = WorkerPool(model=config.name, reader=reader, static_decode=config.decode_workers,
-                          static_prefill=config.prefill_workers, static_block_size=config.block_size,
-                          refresh_interval_s=config.worker_refresh_interval_s,
-                          cooldown_s=config.worker_cooldown_s)
-        dispatcher = Dispatcher(pool, reader, config.name, DispatchConfig(
-            max_retries=config.max_retries, stall_timeout_s=config.stall_timeout_s,
-            directory_timeout_s=config.directory_timeout_s,
-            max_waiting_per_worker=config.max_waiting_per_worker, policy=config.policy), metrics)
+        reader = (
+            DirectoryReader(redis_client, DirectoryKeys(config.directory_prefix))
+            if redis_client is not None
+            else None
+        )
+        pool = WorkerPool(
+            model=config.name,
+            reader=reader,
+            static_decode=config.decode_workers,
+            static_prefill=config.prefill_workers,
+            static_block_size=config.block_size,
+            refresh_interval_s=config.worker_refresh_interval_s,
+            cooldown_s=config.worker_cooldown_s,
+        )
+        dispatcher = Dispatcher(
+            pool,
+            reader,
+            config.name,
+            DispatchConfig(
+                max_retries=config.max_retries,
+                stall_timeout_s=config.stall_timeout_s,
+                directory_timeout_s=config.directory_timeout_s,
+                max_waiting_per_worker=config.max_waiting_per_worker,
+                policy=config.policy,
+            ),
+            metrics,
+        )
         eos = set(model_cfg.eos_token_ids)
         if tok.eos_token_id is not None:
             eos.add(tok.eos_token_id)
-        limits = Limits(max_model_len=model_cfg.max_model_len,
-                        # the ids a worker accepts: its embedding's rows
-                        vocab_size=model_cfg.vocab_size,
-                        max_logprobs=config.max_logprobs, eos_token_ids=frozenset(eos),
-                        generation_defaults=defaults, max_n=config.max_n,
-                        max_prompts=config.max_prompts_per_request,
-                        max_choices=config.max_choices_per_request,
-                        max_stop_strings=config.max_stop_strings,
-                        max_stop_chars=config.max_stop_chars,
-                        max_cache_salt_chars=config.max_cache_salt_length,
-                        max_json_depth=config.max_json_depth)
+        limits = Limits(
+            max_model_len=model_cfg.max_model_len,
+            # the ids a worker accepts: its embedding's rows
+            vocab_size=model_cfg.vocab_size,
+            max_logprobs=config.max_logprobs,
+            eos_token_ids=frozenset(eos),
+            generation_defaults=defaults,
+            max_n=config.max_n,
+            max_prompts=config.max_prompts_per_request,
+            max_choices=config.max_choices_per_request,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_chars=config.max_stop_chars,
+            max_cache_salt_chars=config.max_cache_salt_length,
+            max_json_depth=config.max_json_depth,
+        )
         sweeper = None
         app.state.dashboard = Dashboard(pool, metrics.registry, live, config.name)
         try:
             await pool.start()
             if reader is not None and config.directory_sweep_interval_s > 0:
                 sweeper = asyncio.create_task(_sweep(reader, config))
-            app.state.ctx = ServingContext(config.name, tok, dispatcher, limits, metrics,
-                                           config.request_timeout_s, config.max_inflight_requests,
-                                           live=live)
+            app.state.ctx = ServingContext(
+                config.name,
+                tok,
+                dispatcher,
+                limits,
+                metrics,
+                config.request_timeout_s,
+                config.max_inflight_requests,
+                live=live,
+            )
             app.state.pool = pool
             # Everything built so far lives as long as the router: move it out of the GC's
             # generations, so a full collection (triggered by a large request's objects)
             # scans only request objects and stays short (vLLM's API server does the same)
             gc.collect()
             gc.freeze()
-            logger.info("router for %r: max_model_len %d, %d decode / %d prefill workers known",
-                        config.name, limits.max_model_len, len(pool.records(ROLE_DECODE)),
-                        len(pool.records(ROLE_PREFILL)))
+            logger.info(
+                "router for %r: max_model_len %d, %d decode / %d prefill workers known",
+                config.name,
+                limits.max_model_len,
+                len(pool.records(ROLE_DECODE)),
+                len(pool.records(ROLE_PREFILL)),
+            )
             yield
         finally:
             try:  # bounded: a stuck connection must not keep the process alive after SIGTERM
@@ -205,8 +238,9 @@ def create_app(config: RouterConfig) -> FastAPI:
                     if redis_client is not None:
                         await redis_client.aclose()
             except TimeoutError:
-                logger.warning("router clean-up took over %.0f s; exiting without it",
-                               _CLEANUP_TIMEOUT_S)
+                logger.warning(
+                    "router clean-up took over %.0f s; exiting without it", _CLEANUP_TIMEOUT_S
+                )
 
     app = _RouterApp(title="pdserve router", lifespan=lifespan)
     app.router.route_class = JSONBodyRoute
@@ -252,9 +286,12 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
         """200 when at least one decode worker is routable, else 503 (readiness)."""
         pool: WorkerPool = request.app.state.pool
         decode, prefill = pool.healthy(ROLE_DECODE), pool.healthy(ROLE_PREFILL)
-        body = {"status": "ok" if decode else "no_decode_workers",
-                "decode_workers": len(decode), "prefill_workers": len(prefill),
-                "registry": pool.last_error or "ok"}
+        body = {
+            "status": "ok" if decode else "no_decode_workers",
+            "decode_workers": len(decode),
+            "prefill_workers": len(prefill),
+            "registry": pool.last_error or "ok",
+        }
         return JSONResponse(body, status_code=200 if decode else 503)
 
     @app.get("/metrics")
@@ -281,14 +318,18 @@ class _ApiKey:
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith(_PROTECTED)):
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and scope["path"].startswith(_PROTECTED)
+        ):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 err = AuthenticationError("invalid or missing API key (Authorization: Bearer ...)")
                 self.metrics.error(err.status)
-                return await JSONResponse(err.to_dict(), status_code=err.status,
-                                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return await JSONResponse(
+                    err.to_dict(), status_code=err.status, headers={"WWW-Authenticate": "Bearer"}
+                )(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -303,8 +344,10 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> Response:
         errors = e.errors()
-        parts = [f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
-                 for err in errors[:5]]
+        parts = [
+            f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
+            for err in errors[:5]
+        ]
         first = errors[0].get("loc", ()) if errors else ()
         param = ".".join(str(x) for x in first if x != "body") or None
         err = InvalidRequestError("invalid request: " + "; ".join(parts), param=param)
@@ -319,8 +362,14 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
         if e.status_code == 404:
             body = NotFoundError(f"no such endpoint: {request.method} {request.url.path}").to_dict()
         else:
-            body = {"error": {"message": str(e.detail), "type": "invalid_request_error",
-                              "param": None, "code": e.status_code}}
+            body = {
+                "error": {
+                    "message": str(e.detail),
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": e.status_code,
+                }
+            }
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnected)
@@ -359,7 +408,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # work moved off the event loop (long prompts' rendering, big responses) runs Python in a
     # thread: a 1 ms switch interval (CPython's default is 5) gives the loop its turn sooner
     sys.setswitchinterval(0.001)
@@ -369,7 +420,13 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"pdserve router: error: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=config.uvicorn_log_level, access_log=config.access_log,
-                timeout_keep_alive=30, timeout_graceful_shutdown=config.shutdown_timeout_s)
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.uvicorn_log_level,
+        access_log=config.access_log,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=config.shutdown_timeout_s,
+    )
     return 0

@@ -67,13 +67,17 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
     if k == -1:
         k = max_model_len
     if k < 1:
-        raise InvalidRequestError("truncate_prompt_tokens must be -1 or at least 1",
-                                  param="truncate_prompt_tokens")
+        raise InvalidRequestError(
+            "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
+        )
     return ids[-k:]
 
 
-async def prepare_prompt_runs(ctx: ServingContext, req: SamplingFields, prompts: list[list[int]],
-                              ) -> tuple[list[pb.SamplingParams], OutputParams]:
+async def prepare_prompt_runs(
+    ctx: ServingContext,
+    req: SamplingFields,
+    prompts: list[list[int]],
+) -> tuple[list[pb.SamplingParams], OutputParams]:
     """Per-prompt engine params (the max_tokens default depends on each prompt's length)."""
     samplings: list[pb.SamplingParams] = []
     params: OutputParams | None = None
@@ -89,13 +93,23 @@ async def prepare_prompt_runs(ctx: ServingContext, req: SamplingFields, prompts:
     return samplings, params
 
 
-StreamFn = Callable[[ServingContext, Generation, OutputParams, str, int, str,
-                     Callable[[], Awaitable[None]]], AsyncIterator[str]]
+StreamFn = Callable[
+    [ServingContext, Generation, OutputParams, str, int, str, Callable[[], Awaitable[None]]],
+    AsyncIterator[str],
+]
 BodyFn = Callable[[Generation, OutputParams, dict[int, list[TokenEntry]], str, int], JSONResponse]
 
 
-async def serve(ctx: ServingContext, req: SamplingFields, raw: Request, prompts: list[list[int]],
-                arrival: float, id_prefix: str, stream: StreamFn, body: BodyFn) -> Response:
+async def serve(
+    ctx: ServingContext,
+    req: SamplingFields,
+    raw: Request,
+    prompts: list[list[int]],
+    arrival: float,
+    id_prefix: str,
+    stream: StreamFn,
+    body: BodyFn,
+) -> Response:
     """The request skeleton both endpoints share. ``stream(ctx, gen, params, request_id,
     created, usage_mode, close)`` yields the SSE events (its per-token path is the endpoint's
     own); ``body(gen, params, entries, request_id, created)`` builds the non-streaming
@@ -120,10 +134,19 @@ async def serve(ctx: ServingContext, req: SamplingFields, raw: Request, prompts:
             await close()
             raise
         opts = req.stream_options
-        usage_mode = ("continuous" if opts and opts.include_usage and opts.continuous_usage_stats
-                      else "final" if opts and opts.include_usage else "")
-        return SSEResponse(stream(ctx, gen, params, request_id, created, usage_mode, close),
-                           close, headers={**SSE_HEADERS, **headers}, watch=watch)
+        usage_mode = (
+            "continuous"
+            if opts and opts.include_usage and opts.continuous_usage_stats
+            else "final"
+            if opts and opts.include_usage
+            else ""
+        )
+        return SSEResponse(
+            stream(ctx, gen, params, request_id, created, usage_mode, close),
+            close,
+            headers={**SSE_HEADERS, **headers},
+            watch=watch,
+        )
     entries: dict[int, list[TokenEntry]] = {}
 
     def collect(deltas: list[SampleDelta]) -> None:
@@ -136,8 +159,11 @@ async def serve(ctx: ServingContext, req: SamplingFields, raw: Request, prompts:
         await close()
     # building the body is Python per output token: off the loop when the output is large
     big = gen.completion_tokens * (1 + (params.logprobs or 0)) > 16384
-    resp = await asyncio.to_thread(body, gen, params, entries, request_id, created) if big \
+    resp = (
+        await asyncio.to_thread(body, gen, params, entries, request_id, created)
+        if big
         else body(gen, params, entries, request_id, created)
+    )
     resp.headers.update(headers)
     return resp
 

@@ -38,8 +38,9 @@ from router.serving import serve, stream_end, stream_error, truncate_prompt, war
 from router.sse import json_str
 
 
-def template_messages(messages: list[ChatMessage],
-                      max_json_depth: int = 64) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[ChatMessage], max_json_depth: int = 64
+) -> list[dict[str, Any]]:
     """Messages as the template sees them: text content flattened, tool-call args parsed."""
     out = []
     for i, m in enumerate(messages):
@@ -57,7 +58,9 @@ def template_messages(messages: list[ChatMessage],
                 else:
                     raise InvalidRequestError(
                         f"messages[{i}]: content parts of type {kind!r} are not supported "
-                        "(text only)", param=f"messages.{i}.content")
+                        "(text only)",
+                        param=f"messages.{i}.content",
+                    )
             d["content"] = "\n".join(texts)
         for j, call in enumerate(d.get("tool_calls") or ()):
             fn = call.get("function") if isinstance(call, dict) else None
@@ -77,11 +80,17 @@ def template_messages(messages: list[ChatMessage],
     return out
 
 
-async def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage], *,
-                             add_generation_prompt: bool, continue_final_message: bool,
-                             add_special_tokens: bool, tools: list | None = None,
-                             documents: list | None = None,
-                             kwargs: dict[str, Any] | None = None) -> list[int]:
+async def render_chat_prompt(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    add_special_tokens: bool,
+    tools: list | None = None,
+    documents: list | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
 
@@ -89,14 +98,19 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage], *
         return ctx.tokenizer.apply_chat_template(
             template_messages(messages, ctx.limits.max_json_depth),
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, documents=documents,
-            kwargs=kwargs)
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            kwargs=kwargs,
+        )
 
     try:
         # flattening and rendering are Python (Jinja), per message: off the loop for long
         # conversations (the GIL still gives the loop its turns between bytecodes)
-        if len(messages) > 64 or sum(
-                len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192:
+        if (
+            len(messages) > 64
+            or sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192
+        ):
             text = await asyncio.to_thread(render)
         else:
             text = render()
@@ -105,66 +119,102 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage], *
     return await ctx.encode(text, add_special_tokens)
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
-                                 raw: Request) -> Response:
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, raw: Request
+) -> Response:
     arrival = time.monotonic()
     warn_unknown_fields(req)
     ctx.check_model(req.model)
     check_unsupported(req)
     validate_common(req, ctx.limits)
     ids = await render_chat_prompt(
-        ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+        ctx,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
-        add_special_tokens=req.add_special_tokens, tools=req.tools, documents=req.documents,
-        kwargs=req.chat_template_kwargs)
+        add_special_tokens=req.add_special_tokens,
+        tools=req.tools,
+        documents=req.documents,
+        kwargs=req.chat_template_kwargs,
+    )
     prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
-    return await serve(ctx, req, raw, prompts, arrival, "chatcmpl", _stream,
-                       lambda *a: _body(ctx, *a))
+    return await serve(
+        ctx, req, raw, prompts, arrival, "chatcmpl", _stream, lambda *a: _body(ctx, *a)
+    )
 
 
-def _body(ctx: ServingContext, gen: Generation, params: OutputParams,
-          entries: dict[int, list[TokenEntry]], request_id: str, created: int) -> JSONResponse:
+def _body(
+    ctx: ServingContext,
+    gen: Generation,
+    params: OutputParams,
+    entries: dict[int, list[TokenEntry]],
+    request_id: str,
+    created: int,
+) -> JSONResponse:
     choices = [
         ChatChoice(
-            index=s.index, message=ChatResponseMessage(content=s.text),
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            index=s.index,
+            message=ChatResponseMessage(content=s.text),
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
             logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
-            if params.logprobs is not None else None)
-        for s in gen.samples]
-    body = ChatCompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                                  choices=choices, usage=gen.usage())
+            if params.logprobs is not None
+            else None,
+        )
+        for s in gen.samples
+    ]
+    body = ChatCompletionResponse(
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=gen.usage()
+    )
     return JSONResponse(body.model_dump())
 
 
-async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
-                  created: int, usage_mode: str,
-                  close: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServingContext,
+    gen: Generation,
+    params: OutputParams,
+    request_id: str,
+    created: int,
+    usage_mode: str,
+    close: Callable[[], Awaitable[None]],
+) -> AsyncIterator[str]:
     """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
     "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
     include_usage = bool(usage_mode)
     continuous = usage_mode == "continuous"
-    head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": ctx.model_name}
+    head = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": ctx.model_name,
+    }
     want_lp = params.logprobs is not None
     role_sent: set[int] = set()
 
     # chunks are formatted by hand around json-encoded values (this runs once per token): the
     # same bytes as json.dumps of the whole chunk would give
     fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
-    fast_tail = ']' + (',"usage":null' if include_usage else '') + '}\n\n'
+    fast_tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
     content_tail = '},"logprobs":null,"finish_reason":null,"stop_reason":null}' + fast_tail
 
     def tail() -> str:
         if continuous:
-            return '],"usage":' + gen.usage().model_dump_json() + '}\n\n'
+            return '],"usage":' + gen.usage().model_dump_json() + "}\n\n"
         return fast_tail
 
-    def chunk(index: int, delta: dict, logprobs: dict | None = None,
-              finish_reason: str | None = None, stop_reason: int | str | None = None) -> str:
-        return (f'{fast_head}{index},"delta":{json.dumps(delta, ensure_ascii=False)},'
-                f'"logprobs":{json.dumps(logprobs, ensure_ascii=False)},'
-                f'"finish_reason":{json.dumps(finish_reason)},'
-                f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{tail()}')
+    def chunk(
+        index: int,
+        delta: dict,
+        logprobs: dict | None = None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:
+        return (
+            f'{fast_head}{index},"delta":{json.dumps(delta, ensure_ascii=False)},'
+            f'"logprobs":{json.dumps(logprobs, ensure_ascii=False)},'
+            f'"finish_reason":{json.dumps(finish_reason)},'
+            f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{tail()}'
+        )
 
     def event(d: SampleDelta) -> str | None:
         """The SSE event(s) of one delta: the role chunk first for a choice's first delta
@@ -176,18 +226,29 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
             role_sent.add(d.index)
             role = chunk(d.index, {"role": "assistant", "content": ""})
         delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        return role + chunk(d.index, delta, chat_logprobs(ctx, params, d.tokens)
-                            if want_lp else None, d.finish_reason, d.stop_reason)
+        return role + chunk(
+            d.index,
+            delta,
+            chat_logprobs(ctx, params, d.tokens) if want_lp else None,
+            d.finish_reason,
+            d.stop_reason,
+        )
 
     plain = not want_lp and not continuous
     try:
         async for deltas in gen.steps():
-            if plain and len(deltas) == 1 and deltas[0].finish_reason is None and (
-                    deltas[0].index in role_sent):
+            if (
+                plain
+                and len(deltas) == 1
+                and deltas[0].finish_reason is None
+                and (deltas[0].index in role_sent)
+            ):
                 d = deltas[0]  # one sample's next text: the per-token chunk, the same
                 if d.text:  # bytes as chunk(d.index, {"content": d.text})
-                    yield (f'{fast_head}{d.index},"delta":{{"content": '
-                           f'{json_str(d.text)}{content_tail}')
+                    yield (
+                        f'{fast_head}{d.index},"delta":{{"content": '
+                        f"{json_str(d.text)}{content_tail}"
+                    )
                 continue
             # the deltas of one worker message (n samples; the role chunk before a choice's
             # first content): their events in one write

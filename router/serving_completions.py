@@ -58,42 +58,66 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     check_unsupported(req)
     validate_common(req, ctx.limits)
     prompts = await tokenize_prompts(ctx, req)
-    return await serve(ctx, req, raw, prompts, arrival, "cmpl", _stream,
-                       lambda *a: _body(ctx, *a))
+    return await serve(ctx, req, raw, prompts, arrival, "cmpl", _stream, lambda *a: _body(ctx, *a))
 
 
-def _body(ctx: ServingContext, gen: Generation, params: OutputParams,
-          entries: dict[int, list[TokenEntry]], request_id: str, created: int) -> JSONResponse:
+def _body(
+    ctx: ServingContext,
+    gen: Generation,
+    params: OutputParams,
+    entries: dict[int, list[TokenEntry]],
+    request_id: str,
+    created: int,
+) -> JSONResponse:
     choices = [
         CompletionChoice(
-            index=s.index, text=s.text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            logprobs=CompletionLogprobs(**completion_logprobs(ctx, params, entries.get(s.index, [])))
-            if params.logprobs is not None else None)
-        for s in gen.samples]
-    body = CompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                              choices=choices, usage=gen.usage())
+            index=s.index,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            logprobs=CompletionLogprobs(
+                **completion_logprobs(ctx, params, entries.get(s.index, []))
+            )
+            if params.logprobs is not None
+            else None,
+        )
+        for s in gen.samples
+    ]
+    body = CompletionResponse(
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=gen.usage()
+    )
     return JSONResponse(body.model_dump())
 
 
-async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, request_id: str,
-                  created: int, usage_mode: str,
-                  close: Callable[[], Awaitable[None]]) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServingContext,
+    gen: Generation,
+    params: OutputParams,
+    request_id: str,
+    created: int,
+    usage_mode: str,
+    close: Callable[[], Awaitable[None]],
+) -> AsyncIterator[str]:
     """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
     "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
     include_usage = bool(usage_mode)
     continuous = usage_mode == "continuous"
-    head = {"id": request_id, "object": "text_completion", "created": created,
-            "model": ctx.model_name}
+    head = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+    }
     want_lp = params.logprobs is not None
     # chunks without logprobs are formatted by hand around JSON-encoded values (this runs
     # once per token): the same bytes as json.dumps of the whole chunk would give
     fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
-    fast_tail = (']' + (',"usage":null' if include_usage else '') + '}\n\n')
+    fast_tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
     going_tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null}' + fast_tail
 
     def tail() -> str:
         if continuous:
-            return '],"usage":' + gen.usage().model_dump_json() + '}\n\n'
+            return '],"usage":' + gen.usage().model_dump_json() + "}\n\n"
         return fast_tail
 
     def event(d: SampleDelta) -> str | None:
@@ -101,14 +125,20 @@ async def _stream(ctx: ServingContext, gen: Generation, params: OutputParams, re
         if not want_lp:
             if not d.text and d.finish_reason is None:
                 return None
-            return (f'{fast_head}{d.index},"text":{json_str(d.text)},'
-                    f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
-                    f'"stop_reason":{json.dumps(d.stop_reason)}}}{tail()}')
+            return (
+                f'{fast_head}{d.index},"text":{json_str(d.text)},'
+                f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
+                f'"stop_reason":{json.dumps(d.stop_reason)}}}{tail()}'
+            )
         if not d.text and d.finish_reason is None and not d.tokens:
             return None
-        choice = {"index": d.index, "text": d.text,
-                  "logprobs": completion_logprobs(ctx, params, d.tokens),
-                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        choice = {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": completion_logprobs(ctx, params, d.tokens),
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+        }
         chunk = {**head, "choices": [choice]}
         if include_usage:
             chunk["usage"] = gen.usage().model_dump() if continuous else None

@@ -29,17 +29,22 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
         ids = await ctx.encode(req.prompt, add_special)
     else:
         ids = await render_chat_prompt(
-            ctx, req.messages or [], add_generation_prompt=req.add_generation_prompt,
+            ctx,
+            req.messages or [],
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            add_special_tokens=bool(req.add_special_tokens), kwargs=req.chat_template_kwargs)
+            add_special_tokens=bool(req.add_special_tokens),
+            kwargs=req.chat_template_kwargs,
+        )
     strs = None
     if req.return_token_strs:
         if len(ids) > 8192:  # Python per token: in a thread, the loop keeps its turns
             strs = await asyncio.to_thread(lambda: [ctx.tokenizer.token_str(t) for t in ids])
         else:
             strs = [ctx.tokenizer.token_str(t) for t in ids]
-    return TokenizeResponse(count=len(ids), max_model_len=ctx.limits.max_model_len, tokens=ids,
-                            token_strs=strs)
+    return TokenizeResponse(
+        count=len(ids), max_model_len=ctx.limits.max_model_len, tokens=ids, token_strs=strs
+    )
 
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -53,5 +58,13 @@ async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeR
 
 
 def models(ctx: ServingContext, root: str, created: int | None = None) -> ModelList:
-    return ModelList(data=[ModelCard(id=ctx.model_name, created=created or int(time.time()),
-                                     root=root, max_model_len=ctx.limits.max_model_len)])
+    return ModelList(
+        data=[
+            ModelCard(
+                id=ctx.model_name,
+                created=created or int(time.time()),
+                root=root,
+                max_model_len=ctx.limits.max_model_len,
+            )
+        ]
+    )

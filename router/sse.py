@@ -91,8 +91,13 @@ class SSEResponse(StreamingResponse):
     first event the body is sent from a task of its own, whose stack is a few frames deep.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str], watch: DisconnectWatch | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+        watch: DisconnectWatch | None = None,
+    ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
         self._watch = watch
@@ -104,8 +109,13 @@ class SSEResponse(StreamingResponse):
         try:
             if watch.gone:  # left while the response was being handed over
                 return
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             send_body = scope.get(RAW_SEND, send)
             # The first event is normally ready (the first output came before the response):
             # send it from here, right after the headers. The rest runs in a task of its own:

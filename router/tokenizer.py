@@ -19,8 +19,15 @@ from tokenizers.decoders import DecodeStream
 
 from router.chat_template import ChatTemplate, ChatTemplateError
 
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
+_SPECIAL_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class TokenizerLoadError(ValueError):
@@ -38,8 +45,11 @@ def _token_text(value: Any) -> str | None:
 
 def _byte_decoder() -> dict[str, int]:
     """The inverse of GPT-2's byte-to-unicode table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -53,38 +63,48 @@ def _byte_decoder() -> dict[str, int]:
 class RouterTokenizer:
     """Encode, decode, per-token strings and bytes, and chat-template rendering."""
 
-    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any],
-                 chat_template: str | None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, config: Mapping[str, Any], chat_template: str | None
+    ) -> None:
         self._tok = tokenizer
         self.config = dict(config)
-        self.special_tokens = {name: t for name in _SPECIAL_NAMES
-                               if (t := _token_text(config.get(name))) is not None}
+        self.special_tokens = {
+            name: t for name in _SPECIAL_NAMES if (t := _token_text(config.get(name))) is not None
+        }
         extra = config.get("additional_special_tokens") or []
         self.special_tokens_map: dict[str, Any] = {
             **self.special_tokens,
-            "additional_special_tokens": [t for x in extra if (t := _token_text(x)) is not None]}
+            "additional_special_tokens": [t for x in extra if (t := _token_text(x)) is not None],
+        }
         self.eos_token_id = self.token_to_id(self.special_tokens.get("eos_token"))
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(
-            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        self._chat_template = (ChatTemplate(chat_template, self.special_tokens)
-                               if chat_template else None)
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        )
+        self._chat_template = (
+            ChatTemplate(chat_template, self.special_tokens) if chat_template else None
+        )
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._bytes_of_char = _byte_decoder() if self._byte_level else {}
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
         self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                       chat_template: str | None = None) -> RouterTokenizer:
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        tokenizer_dir: str | Path | None = None,
+        chat_template: str | None = None,
+    ) -> RouterTokenizer:
         """Load from a Hugging Face directory. ``chat_template`` (text, or a path to a file)
         overrides the model's template."""
         d = Path(tokenizer_dir or model_dir)
         tok_file = d / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerLoadError(
-                f"{d} has no tokenizer.json (the router needs a fast tokenizer file)")
+                f"{d} has no tokenizer.json (the router needs a fast tokenizer file)"
+            )
         try:
             tokenizer = Tokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises plain Exceptions on bad files
@@ -120,8 +140,9 @@ class RouterTokenizer:
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch_fast(texts,
-                                                           add_special_tokens=add_special_tokens)]
+        return [
+            e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -134,8 +155,9 @@ class RouterTokenizer:
         """A fresh incremental decoder as one callable: token id -> the text it completes
         (None or '' while a UTF-8 character is still split). Same output as
         :meth:`decode_stream` + :meth:`step`, one Python call less per token."""
-        return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step,
-                                 self._tok)
+        return functools.partial(
+            DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok
+        )
 
     def step(self, stream: DecodeStream, token_id: int) -> str:
         """Feed one token; the text it completes ('' while a UTF-8 character is still split)."""
@@ -166,5 +188,6 @@ class RouterTokenizer:
         """Render the chat prompt (see :meth:`ChatTemplate.render` for the keyword arguments)."""
         if self._chat_template is None:
             raise ChatTemplateError(
-                "this model has no chat template; start the router with --chat-template")
+                "this model has no chat template; start the router with --chat-template"
+            )
         return self._chat_template.render(messages, **kwargs)

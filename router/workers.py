@@ -46,11 +46,19 @@ _CHANNEL_OPTIONS = [
 class WorkerPool:
     """Live, healthy workers per role, with in-flight counts and cooldowns. One per app."""
 
-    def __init__(self, *, model: str, reader: DirectoryReader | None,
-                 static_decode: Sequence[str] = (), static_prefill: Sequence[str] = (),
-                 static_block_size: int = 16, refresh_interval_s: float = 0.5,
-                 cooldown_s: float = 5.0, rpc_timeout_s: float = 1.0,
-                 registry_grace_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        reader: DirectoryReader | None,
+        static_decode: Sequence[str] = (),
+        static_prefill: Sequence[str] = (),
+        static_block_size: int = 16,
+        refresh_interval_s: float = 0.5,
+        cooldown_s: float = 5.0,
+        rpc_timeout_s: float = 1.0,
+        registry_grace_s: float = 3.0,
+    ) -> None:
         if reader is None and not static_decode:
             raise ValueError("without a Redis registry, static decode workers are required")
         self.model = model
@@ -90,8 +98,9 @@ class WorkerPool:
             self._task = None
         channels, self._channels = self._channels, {}
         self._stubs.clear()
-        await asyncio.gather(*(ch.close(grace=None) for ch in channels.values()),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(ch.close(grace=None) for ch in channels.values()), return_exceptions=True
+        )
 
     async def _loop(self) -> None:
         while True:
@@ -110,7 +119,9 @@ class WorkerPool:
                     registry = await self.reader.live_workers()
             except Exception as e:  # noqa: BLE001 - Redis down or slow: keep the last snapshot
                 if self.last_error is None:
-                    logger.warning("cannot read the worker registry (%r); using the last snapshot", e)
+                    logger.warning(
+                        "cannot read the worker registry (%r); using the last snapshot", e
+                    )
                 self.last_error = f"registry unavailable: {e!r}"
         if registry is None and self.reader is not None and not any(self.static.values()):
             return
@@ -120,8 +131,12 @@ class WorkerPool:
             if r.info.model != self.model:
                 if r.worker_id not in self._wrong_model:
                     self._wrong_model.add(r.worker_id)
-                    logger.warning("worker %s serves model %r, not %r; ignoring it",
-                                   r.worker_id, r.info.model, self.model)
+                    logger.warning(
+                        "worker %s serves model %r, not %r; ignoring it",
+                        r.worker_id,
+                        r.info.model,
+                        self.model,
+                    )
                 continue
             if not self.static[r.info.role] or r.info.grpc in self.static[r.info.role]:
                 records.append(r)
@@ -129,8 +144,12 @@ class WorkerPool:
             records += self._bridge_wiped_roles(records)
         if any(self.static.values()):
             known = {r.info.grpc for r in records}
-            polls = [self._poll_static(role, addr) for role, addrs in self.static.items()
-                     for addr in addrs if addr not in known]
+            polls = [
+                self._poll_static(role, addr)
+                for role, addrs in self.static.items()
+                for addr in addrs
+                if addr not in known
+            ]
             records += [r for r in await asyncio.gather(*polls) if r is not None]
         self._records = {r.worker_id: r for r in records}
         if registry is not None or self.reader is None:
@@ -159,9 +178,13 @@ class WorkerPool:
                 continue
             since = self._role_empty_since.setdefault(role, now)
             if since == now:
-                logger.warning("the registry lists no %s worker any more; keeping the last %d for "
-                               "%.1f s in case Redis lost its data", role, len(previous),
-                               self.registry_grace_s)
+                logger.warning(
+                    "the registry lists no %s worker any more; keeping the last %d for "
+                    "%.1f s in case Redis lost its data",
+                    role,
+                    len(previous),
+                    self.registry_grace_s,
+                )
             if now - since < self.registry_grace_s:
                 kept += previous
         return kept
@@ -169,20 +192,30 @@ class WorkerPool:
     async def _poll_static(self, role: str, address: str) -> WorkerRecord | None:
         stub_cls = pb_grpc.DecodeWorkerStub if role == ROLE_DECODE else pb_grpc.PrefillWorkerStub
         try:
-            stats = await stub_cls(self.channel(address)).Stats(pb.StatsRequest(),
-                                                               timeout=self.rpc_timeout_s)
+            stats = await stub_cls(self.channel(address)).Stats(
+                pb.StatsRequest(), timeout=self.rpc_timeout_s
+            )
         except grpc.aio.AioRpcError as e:
             logger.debug("static %s worker %s: %s", role, address, e.code())
             return None
         wid = stats.worker_id or address
-        info = WorkerInfo(worker_id=wid, role=role, model=self.model, grpc=address,
-                          block_size=self.static_block_size, num_blocks=stats.num_blocks)
-        return WorkerRecord(info, WorkerLoad(stats.free_blocks, stats.running, stats.waiting), "", 0)
+        info = WorkerInfo(
+            worker_id=wid,
+            role=role,
+            model=self.model,
+            grpc=address,
+            block_size=self.static_block_size,
+            num_blocks=stats.num_blocks,
+        )
+        return WorkerRecord(
+            info, WorkerLoad(stats.free_blocks, stats.running, stats.waiting), "", 0
+        )
 
     async def _close_unused_channels(self) -> None:
         wanted = {r.info.grpc for r in self._records.values()}
-        stale = [a for a in self._channels
-                 if a not in wanted and not self._inflight_by_address.get(a)]
+        stale = [
+            a for a in self._channels if a not in wanted and not self._inflight_by_address.get(a)
+        ]
         for a in stale:
             ch = self._channels.pop(a)
             self._stubs.pop(a, None)
@@ -192,12 +225,18 @@ class WorkerPool:
     def records(self, role: str | None = None) -> list[WorkerRecord]:
         return [r for r in self._records.values() if role is None or r.info.role == role]
 
-    def healthy(self, role: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerRecord]:
+    def healthy(
+        self, role: str, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> list[WorkerRecord]:
         """Live workers of ``role`` not cooling down after a failure and not in ``exclude``."""
         now = time.monotonic()
-        return [r for r in self._records.values()
-                if r.info.role == role and r.worker_id not in exclude
-                and self._cooldown.get(r.worker_id, 0.0) <= now]
+        return [
+            r
+            for r in self._records.values()
+            if r.info.role == role
+            and r.worker_id not in exclude
+            and self._cooldown.get(r.worker_id, 0.0) <= now
+        ]
 
     def inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)
@@ -228,10 +267,15 @@ class WorkerPool:
 
     def mark_failed(self, worker_id: str, reason: str, cooldown_s: float | None = None) -> None:
         """Keep ``worker_id`` out of routing for a while (its lease may outlive it)."""
-        logger.warning("worker %s failed (%s); cooling down for %.1f s", worker_id, reason,
-                       self.cooldown_s if cooldown_s is None else cooldown_s)
+        logger.warning(
+            "worker %s failed (%s); cooling down for %.1f s",
+            worker_id,
+            reason,
+            self.cooldown_s if cooldown_s is None else cooldown_s,
+        )
         self._cooldown[worker_id] = time.monotonic() + (
-            self.cooldown_s if cooldown_s is None else cooldown_s)
+            self.cooldown_s if cooldown_s is None else cooldown_s
+        )
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)

@@ -115,36 +115,59 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
         g = parser.add_argument_group("engine (vLLM flag names)")
-        g.add_argument("--model", required=model_required, default=None,
-                       help="Hugging Face model directory")
-        g.add_argument("--served-model-name", default=None,
-                       help="model name in the API and the prefix-cache hash seed (default: --model)")
+        g.add_argument(
+            "--model", required=model_required, default=None, help="Hugging Face model directory"
+        )
+        g.add_argument(
+            "--served-model-name",
+            default=None,
+            help="model name in the API and the prefix-cache hash seed (default: --model)",
+        )
         g.add_argument("--tokenizer", default=None)
-        g.add_argument("--dtype", default="auto", choices=_DTYPES,
-                       help="auto serves the checkpoint's torch_dtype (fp32 stays fp32)")
+        g.add_argument(
+            "--dtype",
+            default="auto",
+            choices=_DTYPES,
+            help="auto serves the checkpoint's torch_dtype (fp32 stays fp32)",
+        )
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
+        g.add_argument(
+            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+        )
         g.add_argument("--max-num-seqs", type=int, default=None)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--long-prefill-token-threshold", type=int, default=0)
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument("--kv-cache-memory", default=None,
-                       help="KV cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization")
+        g.add_argument(
+            "--kv-cache-memory",
+            default=None,
+            help="KV cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization",
+        )
         g.add_argument("--kv-cache-dtype", default="auto", choices=_KV_DTYPES)
         g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap per worker")
         g.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"))
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-        g.add_argument("--attention-backend", default=None, choices=("torch", "triton", "cpp"),
-                       help="default: triton on CUDA; cpp (C++ paged decode kernel) on CPU, "
-                            "torch (the reference) if it cannot be built")
+        g.add_argument(
+            "--attention-backend",
+            default=None,
+            choices=("torch", "triton", "cpp"),
+            help="default: triton on CUDA; cpp (C++ paged decode kernel) on CPU, "
+            "torch (the reference) if it cannot be built",
+        )
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--disable-log-stats", action="store_true")
-        g.add_argument("--max-logprobs", type=int, default=20,
-                       help="most top logprobs a request may ask for (vLLM's --max-logprobs)")
+        g.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=20,
+            help="most top logprobs a request may ask for (vLLM's --max-logprobs)",
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -174,14 +197,17 @@ class EngineArgs:
         path = Path(self.model)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise ConfigError(f"{self.model!r} is not a Hugging Face model directory (no config.json)")
+            raise ConfigError(
+                f"{self.model!r} is not a Hugging Face model directory (no config.json)"
+            )
         hf = json.loads(cfg_file.read_text())
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {archs or hf.get('model_type')!r} in {cfg_file}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"))
         native_len = int(hf.get("max_position_embeddings", 2048))
         max_len = self.max_model_len or native_len
@@ -192,7 +218,8 @@ class EngineArgs:
             max_len = min(max_len, native_len)
         if max_len > native_len:
             raise ConfigError(
-                f"--max-model-len {max_len} exceeds the model's max_position_embeddings {native_len}")
+                f"--max-model-len {max_len} exceeds the model's max_position_embeddings {native_len}"
+            )
         n_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         eos = hf.get("eos_token_id")
@@ -222,7 +249,9 @@ class EngineArgs:
 
     def create_cache_config(self) -> CacheConfig:
         if self.kv_cache_dtype not in _KV_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
         return CacheConfig(
@@ -230,7 +259,9 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype="auto" if self.kv_cache_dtype == "auto" else "fp8_e4m3",
             gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory=None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory),
+            kv_cache_memory=None
+            if self.kv_cache_memory is None
+            else parse_bytes(self.kv_cache_memory),
             swap_space=int(self.swap_space * GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
@@ -246,7 +277,8 @@ class EngineArgs:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
         if max_tokens < max_seqs and self.max_num_batched_tokens:
             raise ConfigError(
-                f"--max-num-batched-tokens ({max_tokens}) must be >= --max-num-seqs ({max_seqs})")
+                f"--max-num-batched-tokens ({max_tokens}) must be >= --max-num-seqs ({max_seqs})"
+            )
         return SchedulerConfig(
             max_num_seqs=max_seqs,
             max_num_batched_tokens=max_tokens,
@@ -259,8 +291,13 @@ class EngineArgs:
 
 def resolve_dtype(requested: str, checkpoint: str | None) -> str:
     """vLLM's ``--dtype`` rules: ``auto`` serves the checkpoint dtype (fp32 stays fp32)."""
-    aliases = {"float": "float32", "half": "float16", "float32": "float32",
-               "bfloat16": "bfloat16", "float16": "float16"}
+    aliases = {
+        "float": "float32",
+        "half": "float16",
+        "float32": "float32",
+        "bfloat16": "bfloat16",
+        "float16": "float16",
+    }
     if requested == "auto":
         return aliases.get(str(checkpoint or "float32").replace("torch.", ""), "float32")
     if requested not in aliases:

@@ -22,8 +22,14 @@ class LoopHistogram:
     ``_created``.
     """
 
-    def __init__(self, name: str, documentation: str, labels: dict[str, str],
-                 buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
         self._name = name
         self._doc = documentation
         self._labels = labels

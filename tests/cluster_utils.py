@@ -20,10 +20,27 @@ def free_port() -> int:
 
 
 def make_cluster(model_dir, run_dir, *flags: str, prefill: int = 1, decode: int = 1) -> Cluster:
-    args = cluster_args(["--model", str(model_dir), "--run-dir", str(run_dir),
-                         "--prefill", str(prefill), "--decode", str(decode),
-                         "--port", str(free_port()), "--threads-per-worker", "1",
-                         "--kv-cache-memory", "64MiB", "--startup-timeout", "120", *flags])
+    args = cluster_args(
+        [
+            "--model",
+            str(model_dir),
+            "--run-dir",
+            str(run_dir),
+            "--prefill",
+            str(prefill),
+            "--decode",
+            str(decode),
+            "--port",
+            str(free_port()),
+            "--threads-per-worker",
+            "1",
+            "--kv-cache-memory",
+            "64MiB",
+            "--startup-timeout",
+            "120",
+            *flags,
+        ]
+    )
     return Cluster(args)
 
 
@@ -45,12 +62,22 @@ def prefill_stub(ch) -> pb_grpc.PrefillWorkerStub:
     return pb_grpc.PrefillWorkerStub(ch)
 
 
-def generate(stub, request_id: str, prompt: list[int], prefill_address: str = "", timeout: float = 120,
-             **sampling) -> tuple[dict[int, list[int]], pb.GenerateChunk]:
+def generate(
+    stub,
+    request_id: str,
+    prompt: list[int],
+    prefill_address: str = "",
+    timeout: float = 120,
+    **sampling,
+) -> tuple[dict[int, list[int]], pb.GenerateChunk]:
     """Run one Generate stream; returns (tokens per sample index, the final chunk)."""
     sampling.setdefault("temperature", 0.0)
-    req = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                             sampling=pb.SamplingParams(**sampling), prefill_address=prefill_address)
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(**sampling),
+        prefill_address=prefill_address,
+    )
     tokens: dict[int, list[int]] = {}
     final = None
     for chunk in stub.Generate(req, timeout=timeout):

@@ -24,28 +24,50 @@ from pathlib import Path
 from shared.config import EngineArgs
 
 logger = logging.getLogger(__name__)
-DEFAULT_MODEL_DIR = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "models"
+DEFAULT_MODEL_DIR = (
+    Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve")) / "models"
+)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, model_required=False)
     g = parser.add_argument_group("cluster")
-    g.add_argument("--prefill", type=int, default=1, help="number of prefill workers (0 = colocated)")
+    g.add_argument(
+        "--prefill", type=int, default=1, help="number of prefill workers (0 = colocated)"
+    )
     g.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    g.add_argument("--redis-url", default=None, help="use this Redis (default: start an embedded one)")
+    g.add_argument(
+        "--redis-url", default=None, help="use this Redis (default: start an embedded one)"
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="router port")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--preset", default="tiny", choices=("tiny", "small"),
-                   help="test model to make and serve when --model is not given")
-    g.add_argument("--threads-per-worker", type=int, default=None,
-                   help="torch threads per worker (default: cores / workers, at least 1)")
+    g.add_argument(
+        "--preset",
+        default="tiny",
+        choices=("tiny", "small"),
+        help="test model to make and serve when --model is not given",
+    )
+    g.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: cores / workers, at least 1)",
+    )
     g.add_argument("--run-dir", default=None, help="logs and ready files (default: a temp dir)")
     g.add_argument("--startup-timeout", type=float, default=300.0)
-    g.add_argument("--router-arg", action="append", default=[],
-                   help="extra flag passed to the router (repeatable), e.g. --router-arg=--max-inflight=512")
-    g.add_argument("--worker-arg", action="append", default=[],
-                   help="extra flag passed to every worker (repeatable)")
+    g.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to the router (repeatable), e.g. --router-arg=--max-inflight=512",
+    )
+    g.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every worker (repeatable)",
+    )
 
 
 @dataclass
@@ -79,8 +101,9 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ready: dict[str, dict] = {}
 
-    def _spawn(self, name: str, argv: list[str], threads: int | None = None,
-               ready: bool = True) -> Child:
+    def _spawn(
+        self, name: str, argv: list[str], threads: int | None = None, ready: bool = True
+    ) -> Child:
         log = self.run_dir / f"{name}.log"
         ready_file = self.run_dir / f"{name}.ready.json" if ready else None
         if ready_file is not None:
@@ -92,8 +115,13 @@ class Cluster:
             env["PDSERVE_NUM_THREADS"] = str(threads)
             env["OMP_NUM_THREADS"] = str(threads)
         f = open(log, "ab")  # noqa: SIM115 - handed to the child, closed right after
-        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], stdout=f,
-                                stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", *argv],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
         f.close()
         child = Child(name, proc, log, ready_file)
         self.children.append(child)
@@ -127,8 +155,9 @@ class Cluster:
             print(f"[pdserve] embedded Redis at {self.redis_url}", flush=True)
         return self.redis_url
 
-    def spawn_worker(self, role: str, index: int, extra: list[str] | None = None,
-                     name: str | None = None) -> Child:
+    def spawn_worker(
+        self, role: str, index: int, extra: list[str] | None = None, name: str | None = None
+    ) -> Child:
         """Start one worker process (not waiting for it: see ``wait_ready``)."""
         a = self.args
         engine = EngineArgs.from_cli_args(a)
@@ -137,17 +166,39 @@ class Cluster:
         n_workers = max(1, a.prefill + a.decode)
         threads = a.threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
         name = name or f"{role}-{index}"
-        argv = [role, *engine.to_cli_args(), "--redis-url", self.start_redis(), "--host", a.host,
-                "--worker-id", name, *a.worker_arg, *(extra or [])]
+        argv = [
+            role,
+            *engine.to_cli_args(),
+            "--redis-url",
+            self.start_redis(),
+            "--host",
+            a.host,
+            "--worker-id",
+            name,
+            *a.worker_arg,
+            *(extra or []),
+        ]
         return self._spawn(name, argv, threads)
 
     def start_router(self, extra: list[str] | None = None) -> str:
         a = self.args
-        argv = ["router", "--model", self.model, "--served-model-name", self.served_model_name,
-                "--redis-url", self.start_redis(), "--host", a.host, "--port", str(a.port),
-                *(["--max-logprobs", str(a.max_logprobs)] if a.max_logprobs != 20 else []),
-                *(["--max-model-len", str(a.max_model_len)] if a.max_model_len else []),
-                *a.router_arg, *(extra or [])]
+        argv = [
+            "router",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--redis-url",
+            self.start_redis(),
+            "--host",
+            a.host,
+            "--port",
+            str(a.port),
+            *(["--max-logprobs", str(a.max_logprobs)] if a.max_logprobs != 20 else []),
+            *(["--max-model-len", str(a.max_model_len)] if a.max_model_len else []),
+            *a.router_arg,
+            *(extra or []),
+        ]
         if a.api_key:
             argv += ["--api-key", a.api_key]
         router = self._spawn("router", argv, ready=False)
@@ -164,18 +215,28 @@ class Cluster:
                 if c.ready_file is not None and c.ready_file.exists():
                     info = json.loads(c.ready_file.read_text())
                     self.ready[c.name] = info
-                    print(f"[pdserve] {c.name:<10} ready  gRPC {info['grpc']}  {info['kv_capacity']}",
-                          flush=True)
+                    print(
+                        f"[pdserve] {c.name:<10} ready  gRPC {info['grpc']}  {info['kv_capacity']}",
+                        flush=True,
+                    )
                     pending.remove(c)
                 elif c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; log:\n{_tail(c.log)}")
+                    raise RuntimeError(
+                        f"{c.name} exited with {c.proc.returncode}; log:\n{_tail(c.log)}"
+                    )
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"{', '.join(c.name for c in pending)} not ready after "
-                                   f"{self.args.startup_timeout:.0f}s")
+                raise TimeoutError(
+                    f"{', '.join(c.name for c in pending)} not ready after "
+                    f"{self.args.startup_timeout:.0f}s"
+                )
             if pending:
                 if sys.stdout.isatty():
-                    print(f"\r[pdserve] starting {len(pending)} worker(s)... "
-                          f"{time.monotonic() - t0:4.0f}s", end="", flush=True)
+                    print(
+                        f"\r[pdserve] starting {len(pending)} worker(s)... "
+                        f"{time.monotonic() - t0:4.0f}s",
+                        end="",
+                        flush=True,
+                    )
                 time.sleep(0.2)
         if sys.stdout.isatty():
             print("\r", end="")
@@ -190,7 +251,9 @@ class Cluster:
             except OSError:
                 pass
             if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; log:\n{_tail(child.log)}")
+                raise RuntimeError(
+                    f"{child.name} exited with {child.proc.returncode}; log:\n{_tail(child.log)}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{child.name} not healthy at {url}")
             time.sleep(0.2)
@@ -250,15 +313,20 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         url = cluster.start()
-        print(f"[pdserve] router     {url}/v1  (OpenAI API; model {args.served_model_name or args.model or 'the test model'})")
+        print(
+            f"[pdserve] router     {url}/v1  (OpenAI API; model {args.served_model_name or args.model or 'the test model'})"
+        )
         print(f"[pdserve] dashboard  {url}/dashboard")
         print(f"[pdserve] metrics    {url}/metrics   logs in {cluster.run_dir}")
         print("[pdserve] Ctrl-C to stop", flush=True)
         while not stop["flag"]:
             for c in cluster.children:
                 if c.proc.poll() is not None:
-                    print(f"[pdserve] {c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
-                          f"{_tail(c.log)}", flush=True)
+                    print(
+                        f"[pdserve] {c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
+                        f"{_tail(c.log)}",
+                        flush=True,
+                    )
                     stop["flag"] = True
                     break
             time.sleep(0.5)

@@ -12,13 +12,19 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("shared.cli.launcher", "start a whole local cluster: Redis, router, prefill and decode workers"),
+    "up": (
+        "shared.cli.launcher",
+        "start a whole local cluster: Redis, router, prefill and decode workers",
+    ),
     "router": ("router.server", "run the OpenAI-compatible router"),
     "prefill": ("prefill_service.server", "run a prefill worker"),
     "decode": ("decode_service.server", "run a decode worker"),
     "bench": ("bench.serve", "load-test an OpenAI-compatible server"),
     "fuzz": ("bench.fuzz", "send hostile requests to a running cluster and check it survives"),
-    "make-tiny-model": ("shared.cli.tiny_model", "write a small random-weight Hugging Face model directory"),
+    "make-tiny-model": (
+        "shared.cli.tiny_model",
+        "write a small random-weight Hugging Face model directory",
+    ),
 }
 
 

@@ -60,8 +60,9 @@ class EmbeddedRedis:
     The child runs in its own process group. Also a context manager.
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1",
-                 executable: str | None = None) -> None:
+    def __init__(
+        self, port: int = 0, host: str = "127.0.0.1", executable: str | None = None
+    ) -> None:
         self.host = host
         self.port = port
         self.executable = executable
@@ -83,11 +84,31 @@ class EmbeddedRedis:
             port = self.port or _free_port(self.host)
             with open(os.path.join(self._dir, "redis.log"), "ab") as log:
                 self._proc = subprocess.Popen(
-                    [exe, "--port", str(port), "--bind", self.host, "--save", "", "--appendonly",
-                     "no", "--dir", self._dir, "--daemonize", "no", "--protected-mode", "yes",
-                     "--maxclients", "10000", "--loglevel", "warning"],
-                    stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=_session_dying_with_parent)  # only prctl runs before exec
+                    [
+                        exe,
+                        "--port",
+                        str(port),
+                        "--bind",
+                        self.host,
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        self._dir,
+                        "--daemonize",
+                        "no",
+                        "--protected-mode",
+                        "yes",
+                        "--maxclients",
+                        "10000",
+                        "--loglevel",
+                        "warning",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_session_dying_with_parent,
+                )  # only prctl runs before exec
             self.port = port
             if self._wait_ready(timeout_s):
                 return self.url
@@ -99,8 +120,9 @@ class EmbeddedRedis:
 
     def _wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5,
-                             socket_connect_timeout=0.5)
+        client = redis.Redis(
+            host=self.host, port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5
+        )
         try:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:

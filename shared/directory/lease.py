@@ -33,9 +33,14 @@ class WorkerLease:
     :class:`KVEventPublisher` notices the change and republishes everything the worker holds.
     """
 
-    def __init__(self, client: redis.Redis, info: WorkerInfo, *,
-                 keys: DirectoryKeys | None = None,
-                 ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        info: WorkerInfo,
+        *,
+        keys: DirectoryKeys | None = None,
+        ttl_s: float = DEFAULT_LEASE_TTL_S,
+    ) -> None:
         if ttl_s <= 0:
             raise DirectoryError("lease TTL must be positive")
         self.client = client
@@ -82,8 +87,11 @@ class WorkerLease:
                 self._load = load
             key = self.keys.worker(self.info.worker_id)
             for _ in range(2):
-                mapping = {**info_fields(self.info), **load_fields(self._load),
-                           "generation": self._generation}
+                mapping = {
+                    **info_fields(self.info),
+                    **load_fields(self._load),
+                    "generation": self._generation,
+                }
                 try:
                     pipe = self.client.pipeline(transaction=True)
                     pipe.exists(key)
@@ -98,8 +106,9 @@ class WorkerLease:
                 if existed or not self._registered:
                     self._registered = True
                     return True
-                logger.warning("lease of %s expired while it was alive; new generation",
-                               self.info.worker_id)
+                logger.warning(
+                    "lease of %s expired while it was alive; new generation", self.info.worker_id
+                )
                 self._generation = new_generation()
                 self._registered = False  # the second pass registers the new generation
             return True
@@ -126,8 +135,11 @@ class WorkerLease:
             return False
 
     # ---- optional background heartbeats -----------------------------------------------
-    def start(self, load_fn: Callable[[], WorkerLoad] | None = None,
-              interval_s: float = DEFAULT_HEARTBEAT_S) -> None:
+    def start(
+        self,
+        load_fn: Callable[[], WorkerLoad] | None = None,
+        interval_s: float = DEFAULT_HEARTBEAT_S,
+    ) -> None:
         """Heartbeat every ``interval_s`` from a daemon thread, reading load from ``load_fn``."""
         if self._thread is not None:
             return
@@ -143,8 +155,9 @@ class WorkerLease:
                 self.heartbeat(load)
                 self._stop.wait(interval_s)
 
-        self._thread = threading.Thread(target=loop, name=f"lease-{self.info.worker_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=loop, name=f"lease-{self.info.worker_id}", daemon=True
+        )
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:

@@ -32,8 +32,9 @@ class KVEventPublisher:
     held set instead, so memory stays bounded. Thread-safe; never raises for Redis errors.
     """
 
-    def __init__(self, client: redis.Redis, lease: WorkerLease, *,
-                 max_pending: int = 1 << 20) -> None:
+    def __init__(
+        self, client: redis.Redis, lease: WorkerLease, *, max_pending: int = 1 << 20
+    ) -> None:
         self.client = client
         self.lease = lease
         self.keys = lease.keys
@@ -67,8 +68,9 @@ class KVEventPublisher:
                 self._apply(ev)
             self._seq += 1
             if len(self._pending) > self.max_pending:
-                logger.warning("%d directory changes pending; starting a new generation",
-                               len(self._pending))
+                logger.warning(
+                    "%d directory changes pending; starting a new generation", len(self._pending)
+                )
                 self.lease.renew_generation()
             return self._flush()
 
@@ -111,16 +113,21 @@ class KVEventPublisher:
         ops: list[tuple[str, str, str]] = []
         if stale_member is not None:
             ops += [("srem", self.keys.block(self.model, h), stale_member) for h in stale_hashes]
-        ops += [("sadd" if present else "srem", self.keys.block(self.model, h), member)
-                for h, present in self._pending.items()]
+        ops += [
+            ("sadd" if present else "srem", self.keys.block(self.model, h), member)
+            for h, present in self._pending.items()
+        ]
         try:
             for start in range(0, max(len(ops), 1), _MAX_OPS_PER_PIPELINE):
                 pipe = self.client.pipeline(transaction=True)
-                for op, key, m in ops[start:start + _MAX_OPS_PER_PIPELINE]:
+                for op, key, m in ops[start : start + _MAX_OPS_PER_PIPELINE]:
                     getattr(pipe, op)(key, m)
                 if start + _MAX_OPS_PER_PIPELINE >= len(ops):
-                    self._set_seq(keys=[self.keys.worker(self.lease.info.worker_id)],
-                                  args=[self._seq], client=pipe)
+                    self._set_seq(
+                        keys=[self.keys.worker(self.lease.info.worker_id)],
+                        args=[self._seq],
+                        client=pipe,
+                    )
                 pipe.execute()
         except REDIS_ERRORS as e:
             self._errors.failed(e)

@@ -122,8 +122,9 @@ class DirectoryReader:
             await pipe.execute()
         return out
 
-    async def prefix_match(self, model: str, block_hashes: Sequence[bytes],
-                           live: Mapping[str, str]) -> PrefixMatch:
+    async def prefix_match(
+        self, model: str, block_hashes: Sequence[bytes], live: Mapping[str, str]
+    ) -> PrefixMatch:
         """Leading prompt blocks held by each live worker (``live``: worker_id -> generation).
 
         One round trip: a server-side script reads the member set of each chained hash in
@@ -135,8 +136,9 @@ class DirectoryReader:
         if not block_hashes or not live:
             return PrefixMatch(counts, [])
         members = {make_member(wid, gen): wid for wid, gen in live.items()}
-        reply = await self._prefix_match(keys=[self.keys.block(model, h) for h in block_hashes],
-                                         args=list(members))
+        reply = await self._prefix_match(
+            keys=[self.keys.block(model, h) for h in block_hashes], args=list(members)
+        )
         reply = [as_str(x) for x in reply]
         sep = reply.index("")
         for i in range(0, sep, 2):
@@ -152,8 +154,11 @@ class DirectoryReader:
         """
         if not pairs:
             return 0
-        return int(await self._remove_stale(keys=[k for k, _ in pairs],
-                                            args=[self.keys.worker("")] + [m for _, m in pairs]))
+        return int(
+            await self._remove_stale(
+                keys=[k for k, _ in pairs], args=[self.keys.worker("")] + [m for _, m in pairs]
+            )
+        )
 
     async def sweep(self, model: str, cursor: int = 0, count: int = 1000) -> tuple[int, int]:
         """Clean stale members from about ``count`` block keys; returns (next cursor, removed).
@@ -161,8 +166,9 @@ class DirectoryReader:
         Call repeatedly with the returned cursor (0 = a full pass finished). Bounded work per
         call, for a periodic janitor.
         """
-        cursor, keys = await self.client.scan(cursor, match=self.keys.block_pattern(model),
-                                              count=count)
+        cursor, keys = await self.client.scan(
+            cursor, match=self.keys.block_pattern(model), count=count
+        )
         if not keys:
             return int(cursor), 0
         pipe = self.client.pipeline(transaction=False)
@@ -172,5 +178,5 @@ class DirectoryReader:
         pairs = [(as_str(k), as_str(m)) for k, ms in zip(keys, member_sets) for m in ms]
         removed = 0
         for i in range(0, len(pairs), 1000):
-            removed += await self.remove_stale(pairs[i:i + 1000])
+            removed += await self.remove_stale(pairs[i : i + 1000])
         return int(cursor), removed

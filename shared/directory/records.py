@@ -127,13 +127,21 @@ class WorkerRecord:
         d = {as_str(k): as_str(v) for k, v in h.items()}
         try:
             info = WorkerInfo(
-                worker_id=worker_id, role=d["role"], model=d["model"], grpc=d["grpc"],
-                block_size=int(d["block_size"]), num_blocks=int(d["num_blocks"]),
-                ucx=d.get("ucx", ""), metrics=d.get("metrics", ""),
-                max_model_len=int(d.get("max_model_len") or 0))
-            load = WorkerLoad(free_blocks=int(d.get("free_blocks") or 0),
-                              running=int(d.get("running") or 0),
-                              waiting=int(d.get("waiting") or 0))
+                worker_id=worker_id,
+                role=d["role"],
+                model=d["model"],
+                grpc=d["grpc"],
+                block_size=int(d["block_size"]),
+                num_blocks=int(d["num_blocks"]),
+                ucx=d.get("ucx", ""),
+                metrics=d.get("metrics", ""),
+                max_model_len=int(d.get("max_model_len") or 0),
+            )
+            load = WorkerLoad(
+                free_blocks=int(d.get("free_blocks") or 0),
+                running=int(d.get("running") or 0),
+                waiting=int(d.get("waiting") or 0),
+            )
             return cls(info, load, d["generation"], int(d.get("seq") or 0))
         except (KeyError, ValueError) as e:
             raise DirectoryError(f"malformed lease for worker {worker_id!r}: {e!r}") from e
@@ -153,8 +161,13 @@ def load_fields(load: WorkerLoad) -> dict[str, str]:
 
 def connect_sync(url: str, timeout_s: float = 1.0) -> redis.Redis:
     """A worker-side client: string replies, bounded socket timeouts, one quick retry."""
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
 
 
 def connect_async(url: str, timeout_s: float = 1.0, max_connections: int = 64) -> aioredis.Redis:
@@ -165,9 +178,14 @@ def connect_async(url: str, timeout_s: float = 1.0, max_connections: int = 64) -
     rather than losing its prefix lookup to ``MaxConnectionsError``.
     """
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        max_connections=max_connections, timeout=timeout_s,
-        retry=aioredis.retry.Retry(NoBackoff(), 1))
+        url,
+        decode_responses=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        max_connections=max_connections,
+        timeout=timeout_s,
+        retry=aioredis.retry.Retry(NoBackoff(), 1),
+    )
     return aioredis.Redis(connection_pool=pool)
 
 

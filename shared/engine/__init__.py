@@ -8,17 +8,27 @@ torch import, testable with a fake model runner. Only ``model_runner.py`` and ``
 
 from shared.config import EngineArgs
 from shared.engine.core import (
-                                DuplicateRequestError,
-                                EngineCore,
-                                EngineStats,
-                                InvalidRequestError,
-                                PromptTooLongError,
-                                RequestFailedError,
+    DuplicateRequestError,
+    EngineCore,
+    EngineStats,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestFailedError,
 )
 from shared.engine.llm import LLM
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 
-__all__ = ["LLM", "EngineArgs", "EngineCore", "EngineStats", "SamplingParams",
-           "SamplingParamsError", "InvalidRequestError", "PromptTooLongError",
-           "DuplicateRequestError", "RequestFailedError", "RequestStatus"]
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "EngineCore",
+    "EngineStats",
+    "SamplingParams",
+    "SamplingParamsError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "DuplicateRequestError",
+    "RequestFailedError",
+    "RequestStatus",
+]

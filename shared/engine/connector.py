@@ -84,13 +84,15 @@ class KVConnector:
         self.kv = kv
 
     # ---- admission ---------------------------------------------------------------------
-    def check(self, params: KVTransferParams | None, num_prompt_tokens: int,
-              block_size: int) -> None:
+    def check(
+        self, params: KVTransferParams | None, num_prompt_tokens: int, block_size: int
+    ) -> None:
         """Refuse ``params`` (raise :class:`KVTransferParamsError`) unless this connector takes
         them; called before anything is queued."""
         if params is not None:
             raise KVTransferParamsError(
-                f"this engine ({self.role} role) takes no {type(params).__name__}")
+                f"this engine ({self.role} role) takes no {type(params).__name__}"
+            )
 
     def add(self, request: Request, params: KVTransferParams | None) -> None:
         """Remember ``params`` for ``request`` (the parent's first sequence), after ``check``."""
@@ -140,7 +142,8 @@ class DecodeConnector(KVConnector):
     def check(self, params, num_prompt_tokens, block_size) -> None:
         if params is not None and not isinstance(params, RemotePrefillParams):
             raise KVTransferParamsError(
-                f"a decode worker takes RemotePrefillParams, not {type(params).__name__}")
+                f"a decode worker takes RemotePrefillParams, not {type(params).__name__}"
+            )
 
     def add(self, request: Request, params) -> None:
         if params is not None and request.num_output_tokens == 0:
@@ -156,8 +159,9 @@ class DecodeConnector(KVConnector):
         self._wanted.discard(request.request_id)  # asked once: a re-admission computes here
         needed = block_ids[first_block:]
         pin = self.kv.pin(needed) if needed else None
-        self._jobs[request.request_id] = RemotePrefillJob(request.parent_id, first_block,
-                                                          tuple(needed), pin)
+        self._jobs[request.request_id] = RemotePrefillJob(
+            request.parent_id, first_block, tuple(needed), pin
+        )
 
     def request_finished(self, request: Request) -> None:
         assert self.kv is not None
@@ -187,13 +191,15 @@ class PrefillConnector(KVConnector):
             return
         if not isinstance(params, RemoteDecodeParams):
             raise KVTransferParamsError(
-                f"a prefill worker takes RemoteDecodeParams, not {type(params).__name__}")
+                f"a prefill worker takes RemoteDecodeParams, not {type(params).__name__}"
+            )
         n_blocks = cdiv(num_prompt_tokens, block_size)
         first = params.first_block
         if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < n_blocks:
             raise KVTransferParamsError(
                 f"first_block_index {first!r} is outside the prompt's {n_blocks} blocks",
-                "first_block_index")
+                "first_block_index",
+            )
 
     def add(self, request: Request, params) -> None:
         if params is not None:
@@ -215,8 +221,10 @@ class PrefillConnector(KVConnector):
         if end <= exp.next_to_report:
             return []
         ids = self.kv.block_ids(request.request_id)
-        ready = [(exp.first_block_index + j, ids[exp.first_block_index + j])
-                 for j in range(exp.next_to_report, end)]
+        ready = [
+            (exp.first_block_index + j, ids[exp.first_block_index + j])
+            for j in range(exp.next_to_report, end)
+        ]
         exp.next_to_report = end
         # handed to the sender from here on: pinned until the transfer is terminal, so a
         # preemption, an abort or the finish cannot free them under the send
@@ -244,6 +252,14 @@ def connector_for_role(role: str) -> KVConnector:
     return KVConnector()
 
 
-__all__ = ["KVConnector", "DecodeConnector", "PrefillConnector", "KVTransferParams",
-           "KVTransferParamsError", "RemotePrefillParams", "RemoteDecodeParams",
-           "RemotePrefillJob", "connector_for_role"]
+__all__ = [
+    "KVConnector",
+    "DecodeConnector",
+    "PrefillConnector",
+    "KVTransferParams",
+    "KVTransferParamsError",
+    "RemotePrefillParams",
+    "RemoteDecodeParams",
+    "RemotePrefillJob",
+    "connector_for_role",
+]

@@ -95,8 +95,14 @@ class EngineCore:
         if runner is None:
             from shared.engine.model_runner import ModelRunner
 
-            runner = ModelRunner(self.model_config, self.cache_config, self.scheduler_config,
-                                 self.device, args.attention_backend, args.seed)
+            runner = ModelRunner(
+                self.model_config,
+                self.cache_config,
+                self.scheduler_config,
+                self.device,
+                args.attention_backend,
+                args.seed,
+            )
         self.runner = runner
         cc = self.cache_config
         if cc.num_gpu_blocks_override:
@@ -107,8 +113,13 @@ class EngineCore:
             raise ConfigError(
                 f"the KV cache holds {num_blocks * cc.block_size} tokens ({num_blocks} blocks), "
                 f"fewer than --max-model-len {self.model_config.max_model_len}: raise "
-                f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len")
-        num_host = cc.swap_space // self.runner.block_bytes if self.scheduler_config.preemption_mode == "swap" else 0
+                f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len"
+            )
+        num_host = (
+            cc.swap_space // self.runner.block_bytes
+            if self.scheduler_config.preemption_mode == "swap"
+            else 0
+        )
         self.runner.allocate_kv_cache(num_blocks, num_host)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
         self.connector = connector or KVConnector()
@@ -132,9 +143,11 @@ class EngineCore:
         tokens = num_blocks * bs
         gib = num_blocks * self.runner.block_bytes / GiB
         max_len = self.model_config.max_model_len
-        line = (f"KV cache: {num_blocks:,} blocks x {bs} tokens = {tokens:,} tokens "
-                f"({gib:.2f} GiB, {self.cache_config.kv_cache_dtype if self.cache_config.kv_cache_dtype != 'auto' else self.model_config.dtype}); "
-                f"maximum concurrency for {max_len:,} tokens per request: {tokens / max_len:.1f}x")
+        line = (
+            f"KV cache: {num_blocks:,} blocks x {bs} tokens = {tokens:,} tokens "
+            f"({gib:.2f} GiB, {self.cache_config.kv_cache_dtype if self.cache_config.kv_cache_dtype != 'auto' else self.model_config.dtype}); "
+            f"maximum concurrency for {max_len:,} tokens per request: {tokens / max_len:.1f}x"
+        )
         if num_host:
             line += f"; swap: {num_host:,} host blocks"
         return line
@@ -164,14 +177,17 @@ class EngineCore:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
         if request_id in self.parents:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in flight",
-                                        "request_id")
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is already in flight", "request_id"
+            )
         if not isinstance(prompt_token_ids, Sequence) or isinstance(prompt_token_ids, (str, bytes)):
             raise InvalidRequestError("the prompt must be a list of token ids", "prompt")
         if len(prompt_token_ids) >= mc.max_model_len:  # before copying a huge list
             raise PromptTooLongError(
                 f"prompt has {len(prompt_token_ids)} tokens; the model's maximum context length "
-                f"is {mc.max_model_len} (prompt + at least one output token must fit)", "prompt")
+                f"is {mc.max_model_len} (prompt + at least one output token must fit)",
+                "prompt",
+            )
         prompt = list(prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -185,21 +201,25 @@ class EngineCore:
             raise InvalidRequestError(str(e), getattr(e, "param", None)) from e
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
-            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary "
-                                      f"({mc.vocab_size})", "logprobs")
+            raise InvalidRequestError(
+                f"logprobs {params.logprobs} exceeds the vocabulary ({mc.vocab_size})", "logprobs"
+            )
         room = mc.max_model_len - len(prompt)
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         if resume is not None:
             if len(resume) not in (0, params.n):
-                raise InvalidRequestError(f"resume has {len(resume)} entries for n={params.n}",
-                                          "resume")
+                raise InvalidRequestError(
+                    f"resume has {len(resume)} entries for n={params.n}", "resume"
+                )
             for r in resume:
                 if len(r) >= params.max_tokens:
                     raise InvalidRequestError(
                         f"resume holds {len(r)} tokens; max_tokens {params.max_tokens} leaves "
-                        "nothing to generate", "resume")
+                        "nothing to generate",
+                        "resume",
+                    )
                 self._check_token_ids(r, "resume")
         try:
             self.connector.check(kv_transfer, len(prompt), self.block_size)
@@ -216,12 +236,21 @@ class EngineCore:
         for i in range(params.n):
             done = list(resume[i]) if resume else []
             seq_params = params.for_sample(i) if params.n > 1 else params
-            seqs.append(Request(
-                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
-                parent_id=request_id, index=i, prompt_token_ids=prompt_ids,
-                sampling_params=seq_params, eos_token_ids=mc.eos_token_ids,
-                block_size=self.block_size, hash_seed=seed, arrival_time=now,
-                output_token_ids=done, num_resumed_tokens=len(done)))
+            seqs.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                    parent_id=request_id,
+                    index=i,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=seq_params,
+                    eos_token_ids=mc.eos_token_ids,
+                    block_size=self.block_size,
+                    hash_seed=seed,
+                    arrival_time=now,
+                    output_token_ids=done,
+                    num_resumed_tokens=len(done),
+                )
+            )
         leader = seqs[0]
         self.connector.add(leader, kv_transfer)
         self.parents[request_id] = seqs
@@ -237,7 +266,8 @@ class EngineCore:
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise InvalidRequestError(
-                    f"{param}: token ids must be in [0, {vocab}), got {t!r}", param)
+                    f"{param}: token ids must be in [0, {vocab}), got {t!r}", param
+                )
 
     def abort_request(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         """Abort parents by id (unknown ids are ignored); returns their final outputs."""
@@ -266,8 +296,9 @@ class EngineCore:
         once the transfer is terminal. Unknown pins and ``None`` are ignored (False)."""
         return pin_id is not None and self.kv.unpin(pin_id)
 
-    def finish_remote_prefill(self, request_id: str,
-                              first_tokens: list[SampledToken] | None) -> list[EngineCoreOutput]:
+    def finish_remote_prefill(
+        self, request_id: str, first_tokens: list[SampledToken] | None
+    ) -> list[EngineCoreOutput]:
         seqs = self.parents.get(request_id)
         if not seqs:
             return []
@@ -311,13 +342,22 @@ class EngineCore:
         if u.finished and r.status == RequestStatus.FINISHED_ERROR:
             failure = RequestFailure(FailureKind.REQUEST, r.error or "the request failed")
         return EngineCoreOutput(
-            request_id=r.parent_id, index=r.index, new_token_ids=u.new_token_ids,
-            new_logprobs=u.new_logprobs, finish_reason=r.finish_reason() if u.finished else None,
-            stop_token_id=r.stop_token_id, num_prompt_tokens=r.num_prompt_tokens,
-            num_cached_tokens=max(r.num_cached_tokens, 0), kv_blocks_ready=u.kv_blocks_ready,
+            request_id=r.parent_id,
+            index=r.index,
+            new_token_ids=u.new_token_ids,
+            new_logprobs=u.new_logprobs,
+            finish_reason=r.finish_reason() if u.finished else None,
+            stop_token_id=r.stop_token_id,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_tokens=max(r.num_cached_tokens, 0),
+            kv_blocks_ready=u.kv_blocks_ready,
             kv_pin_id=u.kv_pin_id,
-            failure=failure, arrival_time=r.arrival_time, first_scheduled_time=r.first_scheduled_time,
-            first_token_time=r.first_token_time, finished_time=r.finished_time)
+            failure=failure,
+            arrival_time=r.arrival_time,
+            first_scheduled_time=r.first_scheduled_time,
+            first_token_time=r.first_token_time,
+            finished_time=r.finished_time,
+        )
 
     def _forget_finished(self, parent_ids) -> None:
         for pid in set(parent_ids):
@@ -351,13 +391,25 @@ class EngineCore:
             held_tokens += r.num_computed_tokens
             slots += self.kv.num_blocks_of(r.request_id) * self.block_size
         return EngineStats(
-            num_blocks=self.num_blocks, block_size=self.block_size,
-            free_blocks=self.kv.pool.num_free_blocks, running=sch.num_running,
-            waiting=sch.num_waiting, kv_cache_usage=self.kv.pool.usage(),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_blocks=self.kv.pool.num_free_blocks,
+            running=sch.num_running,
+            waiting=sch.num_waiting,
+            kv_cache_usage=self.kv.pool.usage(),
             kv_utilization=held_tokens / slots if slots else 0.0,
-            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=sch.num_preemptions, pinned_blocks=self.kv.num_pinned_blocks)
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=sch.num_preemptions,
+            pinned_blocks=self.kv.num_pinned_blocks,
+        )
 
 
-__all__ = ["EngineCore", "EngineStats", "InvalidRequestError", "PromptTooLongError",
-           "DuplicateRequestError", "RequestFailedError"]
+__all__ = [
+    "EngineCore",
+    "EngineStats",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "DuplicateRequestError",
+    "RequestFailedError",
+]

@@ -23,8 +23,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -147,7 +148,8 @@ class KVCacheManager:
             blocks.append(new)
         self.req_blocks[child.request_id] = blocks
         self.num_cached_blocks[child.request_id] = min(
-            self.num_cached_blocks.get(parent.request_id, 0), num_full)
+            self.num_cached_blocks.get(parent.request_id, 0), num_full
+        )
         return copies
 
     # ---- pins --------------------------------------------------------------------------
@@ -230,7 +232,8 @@ class KVCacheManager:
             if block.ref_cnt != refs.get(block.block_id, 0):
                 raise IntegrityError(
                     f"{block} has ref_cnt {block.ref_cnt} but {refs.get(block.block_id, 0)} "
-                    "tables and pins hold it")
+                    "tables and pins hold it"
+                )
         n_host = len(self.free_host_blocks) + sum(len(v) for v in self.swapped.values())
         if n_host != self.num_host_blocks:
             raise IntegrityError(f"host blocks leak: {n_host} accounted of {self.num_host_blocks}")

@@ -23,8 +23,12 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(f"{tok_path}/tokenizer.json")
         self._counter = 0
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (a string, a token-id list, or ``{"prompt_token_ids": ...}``).
 
         Outputs come back in prompt order. A prompt the engine refuses raises
@@ -72,8 +76,9 @@ class LLM:
             for o in self.engine.step():
                 if o.request_id not in acc:
                     continue
-                seq = acc[o.request_id].setdefault(o.index, {"ids": [], "lps": [], "finish": None,
-                                                              "stop": None, "error": None})
+                seq = acc[o.request_id].setdefault(
+                    o.index, {"ids": [], "lps": [], "finish": None, "stop": None, "error": None}
+                )
                 seq["ids"] += o.new_token_ids
                 seq["lps"] += o.new_logprobs
                 cached[o.request_id] = o.num_cached_tokens
@@ -94,14 +99,25 @@ class LLM:
         for rid, text, toks, sp in zip(ids, texts, token_lists, plist):
             outs = []
             for idx in range(sp.n):
-                s = acc[rid].get(idx) or {"ids": [], "lps": [], "finish": "error", "stop": None,
-                                          "error": "the request failed before this sample began"}
+                s = acc[rid].get(idx) or {
+                    "ids": [],
+                    "lps": [],
+                    "finish": "error",
+                    "stop": None,
+                    "error": "the request failed before this sample began",
+                }
                 lps: list[Logprob] | None = s["lps"] if sp.logprobs is not None else None
-                outs.append(CompletionOutput(
-                    index=idx, text=self.tokenizer.decode(s["ids"], skip_special_tokens=True),
-                    token_ids=s["ids"],
-                    cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
-                    logprobs=lps, finish_reason=s["finish"], stop_reason=s["stop"],
-                    error=s["error"]))
+                outs.append(
+                    CompletionOutput(
+                        index=idx,
+                        text=self.tokenizer.decode(s["ids"], skip_special_tokens=True),
+                        token_ids=s["ids"],
+                        cumulative_logprob=sum(lp.logprob for lp in lps) if lps else None,
+                        logprobs=lps,
+                        finish_reason=s["finish"],
+                        stop_reason=s["stop"],
+                        error=s["error"],
+                    )
+                )
             results.append(RequestOutput(rid, text, toks, outs, True, cached.get(rid, 0)))
         return results

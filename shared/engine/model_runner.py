@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+def zeroed_host_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, pin: bool = False
+) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages are committed only when first written.
 
     Backed by an anonymous mmap, so a large KV pool costs memory only as blocks are used, and
@@ -42,9 +44,15 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = F
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, device: str, attention_backend: str | None,
-                 seed: int | None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: str,
+        attention_backend: str | None,
+        seed: int | None,
+    ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -56,13 +64,15 @@ class ModelRunner:
         self.backend_name = attention_backend or default_backend(device)
         self.backend = get_backend(self.backend_name)
         self.dtype = getattr(torch, model_config.dtype)
-        self.kv_dtype = (torch.float8_e4m3fn if cache_config.kv_cache_dtype == "fp8_e4m3"
-                         else self.dtype)
+        self.kv_dtype = (
+            torch.float8_e4m3fn if cache_config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        )
         if seed is not None:
             torch.manual_seed(seed)
         self.model = load_model(model_config, device, self.backend)
-        self.sampler = Sampler(model_config.vocab_size, self.device, seed,
-                               argmax_rows=self.backend.argmax_rows)
+        self.sampler = Sampler(
+            model_config.vocab_size, self.device, seed, argmax_rows=self.backend.argmax_rows
+        )
         self.block_size = cache_config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None
@@ -104,11 +114,18 @@ class ModelRunner:
             block_tables=torch.arange(nb, dtype=torch.int32, device=self.device).unsqueeze(0),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            decode_only=False, k_scale=self.k_scale, v_scale=self.v_scale)
+            decode_only=False,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
         with torch.inference_mode():
-            h = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                           torch.arange(n, device=self.device), dummy, meta)
-            self.model.compute_logits(h[-self.scheduler_config.max_num_seqs:])
+            h = self.model(
+                torch.zeros(n, dtype=torch.long, device=self.device),
+                torch.arange(n, device=self.device),
+                dummy,
+                meta,
+            )
+            self.model.compute_logits(h[-self.scheduler_config.max_num_seqs :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device)
         del dummy, h
@@ -121,7 +138,8 @@ class ModelRunner:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: --gpu-memory-utilization "
                 f"{self.cache_config.gpu_memory_utilization} of {total / GiB:.1f} GiB is taken by "
-                f"weights and activations ({peak / GiB:.2f} GiB)")
+                f"weights and activations ({peak / GiB:.2f} GiB)"
+            )
         return budget
 
     def num_blocks_for(self, budget: int) -> int:
@@ -134,8 +152,9 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if num_host_blocks:
-            self.host_cache = zeroed_host_tensor((num_host_blocks, *self.block_shape),
-                                                 self.kv_dtype, pin=self.device.type == "cuda")
+            self.host_cache = zeroed_host_tensor(
+                (num_host_blocks, *self.block_shape), self.kv_dtype, pin=self.device.type == "cuda"
+            )
         self._init_scales()
 
     def _init_scales(self) -> None:
@@ -176,9 +195,9 @@ class ModelRunner:
                 slots[t] = ids[c // bs] * bs + c % bs
             else:
                 pos = np.arange(c, c + n)
-                input_ids[t:t + n] = s.token_ids
-                positions[t:t + n] = pos
-                slots[t:t + n] = ids[pos // bs] * bs + pos % bs
+                input_ids[t : t + n] = s.token_ids
+                positions[t : t + n] = pos
+                slots[t : t + n] = ids[pos // bs] * bs + pos % bs
             t += n
             seq_lens[i] = c + n
             qsl[i + 1] = t
@@ -192,9 +211,15 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
             decode_only=total == n_seqs,
-            k_scale=self.k_scale, v_scale=self.v_scale)
-        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
-                            self.kv_cache, meta)
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_cache,
+            meta,
+        )
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])

@@ -104,7 +104,8 @@ class Request:
         done = len(self.block_hashes)
         parent = self.block_hashes[-1] if done else ROOT_HASH
         self.block_hashes.extend(
-            block_hashes(self.all_token_ids, self.block_size, self.hash_seed, parent, done))
+            block_hashes(self.all_token_ids, self.block_size, self.hash_seed, parent, done)
+        )
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -29,7 +29,9 @@ _U64 = (1 << 64) - 1
 def _row_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
     # the same bytes as packing (seed, position) as int64 for every valid seed; the mask only
     # keeps a bug elsewhere from turning into struct.error on the engine thread
-    key = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed & _U64, position & _U64)) & ((1 << 63) - 1)
+    key = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed & _U64, position & _U64)) & (
+        (1 << 63) - 1
+    )
     return torch.Generator(device=device).manual_seed(key)
 
 
@@ -37,8 +39,13 @@ class Sampler:
     """``argmax_rows`` is the attention backend's greedy argmax (``kernels`` contract); the
     sampler uses nothing else of the backend."""
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int | None,
-                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        seed: int | None,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self._argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
@@ -49,8 +56,9 @@ class Sampler:
             self.generator.seed()
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor,
-                 rows: list[SampleSpec]) -> list[SampledToken | SampleError]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleSpec]
+    ) -> list[SampledToken | SampleError]:
         # logits: [N, V] (model dtype), row i belongs to rows[i]
         try:
             return self._sample_batch(logits, rows)
@@ -60,7 +68,7 @@ class Sampler:
         out: list[SampledToken | SampleError] = []
         for i, row in enumerate(rows):
             try:
-                out.extend(self._sample_batch(logits[i:i + 1], [row]))
+                out.extend(self._sample_batch(logits[i : i + 1], [row]))
             except Exception as e:  # noqa: BLE001 - this row's request fails alone
                 out.append(self._row_error(row, e))
         return out
@@ -73,7 +81,9 @@ class Sampler:
     def _sample_batch(self, logits: torch.Tensor, rows: list[SampleSpec]) -> list[SampledToken]:
         n = len(rows)
         want_lp = [r.params.logprobs is not None for r in rows]
-        if not any(want_lp) and all(r.params.greedy and not self._needs_processing(r) for r in rows):
+        if not any(want_lp) and all(
+            r.params.greedy and not self._needs_processing(r) for r in rows
+        ):
             return [SampledToken(t) for t in self._greedy(logits).tolist()]
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
@@ -96,7 +106,8 @@ class Sampler:
                 tokens[g] = logits[g].argmax(dim=-1)
             rand = [i for i in range(n) if not rows[i].params.greedy]
             tokens[torch.tensor(rand, device=logits.device)] = self._sample(
-                logits[rand], [rows[i] for i in rand])
+                logits[rand], [rows[i] for i in rand]
+            )
         token_list = tokens.tolist()
         out = []
         for i, r in enumerate(rows):
@@ -128,7 +139,9 @@ class Sampler:
             pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, pen, row))
         if out_ids.numel() and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(out_ids, minlength=self.vocab_size)[: row.shape[0]].to(row.dtype)
+            counts = torch.bincount(out_ids, minlength=self.vocab_size)[: row.shape[0]].to(
+                row.dtype
+            )
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
@@ -160,7 +173,8 @@ class Sampler:
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                generator=self.generator)
+                generator=self.generator
+            )
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 g = _row_generator(r.params.seed, r.num_output_tokens, dev)

@@ -62,13 +62,20 @@ class SamplingParams:
     def validate(self, max_logprobs: int | None = None) -> None:
         """Raise :class:`SamplingParamsError` naming the first bad parameter. ``max_logprobs``
         (the engine's ``--max-logprobs``) bounds ``logprobs``; construction checks the rest."""
+
         def bad(name: str, value: object, rule: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name} must be {rule}, got {value!r}", param=name)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"an integer in [1, {MAX_N}]")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             v = getattr(self, name)
             if not _is_real(v):
                 raise bad(name, v, "a finite number")
@@ -90,23 +97,43 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         # sample i of an n > 1 request draws with seed + i: that must fit in int64 too
         if self.seed is not None and (
-                not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1)):
-            raise bad("seed", self.seed,
-                      f"an integer in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] for n={self.n} "
-                      "(sample i uses seed + i, a signed 64-bit integer)")
+            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1)
+        ):
+            raise bad(
+                "seed",
+                self.seed,
+                f"an integer in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] for n={self.n} "
+                "(sample i uses seed + i, a signed 64-bit integer)",
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
-                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if (
+            not _is_int(self.min_tokens)
+            or self.min_tokens < 0
+            or (self.max_tokens is not None and self.min_tokens > self.max_tokens)
+        ):
             raise bad("min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
         if self.logprobs is not None and (
-                not _is_int(self.logprobs) or self.logprobs < 0
-                or (max_logprobs is not None and self.logprobs > max_logprobs)):
-            raise bad("logprobs", self.logprobs, "an integer >= 0" if max_logprobs is None
-                      else f"an integer in [0, {max_logprobs}] (--max-logprobs)")
-        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad("stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
-                      f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+            not _is_int(self.logprobs)
+            or self.logprobs < 0
+            or (max_logprobs is not None and self.logprobs > max_logprobs)
+        ):
+            raise bad(
+                "logprobs",
+                self.logprobs,
+                "an integer >= 0"
+                if max_logprobs is None
+                else f"an integer in [0, {max_logprobs}] (--max-logprobs)",
+            )
+        if (
+            not isinstance(self.stop_token_ids, list)
+            or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+        ):
+            raise bad(
+                "stop_token_ids",
+                f"<{len(self.stop_token_ids)} ids>",
+                f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+            )
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
@@ -118,8 +145,11 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample ``index`` of an ``n > 1`` request (seed + index, as vLLM).

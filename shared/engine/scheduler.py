@@ -35,16 +35,26 @@ from shared.engine.scheduler_output import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "SampleSpec", "SampledToken",
-           "SampleError", "SampleResult", "SeqFailure", "SeqUpdate"]
+__all__ = [
+    "Scheduler",
+    "SchedulerOutput",
+    "ScheduledSeq",
+    "SampleSpec",
+    "SampledToken",
+    "SampleError",
+    "SampleResult",
+    "SeqFailure",
+    "SeqUpdate",
+]
 
 
 class Scheduler:
     """Owns the queues, the token budget and request states; the only writer of
     ``Request.num_computed_tokens``. Roles take part only through ``connector``."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 connector: KVConnector | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
@@ -109,7 +119,9 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Recount: preemption may have removed already-scheduled requests from the budget.
-        budget = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled.values())
+        budget = self.config.max_num_batched_tokens - sum(
+            s.num_new_tokens for s in scheduled.values()
+        )
 
         if not preempted:
             budget = self._schedule_swapped(out, scheduled, budget)
@@ -151,8 +163,13 @@ class Scheduler:
             first = req.num_output_tokens == req.num_resumed_tokens
             seqs = [req, *req.siblings] if first and req.siblings else [req]
             samples = tuple(_sample_spec(s) for s in seqs)
-        return ScheduledSeq(req.request_id, c, req.all_token_ids[c:c + num_new],
-                            self.kv.block_ids(req.request_id), samples)
+        return ScheduledSeq(
+            req.request_id,
+            c,
+            req.all_token_ids[c : c + num_new],
+            self.kv.block_ids(req.request_id),
+            samples,
+        )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
@@ -179,7 +196,8 @@ class Scheduler:
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget)
             extra = cdiv(req.num_computed_tokens + num_new, self.block_size) - len(
-                self.kv.swapped[req.request_id])
+                self.kv.swapped[req.request_id]
+            )
             if not self.kv.can_swap_in(req, max(0, extra)):
                 break
             self.swapped.popleft()
@@ -206,8 +224,9 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = num_computed
-                self.connector.on_reserved(req, self.kv.block_ids(req.request_id),
-                                           num_computed // self.block_size)
+                self.connector.on_reserved(
+                    req, self.kv.block_ids(req.request_id), num_computed // self.block_size
+                )
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.remote_waiting[req.request_id] = req
                 continue
@@ -233,7 +252,9 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampleResult],
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, SampleResult],
     ) -> tuple[list[SeqUpdate], list[SeqFailure]]:
         """Advance every scheduled request by its computed tokens and append sampled ones.
 
@@ -268,7 +289,9 @@ class Scheduler:
                 if first and req.siblings:
                     for sib in req.siblings:
                         if not sib.is_finished:
-                            updates.append(self._start_sibling(req, sib, sampled[sib.request_id], now))
+                            updates.append(
+                                self._start_sibling(req, sib, sampled[sib.request_id], now)
+                            )
                     req.siblings = []
             except Exception as e:  # the request's own failure (logged, then failed alone)
                 logger.exception("step update of request %s failed", req.request_id)
@@ -304,14 +327,16 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = token
         elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or (
-                req.num_tokens >= self.config.max_model_len):
+            req.num_tokens >= self.config.max_model_len
+        ):
             req.status = RequestStatus.FINISHED_LENGTH
         else:
             return False
         return True
 
-    def _start_sibling(self, leader: Request, sib: Request, tok: SampledToken,
-                       now: float) -> SeqUpdate:
+    def _start_sibling(
+        self, leader: Request, sib: Request, tok: SampledToken, now: float
+    ) -> SeqUpdate:
         """Fork an ``n > 1`` sibling off its leader's computed prompt, then give it its token."""
         sib.num_cached_tokens = leader.num_cached_tokens
         sib.first_scheduled_time = leader.first_scheduled_time
@@ -338,8 +363,9 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     # ---- remote prefill (decode role) --------------------------------------------------
-    def finish_remote_prefill(self, request_id: str,
-                              first_tokens: list[SampledToken] | None) -> list[SeqUpdate]:
+    def finish_remote_prefill(
+        self, request_id: str, first_tokens: list[SampledToken] | None
+    ) -> list[SeqUpdate]:
         """The prefill worker's KV for ``request_id`` arrived (``first_tokens``: one per
         sample) or failed (``None``: prefill the missing blocks locally)."""
         req = self.remote_waiting.pop(request_id, None)
@@ -362,8 +388,9 @@ class Scheduler:
         return updates
 
     # ---- abort -------------------------------------------------------------------------
-    def abort(self, request_ids: Iterable[str],
-              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+    def abort(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
         """End live sequences by id with ``status`` (aborted, or failed); unknown or finished
         ids are ignored. Their block tables are freed (pinned blocks stay pinned)."""
         aborted = []
@@ -397,6 +424,11 @@ def _sample_spec(req: Request) -> SampleSpec:
     p = req.sampling_params
     if not p.needs_penalties:
         return SampleSpec(req.request_id, p, req.num_output_tokens, req.eos_token_ids)
-    return SampleSpec(req.request_id, p, req.num_output_tokens, req.eos_token_ids,
-                      req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
-                      tuple(req.output_token_ids))
+    return SampleSpec(
+        req.request_id,
+        p,
+        req.num_output_tokens,
+        req.eos_token_ids,
+        req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+        tuple(req.output_token_ids),
+    )

@@ -61,8 +61,12 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_copy or self.blocks_to_swap_out
-                    or self.blocks_to_swap_in)
+        return not (
+            self.scheduled
+            or self.blocks_to_copy
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+        )
 
 
 @dataclass(slots=True)

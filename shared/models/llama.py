@@ -33,8 +33,9 @@ class Linear(nn.Linear):
         return _linear(x, self.weight, self.bias, self.small)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            small) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small
+) -> torch.Tensor:
     if small is not None:
         y = small(x, weight)
         if y is not None:
@@ -114,8 +115,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary,
-                 bias: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary, bias: bool
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = cfg.num_heads
@@ -125,12 +127,17 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.backend = backend
         self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -142,11 +149,28 @@ class Attention(nn.Module):
         be = self.backend
         be.write_kv(k, v, kv_cache, self.layer, meta.slot_mapping, meta.k_scale, meta.v_scale)
         if meta.decode_only:
-            o = be.paged_decode_attention(q, kv_cache, self.layer, meta.block_tables,
-                                          meta.seq_lens, self.scale, meta.k_scale, meta.v_scale)
+            o = be.paged_decode_attention(
+                q,
+                kv_cache,
+                self.layer,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                meta.k_scale,
+                meta.v_scale,
+            )
         else:
-            o = be.paged_attention(q, kv_cache, self.layer, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, meta.k_scale, meta.v_scale)
+            o = be.paged_attention(
+                q,
+                kv_cache,
+                self.layer,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+                meta.k_scale,
+                meta.v_scale,
+            )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -163,8 +187,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary,
-                 bias: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary, bias: bool
+    ) -> None:
         super().__init__()
         hf = cfg.hf_config
         eps = float(hf.get("rms_norm_eps", 1e-6))
@@ -188,23 +213,36 @@ class LlamaForCausalLM(nn.Module):
             raise NotImplementedError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
         bias = cfg.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
         self.config = cfg
-        rotary = Rotary(cfg.head_dim, int(hf.get("max_position_embeddings", cfg.max_model_len)),
-                        float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling"))
+        rotary = Rotary(
+            cfg.head_dim,
+            int(hf.get("max_position_embeddings", cfg.max_model_len)),
+            float(hf.get("rope_theta", 10000.0)),
+            hf.get("rope_scaling"),
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, rotary, bias) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, backend, rotary, bias) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, float(hf.get("rms_norm_eps", 1e-6)))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         self.rotary = rotary
         self.small_linear = getattr(backend, "small_linear", None)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.small = self.small_linear
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, H]
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
@@ -219,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
 
 def fused_param_name(hf_name: str) -> tuple[str, int | None]:
     """Map a Hugging Face weight name to (our parameter, shard index within a fused weight)."""
-    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    name = hf_name[len("model.") :] if hf_name.startswith("model.") else hf_name
     for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
         if f"self_attn.{proj}." in name:
             return name.replace(proj, "qkv_proj"), i

@@ -42,8 +42,12 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
     from shared.models.llama import Rotary
 
     hf = cfg.hf_config
-    fresh = Rotary(cfg.head_dim, int(hf.get("max_position_embeddings", cfg.max_model_len)),
-                   float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")).to(device)
+    fresh = Rotary(
+        cfg.head_dim,
+        int(hf.get("max_position_embeddings", cfg.max_model_len)),
+        float(hf.get("rope_theta", 10000.0)),
+        hf.get("rope_scaling"),
+    ).to(device)
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -69,13 +73,18 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     missing = []
     for name, _param in params.items():
-        parts = 3 if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias") else (
-            2 if "gate_up_proj" in name else 1)
+        parts = (
+            3
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias")
+            else (2 if "gate_up_proj" in name else 1)
+        )
         keys = [name] if parts == 1 else [f"{name}#{i}" for i in range(parts)]
         missing += [k for k in keys if k not in loaded]
     if missing:
-        raise ModelLoadError(f"checkpoint {cfg.path} lacks weights: {', '.join(missing[:5])}"
-                             + (" ..." if len(missing) > 5 else ""))
+        raise ModelLoadError(
+            f"checkpoint {cfg.path} lacks weights: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
     model.eval()
     return model
 
@@ -87,13 +96,19 @@ def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
     return {"qkv_proj": [q, kv, kv], "gate_up_proj": [inter, inter]}
 
 
-def _copy_into(param: torch.nn.Parameter, tensor: torch.Tensor, shard: int | None,
-               sizes: dict[str, list[int]], hf_name: str) -> None:
+def _copy_into(
+    param: torch.nn.Parameter,
+    tensor: torch.Tensor,
+    shard: int | None,
+    sizes: dict[str, list[int]],
+    hf_name: str,
+) -> None:
     with torch.no_grad():
         if shard is None:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
-                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             param.copy_(tensor)
             return
         key = "qkv_proj" if "self_attn" in hf_name else "gate_up_proj"
@@ -102,5 +117,6 @@ def _copy_into(param: torch.nn.Parameter, tensor: torch.Tensor, shard: int | Non
         target = param.narrow(0, start, parts[shard])
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(
-                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
         target.copy_(tensor)

@@ -12,14 +12,16 @@ from grpc_tools import protoc
 def main() -> int:
     here = Path(__file__).resolve().parent
     root = here.parent.parent
-    rc = protoc.main([
-        "grpc_tools.protoc",
-        f"-I{root}",
-        f"--python_out={root}",
-        f"--pyi_out={root}",
-        f"--grpc_python_out={root}",
-        str(here / "pdserve.proto"),
-    ])
+    rc = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{root}",
+            f"--python_out={root}",
+            f"--pyi_out={root}",
+            f"--grpc_python_out={root}",
+            str(here / "pdserve.proto"),
+        ]
+    )
     grpc_file = here / "pdserve_pb2_grpc.py"
     text = grpc_file.read_text()
     # grpcio-tools emits "from shared.proto import pdserve_pb2"; keep that (absolute, package-safe).

@@ -39,10 +39,13 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore,
-                 on_step: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None,
-                 idle_wait_s: float = 0.05,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        on_step: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None,
+        idle_wait_s: float = 0.05,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.on_step = on_step
         self.on_fatal = on_fatal
@@ -167,8 +170,9 @@ class EngineLoop:
                 fut.set_exception(EngineDeadError(f"engine loop died: {e!r}"))
         failure = RequestFailure(FailureKind.ENGINE, f"the engine stopped: {type(e).__name__}: {e}")
         rids = set(self._sinks) | {r for b in self._batch_sinks for r in b.queues}
-        dead = [EngineCoreOutput(rid, 0, [], [], finish_reason="error", failure=failure)
-                for rid in rids]
+        dead = [
+            EngineCoreOutput(rid, 0, [], [], finish_reason="error", failure=failure) for rid in rids
+        ]
         for o in dead:  # end every open stream
             sink = self._sinks.get(o.request_id)
             try:

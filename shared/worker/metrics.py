@@ -15,8 +15,31 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shared.engine import EngineStats
 from shared.prom import LoopHistogram
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
-                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class _EngineCollector:
@@ -38,48 +61,92 @@ class _EngineCollector:
             c.add_metric(values, v)
             return c
 
-        yield gauge("num_requests_running", "Sequences running (incl. waiting for remote KV).", s.running)
+        yield gauge(
+            "num_requests_running", "Sequences running (incl. waiting for remote KV).", s.running
+        )
         yield gauge("num_requests_waiting", "Sequences waiting or swapped out.", s.waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv_cache_usage)
-        yield gauge("kv_cache_utilization", "Tokens held / token slots allocated to running requests.",
-                    s.kv_utilization)
+        yield gauge(
+            "kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv_cache_usage
+        )
+        yield gauge(
+            "kv_cache_utilization",
+            "Tokens held / token slots allocated to running requests.",
+            s.kv_utilization,
+        )
         yield gauge("kv_cache_num_blocks", "KV blocks in the pool.", s.num_blocks)
-        yield gauge("kv_cache_free_blocks", "Free KV blocks (incl. cached free blocks).", s.free_blocks)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield gauge(
+            "kv_cache_free_blocks", "Free KV blocks (incl. cached free blocks).", s.free_blocks
+        )
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+        )
         yield counter("num_preemptions", "Preempted sequences.", s.num_preemptions)
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, worker_id: str, model: str,
-                 stats_fn: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, role: str, worker_id: str, model: str, stats_fn: Callable[[], EngineStats]
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker_id": worker_id, "model_name": model}
         self.registry.register(_EngineCollector(stats_fn, labels))
         names = list(labels)
         kw = dict(labelnames=names, registry=self.registry)
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, **kw).labels(**labels)
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Arrival to first token.",
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        ).labels(**labels)
         # observed per token on the gRPC event loop: the lock-free kind
-        self.itl = LoopHistogram("pdserve:inter_token_latency_seconds",
-                                 "Time between output tokens.", labels, LATENCY_BUCKETS,
-                                 self.registry)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=LATENCY_BUCKETS + (160.0, 320.0), **kw).labels(**labels)
-        self.queue = Histogram("pdserve:request_queue_time_seconds", "Arrival to first scheduled.",
-                               buckets=LATENCY_BUCKETS, **kw).labels(**labels)
-        self.requests = Counter("pdserve:request_success", "Finished requests by finish reason.",
-                                labelnames=names + ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.",
-                                     **kw).labels(**labels)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.",
-                                         **kw).labels(**labels)
+        self.itl = LoopHistogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            LATENCY_BUCKETS,
+            self.registry,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=LATENCY_BUCKETS + (160.0, 320.0),
+            **kw,
+        ).labels(**labels)
+        self.queue = Histogram(
+            "pdserve:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        ).labels(**labels)
+        self.requests = Counter(
+            "pdserve:request_success",
+            "Finished requests by finish reason.",
+            labelnames=names + ["finished_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve:prompt_tokens", "Prompt tokens processed.", **kw
+        ).labels(**labels)
+        self.generation_tokens = Counter(
+            "pdserve:generation_tokens", "Tokens generated.", **kw
+        ).labels(**labels)
         self.prefill_fallbacks = Counter(
-            "pdserve:prefill_fallbacks", "Remote prefills that failed and were done locally.",
-            labelnames=names + ["reason"], registry=self.registry)
-        self.paths = Counter("pdserve:decode_prefill_path", "Requests by prefill path.",
-                             labelnames=names + ["path"], registry=self.registry)
+            "pdserve:prefill_fallbacks",
+            "Remote prefills that failed and were done locally.",
+            labelnames=names + ["reason"],
+            registry=self.registry,
+        )
+        self.paths = Counter(
+            "pdserve:decode_prefill_path",
+            "Requests by prefill path.",
+            labelnames=names + ["path"],
+            registry=self.registry,
+        )
         self._labels = labels
 
     def finished(self, reason: str) -> None:

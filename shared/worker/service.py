@@ -47,29 +47,46 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group(f"{role} worker")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC, metrics, KV)")
-    g.add_argument("--advertise-host", default=None,
-                   help="address other processes use to reach this worker (default: --host)")
+    g.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address other processes use to reach this worker (default: --host)",
+    )
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     g.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any)")
     g.add_argument("--kv-port", type=int, default=0, help="UCX listener port (decode role)")
     g.add_argument("--kv-transport", default="ucx", choices=("ucx",))
-    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                   help="seconds a KV transfer may take before it fails (and D prefills locally)")
-    g.add_argument("--no-kv-checksums", dest="kv_checksums", action="store_false",
-                   help="skip per-block xxh3 checksums of transferred KV")
+    g.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a KV transfer may take before it fails (and D prefills locally)",
+    )
+    g.add_argument(
+        "--no-kv-checksums",
+        dest="kv_checksums",
+        action="store_false",
+        help="skip per-block xxh3 checksums of transferred KV",
+    )
     g.add_argument("--redis-url", default=None, help="registry/directory Redis (none: standalone)")
     g.add_argument("--directory-prefix", default="pds:")
     g.add_argument("--worker-id", default=None)
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to finish in-flight requests before exiting")
-    g.add_argument("--ready-file", default=None,
-                   help="write a JSON file with the bound addresses once serving")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish in-flight requests before exiting",
+    )
+    g.add_argument(
+        "--ready-file", default=None, help="write a JSON file with the bound addresses once serving"
+    )
     g.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # The engine thread holds the GIL between torch calls; a shorter switch interval keeps the
     # gRPC and UCX I/O threads from waiting up to 5 ms (CPython's default) for it.
     import sys
@@ -117,9 +134,14 @@ class WorkerRuntime:
 
         mc = self.engine.model_config
         kv = self.engine.runner.kv_cache
-        return KVGeometry(model=self.model_name, dtype=str(kv.dtype).replace("torch.", ""),
-                          block_size=self.engine.block_size, num_layers=mc.num_layers,
-                          num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        return KVGeometry(
+            model=self.model_name,
+            dtype=str(kv.dtype).replace("torch.", ""),
+            block_size=self.engine.block_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        )
 
     # ---- Redis -------------------------------------------------------------------------
     def start_registry(self, grpc_addr: str, ucx_addr: str, metrics_url: str) -> None:
@@ -135,16 +157,24 @@ class WorkerRuntime:
         )
 
         client = connect_sync(self.args.redis_url)
-        info = WorkerInfo(worker_id=self.worker_id, role=self.role, model=self.model_name,
-                          grpc=grpc_addr, block_size=self.engine.block_size,
-                          num_blocks=self.engine.num_blocks, ucx=ucx_addr, metrics=metrics_url,
-                          max_model_len=self.engine.model_config.max_model_len)
+        info = WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.model_name,
+            grpc=grpc_addr,
+            block_size=self.engine.block_size,
+            num_blocks=self.engine.num_blocks,
+            ucx=ucx_addr,
+            metrics=metrics_url,
+            max_model_len=self.engine.model_config.max_model_len,
+        )
         self.lease = WorkerLease(client, info, keys=DirectoryKeys(self.args.directory_prefix))
         self.publisher = KVEventPublisher(client, self.lease)
         self.lease.register(self.load())
         self.lease.start(self.load)
-        self._redis_thread = threading.Thread(target=self._publish_loop, name="kv-events",
-                                              daemon=True)
+        self._redis_thread = threading.Thread(
+            target=self._publish_loop, name="kv-events", daemon=True
+        )
         self._redis_thread.start()
 
     def load(self):
@@ -230,7 +260,9 @@ async def serve_worker(
     runtime.loop.start()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_servicer(server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_servicer = (
+        health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
@@ -240,11 +272,23 @@ async def serve_worker(
     metrics_url = f"http://{advertise(args, metrics_port)}/metrics"
     runtime.start_registry(grpc_addr, ucx_address, metrics_url)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    ready = {"worker_id": runtime.worker_id, "role": runtime.role, "grpc": grpc_addr,
-             "metrics": metrics_url, "kv_capacity": runtime.engine.capacity_line,
-             "num_blocks": runtime.engine.num_blocks, "pid": os.getpid(), **(extra_ready or {})}
-    logger.info("%s worker %s serving gRPC on %s, metrics on %s", runtime.role,
-                runtime.worker_id, grpc_addr, metrics_url)
+    ready = {
+        "worker_id": runtime.worker_id,
+        "role": runtime.role,
+        "grpc": grpc_addr,
+        "metrics": metrics_url,
+        "kv_capacity": runtime.engine.capacity_line,
+        "num_blocks": runtime.engine.num_blocks,
+        "pid": os.getpid(),
+        **(extra_ready or {}),
+    }
+    logger.info(
+        "%s worker %s serving gRPC on %s, metrics on %s",
+        runtime.role,
+        runtime.worker_id,
+        grpc_addr,
+        metrics_url,
+    )
     logger.info(runtime.engine.capacity_line)
     if args.ready_file:
         tmp = Path(args.ready_file + ".tmp")
@@ -267,8 +311,9 @@ async def serve_worker(
     runtime.draining = True
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     if died:
-        logger.critical("engine died (%r): NOT_SERVING, leaving the registry, exiting",
-                        runtime.loop.error)
+        logger.critical(
+            "engine died (%r): NOT_SERVING, leaving the registry, exiting", runtime.loop.error
+        )
         await asyncio.to_thread(runtime.stop_registry)
     else:
         # Drain: stop admitting, leave the registry so routers stop choosing us, finish in flight.
@@ -293,6 +338,7 @@ async def _set_health(servicer, status) -> None:
 
 
 # ---- helpers for both roles -------------------------------------------------------------
+
 
 def unpin_when_terminal(loop: EngineLoop, handle, pin_id: int | None) -> None:
     """Drop the engine pin ``pin_id`` once ``handle`` (a kvtransfer handle, or None when no
@@ -326,6 +372,7 @@ async def wait_transfer(handle, timeout_s: float) -> None:
     """Wait (without blocking the event loop) until a kvtransfer handle is terminal; raise its
     error, or ``TimeoutError`` after ``timeout_s``."""
     if not handle.done:
+
         async def terminal():
             return await handle
 
@@ -338,6 +385,7 @@ async def cancel_transfer(handle) -> None:
     from or written to the pool any more (the kvtransfer contract)."""
     handle.cancel()
     if not handle.done:
+
         async def terminal():
             return await handle
 
@@ -347,8 +395,9 @@ async def cancel_transfer(handle) -> None:
             logger.error("transfer %s did not settle 10 s after cancel", handle.transfer_id)
 
 
-async def worker_stats(rt: WorkerRuntime, request, fallbacks: int = 0,
-                       transfer=None, pending_sends: int = 0):
+async def worker_stats(
+    rt: WorkerRuntime, request, fallbacks: int = 0, transfer=None, pending_sends: int = 0
+):
     from shared.proto import pdserve_pb2 as pb
 
     def collect(e: EngineCore):
@@ -364,10 +413,20 @@ async def worker_stats(rt: WorkerRuntime, request, fallbacks: int = 0,
 
     s, err, used = await asyncio.wrap_future(rt.loop.submit(collect))
     out = pb.WorkerStats(
-        worker_id=rt.worker_id, role=rt.role, num_blocks=s.num_blocks, free_blocks=s.free_blocks,
-        running=s.running, waiting=s.waiting, integrity_ok=not err, integrity_error=err,
-        used_blocks=used, prefill_fallbacks=fallbacks, prefix_cache_queries=s.prefix_cache_queries,
-        prefix_cache_hits=s.prefix_cache_hits, pending_sends=pending_sends)
+        worker_id=rt.worker_id,
+        role=rt.role,
+        num_blocks=s.num_blocks,
+        free_blocks=s.free_blocks,
+        running=s.running,
+        waiting=s.waiting,
+        integrity_ok=not err,
+        integrity_error=err,
+        used_blocks=used,
+        prefill_fallbacks=fallbacks,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        pending_sends=pending_sends,
+    )
     if transfer is not None:  # kvtransfer TransferCounters
         out.kv_transfer_bytes = int(transfer.bytes_total)
         out.kv_transfer_blocks = int(transfer.bytes_total // max(1, rt.engine.runner.block_bytes))

@@ -53,10 +53,24 @@ def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -
     """Raises ``SamplingParamsError`` for out-of-range values (NaN / infinite floats included)."""
     if m.n > MAX_N:  # before anything is built from it
         raise SamplingParamsError(f"n must be an integer in [1, {MAX_N}], got {m.n}", param="n")
-    kw: dict = {"n": m.n or 1, "min_tokens": m.min_tokens, "ignore_eos": m.ignore_eos,
-                "stop_token_ids": list(m.stop_token_ids)}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "seed", "max_tokens", "logprobs"):
+    kw: dict = {
+        "n": m.n or 1,
+        "min_tokens": m.min_tokens,
+        "ignore_eos": m.ignore_eos,
+        "stop_token_ids": list(m.stop_token_ids),
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "max_tokens",
+        "logprobs",
+    ):
         if m.HasField(name):
             kw[name] = getattr(m, name)
     if "max_tokens" not in kw:
@@ -85,12 +99,19 @@ def resume_from_proto(resume: Sequence[pb.ResumeTokens], n: int) -> list[list[in
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
-    m = pb.SamplingParams(n=p.n, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
-                          stop_token_ids=p.stop_token_ids, temperature=p.temperature,
-                          top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                          repetition_penalty=p.repetition_penalty,
-                          presence_penalty=p.presence_penalty,
-                          frequency_penalty=p.frequency_penalty)
+    m = pb.SamplingParams(
+        n=p.n,
+        min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos,
+        stop_token_ids=p.stop_token_ids,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+    )
     if p.seed is not None:
         m.seed = p.seed
     if p.max_tokens is not None:
@@ -101,8 +122,11 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
 
 
 def logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(logprob=lp.logprob, rank=lp.rank,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    return pb.TokenLogprob(
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 def logprob_from_proto(m: pb.TokenLogprob) -> Logprob:
@@ -110,4 +134,6 @@ def logprob_from_proto(m: pb.TokenLogprob) -> Logprob:
 
 
 def first_token_from_proto(m: pb.FirstToken) -> SampledToken:
-    return SampledToken(m.token_id, logprob_from_proto(m.logprob) if m.HasField("logprob") else None)
+    return SampledToken(
+        m.token_id, logprob_from_proto(m.logprob) if m.HasField("logprob") else None
+    )

@@ -35,15 +35,31 @@ class Clock:
         return self.t
 
 
-def record(path: str = "disagg", e2e: float = 0.05, timings: PhaseTimings | None = None,
-           rid: str = "r", prompt: int = 200) -> RequestRecord:
-    return RequestRecord(request_id=rid, finished_at=time.time(), path=path, decode_worker="decode-0",
-                         prefill_worker="prefill-0" if path != "local" else "", prompt_tokens=prompt,
-                         completion_tokens=16, cached_tokens=0, ttft_s=0.01, e2e_s=e2e, attempts=1,
-                         timings=timings)
+def record(
+    path: str = "disagg",
+    e2e: float = 0.05,
+    timings: PhaseTimings | None = None,
+    rid: str = "r",
+    prompt: int = 200,
+) -> RequestRecord:
+    return RequestRecord(
+        request_id=rid,
+        finished_at=time.time(),
+        path=path,
+        decode_worker="decode-0",
+        prefill_worker="prefill-0" if path != "local" else "",
+        prompt_tokens=prompt,
+        completion_tokens=16,
+        cached_tokens=0,
+        ttft_s=0.01,
+        e2e_s=e2e,
+        attempts=1,
+        timings=timings,
+    )
 
 
 # ---- sliding windows --------------------------------------------------------------------------
+
 
 def test_request_and_token_rates_follow_a_steady_load():
     clock = Clock(1000.0)
@@ -132,11 +148,19 @@ def test_ring_buffer_keeps_the_last_requests():
 
 # ---- phase breakdown ----------------------------------------------------------------------------
 
+
 def test_disaggregated_phases_add_up_and_do_not_double_count_the_overlap():
     # numbers as a decode worker reported them: queue_s is stamped when the KV arrived, and
     # transfer_s (Prefill call -> last block) contains P's compute
-    t = PhaseTimings(queue_s=0.0067, prefill_s=0.0031, transfer_s=0.0061, transfer_bytes=16384,
-                     blocks_transferred=1, first_token_s=0.0085, decode_s=0.0238)
+    t = PhaseTimings(
+        queue_s=0.0067,
+        prefill_s=0.0031,
+        transfer_s=0.0061,
+        transfer_bytes=16384,
+        blocks_transferred=1,
+        first_token_s=0.0085,
+        decode_s=0.0238,
+    )
     r = record("disagg", e2e=0.0346, timings=t)
     ph = dict(r.phases())
     assert list(ph) == ["router", "queue", "prefill", "transfer", "handoff", "decode"]
@@ -166,37 +190,79 @@ def test_local_and_missing_timings_phases():
 
 # ---- worker scraping and aggregation -----------------------------------------------------------
 
-def worker_text(role: str, wid: str, *, running=0, waiting=0, usage=0.0, blocks=100, free=100,
-                queries=0, hits=0, preempt=0, sent=0, received=0, failures=0, fallbacks=0) -> str:
+
+def worker_text(
+    role: str,
+    wid: str,
+    *,
+    running=0,
+    waiting=0,
+    usage=0.0,
+    blocks=100,
+    free=100,
+    queries=0,
+    hits=0,
+    preempt=0,
+    sent=0,
+    received=0,
+    failures=0,
+    fallbacks=0,
+) -> str:
     lab = f'model_name="m",role="{role}",worker_id="{wid}"'
-    return "\n".join([
-        "# TYPE pdserve:num_requests_running gauge", f"pdserve:num_requests_running{{{lab}}} {running}",
-        "# TYPE pdserve:num_requests_waiting gauge", f"pdserve:num_requests_waiting{{{lab}}} {waiting}",
-        "# TYPE pdserve:kv_cache_usage_perc gauge", f"pdserve:kv_cache_usage_perc{{{lab}}} {usage}",
-        "# TYPE pdserve:kv_cache_utilization gauge", f"pdserve:kv_cache_utilization{{{lab}}} 0.5",
-        "# TYPE pdserve:kv_cache_num_blocks gauge", f"pdserve:kv_cache_num_blocks{{{lab}}} {blocks}",
-        "# TYPE pdserve:kv_cache_free_blocks gauge", f"pdserve:kv_cache_free_blocks{{{lab}}} {free}",
-        "# TYPE pdserve:prefix_cache_queries counter", f"pdserve:prefix_cache_queries_total{{{lab}}} {queries}",
-        "# TYPE pdserve:prefix_cache_hits counter", f"pdserve:prefix_cache_hits_total{{{lab}}} {hits}",
-        "# TYPE pdserve:num_preemptions counter", f"pdserve:num_preemptions_total{{{lab}}} {preempt}",
-        "# TYPE pdserve:kv_transfer_bytes counter",
-        f'pdserve:kv_transfer_bytes_total{{direction="send"}} {sent}',
-        f'pdserve:kv_transfer_bytes_total{{direction="recv"}} {received}',
-        "# TYPE pdserve:kv_transfer_failures counter",
-        f'pdserve:kv_transfer_failures_total{{direction="recv",reason="timeout"}} {failures}',
-        "# TYPE pdserve:prefill_fallbacks counter",
-        f'pdserve:prefill_fallbacks_total{{{lab},reason="timeout"}} {fallbacks}',
-        "# TYPE pdserve:time_to_first_token_seconds histogram",
-        f'pdserve:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}} 3',
-        f"pdserve:time_to_first_token_seconds_count{{{lab}}} 3",
-        f"pdserve:time_to_first_token_seconds_sum{{{lab}}} 0.3", ""])
+    return "\n".join(
+        [
+            "# TYPE pdserve:num_requests_running gauge",
+            f"pdserve:num_requests_running{{{lab}}} {running}",
+            "# TYPE pdserve:num_requests_waiting gauge",
+            f"pdserve:num_requests_waiting{{{lab}}} {waiting}",
+            "# TYPE pdserve:kv_cache_usage_perc gauge",
+            f"pdserve:kv_cache_usage_perc{{{lab}}} {usage}",
+            "# TYPE pdserve:kv_cache_utilization gauge",
+            f"pdserve:kv_cache_utilization{{{lab}}} 0.5",
+            "# TYPE pdserve:kv_cache_num_blocks gauge",
+            f"pdserve:kv_cache_num_blocks{{{lab}}} {blocks}",
+            "# TYPE pdserve:kv_cache_free_blocks gauge",
+            f"pdserve:kv_cache_free_blocks{{{lab}}} {free}",
+            "# TYPE pdserve:prefix_cache_queries counter",
+            f"pdserve:prefix_cache_queries_total{{{lab}}} {queries}",
+            "# TYPE pdserve:prefix_cache_hits counter",
+            f"pdserve:prefix_cache_hits_total{{{lab}}} {hits}",
+            "# TYPE pdserve:num_preemptions counter",
+            f"pdserve:num_preemptions_total{{{lab}}} {preempt}",
+            "# TYPE pdserve:kv_transfer_bytes counter",
+            f'pdserve:kv_transfer_bytes_total{{direction="send"}} {sent}',
+            f'pdserve:kv_transfer_bytes_total{{direction="recv"}} {received}',
+            "# TYPE pdserve:kv_transfer_failures counter",
+            f'pdserve:kv_transfer_failures_total{{direction="recv",reason="timeout"}} {failures}',
+            "# TYPE pdserve:prefill_fallbacks counter",
+            f'pdserve:prefill_fallbacks_total{{{lab},reason="timeout"}} {fallbacks}',
+            "# TYPE pdserve:time_to_first_token_seconds histogram",
+            f'pdserve:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}} 3',
+            f"pdserve:time_to_first_token_seconds_count{{{lab}}} 3",
+            f"pdserve:time_to_first_token_seconds_sum{{{lab}}} 0.3",
+            "",
+        ]
+    )
 
 
-def rec(wid: str, role: str, port: int, num_blocks: int = 100, free: int = 100,
-        metrics: str | None = None) -> WorkerRecord:
+def rec(
+    wid: str,
+    role: str,
+    port: int,
+    num_blocks: int = 100,
+    free: int = 100,
+    metrics: str | None = None,
+) -> WorkerRecord:
     url = f"http://127.0.0.1:{port}/metrics" if metrics is None else metrics
-    info = WorkerInfo(worker_id=wid, role=role, model="m", grpc=f"127.0.0.1:{port + 1000}",
-                      block_size=16, num_blocks=num_blocks, metrics=url)
+    info = WorkerInfo(
+        worker_id=wid,
+        role=role,
+        model="m",
+        grpc=f"127.0.0.1:{port + 1000}",
+        block_size=16,
+        num_blocks=num_blocks,
+        metrics=url,
+    )
     return WorkerRecord(info, WorkerLoad(free, 1, 2), "g1", 1)
 
 
@@ -247,13 +313,22 @@ class Workers:
 
 def make_dashboard(records, workers: Workers, clock: Clock, registry=None) -> Dashboard:
     client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
-    return Dashboard(FakePool(records), registry or RouterMetrics("m").registry,
-                     LiveStats(clock=clock), "m", client=client, scrape_timeout_s=0.3,
-                     cache_s=1.0, clock=clock)
+    return Dashboard(
+        FakePool(records),
+        registry or RouterMetrics("m").registry,
+        LiveStats(clock=clock),
+        "m",
+        client=client,
+        scrape_timeout_s=0.3,
+        cache_s=1.0,
+        clock=clock,
+    )
 
 
 def test_parse_sums_label_sets_and_ignores_other_series():
-    got = parse_worker_metrics(worker_text("decode", "d", sent=5, received=7, failures=2, queries=9))
+    got = parse_worker_metrics(
+        worker_text("decode", "d", sent=5, received=7, failures=2, queries=9)
+    )
     assert got["transfer_bytes"] == 12 and got["transfer_failures"] == 2
     assert got["prefix_queries"] == 9 and "time_to_first_token_seconds" not in str(got)
 
@@ -261,9 +336,11 @@ def test_parse_sums_label_sets_and_ignores_other_series():
 def test_rates_windowed_hit_rate_and_pool_totals():
     clock = Clock(100.0)
     w = Workers()
-    recs = [rec("prefill-0", ROLE_PREFILL, 9001, num_blocks=300, free=250),
-            rec("decode-0", ROLE_DECODE, 9002, num_blocks=100, free=40),
-            rec("decode-1", ROLE_DECODE, 9003, num_blocks=300, free=300)]
+    recs = [
+        rec("prefill-0", ROLE_PREFILL, 9001, num_blocks=300, free=250),
+        rec("decode-0", ROLE_DECODE, 9002, num_blocks=100, free=40),
+        rec("decode-1", ROLE_DECODE, 9003, num_blocks=300, free=300),
+    ]
     w.texts[9001] = worker_text("prefill", "prefill-0", blocks=300, queries=1000, hits=1000, sent=0)
     w.texts[9002] = worker_text("decode", "decode-0", blocks=100, usage=0.5, queries=500, hits=0)
     w.texts[9003] = worker_text("decode", "decode-1", blocks=300, usage=0.1)
@@ -283,10 +360,27 @@ def test_rates_windowed_hit_rate_and_pool_totals():
         await dash.data()
         assert w.calls == 3  # cached for cache_s: nothing scraped again
         clock.t += 1.5  # 2 s after the first scrape
-        w.texts[9001] = worker_text("prefill", "prefill-0", blocks=300, queries=2000, hits=1500,
-                                    sent=2_000_000_000, running=2)
-        w.texts[9002] = worker_text("decode", "decode-0", blocks=100, usage=0.5, queries=1500,
-                                    hits=250, received=2_000_000_000, preempt=3, running=4, waiting=1)
+        w.texts[9001] = worker_text(
+            "prefill",
+            "prefill-0",
+            blocks=300,
+            queries=2000,
+            hits=1500,
+            sent=2_000_000_000,
+            running=2,
+        )
+        w.texts[9002] = worker_text(
+            "decode",
+            "decode-0",
+            blocks=100,
+            usage=0.5,
+            queries=1500,
+            hits=250,
+            received=2_000_000_000,
+            preempt=3,
+            running=4,
+            waiting=1,
+        )
         d = await dash.data()
         assert w.calls == 6
         await dash.close()
@@ -317,9 +411,14 @@ def test_rates_windowed_hit_rate_and_pool_totals():
 def test_failing_workers_are_reported_and_do_not_hold_up_the_others():
     clock = Clock(100.0)
     w = Workers()
-    recs = [rec("decode-0", ROLE_DECODE, 9002), rec("decode-1", ROLE_DECODE, 9003),
-            rec("decode-2", ROLE_DECODE, 9004), rec("decode-3", ROLE_DECODE, 9005),
-            rec("decode-4", ROLE_DECODE, 9006), rec("decode-5", ROLE_DECODE, 9007, metrics="")]
+    recs = [
+        rec("decode-0", ROLE_DECODE, 9002),
+        rec("decode-1", ROLE_DECODE, 9003),
+        rec("decode-2", ROLE_DECODE, 9004),
+        rec("decode-3", ROLE_DECODE, 9005),
+        rec("decode-4", ROLE_DECODE, 9006),
+        rec("decode-5", ROLE_DECODE, 9007, metrics=""),
+    ]
     w.texts[9002] = worker_text("decode", "decode-0", running=1)
     w.broken.update({9003: "500", 9004: "refused", 9005: "hang", 9006: "garbage"})
     dash = make_dashboard(recs, w, clock)
@@ -369,7 +468,9 @@ def test_worker_that_left_the_registry_is_forgotten():
     clock = Clock(100.0)
     w = Workers()
     recs = [rec("decode-0", ROLE_DECODE, 9002), rec("decode-1", ROLE_DECODE, 9003)]
-    w.texts.update({9002: worker_text("decode", "decode-0"), 9003: worker_text("decode", "decode-1")})
+    w.texts.update(
+        {9002: worker_text("decode", "decode-0"), 9003: worker_text("decode", "decode-1")}
+    )
     dash = make_dashboard(recs, w, clock)
 
     async def run():
@@ -398,6 +499,7 @@ def test_cooling_worker_and_registry_error_are_shown():
 
 # ---- routes -----------------------------------------------------------------------------------
 
+
 def test_routes_serve_a_self_contained_page_and_the_json():
     clock = Clock(100.0)
     w = Workers()
@@ -414,7 +516,9 @@ def test_routes_serve_a_self_contained_page_and_the_json():
         assert "<script>" in html and "<style>" in html
         # nothing is loaded from elsewhere: no src/href to a URL, no external script or sheet
         assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.IGNORECASE)
-        assert not re.search(r"<script[^>]+src|<link[^>]+stylesheet|@import|url\(", html, re.IGNORECASE)
+        assert not re.search(
+            r"<script[^>]+src|<link[^>]+stylesheet|@import|url\(", html, re.IGNORECASE
+        )
         data = client.get("/dashboard/data")
         assert data.status_code == 200 and data.headers["cache-control"] == "no-store"
         body = data.json()

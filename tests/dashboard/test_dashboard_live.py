@@ -28,9 +28,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("dash"),
-                     "--router-arg=--local-prefill-threshold=0", "--served-model-name=tiny-llama",
-                     prefill=1, decode=1)
+    c = make_cluster(
+        tiny_llama,
+        tmp_path_factory.mktemp("dash"),
+        "--router-arg=--local-prefill-threshold=0",
+        "--served-model-name=tiny-llama",
+        prefill=1,
+        decode=1,
+    )
     try:
         url = c.start()
         yield c, url
@@ -47,8 +52,9 @@ class Load:
         self.done = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)
+        ]
 
     def _run(self, seed: int) -> None:
         rng = random.Random(seed)
@@ -57,9 +63,16 @@ class Load:
             while not self._stop.is_set():
                 prompt = shared + [rng.randrange(5, 2000) for _ in range(72)]
                 try:
-                    r = client.post("/v1/completions", json={
-                        "model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
-                        "temperature": 0, "ignore_eos": True})
+                    r = client.post(
+                        "/v1/completions",
+                        json={
+                            "model": self.model,
+                            "prompt": prompt,
+                            "max_tokens": self.max_tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    )
                     r.raise_for_status()
                     self.done += 1
                 except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -119,10 +132,19 @@ def _driver(profile: Path):
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-                 "--window-size=1440,1640", "--hide-scrollbars"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1440,1640",
+        "--hide-scrollbars",
+    ):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
@@ -155,13 +177,15 @@ def _rows(driver, selector: str) -> list[dict]:
 
 def _text(driver, element_id: str) -> str:
     return driver.execute_script(
-        "const e = document.getElementById(arguments[0]); return e ? e.innerText : '';",
-        element_id)
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : '';", element_id
+    )
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
-                    reason=f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)")
+@pytest.mark.skipif(
+    not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
+    reason=f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)",
+)
 def test_dashboard_page_shows_workers_and_live_load(cluster, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -182,17 +206,25 @@ def test_dashboard_page_shows_workers_and_live_load(cluster, tmp_path):
             wait.until(lambda d: _number(_text(d, "kpi-req-rate")) > 0)
             wait.until(lambda d: _text(d, "kpi-ttft") not in ("", "–", "– / –"))
             # a phase-breakdown row of a disaggregated request, with prefill and KV transfer
-            row = wait.until(lambda d: [
-                r for r in _rows(d, '#recent tr[data-path="disagg"]')
-                if float(r["attrs"].get("data-prefill-s") or 0) > 0
-                and float(r["attrs"].get("data-transfer-s") or 0) > 0])[0]
+            row = wait.until(
+                lambda d: [
+                    r
+                    for r in _rows(d, '#recent tr[data-path="disagg"]')
+                    if float(r["attrs"].get("data-prefill-s") or 0) > 0
+                    and float(r["attrs"].get("data-transfer-s") or 0) > 0
+                ]
+            )[0]
             assert "prefill-0 → decode-0" in row["text"]
             assert "prefill" in row["text"] and "KV" in row["text"] and "blocks" in row["text"]
             assert len(row["bars"]) >= 3 and all(w >= 0 for w in row["bars"])
             # worker figures scraped from the workers' /metrics: KV moved from P to D
-            wait.until(lambda d: any(
-                "/s" in r["cells"][11] for r in _rows(d, '#workers tr[data-worker-id="decode-0"]')
-                if len(r["cells"]) > 11))
+            wait.until(
+                lambda d: any(
+                    "/s" in r["cells"][11]
+                    for r in _rows(d, '#workers tr[data-worker-id="decode-0"]')
+                    if len(r["cells"]) > 11
+                )
+            )
             # let the charts gather a few seconds of history, then take the screenshot
             time.sleep(12)
             assert load.error is None, load.error

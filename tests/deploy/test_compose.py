@@ -37,12 +37,14 @@ CORE = {"redis", "model-init", "router"}
 
 # ---- running docker-compose ----------------------------------------------------------------
 
+
 def _compose_command() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True,
-                               timeout=30, check=False)
+        probe = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, timeout=30, check=False
+        )
         if probe.returncode == 0:
             return ["docker", "compose"]
     return None
@@ -56,17 +58,29 @@ def _interpolated_variables() -> set[str]:
 def _render(profiles: tuple[str, ...], env_items: tuple[tuple[str, str], ...] = ()) -> dict:
     cmd = _compose_command()
     if cmd is None:
-        pytest.skip("neither docker-compose nor `docker compose` is installed "
-                    "(scripts/setup.sh --test installs docker-compose)")
+        pytest.skip(
+            "neither docker-compose nor `docker compose` is installed "
+            "(scripts/setup.sh --test installs docker-compose)"
+        )
     # The file's defaults, not whatever the calling shell exports, unless a test sets a value.
-    env = {k: v for k, v in os.environ.items()
-           if k not in _interpolated_variables() and not k.startswith("COMPOSE_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _interpolated_variables() and not k.startswith("COMPOSE_")
+    }
     env.update(dict(env_items))
     argv = [*cmd, "-f", str(COMPOSE_FILE)]
     for p in profiles:
         argv += ["--profile", p]
-    proc = subprocess.run([*argv, "config"], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120, check=False)
+    proc = subprocess.run(
+        [*argv, "config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, f"{' '.join(argv)} config failed:\n{proc.stderr}"
     return yaml.safe_load(proc.stdout)
 
@@ -74,8 +88,11 @@ def _render(profiles: tuple[str, ...], env_items: tuple[tuple[str, str], ...] = 
 def active_services(profiles: tuple[str, ...], **env: str) -> dict[str, dict]:
     """Services `up` would start with these profiles (Compose v1's `config` lists them all)."""
     services = _render(profiles, tuple(sorted(env.items())))["services"]
-    return {name: svc for name, svc in services.items()
-            if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+    return {
+        name: svc
+        for name, svc in services.items()
+        if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)
+    }
 
 
 def published_ports(svc: dict) -> list[tuple[str, str, str]]:
@@ -149,8 +166,9 @@ def test_each_profile_renders_the_expected_services(profiles):
 @pytest.mark.parametrize("profiles", [(), ("cpu",), ("gpu",)], ids=["default", "cpu", "gpu"])
 def test_router_is_the_only_published_port(profiles):
     services = active_services(profiles)
-    published = {name: published_ports(svc) for name, svc in services.items()
-                 if published_ports(svc)}
+    published = {
+        name: published_ports(svc) for name, svc in services.items() if published_ports(svc)
+    }
     assert set(published) == {"router"}
     [(_, host_port, target)] = published["router"]
     assert host_port == "8000"
@@ -238,8 +256,11 @@ def test_default_model_is_the_generated_tiny_model_in_a_named_volume():
 
 
 def test_a_real_model_directory_reaches_every_service():
-    env = {"MODELS_DIR": "/srv/models", "MODEL": "/models/Qwen2.5-0.5B-Instruct",
-           "SERVED_MODEL_NAME": "qwen2.5-0.5b"}
+    env = {
+        "MODELS_DIR": "/srv/models",
+        "MODEL": "/models/Qwen2.5-0.5B-Instruct",
+        "SERVED_MODEL_NAME": "qwen2.5-0.5b",
+    }
     services = active_services(("cpu", "gpu"), **env)
     assert services["model-init"]["environment"]["MODEL"] == env["MODEL"]
     for name in ("model-init", "router", *WORKERS):
@@ -259,6 +280,7 @@ def test_every_build_arg_is_declared_in_the_dockerfile():
 
 
 # ---- Prometheus -------------------------------------------------------------------------------
+
 
 def _prometheus() -> dict:
     return yaml.safe_load(PROMETHEUS_CONFIG.read_text())
@@ -291,32 +313,49 @@ def test_prometheus_targets_match_the_compose_services():
     host, port = jobs["router"]["static_configs"][0]["targets"][0].split(":")
     assert host == "router" and port == flag(command(services["router"]), "--port")
     assert mounts(services["prometheus"])["/etc/prometheus/prometheus.yml"].endswith(
-        "deploy/prometheus/prometheus.yml")
+        "deploy/prometheus/prometheus.yml"
+    )
 
 
 def test_promtool_accepts_the_config():
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
-    version = subprocess.run([promtool, "--version"], capture_output=True, text=True,
-                             check=False).stdout
+    version = subprocess.run(
+        [promtool, "--version"], capture_output=True, text=True, check=False
+    ).stdout
     found = re.search(r"version (\d+)\.(\d+)", version)
     if found and (int(found[1]), int(found[2])) < (2, 49):
         pytest.skip(f"promtool {found[1]}.{found[2]} predates scrape_protocols (2.49)")
-    proc = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [promtool, "check", "config", str(PROMETHEUS_CONFIG)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 # ---- metric names the code exports -------------------------------------------------------------
 
-_METRIC_TYPES = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram",
-                 "Summary": "summary", "CounterMetricFamily": "counter",
-                 "GaugeMetricFamily": "gauge", "HistogramMetricFamily": "histogram",
-                 # shared/prom.py's lock-free histogram: same exposition as Histogram's
-                 "LoopHistogram": "histogram"}
-_SERIES_SUFFIXES = {"counter": ("_total",), "gauge": ("",),
-                    "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
+_METRIC_TYPES = {
+    "Counter": "counter",
+    "Gauge": "gauge",
+    "Histogram": "histogram",
+    "Summary": "summary",
+    "CounterMetricFamily": "counter",
+    "GaugeMetricFamily": "gauge",
+    "HistogramMetricFamily": "histogram",
+    # shared/prom.py's lock-free histogram: same exposition as Histogram's
+    "LoopHistogram": "histogram",
+}
+_SERIES_SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+}
 
 
 def _callee(call: ast.Call) -> str | None:
@@ -339,11 +378,14 @@ def _family_helpers(tree: ast.AST) -> dict[str, tuple[str, str]]:
             if not (isinstance(call, ast.Call) and _callee(call) in _METRIC_TYPES and call.args):
                 continue
             name = call.args[0]
-            if (isinstance(name, ast.JoinedStr) and len(name.values) == 2
-                    and isinstance(name.values[0], ast.Constant)
-                    and isinstance(name.values[1], ast.FormattedValue)
-                    and isinstance(name.values[1].value, ast.Name)
-                    and name.values[1].value.id == param):
+            if (
+                isinstance(name, ast.JoinedStr)
+                and len(name.values) == 2
+                and isinstance(name.values[0], ast.Constant)
+                and isinstance(name.values[1], ast.FormattedValue)
+                and isinstance(name.values[1].value, ast.Name)
+                and name.values[1].value.id == param
+            ):
                 helpers[fn.name] = (name.values[0].value, _METRIC_TYPES[_callee(call)])
     return helpers
 
@@ -358,9 +400,12 @@ def exported_series() -> dict[str, str]:
             tree = ast.parse(path.read_text(), filename=str(path))
             helpers = _family_helpers(tree)
             for call in ast.walk(tree):
-                if not (isinstance(call, ast.Call) and call.args
-                        and isinstance(call.args[0], ast.Constant)
-                        and isinstance(call.args[0].value, str)):
+                if not (
+                    isinstance(call, ast.Call)
+                    and call.args
+                    and isinstance(call.args[0], ast.Constant)
+                    and isinstance(call.args[0].value, str)
+                ):
                     continue
                 callee, name = _callee(call), call.args[0].value
                 if callee in _METRIC_TYPES and name.startswith("pdserve:"):
@@ -376,8 +421,21 @@ def exported_series() -> dict[str, str]:
     return series
 
 
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-                 "unless", "bool", "offset", "inf", "nan"}
+_PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -389,29 +447,37 @@ def promql_metric_names(expr: str) -> set[str]:
     s = re.sub(r"(?<![\w:])\d+(?:\.\d+)?(?:[eE][+-]?\d+)?", " ", s)
     names = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
-        if s[m.end():].lstrip().startswith("(") or m.group(0).lower() in _PROMQL_WORDS:
+        if s[m.end() :].lstrip().startswith("(") or m.group(0).lower() in _PROMQL_WORDS:
             continue
         names.add(m.group(0))
     return names
 
 
 def test_promql_name_extraction():
-    expr = ('histogram_quantile(0.99, sum by (le, role) (rate(pdserve:ttft_bucket{role="a b",'
-            'job!="x"}[$__rate_interval]))) / 1e9 + sum(pdserve:x) or vector(0)')
+    expr = (
+        'histogram_quantile(0.99, sum by (le, role) (rate(pdserve:ttft_bucket{role="a b",'
+        'job!="x"}[$__rate_interval]))) / 1e9 + sum(pdserve:x) or vector(0)'
+    )
     assert promql_metric_names(expr) == {"pdserve:ttft_bucket", "pdserve:x"}
 
 
 def test_exported_series_cover_the_documented_metrics():
     series = exported_series()
-    for name in ("pdserve:num_requests_running", "pdserve:kv_cache_usage_perc",
-                 "pdserve:prefix_cache_hits_total", "pdserve:time_to_first_token_seconds_bucket",
-                 "pdserve:kv_transfer_bytes_total", "pdserve:router_requests_total",
-                 "pdserve:prefill_fallbacks_total"):
+    for name in (
+        "pdserve:num_requests_running",
+        "pdserve:kv_cache_usage_perc",
+        "pdserve:prefix_cache_hits_total",
+        "pdserve:time_to_first_token_seconds_bucket",
+        "pdserve:kv_transfer_bytes_total",
+        "pdserve:router_requests_total",
+        "pdserve:prefill_fallbacks_total",
+    ):
         assert name in series, name
     assert "pdserve:num_requests_running_total" not in series  # a gauge has no _total
 
 
 # ---- Grafana --------------------------------------------------------------------------------
+
 
 def _dashboard_targets() -> list[tuple[str, str]]:
     dash = json.loads(DASHBOARD.read_text())
@@ -435,12 +501,20 @@ def test_dashboard_queries_only_metrics_the_code_exports():
 
 def test_dashboard_covers_the_serving_signals():
     used = {name for _, expr in _dashboard_targets() for name in promql_metric_names(expr)}
-    for name in ("pdserve:router_requests_total", "pdserve:time_to_first_token_seconds_bucket",
-                 "pdserve:inter_token_latency_seconds_bucket", "pdserve:kv_cache_usage_perc",
-                 "pdserve:prefix_cache_hits_total", "pdserve:prefix_cache_queries_total",
-                 "pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_failures_total",
-                 "pdserve:prefill_fallbacks_total", "pdserve:num_preemptions_total",
-                 "pdserve:num_requests_running", "pdserve:num_requests_waiting"):
+    for name in (
+        "pdserve:router_requests_total",
+        "pdserve:time_to_first_token_seconds_bucket",
+        "pdserve:inter_token_latency_seconds_bucket",
+        "pdserve:kv_cache_usage_perc",
+        "pdserve:prefix_cache_hits_total",
+        "pdserve:prefix_cache_queries_total",
+        "pdserve:kv_transfer_bytes_total",
+        "pdserve:kv_transfer_failures_total",
+        "pdserve:prefill_fallbacks_total",
+        "pdserve:num_preemptions_total",
+        "pdserve:num_requests_running",
+        "pdserve:num_requests_waiting",
+    ):
         assert name in used, name
 
 
@@ -471,6 +545,7 @@ def test_grafana_provisioning_matches_the_compose_mounts():
 
 
 # ---- docs -------------------------------------------------------------------------------------
+
 
 def test_every_compose_setting_is_documented():
     doc = (ROOT / "docs" / "deploy.md").read_text()

@@ -32,8 +32,11 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="the script
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PDSERVE_", "UCX_", "CUDA_VISIBLE", "MODEL"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PDSERVE_", "UCX_", "CUDA_VISIBLE", "MODEL"))
+    }
     env["PATH"] = f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PDSERVE_ENTRYPOINT_DRY_RUN"] = "1"
     env.update(extra)
@@ -42,8 +45,14 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def dry_run(tmp_path: Path, *args: str, **env: str) -> tuple[list[str], str]:
     """(argv the entrypoint would exec, CUDA_VISIBLE_DEVICES it chose)."""
-    proc = subprocess.run([str(ENTRYPOINT), *args], capture_output=True, text=True,
-                          env=_env(tmp_path, **env), timeout=60, check=False)
+    proc = subprocess.run(
+        [str(ENTRYPOINT), *args],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, **env),
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("CUDA_VISIBLE_DEVICES=")
@@ -63,46 +72,94 @@ def fake_nvidia_smi(tmp_path: Path, gpus: list[str]) -> None:
 
 # ---- entrypoint -------------------------------------------------------------------------------
 
+
 def test_workers_advertise_their_own_address(tmp_path):
     for role in ("prefill", "decode"):
-        argv, _ = dry_run(tmp_path, role, "--model", "/models/m", "--port", "50061",
-                          PDSERVE_ADVERTISE_HOST="172.18.0.7")
-        assert argv == ["pdserve", role, "--model", "/models/m", "--port", "50061",
-                        "--advertise-host", "172.18.0.7"]
+        argv, _ = dry_run(
+            tmp_path,
+            role,
+            "--model",
+            "/models/m",
+            "--port",
+            "50061",
+            PDSERVE_ADVERTISE_HOST="172.18.0.7",
+        )
+        assert argv == [
+            "pdserve",
+            role,
+            "--model",
+            "/models/m",
+            "--port",
+            "50061",
+            "--advertise-host",
+            "172.18.0.7",
+        ]
 
 
 def test_an_explicit_advertise_host_is_kept(tmp_path):
     for given in (["--advertise-host", "10.0.0.5"], ["--advertise-host=10.0.0.5"]):
-        argv, _ = dry_run(tmp_path, "decode", "--model", "m", *given,
-                          PDSERVE_ADVERTISE_HOST="172.18.0.7")
+        argv, _ = dry_run(
+            tmp_path, "decode", "--model", "m", *given, PDSERVE_ADVERTISE_HOST="172.18.0.7"
+        )
         assert argv == ["pdserve", "decode", "--model", "m", *given]
 
 
 def test_a_loopback_address_is_refused(tmp_path):
-    proc = subprocess.run([str(ENTRYPOINT), "prefill", "--model", "m"], capture_output=True,
-                          text=True, env=_env(tmp_path, PDSERVE_ADVERTISE_HOST="127.0.0.1"),
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [str(ENTRYPOINT), "prefill", "--model", "m"],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, PDSERVE_ADVERTISE_HOST="127.0.0.1"),
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 1
     assert "PDSERVE_ADVERTISE_HOST" in proc.stderr
 
 
 def test_an_empty_served_model_name_becomes_the_model_directory_name(tmp_path):
-    argv, _ = dry_run(tmp_path, "router", "--model", "/models/Qwen2.5-7B-Instruct/",
-                      "--served-model-name", "", "--port", "8000")
-    assert argv == ["pdserve", "router", "--model", "/models/Qwen2.5-7B-Instruct/",
-                    "--served-model-name", "Qwen2.5-7B-Instruct", "--port", "8000"]
-    argv, _ = dry_run(tmp_path, "decode", "--model=/models/tiny-llama", "--served-model-name=",
-                      PDSERVE_ADVERTISE_HOST="172.18.0.7")
-    assert argv[:4] == ["pdserve", "decode", "--model=/models/tiny-llama",
-                        "--served-model-name=tiny-llama"]
+    argv, _ = dry_run(
+        tmp_path,
+        "router",
+        "--model",
+        "/models/Qwen2.5-7B-Instruct/",
+        "--served-model-name",
+        "",
+        "--port",
+        "8000",
+    )
+    assert argv == [
+        "pdserve",
+        "router",
+        "--model",
+        "/models/Qwen2.5-7B-Instruct/",
+        "--served-model-name",
+        "Qwen2.5-7B-Instruct",
+        "--port",
+        "8000",
+    ]
+    argv, _ = dry_run(
+        tmp_path,
+        "decode",
+        "--model=/models/tiny-llama",
+        "--served-model-name=",
+        PDSERVE_ADVERTISE_HOST="172.18.0.7",
+    )
+    assert argv[:4] == [
+        "pdserve",
+        "decode",
+        "--model=/models/tiny-llama",
+        "--served-model-name=tiny-llama",
+    ]
     argv, _ = dry_run(tmp_path, "router", "--model", "/models/m", "--served-model-name", "mine")
     assert argv == ["pdserve", "router", "--model", "/models/m", "--served-model-name", "mine"]
 
 
 def test_extra_args_are_appended_word_by_word_without_globbing(tmp_path):
     (tmp_path / "x.txt").write_text("")
-    argv, _ = dry_run(tmp_path, "router", "--model", "m",
-                      PDSERVE_EXTRA_ARGS="  --max-retries 3 --api-key * ")
+    argv, _ = dry_run(
+        tmp_path, "router", "--model", "m", PDSERVE_EXTRA_ARGS="  --max-retries 3 --api-key * "
+    )
     assert argv == ["pdserve", "router", "--model", "m", "--max-retries", "3", "--api-key", "*"]
 
 
@@ -113,15 +170,26 @@ def test_the_router_gets_no_advertise_host(tmp_path):
 
 
 def test_other_commands_run_as_given(tmp_path):
-    proc = subprocess.run([str(ENTRYPOINT), "echo", "hello"], capture_output=True, text=True,
-                          env=_env(tmp_path), timeout=60, check=False)
+    proc = subprocess.run(
+        [str(ENTRYPOINT), "echo", "hello"],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0 and proc.stdout == "hello\n"
 
 
 def test_empty_ucx_variables_are_dropped(tmp_path):
-    proc = subprocess.run([str(ENTRYPOINT), "env"], capture_output=True, text=True,
-                          env=_env(tmp_path, UCX_TLS="", UCX_NET_DEVICES="eth0"), timeout=60,
-                          check=False)
+    proc = subprocess.run(
+        [str(ENTRYPOINT), "env"],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, UCX_TLS="", UCX_NET_DEVICES="eth0"),
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0
     assert "UCX_TLS=" not in proc.stdout.splitlines()
     assert "UCX_NET_DEVICES=eth0" in proc.stdout.splitlines()
@@ -145,8 +213,9 @@ def test_each_worker_claims_a_gpu_no_other_worker_holds(tmp_path):
         fcntl.flock(held_b, fcntl.LOCK_EX | fcntl.LOCK_NB)
         _, third = dry_run(tmp_path, "prefill", "--model", "m", **env)
         assert third == "GPU-ccc"
-        _, restricted = dry_run(tmp_path, "prefill", "--model", "m", PDSERVE_GPUS="2,GPU-aaa",
-                                **env)
+        _, restricted = dry_run(
+            tmp_path, "prefill", "--model", "m", PDSERVE_GPUS="2,GPU-aaa", **env
+        )
         assert restricted == "GPU-ccc"
 
 
@@ -158,25 +227,48 @@ def test_no_free_gpu_fails_with_a_message(tmp_path):
     with open(claims / "GPU-aaa.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         proc = subprocess.run(
-            [str(ENTRYPOINT), "decode", "--model", "m"], capture_output=True, text=True,
-            env=_env(tmp_path, PDSERVE_GPU_CLAIM_DIR=str(claims), PDSERVE_GPU_CLAIM_WAIT="0",
-                     PDSERVE_ADVERTISE_HOST="172.18.0.7"), timeout=60, check=False)
+            [str(ENTRYPOINT), "decode", "--model", "m"],
+            capture_output=True,
+            text=True,
+            env=_env(
+                tmp_path,
+                PDSERVE_GPU_CLAIM_DIR=str(claims),
+                PDSERVE_GPU_CLAIM_WAIT="0",
+                PDSERVE_ADVERTISE_HOST="172.18.0.7",
+            ),
+            timeout=60,
+            check=False,
+        )
     assert proc.returncode == 1
     assert "held by other pdserve workers" in proc.stderr
 
 
 @needs_flock
 def test_a_preset_cuda_visible_devices_skips_claiming(tmp_path):
-    _, cuda = dry_run(tmp_path, "decode", "--model", "m", PDSERVE_GPU_CLAIM_DIR=str(tmp_path),
-                      CUDA_VISIBLE_DEVICES="3", PDSERVE_ADVERTISE_HOST="172.18.0.7")
+    _, cuda = dry_run(
+        tmp_path,
+        "decode",
+        "--model",
+        "m",
+        PDSERVE_GPU_CLAIM_DIR=str(tmp_path),
+        CUDA_VISIBLE_DEVICES="3",
+        PDSERVE_ADVERTISE_HOST="172.18.0.7",
+    )
     assert cuda == "3"
 
 
 # ---- model-init -------------------------------------------------------------------------------
 
+
 def _model_init(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MODEL_INIT)], capture_output=True, text=True,
-                          env=_env(tmp_path, **env), timeout=300, check=False)
+    return subprocess.run(
+        [str(MODEL_INIT)],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, **env),
+        timeout=300,
+        check=False,
+    )
 
 
 def test_model_init_keeps_an_existing_model(tmp_path):
@@ -189,8 +281,9 @@ def test_model_init_keeps_an_existing_model(tmp_path):
 
 
 def test_model_init_refuses_a_missing_real_model(tmp_path):
-    proc = _model_init(tmp_path, MODEL=str(tmp_path / "missing"),
-                       PDSERVE_TINY_MODEL=str(tmp_path / "tiny-llama"))
+    proc = _model_init(
+        tmp_path, MODEL=str(tmp_path / "missing"), PDSERVE_TINY_MODEL=str(tmp_path / "tiny-llama")
+    )
     assert proc.returncode == 1
     assert "MODELS_DIR" in proc.stderr
     assert not (tmp_path / "tiny-llama").exists()
@@ -211,9 +304,11 @@ def test_model_init_writes_the_tiny_model_once(tmp_path):
 
 # ---- healthcheck ------------------------------------------------------------------------------
 
+
 def _healthcheck(*args: str) -> int:
-    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True,
-                          timeout=60, check=False).returncode
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK), *args], capture_output=True, timeout=60, check=False
+    ).returncode
 
 
 def test_grpc_healthcheck_follows_the_serving_status():
@@ -260,6 +355,7 @@ def test_http_healthcheck_follows_the_status_code():
 
 # ---- Dockerfile and build context --------------------------------------------------------------
 
+
 def _glob_regex(pattern: str) -> re.Pattern:
     """Docker's .dockerignore glob: `*` and `?` stop at `/`, `**/` spans directories."""
     out, i = "", 0
@@ -283,19 +379,37 @@ def _dockerignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_the_build_context_holds_what_the_image_needs():
-    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert not any(p.startswith("!") for p in patterns), "update _dockerignored for exceptions"
-    needed = ["pyproject.toml", "README.md", "deploy/docker/entrypoint.sh",
-              "deploy/docker/model-init.sh", "deploy/docker/healthcheck.py",
-              "shared/models/__init__.py", "shared/proto/pdserve_pb2.py", "router/server.py",
-              "kvtransfer/ucx.py", "prefill_service/server.py", "decode_service/server.py",
-              "kernels/__init__.py", "bench/__init__.py"]
+    needed = [
+        "pyproject.toml",
+        "README.md",
+        "deploy/docker/entrypoint.sh",
+        "deploy/docker/model-init.sh",
+        "deploy/docker/healthcheck.py",
+        "shared/models/__init__.py",
+        "shared/proto/pdserve_pb2.py",
+        "router/server.py",
+        "kvtransfer/ucx.py",
+        "prefill_service/server.py",
+        "decode_service/server.py",
+        "kernels/__init__.py",
+        "bench/__init__.py",
+    ]
     for path in needed:
         assert (ROOT / path).exists(), path
         assert not _dockerignored(path, patterns), f"{path} is excluded from the build context"
-    for path in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "shared/__pycache__/x.pyc",
-                 "models/tiny-llama/model.safetensors"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/conftest.py",
+        "shared/__pycache__/x.pyc",
+        "models/tiny-llama/model.safetensors",
+    ):
         assert _dockerignored(path, patterns), path
 
 

@@ -49,9 +49,16 @@ def read(url: str, keys: DirectoryKeys, fn):
 
 
 def make_worker(url, keys, wid, role="decode", ttl=3.0, num_blocks=100):
-    info = WorkerInfo(worker_id=wid, role=role, model=MODEL, grpc=f"127.0.0.1:{5000 + len(wid)}",
-                      block_size=4, num_blocks=num_blocks, max_model_len=2048,
-                      metrics="http://127.0.0.1:9/metrics")
+    info = WorkerInfo(
+        worker_id=wid,
+        role=role,
+        model=MODEL,
+        grpc=f"127.0.0.1:{5000 + len(wid)}",
+        block_size=4,
+        num_blocks=num_blocks,
+        max_model_len=2048,
+        metrics="http://127.0.0.1:9/metrics",
+    )
     lease = WorkerLease(connect_sync(url), info, keys=keys, ttl_s=ttl)
     return lease, KVEventPublisher(lease.client, lease)
 
@@ -70,7 +77,12 @@ def test_lease_register_heartbeat_deregister(redis_server, keys):
     lease, _ = make_worker(redis_server.url, keys, "d0")
     assert lease.register(WorkerLoad(free_blocks=90, running=3, waiting=1))
     (rec,) = read(redis_server.url, keys, lambda r: r.live_workers())
-    assert (rec.worker_id, rec.info.role, rec.info.model, rec.info.block_size) == ("d0", "decode", MODEL, 4)
+    assert (rec.worker_id, rec.info.role, rec.info.model, rec.info.block_size) == (
+        "d0",
+        "decode",
+        MODEL,
+        4,
+    )
     assert (rec.load.free_blocks, rec.load.running, rec.load.waiting) == (90, 3, 1)
     assert rec.generation == lease.generation and rec.info.max_model_len == 2048
     assert rec.kv_usage == pytest.approx(0.1)
@@ -137,8 +149,14 @@ def test_publish_and_longest_prefix_match(redis_server, keys):
     assert m.blocks == {"a": 1, "b": 0}
     assert lease_seq(b, keys) == 2
     # another model never matches, and an empty chain matches nothing
-    assert read(redis_server.url, keys, lambda r: r.prefix_match("other", h, live)).blocks == {"a": 0, "b": 0}
-    assert read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, [], live)).blocks == {"a": 0, "b": 0}
+    assert read(redis_server.url, keys, lambda r: r.prefix_match("other", h, live)).blocks == {
+        "a": 0,
+        "b": 0,
+    }
+    assert read(redis_server.url, keys, lambda r: r.prefix_match(MODEL, [], live)).blocks == {
+        "a": 0,
+        "b": 0,
+    }
 
 
 def lease_seq(lease, keys) -> int:
@@ -203,7 +221,9 @@ def test_remove_stale_never_removes_a_live_member(redis_server, keys):
     a.register()
     h = chain(2, salt=2)
     pa.publish([BlockStored(tuple(h))])
-    pairs = [(keys.block(MODEL, x), a.member) for x in h]  # a caller wrongly believes they are stale
+    pairs = [
+        (keys.block(MODEL, x), a.member) for x in h
+    ]  # a caller wrongly believes they are stale
     assert read(redis_server.url, keys, lambda r: r.remove_stale(pairs)) == 0
     assert a.client.smembers(keys.block(MODEL, h[1])) == {a.member}
 
@@ -306,7 +326,9 @@ def test_worker_info_validation():
     with pytest.raises(DirectoryError):
         WorkerInfo(worker_id="x", role="both", model=MODEL, grpc="h:1", block_size=16, num_blocks=1)
     with pytest.raises(DirectoryError):
-        WorkerInfo(worker_id="", role="decode", model=MODEL, grpc="h:1", block_size=16, num_blocks=1)
+        WorkerInfo(
+            worker_id="", role="decode", model=MODEL, grpc="h:1", block_size=16, num_blocks=1
+        )
 
 
 def test_prefix_match_agrees_with_a_reference_on_random_holdings(redis_server, keys):
@@ -318,9 +340,13 @@ def test_prefix_match_agrees_with_a_reference_on_random_holdings(redis_server, k
     workers = [make_worker(redis_server.url, keys, f"w{i}") for i in range(4)]
     for lease, _ in workers:
         lease.register()
-    ghost = WorkerLease(connect_sync(redis_server.url), WorkerInfo(
-        worker_id="w0", role="decode", model=MODEL, grpc="h:1", block_size=4, num_blocks=9),
-        keys=keys)  # same id as w0, other generation (never registered: stale)
+    ghost = WorkerLease(
+        connect_sync(redis_server.url),
+        WorkerInfo(
+            worker_id="w0", role="decode", model=MODEL, grpc="h:1", block_size=4, num_blocks=9
+        ),
+        keys=keys,
+    )  # same id as w0, other generation (never registered: stale)
     for trial in range(30):
         h = chain(rng.randint(1, 24), salt=100 + trial)
         held: dict[str, set[int]] = {}
@@ -352,10 +378,13 @@ def test_embedded_redis_dies_with_its_parent():
     import subprocess
     import sys
 
-    code = ("import time\nfrom shared.directory import EmbeddedRedis\n"
-            "r = EmbeddedRedis(); r.start(); print(r._proc.pid, flush=True); time.sleep(60)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    code = (
+        "import time\nfrom shared.directory import EmbeddedRedis\n"
+        "r = EmbeddedRedis(); r.start(); print(r._proc.pid, flush=True); time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         redis_pid = int(parent.stdout.readline())
         os.kill(redis_pid, 0)  # running

@@ -25,11 +25,22 @@ EOS = 2
 
 def write_config_dir(path: Path, vocab: int = 97, max_len: int = 512) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": max_len, "eos_token_id": EOS,
-        "torch_dtype": "float32"}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": vocab,
+                "hidden_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": max_len,
+                "eos_token_id": EOS,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     return path
 
 
@@ -84,7 +95,9 @@ class FakeRunner:
         for p in range(length):
             t = self._block(block_ids[p // bs])[p % bs]
             if t is None:
-                raise UnwrittenKVError(f"position {p} (block {block_ids[p // bs]}) was never written")
+                raise UnwrittenKVError(
+                    f"position {p} (block {block_ids[p // bs]}) was never written"
+                )
             out.append(t)
         return out
 
@@ -113,15 +126,18 @@ class FakeRunner:
         return sampled
 
 
-def fake_engine(tmp_path: Path, num_blocks: int = 64, vocab: int = 97, role: str = "none",
-                **engine_args) -> EngineCore:
+def fake_engine(
+    tmp_path: Path, num_blocks: int = 64, vocab: int = 97, role: str = "none", **engine_args
+) -> EngineCore:
     """An ``EngineCore`` over ``FakeRunner`` with exactly ``num_blocks`` KV blocks and the
     connector of ``role`` ("prefill", "decode" or "none")."""
     model = write_config_dir(tmp_path / "model", vocab=vocab)
     engine_args.setdefault("max_model_len", 64)
     engine_args.setdefault("max_num_seqs", 8)
     engine_args.setdefault("max_num_batched_tokens", 64)
-    args = EngineArgs(model=str(model), num_gpu_blocks_override=num_blocks, device="cpu",
-                      **engine_args)
-    return EngineCore(args, runner=FakeRunner(vocab, args.block_size),
-                      connector=connector_for_role(role))
+    args = EngineArgs(
+        model=str(model), num_gpu_blocks_override=num_blocks, device="cpu", **engine_args
+    )
+    return EngineCore(
+        args, runner=FakeRunner(vocab, args.block_size), connector=connector_for_role(role)
+    )

@@ -7,8 +7,40 @@ import random
 
 import torch
 
-PROMPT_LENGTHS = [1, 2, 3, 5, 7, 11, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 96, 127, 128,
-                  129, 200, 255, 256, 257, 384, 500, 640, 777, 850, 960, 1000]
+PROMPT_LENGTHS = [
+    1,
+    2,
+    3,
+    5,
+    7,
+    11,
+    15,
+    16,
+    17,
+    24,
+    31,
+    32,
+    33,
+    48,
+    63,
+    64,
+    65,
+    96,
+    127,
+    128,
+    129,
+    200,
+    255,
+    256,
+    257,
+    384,
+    500,
+    640,
+    777,
+    850,
+    960,
+    1000,
+]
 
 
 def random_prompts(seed: int, lengths=PROMPT_LENGTHS, vocab: int = 2048) -> list[list[int]]:
@@ -49,9 +81,14 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
         if key not in _cache:
             ids = torch.tensor([p])
             with torch.no_grad():
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=max_new_tokens, pad_token_id=0)
-            _cache[key] = gen[0, len(p):].tolist()
+                gen = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=0,
+                )
+            _cache[key] = gen[0, len(p) :].tolist()
         outs.append(_cache[key])
     return outs
 
@@ -61,5 +98,7 @@ def mismatches(ours: list[list[int]], ref: list[list[int]]) -> list[str]:
     for i, (a, b) in enumerate(zip(ours, ref)):
         if a != b:
             j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            bad.append(f"prompt {i}: first difference at output token {j}: ours {a[j:j+4]} vs hf {b[j:j+4]}")
+            bad.append(
+                f"prompt {i}: first difference at output token {j}: ours {a[j : j + 4]} vs hf {b[j : j + 4]}"
+            )
     return bad

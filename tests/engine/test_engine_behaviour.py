@@ -28,9 +28,17 @@ def _drain(engine: EngineCore, max_steps: int = 5000) -> list:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_randomized_steps_keep_integrity(tiny_llama, mode):
     rng = random.Random(7 if mode == "recompute" else 8)
-    engine = EngineCore(EngineArgs(
-        model=str(tiny_llama), num_gpu_blocks_override=48, max_model_len=400,
-        max_num_batched_tokens=96, max_num_seqs=8, preemption_mode=mode, swap_space=0.002))
+    engine = EngineCore(
+        EngineArgs(
+            model=str(tiny_llama),
+            num_gpu_blocks_override=48,
+            max_model_len=400,
+            max_num_batched_tokens=96,
+            max_num_seqs=8,
+            preemption_mode=mode,
+            swap_space=0.002,
+        )
+    )
     prefixes = [[rng.randrange(3, 2048) for _ in range(rng.choice([16, 40, 64]))] for _ in range(3)]
     live: dict[str, SamplingParams] = {}
     produced: dict[tuple[str, int], int] = {}
@@ -43,9 +51,14 @@ def test_randomized_steps_keep_integrity(tiny_llama, mode):
             if rng.random() < 0.5:
                 prompt = rng.choice(prefixes) + prompt[:60]
             params = SamplingParams(
-                n=rng.choice([1, 1, 1, 2, 3]), max_tokens=rng.randint(1, 40),
-                temperature=rng.choice([0.0, 0.7, 1.0]), seed=rng.choice([None, 5]),
-                top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]), ignore_eos=True)
+                n=rng.choice([1, 1, 1, 2, 3]),
+                max_tokens=rng.randint(1, 40),
+                temperature=rng.choice([0.0, 0.7, 1.0]),
+                seed=rng.choice([None, 5]),
+                top_k=rng.choice([0, 20]),
+                top_p=rng.choice([1.0, 0.9]),
+                ignore_eos=True,
+            )
             rid = f"r{next_id}"
             next_id += 1
             engine.add_request(rid, prompt, params)
@@ -57,8 +70,14 @@ def test_randomized_steps_keep_integrity(tiny_llama, mode):
             live.pop(victim)
             finished.add(victim)
         for o in engine.step():
-            produced[(o.request_id, o.index)] = produced.get((o.request_id, o.index), 0) + len(o.new_token_ids)
-            assert produced[(o.request_id, o.index)] <= live.get(o.request_id, SamplingParams()).max_tokens or o.request_id in finished
+            produced[(o.request_id, o.index)] = produced.get((o.request_id, o.index), 0) + len(
+                o.new_token_ids
+            )
+            assert (
+                produced[(o.request_id, o.index)]
+                <= live.get(o.request_id, SamplingParams()).max_tokens
+                or o.request_id in finished
+            )
         engine.check_integrity()
         for rid in [r for r in live if r not in engine.parents]:
             finished.add(rid)
@@ -82,8 +101,12 @@ def _peak_blocks(engine: EngineCore) -> int:
 
 def test_n4_shares_prompt_blocks_and_matches_separate_seeds(tiny_llama):
     prompt = random_prompts(11, lengths=[203])[0]
-    args = dict(model=str(tiny_llama), enable_prefix_caching=False, num_gpu_blocks_override=400,
-                max_model_len=1024)
+    args = dict(
+        model=str(tiny_llama),
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=400,
+        max_model_len=1024,
+    )
     params = SamplingParams(n=4, temperature=0.9, seed=1234, max_tokens=20, ignore_eos=True)
     forked = EngineCore(EngineArgs(**args))
     forked.add_request("n4", prompt, params)
@@ -113,18 +136,34 @@ def test_n4_shares_prompt_blocks_and_matches_separate_seeds(tiny_llama):
 def test_seeded_sampling_independent_of_batch(tiny_llama):
     llm = LLM(str(tiny_llama), max_num_seqs=64)
     target = random_prompts(12, lengths=[77])[0]
-    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=42, max_tokens=24,
-                            ignore_eos=True, repetition_penalty=1.1, presence_penalty=0.2)
+    params = SamplingParams(
+        temperature=0.8,
+        top_p=0.95,
+        top_k=50,
+        seed=42,
+        max_tokens=24,
+        ignore_eos=True,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+    )
     alone = llm.generate([{"prompt_token_ids": target}], params)[0].outputs[0].token_ids
     others = random_prompts(13, lengths=[5 + 9 * i for i in range(40)])
-    batch = [{"prompt_token_ids": p} for p in others[:20]] + [{"prompt_token_ids": target}] + \
-            [{"prompt_token_ids": p} for p in others[20:]]
-    plist = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 20 + [params] + \
-            [SamplingParams(temperature=0.5, seed=i, max_tokens=10) for i in range(20)]
+    batch = (
+        [{"prompt_token_ids": p} for p in others[:20]]
+        + [{"prompt_token_ids": target}]
+        + [{"prompt_token_ids": p} for p in others[20:]]
+    )
+    plist = (
+        [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 20
+        + [params]
+        + [SamplingParams(temperature=0.5, seed=i, max_tokens=10) for i in range(20)]
+    )
     together = llm.generate(batch, plist)[20].outputs[0].token_ids
     assert alone == together
-    unseeded = llm.generate([{"prompt_token_ids": target}] * 2,
-                            SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+    unseeded = llm.generate(
+        [{"prompt_token_ids": target}] * 2,
+        SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+    )
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 
 
@@ -132,8 +171,10 @@ def test_logprobs_and_stop_tokens(tiny_llama):
     llm = LLM(str(tiny_llama))
     prompt = random_prompts(14, lengths=[30])[0]
     ref = hf_greedy(tiny_llama, [prompt], 12)[0]
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
+    )[0]
     c = out.outputs[0]
     assert c.token_ids == ref and c.finish_reason == "length"
     assert len(c.logprobs) == 12
@@ -141,8 +182,10 @@ def test_logprobs_and_stop_tokens(tiny_llama):
         assert lp.rank == 1 and lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-5
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
     stop_at = ref[5]
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+    )[0]
     first = ref.index(stop_at)
     assert out.outputs[0].token_ids == ref[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
@@ -160,8 +203,9 @@ def test_bad_input_is_refused_and_engine_keeps_serving(tiny_llama):
     with pytest.raises(InvalidRequestError, match="token ids"):
         llm.engine.add_request("v", [1, 99999], SamplingParams())
     assert not llm.engine.has_unfinished_requests(), "a refused request must leave nothing queued"
-    out = llm.generate([{"prompt_token_ids": good}],
-                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    out = llm.generate(
+        [{"prompt_token_ids": good}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama, [good], 8)[0]
     llm.engine.check_integrity()
 
@@ -182,7 +226,9 @@ def test_unknown_architecture_and_corrupt_weights(tiny_llama, tmp_path):
         LLM(str(corrupt))
     garbage = tmp_path / "garbage"
     shutil.copytree(tiny_llama, garbage)
-    (garbage / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + bytes(64))
+    (garbage / "model.safetensors").write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + bytes(64)
+    )
     with pytest.raises(ModelLoadError):
         LLM(str(garbage))
     with pytest.raises(ConfigError, match="config.json"):

@@ -39,6 +39,7 @@ def _tokens(outs, rid):
 
 # ---- validation -----------------------------------------------------------------------------
 
+
 def test_the_wave1_request_is_refused_naming_the_seed(tmp_path):
     # n=2 with seed 2^63-1: sample 1 would draw with seed 2^63, which overflowed struct.pack on
     # the engine thread and stopped the engine for everyone
@@ -55,45 +56,51 @@ def test_the_wave1_request_is_refused_naming_the_seed(tmp_path):
     assert len(_tokens(_run(e), "ok")) == 8
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=float("nan")), "top_p"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(presence_penalty=float("nan")), "presence_penalty"),
-    (dict(min_p=float("-inf")), "min_p"),
-    (dict(seed=2**63), "seed"),
-    (dict(seed=-(2**63) - 1), "seed"),
-    (dict(seed=1.5), "seed"),
-    (dict(n=0), "n"),
-    (dict(n=10**6), "n"),
-    (dict(top_k=-2), "top_k"),
-    (dict(top_k=1.0), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(min_tokens=-1), "min_tokens"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(stop_token_ids=list(range(5000))), "stop_token_ids"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(ignore_eos="yes"), "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(min_p=float("-inf")), "min_p"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(n=0), "n"),
+        (dict(n=10**6), "n"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=1.0), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=list(range(5000))), "stop_token_ids"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+    ],
+)
 def test_sampling_params_refuse_bad_values_naming_them(kwargs, param):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param and param in str(info.value)
 
 
-@pytest.mark.parametrize("prompt, kwargs, param", [
-    ([5, 97], {}, "prompt"),  # vocab is 97
-    ([5, -1], {}, "prompt"),
-    ([5, True], {}, "prompt"),
-    ([5, 6], dict(params=SamplingParams(stop_token_ids=[500], min_tokens=1)), "stop_token_ids"),
-    ([5, 6], dict(params=SamplingParams(logprobs=21)), "logprobs"),  # --max-logprobs 20
-    ([5, 6], dict(resume=[[1, 2], [3]]), "resume"),  # n=1
-    ([5, 6], dict(resume=[[1, 400]]), "resume"),
-    ([5, 6], dict(resume=[list(range(3, 60))]), "resume"),  # nothing left to generate
-    ([5, 6], dict(kv_transfer=RemoteDecodeParams(1)), "first_block_index"),  # 1 block only
-    ([5, 6], dict(kv_transfer=RemotePrefillParams()), "kv_transfer"),  # a prefill engine
-])
+@pytest.mark.parametrize(
+    "prompt, kwargs, param",
+    [
+        ([5, 97], {}, "prompt"),  # vocab is 97
+        ([5, -1], {}, "prompt"),
+        ([5, True], {}, "prompt"),
+        ([5, 6], dict(params=SamplingParams(stop_token_ids=[500], min_tokens=1)), "stop_token_ids"),
+        ([5, 6], dict(params=SamplingParams(logprobs=21)), "logprobs"),  # --max-logprobs 20
+        ([5, 6], dict(resume=[[1, 2], [3]]), "resume"),  # n=1
+        ([5, 6], dict(resume=[[1, 400]]), "resume"),
+        ([5, 6], dict(resume=[list(range(3, 60))]), "resume"),  # nothing left to generate
+        ([5, 6], dict(kv_transfer=RemoteDecodeParams(1)), "first_block_index"),  # 1 block only
+        ([5, 6], dict(kv_transfer=RemotePrefillParams()), "kv_transfer"),  # a prefill engine
+    ],
+)
 def test_engine_refuses_bad_requests_and_keeps_serving(tmp_path, prompt, kwargs, param):
     e = fake_engine(tmp_path, role="prefill")
     params = kwargs.pop("params", GREEDY)
@@ -111,8 +118,10 @@ def test_sampler_never_raises_for_extreme_seeds():
     import torch
 
     s = Sampler(vocab_size=50, device=torch.device("cpu"), seed=0)
-    rows = [SampleSpec("r", SamplingParams(temperature=1.0, seed=seed), 0, ())
-            for seed in (2**63 - 1, -(2**63), 0)]
+    rows = [
+        SampleSpec("r", SamplingParams(temperature=1.0, seed=seed), 0, ())
+        for seed in (2**63 - 1, -(2**63), 0)
+    ]
     out = s(torch.randn(3, 50), rows)
     assert all(isinstance(t, SampledToken) and 0 <= t.token_id < 50 for t in out)
 
@@ -138,6 +147,7 @@ def test_a_row_that_fails_in_the_sampler_fails_alone(monkeypatch):
 
 # ---- per-request failures in a step --------------------------------------------------------
 
+
 def test_a_sampling_failure_fails_that_request_alone(tmp_path):
     e = fake_engine(tmp_path)
     for rid in ("a", "b", "c"):
@@ -157,8 +167,9 @@ def test_a_sampling_failure_fails_that_request_alone(tmp_path):
 
 def test_a_failing_sibling_fails_its_whole_parent(tmp_path):
     e = fake_engine(tmp_path)
-    e.add_request("par", [11, 12, 13], SamplingParams(n=3, temperature=0, max_tokens=5,
-                                                       ignore_eos=True))
+    e.add_request(
+        "par", [11, 12, 13], SamplingParams(n=3, temperature=0, max_tokens=5, ignore_eos=True)
+    )
     e.add_request("other", [11, 12, 13], GREEDY)
     e.runner.fail_sampling.add("2_par")  # the third sample, at the fork
     outs = _run(e)
@@ -200,6 +211,7 @@ def test_a_failure_that_breaks_an_invariant_stops_the_engine(tmp_path, monkeypat
 
 
 # ---- the loop -------------------------------------------------------------------------------
+
 
 def _wait(pred, timeout=10.0):
     deadline = time.monotonic() + timeout

@@ -17,8 +17,14 @@ def test_fp8_kv_doubles_capacity_and_mostly_agrees_with_bf16(tiny_llama, record_
     assert "fp8_e4m3" in fp8.engine.capacity_line
     assert fp8.engine.runner.kv_cache.element_size() == 1
 
-    ref = [o.outputs[0].token_ids for o in bf16.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    free = [o.outputs[0].token_ids for o in fp8.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    ref = [
+        o.outputs[0].token_ids
+        for o in bf16.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    ]
+    free = [
+        o.outputs[0].token_ids
+        for o in fp8.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    ]
     total = sum(len(r) for r in ref)
     free_running = sum(a == b for r, f in zip(ref, free) for a, b in zip(r, f)) / total
     # Per-token agreement with identical context (teacher forcing): feed the bf16 continuation
@@ -33,8 +39,10 @@ def test_fp8_kv_doubles_capacity_and_mostly_agrees_with_bf16(tiny_llama, record_
     forced = sum(o.outputs[0].token_ids[0] == w for o, w in zip(outs, want)) / len(want)
     record_property("fp8_free_running_match", free_running)
     record_property("fp8_teacher_forced_agreement", forced)
-    print(f"fp8 vs bf16: free-running token match {free_running:.1%}, "
-          f"teacher-forced agreement {forced:.1%} over {len(want)} positions")
+    print(
+        f"fp8 vs bf16: free-running token match {free_running:.1%}, "
+        f"teacher-forced agreement {forced:.1%} over {len(want)} positions"
+    )
     assert forced >= 0.8, f"fp8 KV agrees with bf16 on only {forced:.1%} of next tokens"
     assert free_running > 0.2
     fp8.engine.check_integrity()

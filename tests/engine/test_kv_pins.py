@@ -34,11 +34,21 @@ def test_prefill_preemption_never_frees_blocks_handed_to_the_sender(tmp_path):
     # scheduler must preempt one of them and R2 retries its allocation right away. Before the
     # pins it preempted R1 and R2 took R1's exported block; now R1's pinned blocks stay out of
     # reach, and R2 (which holds no pin) is the one preempted.
-    e = fake_engine(tmp_path, num_blocks=4, role="prefill", block_size=16,
-                    long_prefill_token_threshold=16, max_num_batched_tokens=64)
+    e = fake_engine(
+        tmp_path,
+        num_blocks=4,
+        role="prefill",
+        block_size=16,
+        long_prefill_token_threshold=16,
+        max_num_batched_tokens=64,
+    )
     e.add_request("r2", list(range(10, 70)), GREEDY)  # 60 tokens: 4 blocks
-    e.add_request("r1", list(range(20, 60)), SamplingParams(temperature=0, max_tokens=1),
-                  kv_transfer=RemoteDecodeParams(0))  # 40 tokens: 3 blocks
+    e.add_request(
+        "r1",
+        list(range(20, 60)),
+        SamplingParams(temperature=0, max_tokens=1),
+        kv_transfer=RemoteDecodeParams(0),
+    )  # 40 tokens: 3 blocks
     handed: set[int] = set()
     pins: set[int] = set()
     preempted = r1_done = False
@@ -52,7 +62,8 @@ def test_prefill_preemption_never_frees_blocks_handed_to_the_sender(tmp_path):
         preempted |= e.scheduler.num_preemptions > 0
         # while the transfer may still read them, nobody else may hold or reuse them
         assert not (_blocks(e, "r2") & handed), (
-            f"r2 holds {sorted(_blocks(e, 'r2') & handed)}, handed to r1's sender")
+            f"r2 holds {sorted(_blocks(e, 'r2') & handed)}, handed to r1's sender"
+        )
         for b in handed:
             assert e.kv.pool.blocks[b].ref_cnt >= 1
         if r1_done:
@@ -69,7 +80,9 @@ def test_prefill_preemption_never_frees_blocks_handed_to_the_sender(tmp_path):
 
 def test_decode_abort_after_admission_keeps_reserved_blocks_until_unpinned(tmp_path):
     e = fake_engine(tmp_path, num_blocks=6, role="decode", block_size=16)
-    e.add_request("a", list(range(5, 45)), GREEDY, kv_transfer=RemotePrefillParams())  # 3 blocks reserved
+    e.add_request(
+        "a", list(range(5, 45)), GREEDY, kv_transfer=RemotePrefillParams()
+    )  # 3 blocks reserved
     e.step()  # admits "a" into WAITING_FOR_REMOTE_KV
     (job,) = e.take_remote_prefills()  # the decode service now owns the pin
     reserved = set(job.block_ids)
@@ -121,8 +134,14 @@ def test_when_every_candidate_holds_a_pin_the_pinned_blocks_survive_its_preempti
     # two exporting prefills that cannot both fit: one of them must be preempted; the blocks it
     # handed to its sender stay pinned, so the other never gets them. Each transfer ends (the
     # test unpins) once its request finished, as the prefill service does.
-    e = fake_engine(tmp_path, num_blocks=5, role="prefill", block_size=16,
-                    long_prefill_token_threshold=16, max_num_batched_tokens=64)
+    e = fake_engine(
+        tmp_path,
+        num_blocks=5,
+        role="prefill",
+        block_size=16,
+        long_prefill_token_threshold=16,
+        max_num_batched_tokens=64,
+    )
     one = SamplingParams(temperature=0, max_tokens=1)
     e.add_request("p1", list(range(10, 58)), one, kv_transfer=RemoteDecodeParams(0))
     e.add_request("p2", list(range(20, 68)), one, kv_transfer=RemoteDecodeParams(0))

@@ -26,8 +26,9 @@ CONFIGS = {
     "max_num_seqs_1": dict(max_num_seqs=1),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "preempt_recompute": dict(num_gpu_blocks_override=100, max_model_len=1100),
-    "preempt_swap": dict(num_gpu_blocks_override=100, max_model_len=1100,
-                         preemption_mode="swap", swap_space=0.05),
+    "preempt_swap": dict(
+        num_gpu_blocks_override=100, max_model_len=1100, preemption_mode="swap", swap_space=0.05
+    ),
     "block_size_32": dict(block_size=32),
     "torch_reference_attention": dict(attention_backend="torch"),
 }

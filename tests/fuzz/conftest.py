@@ -14,8 +14,11 @@ def fuzz_cluster(tiny_llama, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fuzz-run")
     c = make_cluster(tiny_llama, run_dir, "--max-model-len", "256", prefill=1, decode=2)
     c.start_redis()
-    workers = [c.spawn_worker("prefill", 0), c.spawn_worker("decode", 0),
-               c.spawn_worker("decode", 1)]
+    workers = [
+        c.spawn_worker("prefill", 0),
+        c.spawn_worker("decode", 0),
+        c.spawn_worker("decode", 1),
+    ]
     c.wait_ready(workers)
     url = c.start_router(["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"])
     c.url = url

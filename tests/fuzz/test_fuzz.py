@@ -28,10 +28,18 @@ pytestmark = pytest.mark.integration
 
 
 def _fuzz_args(cluster, tiny_llama, requests: int, grpc_requests: int, seed: int):
-    return argparse.Namespace(url=cluster.url, run_dir=str(cluster.run_dir), model=None,
-                              model_dir=str(tiny_llama), requests=requests,
-                              grpc_requests=grpc_requests, concurrency=4, seed=seed,
-                              timeout=120.0, output=None)
+    return argparse.Namespace(
+        url=cluster.url,
+        run_dir=str(cluster.run_dir),
+        model=None,
+        model_dir=str(tiny_llama),
+        requests=requests,
+        grpc_requests=grpc_requests,
+        concurrency=4,
+        seed=seed,
+        timeout=120.0,
+        output=None,
+    )
 
 
 def _run_fuzz(cluster, tiny_llama, requests, grpc_requests, seed):
@@ -49,8 +57,14 @@ def _run_fuzz(cluster, tiny_llama, requests, grpc_requests, seed):
 
 
 def test_the_wave1_request_is_a_400_and_both_decode_workers_keep_serving(fuzz_cluster):
-    body = {"model": fuzz_cluster.served_model_name, "prompt": "hi", "n": 2,
-            "seed": 9223372036854775807, "temperature": 1, "max_tokens": 4}
+    body = {
+        "model": fuzz_cluster.served_model_name,
+        "prompt": "hi",
+        "n": 2,
+        "seed": 9223372036854775807,
+        "temperature": 1,
+        "max_tokens": 4,
+    }
     r = httpx.post(f"{fuzz_cluster.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
     workers = read_workers(fuzz_cluster.run_dir)
@@ -59,8 +73,9 @@ def test_the_wave1_request_is_a_400_and_both_decode_workers_keep_serving(fuzz_cl
     for name, w in workers.items():  # each decode worker still serves a greedy request
         if w["role"] == "decode":
             with channel_to(w["grpc"]) as ch:
-                tokens, _ = generate(decode_stub(ch), f"after-{name}", [5, 6, 7], max_tokens=4,
-                                     ignore_eos=True)
+                tokens, _ = generate(
+                    decode_stub(ch), f"after-{name}", [5, 6, 7], max_tokens=4, ignore_eos=True
+                )
             assert len(tokens[0]) == 4
 
 
@@ -75,8 +90,12 @@ def test_long_fuzz_keeps_every_worker_alive(fuzz_cluster, tiny_llama):
 
 # ---- schemathesis over the router's OpenAPI schema ------------------------------------------
 
-_OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-               ("/tokenize", "POST"), ("/detokenize", "POST")]
+_OPERATIONS = [
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/tokenize", "POST"),
+    ("/detokenize", "POST"),
+]
 
 
 def _schemathesis_run(cluster, examples: int) -> dict:
@@ -86,9 +105,15 @@ def _schemathesis_run(cluster, examples: int) -> dict:
     schema = schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
     seen: dict[str, int] = {}
     bad: list[str] = []
+
     def make_check(path: str, mode: GenerationMode, strategy):
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=strategy)
         def check(case):
             resp = case.call(base_url=cluster.url, timeout=60)

@@ -16,8 +16,12 @@ import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-_KERNEL_MODULES = ("kernels.triton_write_kv", "kernels.triton_decode", "kernels.triton_prefill",
-                   "kernels.triton_paged")
+_KERNEL_MODULES = (
+    "kernels.triton_write_kv",
+    "kernels.triton_decode",
+    "kernels.triton_prefill",
+    "kernels.triton_paged",
+)
 
 
 @pytest.fixture(scope="session")

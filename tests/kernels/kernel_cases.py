@@ -43,12 +43,29 @@ class PagedCase:
     v_scale: torch.Tensor | None
 
     def attention_args(self) -> tuple:
-        return (self.query, self.kv_cache, self.layer, self.block_tables, self.seq_lens,
-                self.query_start_loc, self.scale, self.k_scale, self.v_scale)
+        return (
+            self.query,
+            self.kv_cache,
+            self.layer,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+        )
 
     def decode_args(self) -> tuple:
-        return (self.query, self.kv_cache, self.layer, self.block_tables, self.seq_lens,
-                self.scale, self.k_scale, self.v_scale)
+        return (
+            self.query,
+            self.kv_cache,
+            self.layer,
+            self.block_tables,
+            self.seq_lens,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+        )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -89,7 +106,7 @@ def make_case(
     tables = torch.empty(len(seq_lens), max_blocks, dtype=torch.int32)
     pos = 0
     for s, nb in enumerate(blocks_per_seq):
-        tables[s, :nb] = perm[pos:pos + nb].to(torch.int32)
+        tables[s, :nb] = perm[pos : pos + nb].to(torch.int32)
         tables[s, nb:] = int(perm[-1])  # padding columns name an unowned (poisoned) block
         pos += nb
 
@@ -120,13 +137,22 @@ def make_case(
     query = torch.randn(total_q, num_heads, head_dim, generator=gen).to(dtype)  # [T, Hq, D]
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
-    return PagedCase(query=query, kv_cache=kv_cache, layer=layer, block_tables=tables,
-                     seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
-                     scale=head_dim ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    return PagedCase(
+        query=query,
+        kv_cache=kv_cache,
+        layer=layer,
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        scale=head_dim**-0.5,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
-                 what: str) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str
+) -> None:
     """Compare with the per-dtype tolerance; the message reports the worst error."""
     atol, rtol = TOLERANCES[dtype]
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
@@ -138,4 +164,5 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert bool((err <= bound).all()), (
         f"{what}: max abs err {err.max().item():.3g} (atol {atol}, rtol {rtol}); worst at flat "
         f"index {worst}: got {a.flatten()[worst].item():.6g}, "
-        f"expected {e.flatten()[worst].item():.6g}")
+        f"expected {e.flatten()[worst].item():.6g}"
+    )

@@ -17,9 +17,15 @@ SCRIPT = ROOT / "kernels" / "bench_gpu.py"
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], check=False,
-                          capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_help_parses_without_a_gpu():
@@ -31,8 +37,14 @@ def test_dry_run_checks_every_kernel_on_cpu():
     proc = _run("--dry-run", "--skip-e2e", timeout=170)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    for needle in ("write_kv", "decode split-K=8", "prefill/mixed", "int64 offsets",
-                   "decode-bw", "SUMMARY"):
+    for needle in (
+        "write_kv",
+        "decode split-K=8",
+        "prefill/mixed",
+        "int64 offsets",
+        "decode-bw",
+        "SUMMARY",
+    ):
         assert needle in out, needle
     assert "FAIL" not in out
     passed = [line for line in out.splitlines() if line.startswith("PASS")]

@@ -25,9 +25,13 @@ def _case(seed, dtype, kv_dtype, hq, hkv, d, bs, lens, per_head_scale=False):
         n = hkv if per_head_scale else 1
         ks = torch.rand(n, generator=g) + 0.5
         vs = torch.rand(n, generator=g) + 0.5
-        kv = reference.quantize_fp8(kv.view(nb, 2, 2, bs, hkv, d).reshape(-1, hkv, d),
-                                    ks).view(nb, 2, 2, bs, hkv, d) if per_head_scale else \
-            (kv / ks).clamp(-448, 448).to(kv_dtype)
+        kv = (
+            reference.quantize_fp8(kv.view(nb, 2, 2, bs, hkv, d).reshape(-1, hkv, d), ks).view(
+                nb, 2, 2, bs, hkv, d
+            )
+            if per_head_scale
+            else (kv / ks).clamp(-448, 448).to(kv_dtype)
+        )
     else:
         kv = kv.to(kv_dtype)
     tables = torch.randperm(nb, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
@@ -35,24 +39,31 @@ def _case(seed, dtype, kv_dtype, hq, hkv, d, bs, lens, per_head_scale=False):
     return q, kv, tables.to(torch.int32), torch.tensor(lens, dtype=torch.int32), ks, vs
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float8_e4m3fn),
+    ],
+)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])
 @pytest.mark.parametrize("d,bs", [(32, 16), (64, 32), (128, 16)])
 def test_decode_matches_reference(dtype, kv_dtype, hq, hkv, d, bs):
     lens = [1, 2, bs - 1, bs, bs + 1, 3 * bs + 5, 777, 2049]
     q, kv, tables, lens_t, ks, vs = _case(hq * d + bs, dtype, kv_dtype, hq, hkv, d, bs, lens)
-    want = reference.paged_decode_attention(q, kv, 1, tables, lens_t, d ** -0.5, ks, vs)
-    got = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, d ** -0.5, ks, vs)
+    want = reference.paged_decode_attention(q, kv, 1, tables, lens_t, d**-0.5, ks, vs)
+    got = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, d**-0.5, ks, vs)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_per_head_fp8_scales():
     lens = [5, 40, 300]
-    q, kv, tables, lens_t, ks, vs = _case(3, torch.bfloat16, torch.float8_e4m3fn, 8, 4, 32, 16,
-                                          lens, per_head_scale=True)
+    q, kv, tables, lens_t, ks, vs = _case(
+        3, torch.bfloat16, torch.float8_e4m3fn, 8, 4, 32, 16, lens, per_head_scale=True
+    )
     assert ks.numel() == 4
     want = reference.paged_decode_attention(q, kv, 0, tables, lens_t, 0.2, ks, vs)
     got = cpu_paged.paged_decode_attention(q, kv, 0, tables, lens_t, 0.2, ks, vs)
@@ -66,7 +77,7 @@ def test_mixed_batch_matches_reference():
     q_lens, ctx = [1, 37, 1, 16, 1], [50, 37, 9, 100, 300]
     nb = 128
     kv = torch.randn(nb, 1, 2, bs, hkv, d, generator=g)
-    tables = torch.randperm(nb, generator=g)[:5 * 19].view(5, 19).to(torch.int32)
+    tables = torch.randperm(nb, generator=g)[: 5 * 19].view(5, 19).to(torch.int32)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(sum(q_lens), 8, d, generator=g)
     lens = torch.tensor(ctx, dtype=torch.int32)
@@ -80,10 +91,13 @@ def test_bad_arguments_are_refused():
     kv = torch.randn(4, 1, 2, 16, 2, 32)
     tables = torch.zeros(2, 1, dtype=torch.int64)  # must be int32
     with pytest.raises(RuntimeError, match="int32"):
-        cpu_paged.paged_decode_attention(q, kv, 0, tables, torch.tensor([1, 1], dtype=torch.int32), 1.0)
+        cpu_paged.paged_decode_attention(
+            q, kv, 0, tables, torch.tensor([1, 1], dtype=torch.int32), 1.0
+        )
     with pytest.raises(RuntimeError, match="head geometry"):
-        cpu_paged.paged_decode_attention(torch.randn(2, 3, 32), kv, 0, tables.int(),
-                                         torch.tensor([1, 1], dtype=torch.int32), 1.0)
+        cpu_paged.paged_decode_attention(
+            torch.randn(2, 3, 32), kv, 0, tables.int(), torch.tensor([1, 1], dtype=torch.int32), 1.0
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -99,8 +113,9 @@ def test_argmax_rows_matches_torch_including_ties(dtype):
     assert cpu_paged.argmax_rows(x)[2].item() == 0 and cpu_paged.argmax_rows(x)[3].item() == 5
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 32000, 256), (3, 512, 256), (16, 1376, 256),
-                                   (7, 256, 704), (2, 48, 4096)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 32000, 256), (3, 512, 256), (16, 1376, 256), (7, 256, 704), (2, 48, 4096)]
+)
 def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
     """The AVX512-BF16 small-batch linear: fp32 accumulation, one bf16 rounding at the end,
     so every output is within half a bf16 ulp (plus fp32 summation-order noise) of the exact
@@ -114,7 +129,7 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
     exact = x.float() @ w.float().T
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     # bf16 keeps 8 significant bits: half an ulp is 2^-8 of the value, relative
-    bound = exact.abs() * 2.0 ** -8 + 1e-3 * exact.abs().max()
+    bound = exact.abs() * 2.0**-8 + 1e-3 * exact.abs().max()
     assert ((got.float() - exact).abs() <= bound).all()
     torch_err = (torch.nn.functional.linear(x, w).float() - exact).abs().max()
     assert (got.float() - exact).abs().max() <= 1.5 * torch_err + 1e-6
@@ -123,7 +138,9 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
 def test_small_linear_declines_what_it_does_not_cover():
     x = torch.randn(4, 256).bfloat16()
     assert cpu_paged.small_linear(x.float(), torch.randn(32, 256)) is None  # fp32
-    assert cpu_paged.small_linear(torch.randn(64, 256).bfloat16(),
-                                  torch.randn(32, 256).bfloat16()) is None  # too many rows
+    assert (
+        cpu_paged.small_linear(torch.randn(64, 256).bfloat16(), torch.randn(32, 256).bfloat16())
+        is None
+    )  # too many rows
     assert cpu_paged.small_linear(x[:, :250], torch.randn(32, 250).bfloat16()) is None  # K % 32
     assert cpu_paged.small_linear(x, torch.randn(40, 256).bfloat16()) is None  # N % 16

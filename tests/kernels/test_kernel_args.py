@@ -18,8 +18,9 @@ from kernels import reference as ref
 
 @pytest.fixture
 def case():
-    return make_case([20, 40], [5, 40], num_heads=4, num_kv_heads=2, head_dim=32,
-                     dtype=torch.float16)
+    return make_case(
+        [20, 40], [5, 40], num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16
+    )
 
 
 def test_backends_share_signatures(triton_backend):
@@ -30,8 +31,9 @@ def test_backends_share_signatures(triton_backend):
         a = inspect.signature(getattr(torch_backend, name))
         b = inspect.signature(getattr(get_backend("triton"), name))
         assert list(a.parameters) == list(b.parameters), name
-        assert [p.default for p in a.parameters.values()] == \
-            [p.default for p in b.parameters.values()], name
+        assert [p.default for p in a.parameters.values()] == [
+            p.default for p in b.parameters.values()
+        ], name
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash")
 
@@ -45,26 +47,38 @@ def test_default_backend():
     assert default_backend("mps") == "torch"
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda c: c.update(query=c["query"].double()), "query dtype"),
-    (lambda c: c.update(query=c["query"][:, :3]), "multiple of num_kv_heads"),
-    (lambda c: c.update(query=c["query"][..., :16]), "head_dim"),
-    (lambda c: c.update(query=c["query"].transpose(1, 2).contiguous().transpose(1, 2)), "stride"),
-    (lambda c: c.update(kv_cache=c["kv_cache"][0]), "kv_cache must be"),
-    (lambda c: c.update(layer=2), "layer 2 out of range"),
-    (lambda c: c.update(block_tables=c["block_tables"].float()), "block_tables must be int"),
-    (lambda c: c.update(block_tables=c["block_tables"][:1]), "block_tables must have shape"),
-    (lambda c: c.update(seq_lens=c["seq_lens"][:1]), "must have shape"),
-    (lambda c: c.update(query_start_loc=c["query_start_loc"][:2]), "query_start_loc"),
-    (lambda c: c.update(k_scale=torch.ones(1)), "only valid for an fp8"),
-    (lambda c: c.update(seq_lens=c["seq_lens"] * 10), "exceed block_tables capacity"),
-    (lambda c: c.update(seq_lens=torch.tensor([4, 40], dtype=torch.int32)), "longer than"),
-    (lambda c: c.update(block_tables=c["block_tables"] + 1000), "outside"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda c: c.update(query=c["query"].double()), "query dtype"),
+        (lambda c: c.update(query=c["query"][:, :3]), "multiple of num_kv_heads"),
+        (lambda c: c.update(query=c["query"][..., :16]), "head_dim"),
+        (
+            lambda c: c.update(query=c["query"].transpose(1, 2).contiguous().transpose(1, 2)),
+            "stride",
+        ),
+        (lambda c: c.update(kv_cache=c["kv_cache"][0]), "kv_cache must be"),
+        (lambda c: c.update(layer=2), "layer 2 out of range"),
+        (lambda c: c.update(block_tables=c["block_tables"].float()), "block_tables must be int"),
+        (lambda c: c.update(block_tables=c["block_tables"][:1]), "block_tables must have shape"),
+        (lambda c: c.update(seq_lens=c["seq_lens"][:1]), "must have shape"),
+        (lambda c: c.update(query_start_loc=c["query_start_loc"][:2]), "query_start_loc"),
+        (lambda c: c.update(k_scale=torch.ones(1)), "only valid for an fp8"),
+        (lambda c: c.update(seq_lens=c["seq_lens"] * 10), "exceed block_tables capacity"),
+        (lambda c: c.update(seq_lens=torch.tensor([4, 40], dtype=torch.int32)), "longer than"),
+        (lambda c: c.update(block_tables=c["block_tables"] + 1000), "outside"),
+    ],
+)
 def test_attention_rejects_bad_arguments(triton_backend, case, mutate, match):
-    args = {"query": case.query, "kv_cache": case.kv_cache, "layer": case.layer,
-            "block_tables": case.block_tables, "seq_lens": case.seq_lens,
-            "query_start_loc": case.query_start_loc, "scale": case.scale}
+    args = {
+        "query": case.query,
+        "kv_cache": case.kv_cache,
+        "layer": case.layer,
+        "block_tables": case.block_tables,
+        "seq_lens": case.seq_lens,
+        "query_start_loc": case.query_start_loc,
+        "scale": case.scale,
+    }
     mutate(args)
     with pytest.raises(KernelArgumentError, match=match):
         triton_backend.paged_attention(**args)
@@ -129,8 +143,15 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(tmp_path: Path):
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(kernels.__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                          timeout=120, env=env, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=root,
+    )
     assert "REFUSED" in proc.stdout and "TRITON_INTERPRET" in proc.stdout, proc.stderr[-2000:]
 
 

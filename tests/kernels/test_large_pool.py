@@ -27,8 +27,9 @@ def _huge_pool(dtype: torch.dtype) -> torch.Tensor:
         pytest.skip(f"cannot map a {num_blocks * ELEMENTS_PER_BLOCK} element pool: {e}")
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float16, torch.float16),
-                                            (torch.bfloat16, FP8)], ids=["f16", "fp8"])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [(torch.float16, torch.float16), (torch.bfloat16, FP8)], ids=["f16", "fp8"]
+)
 def test_offsets_beyond_int32(triton_backend, dtype, kv_dtype):
     pool = _huge_pool(kv_dtype)
     nb = pool.shape[0]
@@ -43,8 +44,12 @@ def test_offsets_beyond_int32(triton_backend, dtype, kv_dtype):
     tokens = int(seq_lens.sum())
     key = torch.randn(tokens, HKV, D, generator=gen).to(dtype)  # [T, Hkv, D]
     value = torch.randn(tokens, HKV, D, generator=gen).to(dtype)
-    slots = torch.cat([tables[s, torch.arange(n) // BS].long() * BS + torch.arange(n) % BS
-                       for s, n in enumerate(seq_lens.tolist())])  # [T]
+    slots = torch.cat(
+        [
+            tables[s, torch.arange(n) // BS].long() * BS + torch.arange(n) % BS
+            for s, n in enumerate(seq_lens.tolist())
+        ]
+    )  # [T]
     k_scale = v_scale = None
     if kv_dtype == FP8:
         k_scale, v_scale = compute_kv_scales(key, value)
@@ -59,17 +64,19 @@ def test_offsets_beyond_int32(triton_backend, dtype, kv_dtype):
     else:
         assert torch.equal(stored_k, key) and torch.equal(pool[blocks, 0, 1, offs], value)
 
-    scale = D ** -0.5
+    scale = D**-0.5
     q = torch.randn(2, HQ, D, generator=gen).to(dtype)  # [S, Hq, D]
     expected = ref.paged_decode_attention(q, pool, 0, tables, seq_lens, scale, k_scale, v_scale)
-    actual = triton_backend.paged_decode_attention(q, pool, 0, tables, seq_lens, scale,
-                                                   k_scale, v_scale)
+    actual = triton_backend.paged_decode_attention(
+        q, pool, 0, tables, seq_lens, scale, k_scale, v_scale
+    )
     assert_close(actual, expected, dtype, "decode over a >2**31-element pool")
 
     q_lens = [30, 97]
     qq = torch.randn(sum(q_lens), HQ, D, generator=gen).to(dtype)  # [T, Hq, D]
     qsl = torch.tensor([0, 30, 127], dtype=torch.int32)
     expected = ref.paged_attention(qq, pool, 0, tables, seq_lens, qsl, scale, k_scale, v_scale)
-    actual = triton_backend.paged_attention(qq, pool, 0, tables, seq_lens, qsl, scale,
-                                            k_scale, v_scale)
+    actual = triton_backend.paged_attention(
+        qq, pool, 0, tables, seq_lens, qsl, scale, k_scale, v_scale
+    )
     assert_close(actual, expected, dtype, "prefill over a >2**31-element pool")

@@ -37,10 +37,21 @@ def _run(backend, case, config: PrefillConfig | None = None) -> torch.Tensor:
     if config is None:
         return backend.paged_attention(*case.attention_args())
     geom = check_pool(case.kv_cache, case.layer)
-    return launch_prefill(case.query, case.kv_cache, case.layer, case.block_tables,
-                          case.seq_lens, case.query_start_loc, case.scale, case.k_scale,
-                          case.v_scale, geom, case.k_scale is not None and case.k_scale.numel() > 1,
-                          config, backend._emulate_bf16(case.query.dtype))
+    return launch_prefill(
+        case.query,
+        case.kv_cache,
+        case.layer,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        case.scale,
+        case.k_scale,
+        case.v_scale,
+        geom,
+        case.k_scale is not None and case.k_scale.numel() > 1,
+        config,
+        backend._emulate_bf16(case.query.dtype),
+    )
 
 
 def _mixed_case(**kw):
@@ -49,10 +60,19 @@ def _mixed_case(**kw):
 
 @pytest.mark.parametrize("dtype,kv_dtype,per_head", DTYPES, ids=_ids(DTYPES))
 @pytest.mark.parametrize("head_dim,block_size,hq,hkv", GEOMETRIES, ids=_ids(GEOMETRIES))
-def test_mixed_batch_matches_reference(triton_backend, dtype, kv_dtype, per_head, head_dim,
-                                       block_size, hq, hkv):
-    case = _mixed_case(num_heads=hq, num_kv_heads=hkv, head_dim=head_dim, block_size=block_size,
-                       dtype=dtype, kv_dtype=kv_dtype, per_head_scale=per_head, seed=head_dim)
+def test_mixed_batch_matches_reference(
+    triton_backend, dtype, kv_dtype, per_head, head_dim, block_size, hq, hkv
+):
+    case = _mixed_case(
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        per_head_scale=per_head,
+        seed=head_dim,
+    )
     expected = ref.paged_attention(*case.attention_args())
     actual = triton_backend.paged_attention(*case.attention_args())
     assert_close(actual, expected, dtype, f"mixed batch {dtype} kv={kv_dtype}")
@@ -61,19 +81,32 @@ def test_mixed_batch_matches_reference(triton_backend, dtype, kv_dtype, per_head
 @pytest.mark.parametrize("block_q,tile_n", [(1, 64), (2, 32), (8, 16), (16, 64), (32, 32)])
 def test_tile_shapes_match_reference(triton_backend, block_q, tile_n):
     """Query tiles straddling sequence ends, KV tiles straddling pool blocks and the diagonal."""
-    case = _mixed_case(num_heads=8, num_kv_heads=2, head_dim=64, block_size=32,
-                       dtype=torch.float16, seed=block_q)
+    case = _mixed_case(
+        num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, dtype=torch.float16, seed=block_q
+    )
     expected = ref.paged_attention(*case.attention_args())
     actual = _run(triton_backend, case, PrefillConfig(block_q=block_q, tile_n=tile_n))
     assert_close(actual, expected, torch.float16, f"tiles {block_q}x{tile_n}")
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float16, torch.float16),
-                                            (torch.bfloat16, FP8)], ids=["f16", "bf16-fp8"])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(torch.float16, torch.float16), (torch.bfloat16, FP8)],
+    ids=["f16", "bf16-fp8"],
+)
 def test_chunk_over_thousands_of_cached_tokens(triton_backend, dtype, kv_dtype):
     """A 16-token chunk after a 3000-token prefix already in the pool, packed with a prompt."""
-    case = make_case([3016, 120], [16, 120], num_heads=8, num_kv_heads=1, head_dim=128,
-                     block_size=16, dtype=dtype, kv_dtype=kv_dtype, seed=5)
+    case = make_case(
+        [3016, 120],
+        [16, 120],
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        seed=5,
+    )
     expected = ref.paged_attention(*case.attention_args())
     actual = triton_backend.paged_attention(*case.attention_args())
     assert_close(actual, expected, dtype, "long prefix chunk")
@@ -81,8 +114,9 @@ def test_chunk_over_thousands_of_cached_tokens(triton_backend, dtype, kv_dtype):
 
 def test_decode_rows_agree_with_decode_kernel(triton_backend):
     """All q_len == 1: the varlen kernel and the split-K decode kernel compute the same thing."""
-    case = make_case([1, 9, 200, 513], num_heads=4, num_kv_heads=1, head_dim=64,
-                     dtype=torch.float32, seed=9)
+    case = make_case(
+        [1, 9, 200, 513], num_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, seed=9
+    )
     varlen = triton_backend.paged_attention(*case.attention_args())
     decode = triton_backend.paged_decode_attention(*case.decode_args())
     assert torch.allclose(varlen, decode, atol=1e-5, rtol=1e-5)
@@ -90,16 +124,24 @@ def test_decode_rows_agree_with_decode_kernel(triton_backend):
 
 def test_chunked_prefill_equals_whole_prompt(triton_backend):
     """Attending a prompt in three chunks gives the rows of one whole-prompt pass."""
-    whole = make_case([150], [150], num_heads=4, num_kv_heads=2, head_dim=32,
-                      dtype=torch.float32, seed=4)
+    whole = make_case(
+        [150], [150], num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, seed=4
+    )
     full = triton_backend.paged_attention(*whole.attention_args())
     pieces = []
     for end, q_len in ((40, 40), (100, 60), (150, 50)):
         start = end - q_len
-        pieces.append(triton_backend.paged_attention(
-            whole.query[start:end], whole.kv_cache, whole.layer, whole.block_tables,
-            torch.tensor([end], dtype=torch.int32), torch.tensor([0, q_len], dtype=torch.int32),
-            whole.scale))
+        pieces.append(
+            triton_backend.paged_attention(
+                whole.query[start:end],
+                whole.kv_cache,
+                whole.layer,
+                whole.block_tables,
+                torch.tensor([end], dtype=torch.int32),
+                torch.tensor([0, q_len], dtype=torch.int32),
+                whole.scale,
+            )
+        )
     assert torch.allclose(torch.cat(pieces), full, atol=1e-5, rtol=1e-5)
 
 
@@ -120,9 +162,18 @@ SWEEP = list(itertools.product(DTYPES, [32, 64, 128], [16, 32], [(4, 4), (8, 2),
 def test_prefill_sweep(triton_backend, dtypes, head_dim, block_size, heads):
     dtype, kv_dtype, per_head = dtypes
     hq, hkv = heads
-    case = make_case([300, 257, 1, 33, 90], [300, 40, 1, 1, 90], num_heads=hq,
-                     num_kv_heads=hkv, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                     kv_dtype=kv_dtype, per_head_scale=per_head, seed=head_dim + hq)
+    case = make_case(
+        [300, 257, 1, 33, 90],
+        [300, 40, 1, 1, 90],
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        per_head_scale=per_head,
+        seed=head_dim + hq,
+    )
     expected = ref.paged_attention(*case.attention_args())
     actual = triton_backend.paged_attention(*case.attention_args())
     assert_close(actual, expected, dtype, "prefill sweep")
@@ -131,8 +182,16 @@ def test_prefill_sweep(triton_backend, dtypes, head_dim, block_size, heads):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_of_a_2k_prompt(triton_backend, dtype):
-    case = make_case([2100], [2100], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
-                     dtype=dtype, seed=21)
+    case = make_case(
+        [2100],
+        [2100],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        seed=21,
+    )
     expected = ref.paged_attention(*case.attention_args())
     actual = triton_backend.paged_attention(*case.attention_args())
     assert_close(actual, expected, dtype, "2k prompt")

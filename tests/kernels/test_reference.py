@@ -42,15 +42,31 @@ def _naive(case) -> torch.Tensor:
 
 def test_reference_attention_matches_naive_loops():
     for kv_dtype, per_head in ((torch.float32, False), (FP8, True)):
-        case = make_case([5, 40, 19, 33], [5, 7, 1, 0], num_heads=4, num_kv_heads=2,
-                         head_dim=16, block_size=16, dtype=torch.float32, kv_dtype=kv_dtype,
-                         per_head_scale=per_head, seed=3)
+        case = make_case(
+            [5, 40, 19, 33],
+            [5, 7, 1, 0],
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            block_size=16,
+            dtype=torch.float32,
+            kv_dtype=kv_dtype,
+            per_head_scale=per_head,
+            seed=3,
+        )
         expected = _naive(case)
         got = ref.paged_attention(*case.attention_args()).double()
         rows = torch.arange(case.query.shape[0]) < int(case.query_start_loc[-1])
         assert torch.allclose(got[rows], expected[rows], atol=1e-5)
-        decode = make_case([1, 30, 64], num_heads=4, num_kv_heads=1, head_dim=16,
-                           dtype=torch.float32, kv_dtype=kv_dtype, seed=4)
+        decode = make_case(
+            [1, 30, 64],
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=16,
+            dtype=torch.float32,
+            kv_dtype=kv_dtype,
+            seed=4,
+        )
         got = ref.paged_decode_attention(*decode.decode_args()).double()
         assert torch.allclose(got, _naive(decode), atol=1e-5)
 

@@ -11,8 +11,9 @@ from kernels.fp8_scales import compute_kv_scales
 FP8 = torch.float8_e4m3fn
 
 
-def _pool(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype,
-          layers: int = 3) -> torch.Tensor:
+def _pool(
+    num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype, layers: int = 3
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7)
     pool = torch.randn(num_blocks, layers, 2, block_size, hkv, d, generator=gen)
     return pool.to(dtype)  # [NB, L, 2, BS, Hkv, D]
@@ -24,18 +25,22 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("src_dtype,pool_dtype,per_head", [
-    (torch.float32, torch.float32, False),
-    (torch.float16, torch.float16, False),
-    (torch.bfloat16, torch.bfloat16, False),
-    (torch.float32, torch.float16, False),  # pool dtype differs from the activations
-    (torch.float16, FP8, False),
-    (torch.bfloat16, FP8, True),
-    (torch.float32, FP8, True),
-])
+@pytest.mark.parametrize(
+    "src_dtype,pool_dtype,per_head",
+    [
+        (torch.float32, torch.float32, False),
+        (torch.float16, torch.float16, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.float32, torch.float16, False),  # pool dtype differs from the activations
+        (torch.float16, FP8, False),
+        (torch.bfloat16, FP8, True),
+        (torch.float32, FP8, True),
+    ],
+)
 @pytest.mark.parametrize("block_size,hkv,d", [(16, 1, 32), (32, 2, 64), (16, 8, 128)])
-def test_write_kv_matches_reference(triton_backend, src_dtype, pool_dtype, per_head,
-                                    block_size, hkv, d):
+def test_write_kv_matches_reference(
+    triton_backend, src_dtype, pool_dtype, per_head, block_size, hkv, d
+):
     num_blocks, layer, n_tok = 12, 1, 40
     gen = torch.Generator().manual_seed(block_size + hkv + d)
     key = (torch.randn(n_tok, hkv, d, generator=gen) * 3).to(src_dtype)  # [T, Hkv, D]
@@ -86,8 +91,8 @@ def test_write_kv_strided_views_from_fused_qkv(triton_backend):
     """K and V sliced out of a fused qkv projection (token stride > Hkv * D) are read correctly."""
     t, hq, hkv, d, bs = 9, 8, 2, 64, 16
     qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=torch.float16)
-    key = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)  # [T, Hkv, D], token stride (hq+2hkv)*d
-    value = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    key = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)  # [T, Hkv, D], token stride (hq+2hkv)*d
+    value = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
     assert not key.is_contiguous()
     slots = torch.tensor([3, 17, 18, 40, 41, 42, 0, 63, 20])
     expected = _pool(4, bs, hkv, d, torch.float16, layers=1)

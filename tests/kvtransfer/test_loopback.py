@@ -416,6 +416,7 @@ def test_malformed_and_unexpected_messages_to_receiver_are_rejected(loopback_pai
     replies: list = []
     transport, link = _raw_link(receiver._transport.network, receiver, replies)
     try:
+
         def send(payload):
             return transport.reactor.run_sync(link.send_ctrl, payload)
 

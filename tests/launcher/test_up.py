@@ -22,10 +22,25 @@ def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
     env = dict(os.environ, PDSERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read while the process runs
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--kv-cache-memory", "64MiB",
-         "--run-dir", str(tmp_path / "run")],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "shared.cli",
+            "up",
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            "64MiB",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
+
         def banner():
             log.seek(0)
             text = log.read()
@@ -42,8 +57,11 @@ def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         model = client.models.list().data[0].id
         resp = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Say hello to the cluster."}],
-            max_tokens=8, temperature=0)
+            model=model,
+            messages=[{"role": "user", "content": "Say hello to the cluster."}],
+            max_tokens=8,
+            temperature=0,
+        )
         assert resp.choices[0].finish_reason in ("length", "stop")
         assert isinstance(resp.choices[0].message.content, str)
         assert 1 <= resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 5

@@ -50,10 +50,17 @@ def router_config(tiny_model, redis_server, prefix):
     from router.config import RouterConfig
     from router.policy import PolicyConfig
 
-    return RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
-                        redis_url=redis_server.url, directory_prefix=prefix, port=0,
-                        worker_refresh_interval_s=0.1, request_timeout_s=30.0,
-                        stall_timeout_s=10.0, policy=PolicyConfig(local_prefill_threshold=0))
+    return RouterConfig(
+        model=str(tiny_model),
+        served_model_name=MODEL_NAME,
+        redis_url=redis_server.url,
+        directory_prefix=prefix,
+        port=0,
+        worker_refresh_interval_s=0.1,
+        request_timeout_s=30.0,
+        stall_timeout_s=10.0,
+        policy=PolicyConfig(local_prefill_threshold=0),
+    )
 
 
 @pytest.fixture

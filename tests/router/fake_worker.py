@@ -68,9 +68,17 @@ def fake_logprob(token: int, h: int, k: int, vocab: int) -> pb.TokenLogprob:
     return pb.TokenLogprob(logprob=lp, rank=1, top=top[:k])
 
 
-def expected_output(prompt: list[int], *, max_tokens: int, vocab: int, index: int = 0,
-                    seed: int = 0, ignore_eos: bool = False, min_tokens: int = 0,
-                    stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], str]:
+def expected_output(
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    vocab: int,
+    index: int = 0,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+) -> tuple[list[int], str]:
     """The tokens and finish reason an undisturbed fake worker produces."""
     key = prompt_key(prompt)
     out: list[int] = []
@@ -95,8 +103,11 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.lock = threading.Lock()
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(free_blocks=self.args.num_blocks - len(self.cache), running=self.running,
-                          waiting=self.args.report_waiting)
+        return WorkerLoad(
+            free_blocks=self.args.num_blocks - len(self.cache),
+            running=self.running,
+            waiting=self.args.report_waiting,
+        )
 
     def _cache_prompt(self, hashes: list[bytes]) -> int:
         """Insert the prompt's blocks (LRU); returns how many leading blocks were cached."""
@@ -113,7 +124,8 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
         while len(self.cache) > self.args.num_blocks:
             removed.append(self.cache.popitem(last=False)[0])
         events = ([BlockStored(tuple(stored))] if stored else []) + (
-            [BlockRemoved(tuple(removed))] if removed else [])
+            [BlockRemoved(tuple(removed))] if removed else []
+        )
         if events and self.publisher is not None:
             threading.Thread(target=self.publisher.publish, args=(events,), daemon=True).start()
         return hit
@@ -129,12 +141,16 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             prompt = list(request.prompt_token_ids)
             sp = request.sampling
             n = max(1, sp.n)
-            max_tokens = sp.max_tokens if sp.HasField("max_tokens") else a.max_model_len - len(prompt)
+            max_tokens = (
+                sp.max_tokens if sp.HasField("max_tokens") else a.max_model_len - len(prompt)
+            )
             seed = sp.seed if sp.HasField("seed") else 0
             k = sp.logprobs if sp.HasField("logprobs") else None
             stop_ids = set(sp.stop_token_ids)
             key = prompt_key(prompt)
-            hashes = block_hashes(prompt, a.block_size, hash_seed(a.model, request.cache_salt or None))
+            hashes = block_hashes(
+                prompt, a.block_size, hash_seed(a.model, request.cache_salt or None)
+            )
             cached_blocks = self._cache_prompt(hashes)
             self.hits += cached_blocks > 0
             pos = [0] * n
@@ -170,20 +186,35 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
                 if live and a.token_delay:
                     await asyncio.sleep(a.token_delay)
             total = sum(pos)
-            await context.write(pb.GenerateChunk(
-                request_id=request.request_id, worker_id=a.worker_id, finished=True,
-                usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=total,
-                               cached_tokens=min(cached_blocks * a.block_size, len(prompt) - 1)),
-                timings=pb.Timings(path="disagg" if request.prefill_address else "local")))
+            await context.write(
+                pb.GenerateChunk(
+                    request_id=request.request_id,
+                    worker_id=a.worker_id,
+                    finished=True,
+                    usage=pb.Usage(
+                        prompt_tokens=len(prompt),
+                        completion_tokens=total,
+                        cached_tokens=min(cached_blocks * a.block_size, len(prompt) - 1),
+                    ),
+                    timings=pb.Timings(path="disagg" if request.prefill_address else "local"),
+                )
+            )
         finally:
             self.running -= 1
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         load = self.load()
-        return pb.WorkerStats(worker_id=self.args.worker_id, role="decode",
-                              num_blocks=self.args.num_blocks, free_blocks=load.free_blocks,
-                              running=self.running, waiting=load.waiting, integrity_ok=True,
-                              prefix_cache_queries=self.queries, prefix_cache_hits=self.hits)
+        return pb.WorkerStats(
+            worker_id=self.args.worker_id,
+            role="decode",
+            num_blocks=self.args.num_blocks,
+            free_blocks=load.free_blocks,
+            running=self.running,
+            waiting=load.waiting,
+            integrity_ok=True,
+            prefix_cache_queries=self.queries,
+            prefix_cache_hits=self.hits,
+        )
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -191,11 +222,21 @@ async def serve(args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     lease = publisher = None
     if args.redis_url:
-        info = WorkerInfo(worker_id=args.worker_id, role="decode", model=args.model,
-                          grpc=f"127.0.0.1:{port}", block_size=args.block_size,
-                          num_blocks=args.num_blocks, max_model_len=args.max_model_len)
-        lease = WorkerLease(connect_sync(args.redis_url), info, keys=DirectoryKeys(args.prefix),
-                            ttl_s=args.lease_ttl)
+        info = WorkerInfo(
+            worker_id=args.worker_id,
+            role="decode",
+            model=args.model,
+            grpc=f"127.0.0.1:{port}",
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_model_len=args.max_model_len,
+        )
+        lease = WorkerLease(
+            connect_sync(args.redis_url),
+            info,
+            keys=DirectoryKeys(args.prefix),
+            ttl_s=args.lease_ttl,
+        )
         publisher = KVEventPublisher(lease.client, lease)
     worker = FakeDecodeWorker(args, publisher)
     pb_grpc.add_DecodeWorkerServicer_to_server(worker, server)

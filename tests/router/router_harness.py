@@ -40,17 +40,31 @@ class FakeWorker:
 
     def __init__(self, redis_url: str | None, prefix: str, worker_id: str, **opts) -> None:
         self.worker_id = worker_id
-        cmd = [sys.executable, str(HERE / "fake_worker.py"), "--model", MODEL_NAME,
-               "--worker-id", worker_id, "--prefix", prefix]
+        cmd = [
+            sys.executable,
+            str(HERE / "fake_worker.py"),
+            "--model",
+            MODEL_NAME,
+            "--worker-id",
+            worker_id,
+            "--prefix",
+            prefix,
+        ]
         if redis_url:
             cmd += ["--redis-url", redis_url]
         for k, v in opts.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix=f"fake-{worker_id}-", suffix=".log")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     preexec_fn=_session_dying_with_parent,
-                                     cwd=ROOT)
+            prefix=f"fake-{worker_id}-", suffix=".log"
+        )
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            preexec_fn=_session_dying_with_parent,
+            cwd=ROOT,
+        )
         line = self._readline(timeout=20)
         if not line.startswith("READY "):
             self.kill()
@@ -108,8 +122,11 @@ class RouterThread:
         self.port = free_port()  # never the config's default (8000 may be taken)
         self.config = replace(config, port=self.port, host="127.0.0.1")
         self.app = create_app(self.config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -123,12 +140,15 @@ class RouterThread:
     def ctx(self):
         return self.app.state.ctx
 
-    def wait_workers(self, n_decode: int, timeout: float = 10.0, n_prefill: int | None = None) -> None:
+    def wait_workers(
+        self, n_decode: int, timeout: float = 10.0, n_prefill: int | None = None
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             body = httpx.get(f"{self.url}/health", timeout=5).json()
             if body["decode_workers"] == n_decode and (
-                    n_prefill is None or body["prefill_workers"] == n_prefill):
+                n_prefill is None or body["prefill_workers"] == n_prefill
+            ):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"router did not see {n_decode} decode workers: {body}")
@@ -136,8 +156,13 @@ class RouterThread:
     def openai(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"),
-                             max_retries=0, timeout=kw.pop("timeout", 30), **kw)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=kw.pop("api_key", "none"),
+            max_retries=0,
+            timeout=kw.pop("timeout", 30),
+            **kw,
+        )
 
     def metric(self, name: str, **labels) -> float:
         from prometheus_client.parser import text_string_to_metric_families

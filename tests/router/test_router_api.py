@@ -23,9 +23,16 @@ def cluster(tiny_model, redis_server):
     worker = FakeWorker(redis_server.url, prefix, "api-d0")
     router = None
     try:
-        router = RouterThread(RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
-                                           redis_url=redis_server.url, directory_prefix=prefix,
-                                           worker_refresh_interval_s=0.1, request_timeout_s=30))
+        router = RouterThread(
+            RouterConfig(
+                model=str(tiny_model),
+                served_model_name=MODEL_NAME,
+                redis_url=redis_server.url,
+                directory_prefix=prefix,
+                worker_refresh_interval_s=0.1,
+                request_timeout_s=30,
+            )
+        )
         router.wait_workers(1)
         yield router
     finally:
@@ -61,7 +68,7 @@ def sse_events(response: httpx.Response) -> list:
         if not line:
             continue
         assert line.startswith("data: "), line
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -69,11 +76,18 @@ def sse_events(response: httpx.Response) -> list:
 def test_completion_text_and_exact_usage(cluster, tok):
     client = cluster.openai()
     prompt = "def fibonacci(n):"
-    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     ids = tok.encode(prompt)
     _, text, _ = expect(tok, ids, 24, ignore_eos=True)
-    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL_NAME
+    assert (
+        out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL_NAME
+    )
     assert isinstance(out.created, int)
     (choice,) = out.choices
     assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
@@ -84,8 +98,14 @@ def test_completion_text_and_exact_usage(cluster, tok):
 
 def test_completion_stream_matches_and_ends_with_usage_then_done(cluster, tok):
     prompt = "the river and the mountain"
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 30, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": 30,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -105,9 +125,14 @@ def test_completion_stream_matches_and_ends_with_usage_then_done(cluster, tok):
 def test_chat_stream_role_chunk_first_then_content_usage_done(cluster, tok):
     client = cluster.openai()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     first = chunks[0].choices[0]
     assert first.delta.role == "assistant" and first.delta.content == ""
@@ -123,10 +148,18 @@ def test_chat_stream_role_chunk_first_then_content_usage_done(cluster, tok):
 
 def test_chat_non_stream_shape(cluster, tok):
     client = cluster.openai()
-    messages = [{"role": "user", "content": [{"type": "text", "text": "part one"},
-                                             {"type": "text", "text": "part two"}]}]
-    out = client.chat.completions.create(model=MODEL_NAME, messages=messages,
-                                         max_completion_tokens=10, extra_body={"ignore_eos": True})
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}],
+        }
+    ]
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_completion_tokens=10,
+        extra_body={"ignore_eos": True},
+    )
     assert out.object == "chat.completion"
     (choice,) = out.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
@@ -138,16 +171,23 @@ def test_chat_non_stream_shape(cluster, tok):
 
 def test_n2_gives_two_distinct_choices(cluster, tok):
     client = cluster.openai()
-    out = client.completions.create(model=MODEL_NAME, prompt="two samples", max_tokens=8, n=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="two samples", max_tokens=8, n=2, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in out.choices] == [0, 1]
     ids = tok.encode("two samples")
     for c in out.choices:
         assert c.text == expect(tok, ids, 8, index=c.index, ignore_eos=True)[1]
     assert out.choices[0].text != out.choices[1].text
     assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == len(ids)
-    stream = client.completions.create(model=MODEL_NAME, prompt="two samples", max_tokens=8, n=2,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="two samples",
+        max_tokens=8,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts = {0: "", 1: ""}
     for ch in stream:
         for c in ch.choices:
@@ -164,9 +204,15 @@ def test_stop_string_truncates_and_counts_tokens_to_the_match(cluster, tok):
     cut = full.index(stop)
     n_tokens = next(k for k in range(1, 41) if stop in tok.decode(toks[:k]))
     for stream in (False, True):
-        resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, stop=[stop],
-                                         stream=stream, stream_options={"include_usage": True}
-                                         if stream else None, extra_body={"ignore_eos": True})
+        resp = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=40,
+            stop=[stop],
+            stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+            extra_body={"ignore_eos": True},
+        )
         if stream:
             chunks = list(resp)
             text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -186,8 +232,9 @@ def test_eos_ends_unless_ignore_eos(cluster, tok):
     assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason is None
     assert out.usage.completion_tokens == eos_at  # the EOS token counts
     assert "</s>" not in out.choices[0].text
-    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=60,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=60, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 60
 
 
@@ -197,8 +244,12 @@ def test_stop_token_ids(cluster, tok):
     toks, _, _ = expect(tok, ids, 30, ignore_eos=True)
     stop_id = toks[5]
     first = toks.index(stop_id)
-    out = client.completions.create(model=MODEL_NAME, prompt="token stop", max_tokens=30,
-                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt="token stop",
+        max_tokens=30,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
+    )
     c = out.choices[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop_id
     assert out.usage.completion_tokens == first + 1
@@ -207,8 +258,13 @@ def test_stop_token_ids(cluster, tok):
 
 def test_completion_logprobs(cluster, tok):
     client = cluster.openai()
-    out = client.completions.create(model=MODEL_NAME, prompt="log probs", max_tokens=6, logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt="log probs",
+        max_tokens=6,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     lp = out.choices[0].logprobs
     toks, _, _ = expect(tok, tok.encode("log probs"), 6, ignore_eos=True)
     assert lp.tokens == [tok.token_str(t) for t in toks]
@@ -220,38 +276,58 @@ def test_completion_logprobs(cluster, tok):
 def test_chat_logprobs_stream_and_not(cluster, tok):
     client = cluster.openai()
     msgs = [{"role": "user", "content": "lp"}]
-    out = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=5,
-                                         logprobs=True, top_logprobs=3,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=msgs,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == 5
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
-    toks, _, _ = expect(tok, tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True),
-                                        False), 5, ignore_eos=True)
+    toks, _, _ = expect(
+        tok,
+        tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), False),
+        5,
+        ignore_eos=True,
+    )
     raw = b"".join(bytes(c.bytes) for c in content)
     assert raw == b"".join(tok.token_bytes(t) for t in toks)  # exact bytes, even split UTF-8
     # the text is the same bytes, minus an incomplete character at the very end (never emitted)
     full = raw.decode(errors="replace")
     text = out.choices[0].message.content
-    assert full.startswith(text) and set(full[len(text):]) <= {"\ufffd"}
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=5,
-                                            logprobs=True, stream=True,
-                                            extra_body={"ignore_eos": True})
-    streamed = [c for ch in stream if ch.choices and ch.choices[0].logprobs
-                for c in ch.choices[0].logprobs.content]
+    assert full.startswith(text) and set(full[len(text) :]) <= {"\ufffd"}
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=msgs,
+        max_tokens=5,
+        logprobs=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    streamed = [
+        c
+        for ch in stream
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
     assert [c.token for c in streamed] == [c.token for c in content]
 
 
 def test_token_id_prompts_and_batches(cluster, tok):
     client = cluster.openai()
     ids = tok.encode("raw ids")
-    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].text == expect(tok, ids, 4, ignore_eos=True)[1]
     assert out.usage.prompt_tokens == len(ids)
     prompts = ["first prompt", "second prompt", "third"]
-    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=4, n=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=4, n=2, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in out.choices] == list(range(6))
     for c in out.choices:
         p = tok.encode(prompts[c.index // 2])
@@ -262,12 +338,21 @@ def test_token_id_prompts_and_batches(cluster, tok):
 
 def test_vllm_bench_serve_request_shape(cluster, tok):
     """Exactly what ``vllm bench serve --backend openai`` sends, parsed as it parses."""
-    body = {"model": MODEL_NAME, "prompt": "benchmark prompt text", "max_tokens": 16,
-            "stream": True, "stream_options": {"include_usage": True}, "repetition_penalty": 1.0,
-            "logprobs": None, "temperature": 0.0, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "benchmark prompt text",
+        "max_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "repetition_penalty": 1.0,
+        "logprobs": None,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     headers = {"x-request-id": "bench-123"}
-    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, headers=headers,
-                      timeout=30) as r:
+    with httpx.stream(
+        "POST", f"{cluster.url}/v1/completions", json=body, headers=headers, timeout=30
+    ) as r:
         assert r.status_code == 200
         first_with_choices, usage, text = None, None, ""
         for i, line in enumerate(r.iter_lines()):
@@ -281,7 +366,9 @@ def test_vllm_bench_serve_request_shape(cluster, tok):
             elif u := data.get("usage"):
                 usage = u
     assert first_with_choices is not None
-    assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == len(tok.encode(body["prompt"]))
+    assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == len(
+        tok.encode(body["prompt"])
+    )
     assert text == expect(tok, tok.encode(body["prompt"]), 16, ignore_eos=True)[1]
 
 
@@ -291,27 +378,39 @@ def test_tokenize_detokenize_models_health_metrics(cluster, tok):
     assert r["max_model_len"] == 4096
     msgs = [{"role": "user", "content": "hi"}]
     r2 = httpx.post(f"{cluster.url}/tokenize", json={"messages": msgs}).json()
-    assert r2["tokens"] == tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), False)
-    d = httpx.post(f"{cluster.url}/detokenize", json={"model": MODEL_NAME, "tokens": r["tokens"]}).json()
+    assert r2["tokens"] == tok.encode(
+        tok.apply_chat_template(msgs, add_generation_prompt=True), False
+    )
+    d = httpx.post(
+        f"{cluster.url}/detokenize", json={"model": MODEL_NAME, "tokens": r["tokens"]}
+    ).json()
     assert d["prompt"] == "<s>héllo"
     models = cluster.openai().models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     h = httpx.get(f"{cluster.url}/health")
     assert h.status_code == 200 and h.json()["decode_workers"] == 1
     text = httpx.get(f"{cluster.url}/metrics").text
-    for name in ("pdserve:router_requests_total", "pdserve:router_retries_total",
-                 "pdserve:time_to_first_token_seconds_bucket",
-                 "pdserve:inter_token_latency_seconds_bucket",
-                 "pdserve:e2e_request_latency_seconds_bucket"):
+    for name in (
+        "pdserve:router_requests_total",
+        "pdserve:router_retries_total",
+        "pdserve:time_to_first_token_seconds_bucket",
+        "pdserve:inter_token_latency_seconds_bucket",
+        "pdserve:e2e_request_latency_seconds_bucket",
+    ):
         assert name in text
     assert cluster.metric("pdserve:router_requests_total", path="local") >= 1
     assert cluster.metric("pdserve:time_to_first_token_seconds_count") >= 1
 
 
 def test_continuous_usage_stats(cluster, tok):
-    body = {"model": MODEL_NAME, "prompt": "running usage", "max_tokens": 6, "stream": True,
-            "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "running usage",
+        "max_tokens": 6,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
         events = sse_events(r)
     counts = [e["usage"]["completion_tokens"] for e in events[:-1]]

@@ -17,8 +17,9 @@ from router.config import RouterConfig
 pytestmark = pytest.mark.integration
 
 
-def assert_error(resp: httpx.Response, status: int, *, param: str | None = None,
-                 contains: str = "") -> dict:
+def assert_error(
+    resp: httpx.Response, status: int, *, param: str | None = None, contains: str = ""
+) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -36,9 +37,16 @@ def router(tiny_model, redis_server):
     worker = FakeWorker(redis_server.url, prefix, "err-d0")
     r = None
     try:
-        r = RouterThread(RouterConfig(model=str(tiny_model), served_model_name=MODEL_NAME,
-                                      redis_url=redis_server.url, directory_prefix=prefix,
-                                      worker_refresh_interval_s=0.1, max_request_body_bytes=65536))
+        r = RouterThread(
+            RouterConfig(
+                model=str(tiny_model),
+                served_model_name=MODEL_NAME,
+                redis_url=redis_server.url,
+                directory_prefix=prefix,
+                worker_refresh_interval_s=0.1,
+                max_request_body_bytes=65536,
+            )
+        )
         r.wait_workers(1)
         yield r
     finally:
@@ -51,44 +59,69 @@ def post(r, path="/v1/completions", **body):
     return httpx.post(f"{r.url}{path}", json={"model": MODEL_NAME, **body}, timeout=10)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    ({"prompt": "x", "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
-    ({"prompt": [999999]}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": "x", "n": "many"}, "n"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "x", "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"prompt": [999999]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "x", "n": "many"}, "n"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_invalid_parameters_are_400(router, body, param):
     assert_error(post(router, **body), 400, param=param)
 
 
 def test_chat_specific_400s(router):
     msgs = [{"role": "user", "content": "x"}]
-    assert_error(post(router, "/v1/chat/completions", messages=msgs, top_logprobs=2), 400,
-                 param="top_logprobs")
-    assert_error(post(router, "/v1/chat/completions", messages=msgs, tool_choice="required",
-                      tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-                 param="tool_choice")
-    assert_error(post(router, "/v1/chat/completions", messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
-        contains="image_url")
+    assert_error(
+        post(router, "/v1/chat/completions", messages=msgs, top_logprobs=2),
+        400,
+        param="top_logprobs",
+    )
+    assert_error(
+        post(
+            router,
+            "/v1/chat/completions",
+            messages=msgs,
+            tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        ),
+        400,
+        param="tool_choice",
+    )
+    assert_error(
+        post(
+            router,
+            "/v1/chat/completions",
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        ),
+        400,
+        contains="image_url",
+    )
     assert_error(post(router, "/v1/chat/completions", messages=[]), 400, param="messages")
 
 
 def test_malformed_json_is_400(router):
-    resp = httpx.post(f"{router.url}/v1/completions", content=b"{not json",
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{router.url}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert_error(resp, 400)
 
 
@@ -106,16 +139,20 @@ def test_unknown_model_and_route_are_404(router):
     err = assert_error(post(router, model="gpt-4", prompt="x"), 404, param="model")
     assert err["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
-        router.openai().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        router.openai().chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
     assert_error(httpx.get(f"{router.url}/v1/nothing-here"), 404)
 
 
 def test_oversize_body_is_413(router):
     assert_error(post(router, prompt="x" * 70000), 413)
     # also when the body is chunked (no content-length)
-    resp = httpx.post(f"{router.url}/v1/completions",
-                      content=iter([b'{"prompt": "', b"y" * 70000, b'"}']),
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{router.url}/v1/completions",
+        content=iter([b'{"prompt": "', b"y" * 70000, b'"}']),
+        headers={"content-type": "application/json"},
+    )
     assert_error(resp, 413)
 
 
@@ -137,8 +174,9 @@ def test_router_admission_limit_is_429_with_retry_after(make_worker, make_router
     r = make_router(replace(router_config, max_inflight_requests=1))
     r.wait_workers(1)
     body = {"model": MODEL_NAME, "prompt": "hold", "max_tokens": 30, "ignore_eos": True}
-    first = threading.Thread(target=lambda: httpx.post(f"{r.url}/v1/completions", json=body,
-                                                       timeout=20))
+    first = threading.Thread(
+        target=lambda: httpx.post(f"{r.url}/v1/completions", json=body, timeout=20)
+    )
     first.start()
     deadline = time.monotonic() + 5
     while r.ctx.inflight == 0 and time.monotonic() < deadline:
@@ -171,8 +209,9 @@ def test_no_worker_is_503(make_router, router_config):
     assert r.metric("pdserve:router_request_errors_total", status="503") >= 2
 
 
-def test_shorter_max_model_len_advertised_by_workers_is_enforced(make_worker, make_router,
-                                                                router_config):
+def test_shorter_max_model_len_advertised_by_workers_is_enforced(
+    make_worker, make_router, router_config
+):
     make_worker("short", max_model_len=1024)
     r = make_router(router_config)
     r.wait_workers(1)

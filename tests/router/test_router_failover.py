@@ -38,9 +38,15 @@ def test_decode_killed_mid_stream_resumes_identically(make_worker, make_router, 
     r.wait_workers(2)
     time.sleep(0.3)
     prompt = "a long story about the sea"
-    stream = r.openai().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40,
-                                           stream=True, stream_options={"include_usage": True},
-                                           logprobs=1, extra_body={"ignore_eos": True})
+    stream = r.openai().completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert doomed.proc.wait(5) is not None  # it really died mid-stream
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -60,25 +66,29 @@ def test_failover_with_n2_non_streaming(make_worker, make_router, router_config,
     r.wait_workers(2)
     time.sleep(0.3)
     prompt = "two samples survive a crash"
-    out = r.openai().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, n=2,
-                                        extra_body={"ignore_eos": True})
+    out = r.openai().completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=20, n=2, extra_body={"ignore_eos": True}
+    )
     for c in out.choices:
-        expected, _ = fw.expected_output(tok.encode(prompt), max_tokens=20, vocab=2048,
-                                         index=c.index, ignore_eos=True)
+        expected, _ = fw.expected_output(
+            tok.encode(prompt), max_tokens=20, vocab=2048, index=c.index, ignore_eos=True
+        )
         assert c.text == tok.decode(expected) and c.finish_reason == "length"
     assert out.usage.completion_tokens == 40
     assert r.metric("pdserve:router_retries_total") == 1
 
 
-def test_failure_before_first_token_retries_on_another_worker(make_worker, make_router,
-                                                              router_config):
+def test_failure_before_first_token_retries_on_another_worker(
+    make_worker, make_router, router_config
+):
     flaky = make_worker("flaky", fail_requests=1, fail_code="UNAVAILABLE")
     good = make_worker("good", report_waiting=3)
     r = make_router(router_config)
     r.wait_workers(2)
     time.sleep(0.3)
-    out = r.openai().completions.create(model=MODEL_NAME, prompt="retry me", max_tokens=5,
-                                        extra_body={"ignore_eos": True})
+    out = r.openai().completions.create(
+        model=MODEL_NAME, prompt="retry me", max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 5
     assert r.metric("pdserve:router_retries_total") == 1
     assert good.stats().prefix_cache_queries == 1 and flaky.stats().prefix_cache_queries == 0
@@ -87,18 +97,22 @@ def test_failure_before_first_token_retries_on_another_worker(make_worker, make_
     assert r.metric("pdserve:router_retries_total") == 1
 
 
-def test_stalled_worker_is_abandoned_and_the_stream_resumed(make_worker, make_router,
-                                                            router_config, tok):
+def test_stalled_worker_is_abandoned_and_the_stream_resumed(
+    make_worker, make_router, router_config, tok
+):
     stuck = make_worker("stuck", stall_after_tokens=5)
     make_worker("backup", report_waiting=3)
     r = make_router(replace(router_config, stall_timeout_s=0.5))
     r.wait_workers(2)
     time.sleep(0.3)
     t0 = time.monotonic()
-    out = r.openai().completions.create(model=MODEL_NAME, prompt="stall", max_tokens=12,
-                                        extra_body={"ignore_eos": True})
+    out = r.openai().completions.create(
+        model=MODEL_NAME, prompt="stall", max_tokens=12, extra_body={"ignore_eos": True}
+    )
     assert time.monotonic() - t0 < 5
-    expected, _ = fw.expected_output(tok.encode("stall"), max_tokens=12, vocab=2048, ignore_eos=True)
+    expected, _ = fw.expected_output(
+        tok.encode("stall"), max_tokens=12, vocab=2048, ignore_eos=True
+    )
     assert out.choices[0].text == tok.decode(expected)
     wait_idle(stuck)  # the stalled call was cancelled
 
@@ -118,8 +132,11 @@ def test_every_worker_at_capacity_is_429(make_worker, make_router, router_config
     make_worker("full1", fail_requests=9, fail_code="RESOURCE_EXHAUSTED")
     r = make_router(router_config)
     r.wait_workers(2)
-    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x",
-                                                       "max_tokens": 2}, timeout=10)
+    resp = httpx.post(
+        f"{r.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},
+        timeout=10,
+    )
     assert resp.status_code == 429 and resp.headers["retry-after"]
     assert resp.json()["error"]["type"] == "rate_limit_error"
 
@@ -129,27 +146,38 @@ def test_retries_are_bounded_then_502(make_worker, make_router, router_config):
         make_worker(f"broken{i}", fail_requests=9, fail_code="INTERNAL")
     r = make_router(replace(router_config, max_retries=1))
     r.wait_workers(3)
-    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x",
-                                                       "max_tokens": 2}, timeout=10)
+    resp = httpx.post(
+        f"{r.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},
+        timeout=10,
+    )
     assert resp.status_code == 502
     err = resp.json()["error"]
     assert "2 attempts" in err["message"] and err["code"] == "upstream_error"
     assert r.metric("pdserve:router_retries_total") == 1
     pool = r.app.state.pool  # failed attempts gave back the prefill work they had counted
-    assert all(pool.prefill_backlog(w.worker_id) == 0 and pool.decoding(w.worker_id) == 0
-               for w in pool.records())
+    assert all(
+        pool.prefill_backlog(w.worker_id) == 0 and pool.decoding(w.worker_id) == 0
+        for w in pool.records()
+    )
 
 
 def test_stop_string_cancels_the_decode_stream(make_worker, make_router, router_config, tok):
     w = make_worker("slow", token_delay=0.02)
     r = make_router(router_config)
     r.wait_workers(1)
-    expected, _ = fw.expected_output(tok.encode("cancel me"), max_tokens=10, vocab=2048,
-                                     ignore_eos=True)
+    expected, _ = fw.expected_output(
+        tok.encode("cancel me"), max_tokens=10, vocab=2048, ignore_eos=True
+    )
     stop = tok.decode(expected[3:5])
     t0 = time.monotonic()
-    out = r.openai().completions.create(model=MODEL_NAME, prompt="cancel me", max_tokens=2000,
-                                        stop=stop, extra_body={"ignore_eos": True})
+    out = r.openai().completions.create(
+        model=MODEL_NAME,
+        prompt="cancel me",
+        max_tokens=2000,
+        stop=stop,
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop
     assert time.monotonic() - t0 < 3  # not 2000 x 20 ms
     wait_idle(w)
@@ -159,8 +187,13 @@ def test_client_disconnect_cancels_the_decode_stream(make_worker, make_router, r
     w = make_worker("slow", token_delay=0.02)
     r = make_router(router_config)
     r.wait_workers(1)
-    body = {"model": MODEL_NAME, "prompt": "disconnect", "max_tokens": 2000, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "disconnect",
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{r.url}/v1/completions", json=body, timeout=10) as resp:
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(3)]
@@ -174,8 +207,7 @@ def test_client_disconnect_cancels_the_decode_stream(make_worker, make_router, r
     assert pool.decoding("slow") == 0
     # a non-streaming request whose client gives up is cancelled too
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{r.url}/v1/completions", timeout=0.5,
-                   json={**body, "stream": False})
+        httpx.post(f"{r.url}/v1/completions", timeout=0.5, json={**body, "stream": False})
     wait_idle(w)
 
 
@@ -184,8 +216,11 @@ def test_deadline_bounds_requests(make_worker, make_router, router_config):
     r = make_router(replace(router_config, request_timeout_s=1.0))
     r.wait_workers(1)
     t0 = time.monotonic()
-    resp = httpx.post(f"{r.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "late",
-                                                       "max_tokens": 5}, timeout=10)
+    resp = httpx.post(
+        f"{r.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "late", "max_tokens": 5},
+        timeout=10,
+    )
     assert resp.status_code == 504 and time.monotonic() - t0 < 3
     assert resp.json()["error"]["code"] == "request_timeout"
 
@@ -194,8 +229,13 @@ def test_deadline_mid_stream_ends_with_an_error_event(make_worker, make_router, 
     make_worker("trickle", token_delay=0.2)
     r = make_router(replace(router_config, request_timeout_s=1.0))
     r.wait_workers(1)
-    body = {"model": MODEL_NAME, "prompt": "late", "max_tokens": 100, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "late",
+        "max_tokens": 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
     t0 = time.monotonic()
     with httpx.stream("POST", f"{r.url}/v1/completions", json=body, timeout=10) as resp:
         assert resp.status_code == 200

@@ -28,11 +28,22 @@ def router(tiny_model, redis_server):
     worker = FakeWorker(redis_server.url, prefix, "inp-d0")
     r = None
     try:
-        r = RouterThread(RouterConfig(
-            model=str(tiny_model), served_model_name=MODEL_NAME, redis_url=redis_server.url,
-            directory_prefix=prefix, worker_refresh_interval_s=0.1, max_stop_strings=4,
-            max_stop_chars=64, max_prompts_per_request=4, max_choices_per_request=8,
-            max_cache_salt_length=16, max_json_depth=8, max_n=8))
+        r = RouterThread(
+            RouterConfig(
+                model=str(tiny_model),
+                served_model_name=MODEL_NAME,
+                redis_url=redis_server.url,
+                directory_prefix=prefix,
+                worker_refresh_interval_s=0.1,
+                max_stop_strings=4,
+                max_stop_chars=64,
+                max_prompts_per_request=4,
+                max_choices_per_request=8,
+                max_cache_salt_length=16,
+                max_json_depth=8,
+                max_n=8,
+            )
+        )
         r.wait_workers(1)
         yield r
     finally:
@@ -46,8 +57,9 @@ def post(r, path="/v1/completions", **body):
 
 
 def raw(r, content: bytes, path="/v1/completions", ctype="application/json"):
-    return httpx.post(f"{r.url}{path}", content=content, headers={"content-type": ctype},
-                      timeout=10)
+    return httpx.post(
+        f"{r.url}{path}", content=content, headers={"content-type": ctype}, timeout=10
+    )
 
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -55,42 +67,59 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 def test_the_wave1_request_is_a_400_naming_seed(router):
     # n=2 with seed 2^63-1 took every decode worker it was retried on down in wave 1
-    assert_error(post(router, prompt="hi", n=2, seed=2**63 - 1, temperature=1, max_tokens=4),
-                 400, param="seed")
+    assert_error(
+        post(router, prompt="hi", n=2, seed=2**63 - 1, temperature=1, max_tokens=4),
+        400,
+        param="seed",
+    )
     ok = post(router, prompt="hi", n=2, seed=2**63 - 2, temperature=1, max_tokens=4)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
-@pytest.mark.parametrize("body, param", [
-    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
-    (b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', "top_p"),
-    (b'{"model": "tiny", "prompt": "x", "presence_penalty": -Infinity}', "presence_penalty"),
-    (b'{"model": "tiny", "prompt": "x", "temperature": 1e39}', "temperature"),
-    (b'{"model": "tiny", "prompt": "x", "top_k": 1099511627776}', "top_k"),
-    (b'{"model": "tiny", "prompt": "x", "seed": 18446744073709551616}', "seed"),
-    (b'{"model": "tiny", "prompt": "x", "min_tokens": 4294967296}', "min_tokens"),
-    (b'{"model": "tiny", "prompt": [4294967301]}', "prompt"),
-    (b'{"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids"),
-    (b'{"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}', "truncate_prompt_tokens"),
-    (b'{"model": "tiny", "prompt": "x", "cache_salt": ""}', "cache_salt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+        (b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', "top_p"),
+        (b'{"model": "tiny", "prompt": "x", "presence_penalty": -Infinity}', "presence_penalty"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": 1e39}', "temperature"),
+        (b'{"model": "tiny", "prompt": "x", "top_k": 1099511627776}', "top_k"),
+        (b'{"model": "tiny", "prompt": "x", "seed": 18446744073709551616}', "seed"),
+        (b'{"model": "tiny", "prompt": "x", "min_tokens": 4294967296}', "min_tokens"),
+        (b'{"model": "tiny", "prompt": [4294967301]}', "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids"),
+        (
+            b'{"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}',
+            "truncate_prompt_tokens",
+        ),
+        (b'{"model": "tiny", "prompt": "x", "cache_salt": ""}', "cache_salt"),
+    ],
+)
 def test_out_of_range_numbers_are_400s(router, body, param):
     assert_error(raw(router, body), 400, param=param)
 
 
 def test_chat_min_tokens_beyond_the_budget_is_a_400(router):
     # no max_tokens: the budget is the context left; min_tokens may not exceed it
-    assert_error(post(router, "/v1/chat/completions", messages=MSGS, min_tokens=10**6), 400,
-                 param="min_tokens")
+    assert_error(
+        post(router, "/v1/chat/completions", messages=MSGS, min_tokens=10**6),
+        400,
+        param="min_tokens",
+    )
 
 
-@pytest.mark.parametrize("content, param", [
-    (b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
-    (b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
-    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
-     "messages.0.content"),
-    (b'{"model": "tiny", "prompt": "x", "user": "\\udc00"}', "user"),
-])
+@pytest.mark.parametrize(
+    "content, param",
+    [
+        (b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
+        (
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages.0.content",
+        ),
+        (b'{"model": "tiny", "prompt": "x", "user": "\\udc00"}', "user"),
+    ],
+)
 def test_lone_surrogates_are_400s(router, content, param):
     path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
     assert_error(raw(router, content, path), 400, param=param, contains="surrogate")
@@ -100,16 +129,21 @@ def test_surrogate_pairs_are_text(router):
     # clients that escape non-ASCII (json.dumps' default) send emoji as surrogate pairs
     r = raw(router, b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 2}')
     assert r.status_code == 200, r.text
-    r = raw(router, b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["\\ud83d\\ude00"]}')
+    r = raw(
+        router, b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": ["\\ud83d\\ude00"]}'
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("content, contains", [
-    (b'{"model": "tiny", "prompt": "\xc3\x28"}', "UTF-8"),
-    (b'\xff\xfe{"model": "tiny"}', "UTF-8"),
-    (b'{"model": "tiny", "prompt": ', "JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "nests"),
-])
+@pytest.mark.parametrize(
+    "content, contains",
+    [
+        (b'{"model": "tiny", "prompt": "\xc3\x28"}', "UTF-8"),
+        (b'\xff\xfe{"model": "tiny"}', "UTF-8"),
+        (b'{"model": "tiny", "prompt": ', "JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests"),
+    ],
+)
 def test_malformed_bodies_are_400s(router, content, contains):
     assert_error(raw(router, content), 400, param="body", contains=contains)
 
@@ -119,31 +153,65 @@ def test_deep_nesting_is_refused_where_it_could_hurt(router):
     for _ in range(20):
         deep = {"a": deep}
     tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
-    assert_error(post(router, "/v1/chat/completions", messages=MSGS, tools=tools), 400,
-                 param="tools", contains="--max-json-depth")
+    assert_error(
+        post(router, "/v1/chat/completions", messages=MSGS, tools=tools),
+        400,
+        param="tools",
+        contains="--max-json-depth",
+    )
     args = json.dumps(deep)
-    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": args}}]}]
-    assert_error(post(router, "/v1/chat/completions", messages=history), 400,
-                 param="messages.1.tool_calls.0.function.arguments")
+    history = MSGS + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": args}}
+            ],
+        }
+    ]
+    assert_error(
+        post(router, "/v1/chat/completions", messages=history),
+        400,
+        param="messages.1.tool_calls.0.function.arguments",
+    )
     brackets = "[" * 5000 + "]" * 5000  # deeper than the JSON parser's recursion limit
     history[1]["tool_calls"][0]["function"]["arguments"] = brackets
-    assert_error(post(router, "/v1/chat/completions", messages=history), 400,
-                 param="messages.1.tool_calls.0.function.arguments")
+    assert_error(
+        post(router, "/v1/chat/completions", messages=history),
+        400,
+        param="messages.1.tool_calls.0.function.arguments",
+    )
     assert_error(post(router, prompt="x", extra_field=[[[[[[[[[[1]]]]]]]]]]), 400, param="body")
 
 
 def test_request_limits_are_400s_naming_the_parameter(router):
-    assert_error(post(router, prompt="x", stop=["a", "b", "c", "d", "e"]), 400, param="stop",
-                 contains="at most 4")
-    assert_error(post(router, prompt="x", stop=["a" * 40, "b" * 40]), 400, param="stop",
-                 contains="characters")
-    assert_error(post(router, prompt="x", stop_token_ids=[5, 6, 7, 8, 9]), 400,
-                 param="stop_token_ids")
-    assert_error(post(router, prompt=["a", "b", "c", "d", "e"]), 400, param="prompt",
-                 contains="--max-prompts-per-request")
-    assert_error(post(router, prompt=[[5], [6], [7]], n=3), 400, param="n",
-                 contains="--max-choices-per-request")
+    assert_error(
+        post(router, prompt="x", stop=["a", "b", "c", "d", "e"]),
+        400,
+        param="stop",
+        contains="at most 4",
+    )
+    assert_error(
+        post(router, prompt="x", stop=["a" * 40, "b" * 40]),
+        400,
+        param="stop",
+        contains="characters",
+    )
+    assert_error(
+        post(router, prompt="x", stop_token_ids=[5, 6, 7, 8, 9]), 400, param="stop_token_ids"
+    )
+    assert_error(
+        post(router, prompt=["a", "b", "c", "d", "e"]),
+        400,
+        param="prompt",
+        contains="--max-prompts-per-request",
+    )
+    assert_error(
+        post(router, prompt=[[5], [6], [7]], n=3),
+        400,
+        param="n",
+        contains="--max-choices-per-request",
+    )
     assert_error(post(router, prompt="x", n=9), 400, param="n")
     assert_error(post(router, prompt="x", cache_salt="s" * 17), 400, param="cache_salt")
     assert post(router, prompt=["a", "b", "c", "d"], n=2, max_tokens=1).status_code == 200
@@ -153,9 +221,12 @@ def test_the_client_request_id_is_a_label_never_an_id(router):
     # two clients sending the same X-Request-Id at once: both are served (before, the second
     # collided on the worker), and each gets its label back
     def one(i):
-        return httpx.post(f"{router.url}/v1/completions", timeout=20,
-                          headers={"x-request-id": "same"},
-                          json={"model": MODEL_NAME, "prompt": f"p{i}", "max_tokens": 8})
+        return httpx.post(
+            f"{router.url}/v1/completions",
+            timeout=20,
+            headers={"x-request-id": "same"},
+            json={"model": MODEL_NAME, "prompt": f"p{i}", "max_tokens": 8},
+        )
 
     with cf.ThreadPoolExecutor(4) as pool:
         rs = list(pool.map(one, range(4)))
@@ -165,7 +236,8 @@ def test_the_client_request_id_is_a_label_never_an_id(router):
 
 
 def test_health_answers_within_100ms_while_the_largest_requests_are_parsed(
-        tiny_model, make_worker, redis_server, prefix, tmp_path):
+    tiny_model, make_worker, redis_server, prefix, tmp_path
+):
     """The router as its own process; bodies at the 1 MiB default limit in the shapes that cost
     the most to parse (token-id lists, many messages, long text to tokenize, many prompts)
     arrive back to back while /health is polled."""
@@ -173,8 +245,9 @@ def test_health_answers_within_100ms_while_the_largest_requests_are_parsed(
     proc, url, log = _start_router(tiny_model, redis_server, prefix, tmp_path)
     limit = 1 << 20
     ids = json.dumps({"model": MODEL_NAME, "prompt": list(range(10_000, 10_000 + 135_000))})
-    msgs = json.dumps({"model": MODEL_NAME, "messages": [
-        {"role": "user", "content": "hello there"}] * 22_500})
+    msgs = json.dumps(
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello there"}] * 22_500}
+    )
     text = json.dumps({"model": MODEL_NAME, "prompt": "word " * 200_000})
     prompts = json.dumps({"model": MODEL_NAME, "prompt": ["word " * 1500] * 128})
     bodies = [b.encode() for b in (ids, msgs, text, prompts)]
@@ -187,8 +260,11 @@ def test_health_answers_within_100ms_while_the_largest_requests_are_parsed(
             while not stop.is_set():
                 for b in bodies:
                     path = "/v1/chat/completions" if b is bodies[1] else "/v1/completions"
-                    statuses.append(c.post(url + path, content=b,
-                                           headers={"content-type": "application/json"}).status_code)
+                    statuses.append(
+                        c.post(
+                            url + path, content=b, headers={"content-type": "application/json"}
+                        ).status_code
+                    )
 
     worst = 0.0
     try:

@@ -26,7 +26,7 @@ def run(tok, tokens, params, per_delta=1, finish="length"):
     streamed = []
     for i in range(0, len(tokens), per_delta):
         last = i + per_delta >= len(tokens)
-        s.add(tokens[i:i + per_delta], finish_reason=finish if last else "")
+        s.add(tokens[i : i + per_delta], finish_reason=finish if last else "")
         if (d := s.take()) is not None:
             streamed.append(d.text)
         if s.finished:
@@ -102,8 +102,11 @@ def test_held_terminal_token_is_shown_when_generation_continues(tok):
 def test_stop_token_id_reports_stop_reason(tok):
     t = ids(tok, "red green blue")
     stop_id = t[1]
-    s = SampleOutput(0, tok, OutputParams(stop_token_ids=frozenset({stop_id}),
-                                          terminal_ids=frozenset({stop_id, EOS})))
+    s = SampleOutput(
+        0,
+        tok,
+        OutputParams(stop_token_ids=frozenset({stop_id}), terminal_ids=frozenset({stop_id, EOS})),
+    )
     s.add(t[:2], finish_reason="stop", stop_token_id=stop_id)
     assert s.text == "red" and s.stop_reason == stop_id and s.token_ids == t[:2]
 

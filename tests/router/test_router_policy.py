@@ -106,8 +106,18 @@ def test_prefill_workers_with_another_block_size_are_not_paired():
 
 def cand2(wid, backlog=0, decoding=0, **kw):
     c = cand(wid, **kw)
-    return Candidate(c.worker_id, c.address, c.cached_tokens, c.running, c.waiting,
-                     c.free_blocks, c.block_size, c.inflight, backlog, decoding)
+    return Candidate(
+        c.worker_id,
+        c.address,
+        c.cached_tokens,
+        c.running,
+        c.waiting,
+        c.free_blocks,
+        c.block_size,
+        c.inflight,
+        backlog,
+        decoding,
+    )
 
 
 def test_a_burst_splits_prefills_between_p_and_an_idle_d():

@@ -27,8 +27,14 @@ create_app(cfg)
 bad = sorted(m for m in ("torch", "transformers", "triton", "ucxx", "kvtransfer") if m in sys.modules)
 print("BAD" if bad else "CLEAN", bad)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("CLEAN"), out.stdout
 
@@ -40,11 +46,32 @@ def _start_router(tiny_model, redis_server, prefix, tmp_path, *extra):
     log = tmp_path / f"router-{port}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            PDSERVE + ["router", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
-                       "--redis-url", redis_server.url, "--directory-prefix", prefix,
-                       "--host", "127.0.0.1", "--port", str(port), "--worker-refresh-interval",
-                       "0.1", "--disable-uvicorn-access-log", *extra],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            PDSERVE
+            + [
+                "router",
+                "--model",
+                str(tiny_model),
+                "--served-model-name",
+                MODEL_NAME,
+                "--redis-url",
+                redis_server.url,
+                "--directory-prefix",
+                prefix,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-refresh-interval",
+                "0.1",
+                "--disable-uvicorn-access-log",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     try:
@@ -65,17 +92,21 @@ def _start_router(tiny_model, redis_server, prefix, tmp_path, *extra):
 
 
 @pytest.mark.integration
-def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_server, prefix,
-                                                 tmp_path):
+def test_pdserve_router_process_serves_and_stops(
+    tiny_model, make_worker, redis_server, prefix, tmp_path
+):
     make_worker("proc-d0")
     proc, url, log = _start_router(tiny_model, redis_server, prefix, tmp_path)
     try:
         import openai
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
-        out = client.chat.completions.create(model=MODEL_NAME, max_tokens=3,
-                                             messages=[{"role": "user", "content": "hi"}],
-                                             extra_body={"ignore_eos": True})
+        out = client.chat.completions.create(
+            model=MODEL_NAME,
+            max_tokens=3,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"ignore_eos": True},
+        )
         assert out.usage.completion_tokens == 3
         with open(f"/proc/{proc.pid}/maps") as f:
             assert "libtorch" not in f.read()  # the running router has no torch loaded
@@ -91,15 +122,22 @@ def test_pdserve_router_process_serves_and_stops(tiny_model, make_worker, redis_
 
 @pytest.mark.integration
 def test_sigterm_with_a_stream_in_flight_ends_within_the_shutdown_timeout(
-        tiny_model, make_worker, redis_server, prefix, tmp_path):
+    tiny_model, make_worker, redis_server, prefix, tmp_path
+):
     """An endless stream does not keep the router alive: SIGTERM closes it after
     ``--shutdown-timeout`` and the process exits."""
     make_worker("proc-slow", token_delay=0.05)
-    proc, url, log = _start_router(tiny_model, redis_server, prefix, tmp_path,
-                                   "--shutdown-timeout", "1")
+    proc, url, log = _start_router(
+        tiny_model, redis_server, prefix, tmp_path, "--shutdown-timeout", "1"
+    )
     try:
-        body = {"model": MODEL_NAME, "prompt": "keep going", "max_tokens": 2000,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "keep going",
+            "max_tokens": 2000,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
             assert resp.status_code == 200, resp.read()
             lines = resp.iter_lines()
@@ -116,14 +154,27 @@ def test_sigterm_with_a_stream_in_flight_ends_within_the_shutdown_timeout(
 
 
 def test_pdserve_router_rejects_a_bad_model_dir(tmp_path):
-    out = subprocess.run(PDSERVE + ["router", "--model", str(tmp_path / "missing"),
-                                    "--redis-url", "redis://127.0.0.1:1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
+    out = subprocess.run(
+        PDSERVE
+        + ["router", "--model", str(tmp_path / "missing"), "--redis-url", "redis://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 2
     assert "not a Hugging Face model directory" in out.stderr
 
 
 def test_pdserve_router_needs_workers_or_redis(tiny_model):
-    out = subprocess.run(PDSERVE + ["router", "--model", str(tiny_model)], capture_output=True,
-                         text=True, cwd=ROOT, timeout=60, check=False, env={**os.environ, "PDSERVE_REDIS_URL": ""})
+    out = subprocess.run(
+        PDSERVE + ["router", "--model", str(tiny_model)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PDSERVE_REDIS_URL": ""},
+    )
     assert out.returncode == 2 and "--redis-url" in out.stderr

@@ -15,8 +15,13 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
     # Threshold 64: prompts D lacks more than 64 tokens of go through the prefill worker.
-    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("api"),
-                     "--router-arg=--local-prefill-threshold=64", prefill=1, decode=1)
+    c = make_cluster(
+        tiny_llama,
+        tmp_path_factory.mktemp("api"),
+        "--router-arg=--local-prefill-threshold=64",
+        prefill=1,
+        decode=1,
+    )
     try:
         url = c.start()
         yield c, url, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
@@ -44,8 +49,13 @@ def test_greedy_completions_equal_transformers_disaggregated(cluster, tiny_llama
     before = _path_counts(url)
     for p, want in zip(prompts, ref):
         out = client.completions.create(
-            model=c.served_model_name, prompt=p, max_tokens=12, temperature=0, logprobs=0,
-            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            model=c.served_model_name,
+            prompt=p,
+            max_tokens=12,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
         assert _ids(out.choices[0].logprobs.tokens) == want
         assert out.usage.prompt_tokens == len(p) and out.usage.completion_tokens == 12
     after = _path_counts(url)
@@ -55,13 +65,21 @@ def test_greedy_completions_equal_transformers_disaggregated(cluster, tiny_llama
 
 def test_chat_streaming_usage_and_text(cluster):
     c, _, client = cluster
-    msgs = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name three rivers of the world and say why they matter."}]
-    full = client.chat.completions.create(model=c.served_model_name, messages=msgs, max_tokens=10,
-                                          temperature=0)
-    stream = client.chat.completions.create(model=c.served_model_name, messages=msgs,
-                                            max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three rivers of the world and say why they matter."},
+    ]
+    full = client.chat.completions.create(
+        model=c.served_model_name, messages=msgs, max_tokens=10, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=c.served_model_name,
+        messages=msgs,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage, roles = "", None, []
     for chunk in stream:
         if chunk.choices:
@@ -78,30 +96,57 @@ def test_chat_streaming_usage_and_text(cluster):
 
 def test_n2_seeded_stop_strings_and_logprobs(cluster):
     c, _, client = cluster
-    out = client.completions.create(model=c.served_model_name, prompt="Once upon a time", n=2,
-                                    max_tokens=16, temperature=0.9, seed=11,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=c.served_model_name,
+        prompt="Once upon a time",
+        n=2,
+        max_tokens=16,
+        temperature=0.9,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(ch.index for ch in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 32
-    again = client.completions.create(model=c.served_model_name, prompt="Once upon a time", n=2,
-                                      max_tokens=16, temperature=0.9, seed=11,
-                                      extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=c.served_model_name,
+        prompt="Once upon a time",
+        n=2,
+        max_tokens=16,
+        temperature=0.9,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     assert [ch.text for ch in out.choices] == [ch.text for ch in again.choices]
 
-    base = client.completions.create(model=c.served_model_name, prompt="The mill by the river",
-                                     max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=c.served_model_name,
+        prompt="The mill by the river",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     text = base.choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"need a visible stop string from {text!r}"
-    cut = client.completions.create(model=c.served_model_name, prompt="The mill by the river",
-                                    max_tokens=20, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model=c.served_model_name,
+        prompt="The mill by the river",
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
 
-    lp = client.chat.completions.create(model=c.served_model_name, max_tokens=5, temperature=0,
-                                        messages=[{"role": "user", "content": "hello"}],
-                                        logprobs=True, top_logprobs=3)
+    lp = client.chat.completions.create(
+        model=c.served_model_name,
+        max_tokens=5,
+        temperature=0,
+        messages=[{"role": "user", "content": "hello"}],
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = lp.choices[0].logprobs.content
     assert len(content) == lp.usage.completion_tokens
     for item in content:

@@ -19,9 +19,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("rc"),
-                     "--router-arg=--local-prefill-threshold=0", "--router-arg=--worker-cooldown=30",
-                     prefill=1, decode=2)
+    c = make_cluster(
+        tiny_llama,
+        tmp_path_factory.mktemp("rc"),
+        "--router-arg=--local-prefill-threshold=0",
+        "--router-arg=--worker-cooldown=30",
+        prefill=1,
+        decode=2,
+    )
     try:
         url = c.start()
         yield c, url
@@ -52,14 +57,16 @@ def test_cached_prefix_routes_to_its_decode_worker(cluster):
     for trial in range(3):
         prefix = [rng.randrange(3, 2000) for _ in range(320)]
         before = _decode_stats(c)
-        client.completions.create(model=c.served_model_name, prompt=prefix, max_tokens=2,
-                                  temperature=0)
+        client.completions.create(
+            model=c.served_model_name, prompt=prefix, max_tokens=2, temperature=0
+        )
         mid = _decode_stats(c)
         first = [n for n in mid if mid[n].prefix_cache_queries > before[n].prefix_cache_queries]
         assert len(first) == 1, f"trial {trial}: served by {first}"
         follow = prefix + [rng.randrange(3, 2000) for _ in range(40)]
-        client.completions.create(model=c.served_model_name, prompt=follow, max_tokens=2,
-                                  temperature=0)
+        client.completions.create(
+            model=c.served_model_name, prompt=follow, max_tokens=2, temperature=0
+        )
         after = _decode_stats(c)
         hit = [n for n in after if after[n].prefix_cache_hits - mid[n].prefix_cache_hits >= 320]
         assert hit == first, f"trial {trial}: prefix on {first}, follow-up hit on {hit}"
@@ -70,9 +77,14 @@ def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
 
     c, url = cluster
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-    kw = {"model": c.served_model_name, "prompt": "The history of the river and the old mill,",
-          "max_tokens": 600, "temperature": 0, "logprobs": 0,
-          "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    kw = {
+        "model": c.served_model_name,
+        "prompt": "The history of the river and the old mill,",
+        "max_tokens": 600,
+        "temperature": 0,
+        "logprobs": 0,
+        "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True},
+    }
     ref = client.completions.create(**kw)
     ref_tokens = ref.choices[0].logprobs.tokens
     assert len(ref_tokens) == 600
@@ -86,8 +98,9 @@ def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
         for ch in channels.values():
             grpc.channel_ready_future(ch).result(timeout=30)
         stubs = {n: decode_stub(ch) for n, ch in channels.items()}
-        stream = client.completions.create(stream=True, stream_options={"include_usage": True},
-                                           **kw)
+        stream = client.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw
+        )
         tokens: list[str] = []
         usage = None
         killed = None
@@ -111,11 +124,13 @@ def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
     assert tokens == ref_tokens  # identical greedy continuation, no token lost or repeated
     assert usage.completion_tokens == 600
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    retries = [line for line in metrics.splitlines()
-               if line.startswith("pdserve:router_retries_total")]
+    retries = [
+        line for line in metrics.splitlines() if line.startswith("pdserve:router_retries_total")
+    ]
     assert retries and float(retries[0].split()[-1]) >= 1  # it really failed over
     # the survivor keeps serving
     t0 = time.monotonic()
-    out = client.completions.create(model=c.served_model_name, prompt="After the failure,",
-                                    max_tokens=8, temperature=0)
+    out = client.completions.create(
+        model=c.served_model_name, prompt="After the failure,", max_tokens=8, temperature=0
+    )
     assert out.usage.completion_tokens >= 1 and time.monotonic() - t0 < 60

@@ -15,8 +15,10 @@ from shared.directory import DirectoryKeys, WorkerInfo, WorkerLease, connect_syn
 from shared.hashing import block_hashes, hash_seed
 
 pytestmark = pytest.mark.integration
-LONG_PROMPT = ("the system prompt of a helpful assistant who answers questions about rivers, "
-               "mountains, forests and the weather in great detail and with care; ") * 2
+LONG_PROMPT = (
+    "the system prompt of a helpful assistant who answers questions about rivers, "
+    "mountains, forests and the weather in great detail and with care; "
+) * 2
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +43,14 @@ def wait_published(redis_url: str, prefix: str, ids: list[int], timeout: float =
 
 
 def complete(router, prompt, max_tokens=4):
-    return router.openai().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                                              extra_body={"ignore_eos": True})
+    return router.openai().completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}
+    )
 
 
-def test_cached_prefix_goes_to_the_worker_holding_it(make_worker, make_router, router_config,
-                                                     redis_server, prefix, tok):
+def test_cached_prefix_goes_to_the_worker_holding_it(
+    make_worker, make_router, router_config, redis_server, prefix, tok
+):
     d0, d1 = make_worker("d0"), make_worker("d1")
     r = make_router(router_config)
     r.wait_workers(2)
@@ -98,12 +102,22 @@ def test_dead_worker_is_skipped_within_one_lease_period(make_worker, make_router
 
 
 def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_prefix(
-        make_worker, make_router, router_config, redis_server, prefix, tok):
+    make_worker, make_router, router_config, redis_server, prefix, tok
+):
     d = make_worker("d0")
-    p = WorkerLease(connect_sync(redis_server.url),
-                    WorkerInfo(worker_id="p0", role="prefill", model=MODEL_NAME,
-                               grpc="127.0.0.1:9", block_size=16, num_blocks=1000),
-                    keys=DirectoryKeys(prefix), ttl_s=30)
+    p = WorkerLease(
+        connect_sync(redis_server.url),
+        WorkerInfo(
+            worker_id="p0",
+            role="prefill",
+            model=MODEL_NAME,
+            grpc="127.0.0.1:9",
+            block_size=16,
+            num_blocks=1000,
+        ),
+        keys=DirectoryKeys(prefix),
+        ttl_s=30,
+    )
     p.register()
     try:
         r = make_router(router_config)
@@ -121,16 +135,28 @@ def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_pre
     assert r.metric("pdserve:router_requests_total", path="local") == 2
 
 
-def test_local_prefill_threshold_keeps_short_prompts_on_decode(make_worker, make_router,
-                                                               router_config, redis_server, prefix):
+def test_local_prefill_threshold_keeps_short_prompts_on_decode(
+    make_worker, make_router, router_config, redis_server, prefix
+):
     make_worker("d0")
-    p = WorkerLease(connect_sync(redis_server.url),
-                    WorkerInfo(worker_id="p0", role="prefill", model=MODEL_NAME,
-                               grpc="127.0.0.1:9", block_size=16, num_blocks=1000),
-                    keys=DirectoryKeys(prefix), ttl_s=30)
+    p = WorkerLease(
+        connect_sync(redis_server.url),
+        WorkerInfo(
+            worker_id="p0",
+            role="prefill",
+            model=MODEL_NAME,
+            grpc="127.0.0.1:9",
+            block_size=16,
+            num_blocks=1000,
+        ),
+        keys=DirectoryKeys(prefix),
+        ttl_s=30,
+    )
     p.register()
     try:
-        cfg = replace(router_config, policy=replace(router_config.policy, local_prefill_threshold=256))
+        cfg = replace(
+            router_config, policy=replace(router_config.policy, local_prefill_threshold=256)
+        )
         r = make_router(cfg)
         r.wait_workers(1, n_prefill=1)
         complete(r, LONG_PROMPT)  # < 256 tokens: conditional disaggregation says local
@@ -155,7 +181,8 @@ def test_static_workers_without_redis(make_router, router_config, tiny_model):
 
 
 def test_static_list_overrides_discovery_and_other_models_are_ignored(
-        make_worker, make_router, router_config):
+    make_worker, make_router, router_config
+):
     listed = make_worker("listed")
     unlisted = make_worker("unlisted")
     make_worker("other-model", model="another-model")
@@ -168,7 +195,8 @@ def test_static_list_overrides_discovery_and_other_models_are_ignored(
 
 
 def test_redis_outage_keeps_serving_from_the_last_snapshot_then_recovers(
-        make_router, router_config, tok):
+    make_router, router_config, tok
+):
     import os
     import signal
 

@@ -36,6 +36,7 @@ def tok(tiny_model) -> RouterTokenizer:
 
 # ---- SampleOutput: the one-token short path does what the general path does ---------------
 
+
 def feed(tok, params, tokens, finish, finish_apart):
     """One token per delta, the finish with the last token or in an empty delta after it;
     returns (text, token ids, streamed text, finish reason)."""
@@ -80,6 +81,7 @@ def test_deltas_carry_token_entries_only_when_logprobs_were_asked(tok):
 
 # ---- SSE chunks: the hand-formatted ones are the JSON the general path writes --------------
 
+
 class _FakeStream:
     def __init__(self, inp, deltas):
         self.inp, self.decision, self.attempts, self._deltas = inp, None, 0, deltas
@@ -103,10 +105,18 @@ class _FakeDispatcher:
 
 def run_stream(tok, module, deltas, n=1, usage_mode="", **out):
     params = OutputParams(n=n, **out)
-    ctx = ServingContext("tiny", tok, _FakeDispatcher(deltas), Limits(4096, tok.vocab_size),
-                         RouterMetrics("tiny"), 60.0, live=LiveStats())
-    gen = Generation(ctx, "req-1", [[5, 6, 7]], [pb.SamplingParams(n=n)], params, "",
-                     time.monotonic())
+    ctx = ServingContext(
+        "tiny",
+        tok,
+        _FakeDispatcher(deltas),
+        Limits(4096, tok.vocab_size),
+        RouterMetrics("tiny"),
+        60.0,
+        live=LiveStats(),
+    )
+    gen = Generation(
+        ctx, "req-1", [[5, 6, 7]], [pb.SamplingParams(n=n)], params, "", time.monotonic()
+    )
 
     async def go() -> list[str]:
         await gen.start()
@@ -131,14 +141,18 @@ def token_deltas(tok, text, n=1):
 
 @pytest.mark.parametrize("usage_mode", ["", "final", "continuous"])
 def test_completion_chunks_are_exact_json(tok, usage_mode):
-    _, chunks = run_stream(tok, serving_completions, token_deltas(tok, TRICKY),
-                           usage_mode=usage_mode, skip_special_tokens=False)
+    _, chunks = run_stream(
+        tok,
+        serving_completions,
+        token_deltas(tok, TRICKY),
+        usage_mode=usage_mode,
+        skip_special_tokens=False,
+    )
     body = [c for c in chunks if c["choices"]]
     assert "".join(c["choices"][0]["text"] for c in body) == TRICKY
     for c in body:
         assert c["id"] == "req-1" and c["object"] == "text_completion" and c["created"] == 17
-        assert set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason",
-                                        "stop_reason"}
+        assert set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
         assert ("usage" in c) == bool(usage_mode)
         assert (c.get("usage") is not None) == (usage_mode == "continuous")
     assert [c["choices"][0]["finish_reason"] for c in body][-1] == "length"
@@ -146,8 +160,9 @@ def test_completion_chunks_are_exact_json(tok, usage_mode):
 
 
 def test_chat_chunks_are_exact_json_and_role_goes_with_the_first_content(tok):
-    writes, chunks = run_stream(tok, serving_chat, token_deltas(tok, TRICKY),
-                                usage_mode="final", skip_special_tokens=False)
+    writes, chunks = run_stream(
+        tok, serving_chat, token_deltas(tok, TRICKY), usage_mode="final", skip_special_tokens=False
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert writes[0].count("data: ") == 2  # role chunk + first content, one write
     body = [c for c in chunks[1:] if c["choices"]]
@@ -165,6 +180,7 @@ def test_n_samples_of_one_message_are_separate_events_in_one_write(tok):
 
 # ---- metrics -------------------------------------------------------------------------------
 
+
 def test_loop_histogram_exposition_matches_prometheus_client():
     r1, r2 = CollectorRegistry(), CollectorRegistry()
     ref = Histogram("x_seconds", "doc", ["model_name"], buckets=_ITL_BUCKETS, registry=r1)
@@ -181,6 +197,7 @@ def test_loop_histogram_exposition_matches_prometheus_client():
 
 
 # ---- the dispatch watchdog -----------------------------------------------------------------
+
 
 class _Call:
     cancelled = False
@@ -210,6 +227,7 @@ def test_watchdog_fires_at_the_deadline_and_on_a_stall():
 
 
 # ---- SSEResponse: disconnects and the last write -------------------------------------------
+
 
 def sse_run(events, disconnect_after_start: bool = False, disconnect_at_first_send=False):
     """Drive an SSEResponse by hand; returns (ASGI messages sent, log of closes)."""
@@ -267,7 +285,8 @@ def test_disconnect_during_handover_sends_nothing_and_closes():
 
 
 def test_disconnect_mid_stream_stops_and_closes():
-    sent, log = sse_run([f"data: {i}\n\n" for i in range(50)] + [SSE_DONE],
-                        disconnect_at_first_send=True)
+    sent, log = sse_run(
+        [f"data: {i}\n\n" for i in range(50)] + [SSE_DONE], disconnect_at_first_send=True
+    )
     assert len([m for m in sent if m["type"] == "http.response.body"]) < 10
     assert "on_close" in log and "iterator closed" in log

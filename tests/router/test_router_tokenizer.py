@@ -33,8 +33,12 @@ Tools: {{ tools | tojson }}<|im_end|>
 
 MESSAGES = [
     [{"role": "user", "content": "Say hi"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "héllo 日本語 😀"},
-     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more\n\nlines  "}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "héllo 日本語 😀"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "more\n\nlines  "},
+    ],
 ]
 
 
@@ -67,18 +71,35 @@ def test_completion_prompt_gets_bos_like_transformers(tok, hf_tok):
     text = "def fibonacci(n):"
     assert tok.encode(text) == hf_tok(text)["input_ids"]
     assert tok.encode(text)[0] == tok.bos_token_id
-    assert tok.encode(text, add_special_tokens=False) == hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert (
+        tok.encode(text, add_special_tokens=False)
+        == hf_tok(text, add_special_tokens=False)["input_ids"]
+    )
 
 
 @pytest.mark.parametrize("messages", MESSAGES)
 @pytest.mark.parametrize("gen_prompt", [True, False])
 def test_rich_template_matches_transformers(tok, hf_tok, messages, gen_prompt):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo",
-                                                "parameters": {"type": "object"}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Météo",
+                "parameters": {"type": "object"},
+            },
+        }
+    ]
     ours = ChatTemplate(RICH_TEMPLATE, tok.special_tokens).render(
-        messages, add_generation_prompt=gen_prompt, tools=tools)
-    theirs = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt,
-                                        tools=tools, chat_template=RICH_TEMPLATE)
+        messages, add_generation_prompt=gen_prompt, tools=tools
+    )
+    theirs = hf_tok.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=gen_prompt,
+        tools=tools,
+        chat_template=RICH_TEMPLATE,
+    )
     assert ours == theirs
     assert json.dumps(tools, ensure_ascii=False) in ours  # tojson keeps non-ASCII
 

@@ -41,8 +41,9 @@ class _RecordingPrefill:
 def runtime(tiny_llama):
     parser = argparse.ArgumentParser()
     add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(["--model", str(tiny_llama), "--num-gpu-blocks-override", "64",
-                              "--max-model-len", "512"])
+    args = parser.parse_args(
+        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
+    )
     rt = WorkerRuntime("decode", args)
     rt.loop.start()
     yield rt
@@ -53,8 +54,9 @@ def test_abort_while_the_remote_prefill_starts_posts_nothing_and_leaks_nothing(r
     async def scenario():
         rt = runtime
         net = LoopbackNetwork()
-        receiver = create_receiver("loopback", rt.engine.runner.kv_cache, rt.kv_geometry(),
-                                   network=net)
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=net
+        )
         servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
         prefill = _RecordingPrefill()
         servicer._stub = lambda address: prefill
@@ -87,9 +89,12 @@ def test_abort_while_the_remote_prefill_starts_posts_nothing_and_leaks_nothing(r
             await real_abort(*args)
 
         servicer._abort = abort
-        req = pb.GenerateRequest(request_id="r1", prompt_token_ids=list(range(5, 85)),
-                                 sampling=pb.SamplingParams(temperature=0, max_tokens=4),
-                                 prefill_address="127.0.0.1:9")
+        req = pb.GenerateRequest(
+            request_id="r1",
+            prompt_token_ids=list(range(5, 85)),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=4),
+            prefill_address="127.0.0.1:9",
+        )
         stream = servicer.Generate(req, _Context())
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.wait_for(admitted.wait(), 10)
@@ -102,8 +107,11 @@ def test_abort_while_the_remote_prefill_starts_posts_nothing_and_leaks_nothing(r
         try:
             assert posted == [], "a receive was posted for an aborted request"
             assert prefill.calls == [], "Prefill was called for an aborted request"
-            pinned, free, total = await asyncio.wrap_future(rt.loop.submit(
-                lambda e: (e.kv.num_pinned_blocks, e.kv.pool.num_free_blocks, e.num_blocks)))
+            pinned, free, total = await asyncio.wrap_future(
+                rt.loop.submit(
+                    lambda e: (e.kv.num_pinned_blocks, e.kv.pool.num_free_blocks, e.num_blocks)
+                )
+            )
             await asyncio.wrap_future(rt.loop.submit(lambda e: e.check_integrity()))
             assert pinned == 0 and free == total, f"{pinned} still pinned, {total - free} in use"
         finally:

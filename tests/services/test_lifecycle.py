@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 def _prefix_blocks(c, prompt):
     """What a router would read: leading prompt blocks each live worker holds."""
+
     async def read():
         client = connect_async(c.redis_url)
         try:
@@ -32,6 +33,7 @@ def _prefix_blocks(c, prompt):
             return (await reader.prefix_match(c.served_model_name, hashes, live)).blocks, live
         finally:
             await client.aclose()
+
     return asyncio.run(read())
 
 
@@ -45,14 +47,21 @@ def test_sigterm_drains_in_flight_then_deregisters(tiny_llama, tmp_path):
         addr = c.ready["decode-0"]["grpc"]
         prompt = random_prompts(41, lengths=[50])[0]
         with channel_to(addr) as ch, cf.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(generate, decode_stub(ch), "drain", prompt, "",
-                              max_tokens=400, ignore_eos=True)
-            wait_until(lambda: decode_stub(ch).Stats(pb.StatsRequest(), timeout=5).running > 0,
-                       interval=0.01, what="the request to start")
+            fut = pool.submit(
+                generate, decode_stub(ch), "drain", prompt, "", max_tokens=400, ignore_eos=True
+            )
+            wait_until(
+                lambda: decode_stub(ch).Stats(pb.StatsRequest(), timeout=5).running > 0,
+                interval=0.01,
+                what="the request to start",
+            )
             worker.proc.send_signal(signal.SIGTERM)
             # Draining: the lease goes at once (routers stop choosing it) ...
-            wait_until(lambda: not r.exists("pds:worker:decode-0"), timeout=5,
-                       what="the worker to deregister")
+            wait_until(
+                lambda: not r.exists("pds:worker:decode-0"),
+                timeout=5,
+                what="the worker to deregister",
+            )
             # ... new work is refused ...
             with pytest.raises(Exception) as ei:
                 generate(decode_stub(ch), "late", prompt, "", max_tokens=2)
@@ -68,8 +77,9 @@ def test_sigterm_drains_in_flight_then_deregisters(tiny_llama, tmp_path):
 
 
 def test_new_worker_used_dead_worker_dropped_restart_new_generation(tiny_llama, tmp_path):
-    c = make_cluster(tiny_llama, tmp_path, "--router-arg=--worker-refresh-interval=0.2",
-                     prefill=0, decode=1)
+    c = make_cluster(
+        tiny_llama, tmp_path, "--router-arg=--worker-refresh-interval=0.2", prefill=0, decode=1
+    )
     try:
         url = c.start()
         r = redis.Redis.from_url(c.redis_url)
@@ -80,8 +90,9 @@ def test_new_worker_used_dead_worker_dropped_restart_new_generation(tiny_llama, 
         new_addr = c.ready["decode-1"]["grpc"]
 
         def served_by_new():
-            httpx.post(f"{url}/v1/completions", json={**body, "prompt": "a new worker"},
-                       timeout=60).raise_for_status()
+            httpx.post(
+                f"{url}/v1/completions", json={**body, "prompt": "a new worker"}, timeout=60
+            ).raise_for_status()
             with channel_to(new_addr) as ch:
                 return decode_stub(ch).Stats(pb.StatsRequest(), timeout=5).prefix_cache_queries > 0
 
@@ -89,23 +100,30 @@ def test_new_worker_used_dead_worker_dropped_restart_new_generation(tiny_llama, 
 
         # Its cache shows up in the directory, then vanishes for readers when it dies.
         prompt = random_prompts(42, lengths=[80])[0]
-        httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt},
-                   timeout=60).raise_for_status()
-        blocks, live = wait_until(lambda: (lambda b: b if max(b[0].values()) == 5 else None)(
-            _prefix_blocks(c, prompt)), what="the prompt's 5 blocks in the directory")
+        httpx.post(
+            f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=60
+        ).raise_for_status()
+        blocks, live = wait_until(
+            lambda: (lambda b: b if max(b[0].values()) == 5 else None)(_prefix_blocks(c, prompt)),
+            what="the prompt's 5 blocks in the directory",
+        )
         holder = max(blocks, key=blocks.get)
         old_generation = live[holder]
         child = next(ch for ch in c.children if ch.name == holder)
         child.proc.kill()
         child.proc.wait(10)
         t0 = time.monotonic()
-        wait_until(lambda: holder not in _prefix_blocks(c, prompt)[1], timeout=10,
-                   what="the dead worker's lease to expire")
+        wait_until(
+            lambda: holder not in _prefix_blocks(c, prompt)[1],
+            timeout=10,
+            what="the dead worker's lease to expire",
+        )
         assert time.monotonic() - t0 < 5  # one lease period (3 s TTL) plus a heartbeat
         assert _prefix_blocks(c, prompt)[0].get(holder) is None
         # The cluster keeps serving on the survivor.
-        httpx.post(f"{url}/v1/completions", json={**body, "prompt": "still serving"},
-                   timeout=60).raise_for_status()
+        httpx.post(
+            f"{url}/v1/completions", json={**body, "prompt": "still serving"}, timeout=60
+        ).raise_for_status()
         # A restart under the same id registers with a new generation.
         c.children.remove(child)
         again = c.spawn_worker("decode", int(holder.split("-")[1]))

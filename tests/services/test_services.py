@@ -52,8 +52,10 @@ def test_disaggregated_greedy_matches_transformers(cluster, tiny_llama):
     with channel_to(d_addr) as ch:
         stub = decode_stub(ch)
         with cf.ThreadPoolExecutor(8) as pool:  # submitted together: batched on both workers
-            futs = [pool.submit(generate, stub, f"g{i}", p, p_addr, max_tokens=12, ignore_eos=True)
-                    for i, p in enumerate(prompts)]
+            futs = [
+                pool.submit(generate, stub, f"g{i}", p, p_addr, max_tokens=12, ignore_eos=True)
+                for i, p in enumerate(prompts)
+            ]
             results = [f.result() for f in futs]
     for (tokens, final), want, p in zip(results, ref, prompts):
         assert tokens[0] == want
@@ -103,11 +105,24 @@ def test_bad_grpc_input_gets_clear_status(cluster):
         stub = decode_stub(ch)
         cases = [
             (pb.GenerateRequest(request_id="e1", prompt_token_ids=[]), "empty"),
-            (pb.GenerateRequest(request_id="e2", prompt_token_ids=[5] * 5000), "maximum context length"),
-            (pb.GenerateRequest(request_id="e3", prompt_token_ids=[5, 6],
-                                sampling=pb.SamplingParams(temperature=-1)), "temperature"),
-            (pb.GenerateRequest(request_id="e4", prompt_token_ids=[5, 6],
-                                sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+            (
+                pb.GenerateRequest(request_id="e2", prompt_token_ids=[5] * 5000),
+                "maximum context length",
+            ),
+            (
+                pb.GenerateRequest(
+                    request_id="e3",
+                    prompt_token_ids=[5, 6],
+                    sampling=pb.SamplingParams(temperature=-1),
+                ),
+                "temperature",
+            ),
+            (
+                pb.GenerateRequest(
+                    request_id="e4", prompt_token_ids=[5, 6], sampling=pb.SamplingParams(top_p=1.5)
+                ),
+                "top_p",
+            ),
             (pb.GenerateRequest(request_id="", prompt_token_ids=[5]), "request_id"),
             (pb.GenerateRequest(request_id="e5", prompt_token_ids=[999999]), "token ids"),
         ]
@@ -120,8 +135,15 @@ def test_bad_grpc_input_gets_clear_status(cluster):
         assert len(tokens[0]) == 3
     with channel_to(p_addr) as ch:
         with pytest.raises(grpc.RpcError) as ei:
-            prefill_stub(ch).Prefill(pb.PrefillRequest(request_id="p1", prompt_token_ids=[5] * 40,
-                                                       first_block_index=0, dst_block_ids=[1]), timeout=10)
+            prefill_stub(ch).Prefill(
+                pb.PrefillRequest(
+                    request_id="p1",
+                    prompt_token_ids=[5] * 40,
+                    first_block_index=0,
+                    dst_block_ids=[1],
+                ),
+                timeout=10,
+            )
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "destination" in ei.value.details()
     assert _stats(d_addr, "decode").integrity_ok
@@ -132,9 +154,15 @@ def test_decode_cancel_midstream_leaks_nothing(cluster):
     prompt = random_prompts(25, lengths=[700])[0]
     with channel_to(d_addr) as ch:
         stub = decode_stub(ch)
-        call = stub.Generate(pb.GenerateRequest(
-            request_id="cancel-me", prompt_token_ids=prompt, prefill_address=p_addr,
-            sampling=pb.SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)), timeout=60)
+        call = stub.Generate(
+            pb.GenerateRequest(
+                request_id="cancel-me",
+                prompt_token_ids=prompt,
+                prefill_address=p_addr,
+                sampling=pb.SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
+            ),
+            timeout=60,
+        )
         got = 0
         for chunk in call:
             got += sum(len(d.token_ids) for d in chunk.outputs)
@@ -142,8 +170,12 @@ def test_decode_cancel_midstream_leaks_nothing(cluster):
                 call.cancel()
                 break
     for addr, role in ((d_addr, "decode"), (p_addr, "prefill")):
-        s = wait_until(lambda addr=addr, role=role: (lambda st: st if st.used_blocks == 0 and st.running == 0 else None)(
-            _stats(addr, role)), what=f"{role} to release every block")
+        s = wait_until(
+            lambda addr=addr, role=role: (
+                lambda st: st if st.used_blocks == 0 and st.running == 0 else None
+            )(_stats(addr, role)),
+            what=f"{role} to release every block",
+        )
         assert s.integrity_ok, s.integrity_error
         if role == "prefill":
             assert s.pending_sends == 0
@@ -160,11 +192,15 @@ def test_directory_reflects_caches(cluster, tiny_llama):
     assert len(hashes) == 6
 
     def holders(h):
-        return {m.decode().rsplit(":", 1)[0]
-                for m in r.smembers(f"pds:blk:{cluster.served_model_name}:{h.hex()}")}
+        return {
+            m.decode().rsplit(":", 1)[0]
+            for m in r.smembers(f"pds:blk:{cluster.served_model_name}:{h.hex()}")
+        }
 
-    wait_until(lambda: all({"prefill-0", "decode-0"} <= holders(h) for h in hashes),
-               what="both workers in the directory for every prompt block")
+    wait_until(
+        lambda: all({"prefill-0", "decode-0"} <= holders(h) for h in hashes),
+        what="both workers in the directory for every prompt block",
+    )
     assert r.exists("pds:worker:prefill-0") and r.exists("pds:worker:decode-0")
 
 
@@ -181,12 +217,16 @@ def test_prefill_killed_midprefill_falls_back(tiny_llama, tmp_path):
         victim = workers[0].proc
         with channel_to(d_addr) as ch, cf.ThreadPoolExecutor(1) as pool:
             t0 = time.monotonic()
-            fut = pool.submit(generate, decode_stub(ch), "killed", prompt, p_addr,
-                              max_tokens=10, ignore_eos=True)
+            fut = pool.submit(
+                generate, decode_stub(ch), "killed", prompt, p_addr, max_tokens=10, ignore_eos=True
+            )
             with channel_to(p_addr) as pch:  # kill as soon as P is computing the prompt
                 pstub = prefill_stub(pch)
-                wait_until(lambda: pstub.Stats(pb.StatsRequest(), timeout=5).running > 0,
-                           interval=0.005, what="prefill to start")
+                wait_until(
+                    lambda: pstub.Stats(pb.StatsRequest(), timeout=5).running > 0,
+                    interval=0.005,
+                    what="prefill to start",
+                )
             os.killpg(victim.pid, signal.SIGKILL)
             tokens, final = fut.result(timeout=120)
             elapsed = time.monotonic() - t0
@@ -196,7 +236,10 @@ def test_prefill_killed_midprefill_falls_back(tiny_llama, tmp_path):
         st = _stats(d_addr, "decode")
         assert st.prefill_fallbacks == 1 and st.integrity_ok
         r = redis.Redis.from_url(c.redis_url)
-        wait_until(lambda: not r.exists("pds:worker:prefill-0"), timeout=10,
-                   what="the dead worker's lease to expire")
+        wait_until(
+            lambda: not r.exists("pds:worker:prefill-0"),
+            timeout=10,
+            what="the dead worker's lease to expire",
+        )
     finally:
         c.stop()

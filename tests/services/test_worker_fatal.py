@@ -29,20 +29,36 @@ def test_engine_death_fails_streams_deregisters_and_exits_1(tiny_llama, tmp_path
     with EmbeddedRedis() as server:
         parser = argparse.ArgumentParser()
         add_worker_cli_args(parser, "decode")
-        args = parser.parse_args([
-            "--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len",
-            "512", "--redis-url", server.url, "--worker-id", "dead-0", "--ready-file", str(ready),
-            "--directory-prefix", "fatal:"])
+        args = parser.parse_args(
+            [
+                "--model",
+                str(tiny_llama),
+                "--num-gpu-blocks-override",
+                "64",
+                "--max-model-len",
+                "512",
+                "--redis-url",
+                server.url,
+                "--worker-id",
+                "dead-0",
+                "--ready-file",
+                str(ready),
+                "--directory-prefix",
+                "fatal:",
+            ]
+        )
         rt = WorkerRuntime("decode", args)
-        receiver = create_receiver("loopback", rt.engine.runner.kv_cache, rt.kv_geometry(),
-                                   network=LoopbackNetwork())
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
         servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
         r = redis.Redis.from_url(server.url)
         key = DirectoryKeys("fatal:").worker("dead-0")
 
         async def scenario():
-            worker = asyncio.ensure_future(serve_worker(
-                rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s)))
+            worker = asyncio.ensure_future(
+                serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s))
+            )
             for _ in range(200):
                 if ready.exists():
                     break
@@ -55,9 +71,14 @@ def test_engine_death_fails_streams_deregisters_and_exits_1(tiny_llama, tmp_path
 
             rt.engine.runner.execute = broken  # the next forward pass fails
             async with grpc.aio.insecure_channel(address) as ch:
-                call = pb_grpc.DecodeWorkerStub(ch).Generate(pb.GenerateRequest(
-                    request_id="doomed", prompt_token_ids=[5, 6, 7],
-                    sampling=pb.SamplingParams(temperature=0, max_tokens=4)), timeout=30)
+                call = pb_grpc.DecodeWorkerStub(ch).Generate(
+                    pb.GenerateRequest(
+                        request_id="doomed",
+                        prompt_token_ids=[5, 6, 7],
+                        sampling=pb.SamplingParams(temperature=0, max_tokens=4),
+                    ),
+                    timeout=30,
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     async for _ in call:
                         pass

@@ -14,8 +14,9 @@ BLOCK = 4  # tokens per block: small, so that exact block ids stay readable
 SEED = 1234
 
 
-def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 8, n: int = 1,
-                 **params) -> Request:
+def make_request(
+    rid: str, prompt: list[int] | int, max_tokens: int = 8, n: int = 1, **params
+) -> Request:
     """A sequence with ``prompt`` (or that many consecutive tokens from a start of its own, so
     that two such requests share no prefix) and greedy params."""
     if isinstance(prompt, int):
@@ -24,25 +25,52 @@ def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 8, n: int 
     else:
         tokens = list(prompt)
     p = SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-    leader = Request(request_id=rid if n == 1 else f"0_{rid}", parent_id=rid, index=0,
-                     prompt_token_ids=tuple(tokens),
-                     sampling_params=p.for_sample(0) if n > 1 else p, eos_token_ids=(2,),
-                     block_size=BLOCK, hash_seed=SEED)
+    leader = Request(
+        request_id=rid if n == 1 else f"0_{rid}",
+        parent_id=rid,
+        index=0,
+        prompt_token_ids=tuple(tokens),
+        sampling_params=p.for_sample(0) if n > 1 else p,
+        eos_token_ids=(2,),
+        block_size=BLOCK,
+        hash_seed=SEED,
+    )
     leader.siblings = [
-        Request(request_id=f"{i}_{rid}", parent_id=rid, index=i, prompt_token_ids=tuple(tokens),
-                sampling_params=p.for_sample(i), eos_token_ids=(2,), block_size=BLOCK,
-                hash_seed=SEED) for i in range(1, n)]
+        Request(
+            request_id=f"{i}_{rid}",
+            parent_id=rid,
+            index=i,
+            prompt_token_ids=tuple(tokens),
+            sampling_params=p.for_sample(i),
+            eos_token_ids=(2,),
+            block_size=BLOCK,
+            hash_seed=SEED,
+        )
+        for i in range(1, n)
+    ]
     return leader
 
 
-def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, budget: int = 64,
-                   caching: bool = True, mode: str = "recompute", host_blocks: int = 0,
-                   connector: KVConnector | None = None, max_model_len: int = 64,
-                   long_prefill: int = 0) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 16,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    caching: bool = True,
+    mode: str = "recompute",
+    host_blocks: int = 0,
+    connector: KVConnector | None = None,
+    max_model_len: int = 64,
+    long_prefill: int = 0,
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, caching, host_blocks)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len, enable_chunked_prefill=True,
-                          preemption_mode=mode, long_prefill_token_threshold=long_prefill)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        preemption_mode=mode,
+        long_prefill_token_threshold=long_prefill,
+    )
     return Scheduler(cfg, kv, connector)
 
 

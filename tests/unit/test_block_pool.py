@@ -105,12 +105,15 @@ def test_asking_for_more_blocks_than_free_is_a_bug():
         pool.get_new_blocks(3)
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda p: setattr(p.blocks[0], "ref_cnt", 1), "in the free queue with ref_cnt"),
-    (lambda p: setattr(p.free_queue, "num_free", 5), "counter"),
-    (lambda p: setattr(p.blocks[1], "block_hash", H[3]), "does not point back"),
-    (lambda p: p.cached.__setitem__(H[4], p.blocks[2]), "points at"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda p: setattr(p.blocks[0], "ref_cnt", 1), "in the free queue with ref_cnt"),
+        (lambda p: setattr(p.free_queue, "num_free", 5), "counter"),
+        (lambda p: setattr(p.blocks[1], "block_hash", H[3]), "does not point back"),
+        (lambda p: p.cached.__setitem__(H[4], p.blocks[2]), "points at"),
+    ],
+)
 def test_check_integrity_names_what_broke(corrupt, message):
     pool = BlockPool(4, enable_caching=True)
     pool.check_integrity()

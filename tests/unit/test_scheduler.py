@@ -59,7 +59,9 @@ def test_the_scheduled_item_is_plain_data_with_the_whole_block_table():
     out, _ = step(s, token=9)
     (item,) = out.scheduled
     assert (item.start, list(item.token_ids)) == (6, [7])
-    assert item.samples[0].num_output_tokens == 1 and tuple(item.samples[0].output_token_ids) == (7,)
+    assert item.samples[0].num_output_tokens == 1 and tuple(item.samples[0].output_token_ids) == (
+        7,
+    )
 
 
 def test_recompute_preempts_the_most_recent_request_and_requeues_it_first():
@@ -138,6 +140,7 @@ def test_a_sampling_failure_is_reported_not_applied():
 
 
 # ---- connectors -------------------------------------------------------------------------
+
 
 def test_decode_connector_reserves_pins_and_parks_the_request():
     conn = DecodeConnector()
