@@ -1,17 +1,25 @@
-# The two commands of the README. Both set up ./.venv on first use.
-.PHONY: up test test-unit test-fuzz setup setup-test
+# The two commands of the README (make up, make test) set up ./.venv on first use.
+.PHONY: up test test-unit test-more test-fuzz lint setup setup-test
 
 up: setup
 	.venv/bin/pdserve up
 
-test: setup-test
-	.venv/bin/python -m pytest -q -m "not slow and not fuzz"
+test: setup-test lint
+	.venv/bin/python -m pytest -q -m "not slow and not fuzz and not browser"
 
 test-unit: setup-test
 	.venv/bin/python -m pytest -q -m unit
 
+test-more: setup-test
+	.venv/bin/python -m pytest -q -m "browser or fuzz"
+
 test-fuzz: setup-test
 	.venv/bin/python -m pytest -q -m fuzz -s tests/fuzz
+
+lint: setup-test
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 setup:
 	@scripts/setup.sh

@@ -27,7 +27,7 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/pip install -q "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   fi
   extras="engine"
-  [ "$WANT_TEST" = 1 ] && extras="engine,test"
+  [ "$WANT_TEST" = 1 ] && extras="engine,test,dev"
   echo "[setup] installing pdserve[$extras]"
   .venv/bin/pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -c "import torch, shared.engine, router" >/dev/null
