@@ -2,7 +2,11 @@
 
 Starts Redis (embedded unless ``--redis-url``), N prefill and M decode workers and the router
 as child processes, waits until each is healthy, prints the router and dashboard URLs and every
-worker's KV capacity, and stops everything on Ctrl-C / SIGTERM. Children die with the launcher
+worker's KV capacity, and stops everything on Ctrl-C / SIGTERM. It supervises its children: one
+that exits or is killed is started again (the same name and flags, after a backoff that doubles
+from ``--restart-backoff`` up to 30 s and resets once a child stayed up a minute), and the rest
+of the cluster keeps serving meanwhile; ``pdserve up`` itself exits only on Ctrl-C / SIGTERM or
+when a process cannot start in the first place. Children die with the launcher
 (PR_SET_PDEATHSIG), so nothing is left behind even if it is killed.
 """
 
@@ -18,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import EngineArgs
@@ -57,6 +61,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--run-dir", default=None, help="logs and ready files (default: a temp dir)")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        help="seconds before a child that exited is started again (doubles per restart, up "
+        "to 30 s; resets after a minute up)",
+    )
+    g.add_argument(
         "--router-arg",
         action="append",
         default=[],
@@ -70,12 +81,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+MAX_BACKOFF_S = 30.0
+STABLE_S = 60.0  # up this long: the next exit restarts after the initial backoff again
+
+
 @dataclass
 class Child:
     name: str
     proc: subprocess.Popen
     log: Path
     ready_file: Path | None = None
+    argv: list[str] = field(default_factory=list)  # to start it again
+    threads: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    backoff_s: float = 0.0  # the next restart's delay (0: the initial backoff)
+    restart_at: float | None = None  # when it exited and waits for its restart
+    announced_ready: bool = True
 
 
 def _die_with_parent() -> None:
@@ -123,9 +145,71 @@ class Cluster:
             preexec_fn=_die_with_parent,
         )
         f.close()
-        child = Child(name, proc, log, ready_file)
+        child = Child(name, proc, log, ready_file, argv=list(argv), threads=threads)
         self.children.append(child)
         return child
+
+    def _respawn(self, child: Child, now: float) -> None:
+        """Start ``child``'s process again with the same argv (its ready file anew)."""
+        if child.ready_file is not None:
+            child.ready_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if child.threads:
+            env["PDSERVE_NUM_THREADS"] = str(child.threads)
+            env["OMP_NUM_THREADS"] = str(child.threads)
+        with open(child.log, "ab") as f:
+            f.write(f"\n[pdserve] restart {child.restarts}\n".encode())
+            f.flush()
+            child.proc = subprocess.Popen(
+                [sys.executable, "-m", "shared.cli", *child.argv],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        child.started_at = now
+        child.restart_at = None
+        child.announced_ready = child.ready_file is None
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart children that exited (after their backoff); returns the lines it logged.
+        Also restarts the embedded Redis on its port. Call it every half second or so."""
+        now = time.monotonic() if now is None else now
+        lines: list[str] = []
+        if self.redis is not None and not self.redis.alive:
+            lines.append("[pdserve] embedded Redis exited; starting it again on the same port")
+            try:
+                self.redis.restart()
+            except Exception as e:  # noqa: BLE001 - retried at the next call
+                lines.append(f"[pdserve] embedded Redis did not restart: {e}")
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None:
+                if not c.announced_ready and c.ready_file is not None and c.ready_file.exists():
+                    c.announced_ready = True
+                    info = json.loads(c.ready_file.read_text())
+                    self.ready[c.name] = info
+                    lines.append(f"[pdserve] {c.name} ready again (restart {c.restarts}) "
+                                 f"gRPC {info['grpc']}")
+                if now - c.started_at >= STABLE_S:
+                    c.backoff_s = 0.0
+                continue
+            if c.restart_at is None:  # just noticed
+                delay = c.backoff_s or self.args.restart_backoff
+                c.backoff_s = min(MAX_BACKOFF_S, delay * 2)
+                c.restart_at = now + delay
+                lines.append(f"[pdserve] {c.name} exited with {code}; restarting it in "
+                             f"{delay:.1f} s (restart {c.restarts + 1}). Log tail:\n"
+                             f"{_tail(c.log, 12)}")
+            elif now >= c.restart_at:
+                c.restarts += 1
+                self._respawn(c, now)
+                lines.append(f"[pdserve] {c.name} started again (restart {c.restarts}, "
+                             f"pid {c.proc.pid})")
+        for line in lines:
+            print(line, flush=True)
+        return lines
 
     def start(self) -> str:
         """Start Redis, the workers and the router; return the router's base URL."""
@@ -320,15 +404,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[pdserve] metrics    {url}/metrics   logs in {cluster.run_dir}")
         print("[pdserve] Ctrl-C to stop", flush=True)
         while not stop["flag"]:
-            for c in cluster.children:
-                if c.proc.poll() is not None:
-                    print(
-                        f"[pdserve] {c.name} exited with {c.proc.returncode}; stopping. Log tail:\n"
-                        f"{_tail(c.log)}",
-                        flush=True,
-                    )
-                    stop["flag"] = True
-                    break
+            cluster.supervise()  # a child that exits is restarted; the rest keeps serving
             time.sleep(0.5)
         return 0
     except (RuntimeError, TimeoutError) as e:

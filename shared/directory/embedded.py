@@ -70,6 +70,22 @@ class EmbeddedRedis:
         self._dir: str | None = None
 
     @property
+    def alive(self) -> bool:
+        """True while the server process runs (False before ``start`` and after it died)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self, timeout_s: float = 10.0) -> str:
+        """Start the server again on the same port after it died (its data is gone)."""
+        if self.alive:
+            return self.url
+        port = self.port
+        self._kill()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self.port = port
+        return self.start(timeout_s)
+
+    @property
     def url(self) -> str:
         if self._proc is None:
             raise DirectoryError("embedded Redis is not running")

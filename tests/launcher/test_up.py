@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,3 +78,51 @@ def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def test_pdserve_up_restarts_a_killed_worker_and_keeps_running(tmp_path):
+    """kill -9 of the decode worker: ``pdserve up`` starts it again (the cluster is not
+    stopped), it registers again and serves; only Ctrl-C / SIGTERM ends ``pdserve up``."""
+    port = free_port()
+    env = dict(os.environ, PDSERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read while the process runs
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--kv-cache-memory",
+         "64MiB", "--run-dir", str(run_dir), "--restart-backoff", "0.5"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def text() -> str:
+        log.seek(0)
+        return log.read()
+
+    try:
+        wait_until(lambda: "Ctrl-C to stop" in text() or proc.poll() is not None, timeout=240,
+                   interval=0.5, what="pdserve up to start")
+        assert proc.poll() is None, text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        model = client.models.list().data[0].id
+        first = json.loads((run_dir / "decode-0.ready.json").read_text())["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: "decode-0 ready again (restart 1)" in text(), timeout=120,
+                   interval=0.5, what="the decode worker to be restarted")
+        assert proc.poll() is None, "pdserve up must keep running"
+        assert "decode-0 exited with -9" in text()
+        second = json.loads((run_dir / "decode-0.ready.json").read_text())["pid"]
+        assert second != first and psutil.pid_exists(second)
+
+        def served():
+            try:
+                r = client.completions.create(model=model, prompt="again", max_tokens=4,
+                                              temperature=0)
+            except openai.APIError:
+                return None  # the router has not seen the new registration yet
+            return r.usage.completion_tokens == 4
+
+        assert wait_until(served, timeout=30, interval=0.5, what="a request served after it")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
