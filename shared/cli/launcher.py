@@ -190,8 +190,9 @@ class Cluster:
                     c.announced_ready = True
                     info = json.loads(c.ready_file.read_text())
                     self.ready[c.name] = info
-                    lines.append(f"[pdserve] {c.name} ready again (restart {c.restarts}) "
-                                 f"gRPC {info['grpc']}")
+                    lines.append(
+                        f"[pdserve] {c.name} ready again (restart {c.restarts}) gRPC {info['grpc']}"
+                    )
                 if now - c.started_at >= STABLE_S:
                     c.backoff_s = 0.0
                 continue
@@ -199,14 +200,17 @@ class Cluster:
                 delay = c.backoff_s or self.args.restart_backoff
                 c.backoff_s = min(MAX_BACKOFF_S, delay * 2)
                 c.restart_at = now + delay
-                lines.append(f"[pdserve] {c.name} exited with {code}; restarting it in "
-                             f"{delay:.1f} s (restart {c.restarts + 1}). Log tail:\n"
-                             f"{_tail(c.log, 12)}")
+                lines.append(
+                    f"[pdserve] {c.name} exited with {code}; restarting it in "
+                    f"{delay:.1f} s (restart {c.restarts + 1}). Log tail:\n"
+                    f"{_tail(c.log, 12)}"
+                )
             elif now >= c.restart_at:
                 c.restarts += 1
                 self._respawn(c, now)
-                lines.append(f"[pdserve] {c.name} started again (restart {c.restarts}, "
-                             f"pid {c.proc.pid})")
+                lines.append(
+                    f"[pdserve] {c.name} started again (restart {c.restarts}, pid {c.proc.pid})"
+                )
         for line in lines:
             print(line, flush=True)
         return lines

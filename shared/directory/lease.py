@@ -139,14 +139,20 @@ class WorkerLease:
         self,
         load_fn: Callable[[], WorkerLoad] | None = None,
         interval_s: float = DEFAULT_HEARTBEAT_S,
+        alive_fn: Callable[[], bool] | None = None,
     ) -> None:
-        """Heartbeat every ``interval_s`` from a daemon thread, reading load from ``load_fn``."""
+        """Heartbeat every ``interval_s`` from a daemon thread, reading load from ``load_fn``.
+        While ``alive_fn()`` is False the heartbeats pause, so the lease lapses and routers stop
+        choosing this worker; the next heartbeat after it turns True registers anew."""
         if self._thread is not None:
             return
         self._stop.clear()
 
         def loop() -> None:
             while not self._stop.is_set():
+                if alive_fn is not None and not alive_fn():
+                    self._stop.wait(interval_s)
+                    continue
                 try:
                     load = load_fn() if load_fn is not None else None
                 except Exception:  # noqa: BLE001 - a broken load callback must not kill the lease

@@ -58,6 +58,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.num_steps = 0
         self.step_seconds = 0.0
+        self.heartbeat = time.monotonic()  # the loop's last sign of life (a step or an idle turn)
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -67,6 +68,11 @@ class EngineLoop:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last showed life: an idle loop turns every ``idle_wait_s``,
+        a busy one after every step, so this grows only while a step (or a command) hangs."""
+        return 0.0 if not self.alive else time.monotonic() - self.heartbeat
 
     @property
     def alive(self) -> bool:
@@ -139,6 +145,7 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
                 self._run_commands()
                 if engine.has_unfinished_requests():
                     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.engine import EngineStats
@@ -147,7 +147,20 @@ class WorkerMetrics:
             labelnames=names + ["path"],
             registry=self.registry,
         )
+        self.engine_hung = Gauge(
+            "pdserve:engine_hung",
+            "1 while the engine thread made no progress for --engine-hang-timeout.",
+            **kw,
+        ).labels(**labels)
+        self.engine_hangs = Counter(
+            "pdserve:engine_hangs", "Times the engine stopped progressing.", **kw
+        ).labels(**labels)
         self._labels = labels
+
+    def hung(self, now: bool) -> None:
+        self.engine_hung.set(1 if now else 0)
+        if now:
+            self.engine_hangs.inc()
 
     def finished(self, reason: str) -> None:
         self.requests.labels(**self._labels, finished_reason=reason).inc()

@@ -72,6 +72,14 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--directory-prefix", default="pds:")
     g.add_argument("--worker-id", default=None)
     g.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a finished engine step (while work is queued) after which the "
+        "worker reports NOT_SERVING and lets its registry lease lapse, until a step finishes "
+        "(vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S plays this part)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -116,6 +124,7 @@ class WorkerRuntime:
         self.publisher = None
         self.draining = False
         self.inflight = 0
+        self.hung = False  # the engine thread made no progress for --engine-hang-timeout
 
     # ---- engine thread ---------------------------------------------------------------
     def _on_fatal(self, error: BaseException) -> None:
@@ -171,7 +180,7 @@ class WorkerRuntime:
         self.lease = WorkerLease(client, info, keys=DirectoryKeys(self.args.directory_prefix))
         self.publisher = KVEventPublisher(client, self.lease)
         self.lease.register(self.load())
-        self.lease.start(self.load)
+        self.lease.start(self.load, alive_fn=lambda: not self.hung)
         self._redis_thread = threading.Thread(
             target=self._publish_loop, name="kv-events", daemon=True
         )
@@ -303,9 +312,11 @@ async def serve_worker(
         runtime.fatal.set()
     stopper = asyncio.ensure_future(stop.wait())
     dier = asyncio.ensure_future(runtime.fatal.wait())
+    watcher = asyncio.ensure_future(_watch_hang(runtime, health_servicer))
     await asyncio.wait([stopper, dier], return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
     dier.cancel()
+    watcher.cancel()
     died = runtime.fatal.is_set()
 
     runtime.draining = True
@@ -329,6 +340,32 @@ async def serve_worker(
     runtime.loop.stop()
     logger.info("worker %s stopped", runtime.worker_id)
     return 1 if died else 0
+
+
+async def _watch_hang(runtime: WorkerRuntime, health_servicer, period_s: float = 0.5) -> None:
+    """Liveness that tells the truth: when no engine step finished for
+    ``--engine-hang-timeout`` while work is queued, turn NOT_SERVING and let the lease lapse
+    (routers stop sending here); turn SERVING again once a step finishes."""
+    limit = runtime.args.engine_hang_timeout
+    while True:
+        await asyncio.sleep(period_s)
+        stalled = runtime.loop.stalled_for()
+        hung = limit > 0 and stalled > limit
+        if hung and not runtime.hung:
+            runtime.hung = True
+            logger.critical(
+                "engine made no progress for %.0f s: NOT_SERVING, leaving the "
+                "registry until it does",
+                stalled,
+            )
+            runtime.metrics.hung(True)
+            await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+        elif not hung and runtime.hung:
+            runtime.hung = False
+            logger.warning("engine progresses again after a hang: SERVING")
+            runtime.metrics.hung(False)
+            if not runtime.draining:
+                await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
 
 
 async def _set_health(servicer, status) -> None:

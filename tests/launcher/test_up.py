@@ -88,25 +88,50 @@ def test_pdserve_up_restarts_a_killed_worker_and_keeps_running(tmp_path):
     log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read while the process runs
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--kv-cache-memory",
-         "64MiB", "--run-dir", str(run_dir), "--restart-backoff", "0.5"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "shared.cli",
+            "up",
+            "--port",
+            str(port),
+            "--kv-cache-memory",
+            "64MiB",
+            "--run-dir",
+            str(run_dir),
+            "--restart-backoff",
+            "0.5",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
     def text() -> str:
         log.seek(0)
         return log.read()
 
     try:
-        wait_until(lambda: "Ctrl-C to stop" in text() or proc.poll() is not None, timeout=240,
-                   interval=0.5, what="pdserve up to start")
+        wait_until(
+            lambda: "Ctrl-C to stop" in text() or proc.poll() is not None,
+            timeout=240,
+            interval=0.5,
+            what="pdserve up to start",
+        )
         assert proc.poll() is None, text()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
+        )
         model = client.models.list().data[0].id
         first = json.loads((run_dir / "decode-0.ready.json").read_text())["pid"]
         os.kill(first, signal.SIGKILL)
-        wait_until(lambda: "decode-0 ready again (restart 1)" in text(), timeout=120,
-                   interval=0.5, what="the decode worker to be restarted")
+        wait_until(
+            lambda: "decode-0 ready again (restart 1)" in text(),
+            timeout=120,
+            interval=0.5,
+            what="the decode worker to be restarted",
+        )
         assert proc.poll() is None, "pdserve up must keep running"
         assert "decode-0 exited with -9" in text()
         second = json.loads((run_dir / "decode-0.ready.json").read_text())["pid"]
@@ -114,8 +139,9 @@ def test_pdserve_up_restarts_a_killed_worker_and_keeps_running(tmp_path):
 
         def served():
             try:
-                r = client.completions.create(model=model, prompt="again", max_tokens=4,
-                                              temperature=0)
+                r = client.completions.create(
+                    model=model, prompt="again", max_tokens=4, temperature=0
+                )
             except openai.APIError:
                 return None  # the router has not seen the new registration yet
             return r.usage.completion_tokens == 4

@@ -1,0 +1,133 @@
+"""Liveness that tells the truth: a worker whose engine thread makes no progress (a forward pass
+that hangs) turns NOT_SERVING and lets its lease lapse, so routers stop choosing it; when the
+step finishes it serves and registers again. In process, real Redis and a real gRPC server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from decode_service.server import DecodeServicer
+from kvtransfer import LoopbackNetwork, create_receiver
+from shared.directory import DirectoryKeys, EmbeddedRedis
+from shared.proto import pdserve_pb2 as pb
+from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.worker.service import WorkerRuntime, add_worker_cli_args, serve_worker
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recovers(
+    tiny_llama, tmp_path
+):
+    ready = tmp_path / "ready.json"
+    with EmbeddedRedis() as server:
+        parser = argparse.ArgumentParser()
+        add_worker_cli_args(parser, "decode")
+        args = parser.parse_args(
+            [
+                "--model",
+                str(tiny_llama),
+                "--num-gpu-blocks-override",
+                "64",
+                "--max-model-len",
+                "512",
+                "--redis-url",
+                server.url,
+                "--worker-id",
+                "hang-0",
+                "--ready-file",
+                str(ready),
+                "--directory-prefix",
+                "hang:",
+                "--engine-hang-timeout",
+                "1",
+            ]
+        )
+        rt = WorkerRuntime("decode", args)
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
+        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        r = redis.Redis.from_url(server.url)
+        key = DirectoryKeys("hang:").worker("hang-0")
+        release = threading.Event()
+        real = rt.engine.runner.execute
+
+        def stuck(out):  # the first forward pass hangs until the test lets it go
+            release.wait(30)
+            return real(out)
+
+        async def scenario():
+            worker = asyncio.ensure_future(
+                serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s))
+            )
+            for _ in range(200):
+                if ready.exists():
+                    break
+                await asyncio.sleep(0.05)
+            address = json.loads(ready.read_text())["grpc"]
+            seen = {}
+            async with grpc.aio.insecure_channel(address) as ch:
+                hstub = health_pb2_grpc.HealthStub(ch)
+
+                async def health():
+                    return (await hstub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+                assert await health() == health_pb2.HealthCheckResponse.SERVING
+                generation = r.hget(key, "generation")
+                rt.engine.runner.execute = stuck
+                call = pb_grpc.DecodeWorkerStub(ch).Generate(
+                    pb.GenerateRequest(
+                        request_id="slow",
+                        prompt_token_ids=[5, 6, 7],
+                        sampling=pb.SamplingParams(temperature=0, max_tokens=4),
+                    ),
+                    timeout=60,
+                )
+                reader = asyncio.ensure_future(call.read())
+                t0 = time.monotonic()
+                while await health() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    assert time.monotonic() - t0 < 10, "never turned NOT_SERVING"
+                    await asyncio.sleep(0.2)
+                seen["not_serving_after"] = time.monotonic() - t0
+                while r.exists(key):
+                    assert time.monotonic() - t0 < 15, "the lease never lapsed"
+                    await asyncio.sleep(0.2)
+                seen["lease_gone_after"] = time.monotonic() - t0
+                release.set()  # the step finishes
+                rt.engine.runner.execute = real
+                while await health() != health_pb2.HealthCheckResponse.SERVING:
+                    assert time.monotonic() - t0 < 25, "never served again"
+                    await asyncio.sleep(0.2)
+                while not r.exists(key):
+                    assert time.monotonic() - t0 < 30, "never registered again"
+                    await asyncio.sleep(0.2)
+                seen["new_generation"] = r.hget(key, "generation") != generation
+                first = await reader
+                seen["stream_went_on"] = first is not grpc.aio.EOF
+                call.cancel()
+            worker.cancel()
+            try:
+                await worker
+            except asyncio.CancelledError:
+                pass
+            return seen
+
+        try:
+            seen = asyncio.run(scenario())
+        finally:
+            release.set()
+            receiver.close()
+            rt.loop.stop()
+    assert seen["not_serving_after"] < 4, seen
+    assert seen["lease_gone_after"] < 8, seen
+    assert seen["new_generation"] and seen["stream_went_on"], seen
