@@ -28,7 +28,7 @@ from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
-    GRPC_OPTIONS,
+    CLIENT_GRPC_OPTIONS,
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
@@ -311,10 +311,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if pin_id is not None:
             self.rt.loop.submit(lambda e: e.unpin(pin_id))
 
+    def _drop_channel(self, address: str) -> None:
+        entry = self.channels.pop(address, None)
+        if entry is not None:
+            asyncio.ensure_future(entry[0].close())
+
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         entry = self.channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CLIENT_GRPC_OPTIONS)
             entry = self.channels[address] = (channel, pb_grpc.PrefillWorkerStub(channel))
         return entry[1]
 
@@ -377,6 +382,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             )
             if handle is not None:
                 await cancel_transfer(handle)
+            if reason == "unreachable":
+                self._drop_channel(req.prefill_address)  # a restarted P: connect afresh
             self.fallbacks += 1
             self.rt.metrics.fallback(reason)
             flight.path = "fallback"

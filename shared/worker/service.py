@@ -27,20 +27,16 @@ from shared.config import EngineArgs
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
+from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from shared.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+# servers: accept the clients' keepalive pings; clients (D's channel to P) detect a frozen peer
+GRPC_OPTIONS = SERVER_OPTIONS
+CLIENT_GRPC_OPTIONS = CLIENT_OPTIONS
 
 
 def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
