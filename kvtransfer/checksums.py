@@ -58,7 +58,7 @@ class Checksummer:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _deliver(future: Future, callback: ChecksumCallback) -> None:
+def _deliver(future: Future[list[int]], callback: ChecksumCallback) -> None:
     if future.cancelled():
         callback(None, RuntimeError("checksum job cancelled"))
     elif future.exception() is not None:

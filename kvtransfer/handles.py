@@ -50,7 +50,7 @@ class TransferHandle:
         self._state = TransferState.PENDING
         self._error: KVTransferError | None = None
         self._event = threading.Event()
-        self._future: Future = Future()
+        self._future: Future[TransferState] = Future()
         self._post = post  # enqueue work on the reactor thread (non-blocking)
         self._on_cancel = on_cancel
         self._checksums: list[int | None] = [None] * num_blocks

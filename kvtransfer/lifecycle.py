@@ -57,9 +57,9 @@ class TransferEnd:
     _ids: set[str]
 
     # ---- hooks -------------------------------------------------------------------------
-    def _on_decided(self, t: Any, error: KVTransferError | None, **notify: Any) -> None:
+    def _on_decided(self, t: Any, error: KVTransferError | None, *args: Any, **notify: Any) -> None:
         """The outcome was just fixed: stop queued work, tell the peer (``notify``: the end's
-        own options)."""
+        own options; each end declares its own keywords, hence the gradual ``*args, **notify``)."""
 
     def _outstanding(self, t: Any) -> tuple[int, str] | None:
         """(operations still outstanding, the peer's name) to report when they do not settle,

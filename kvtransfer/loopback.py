@@ -21,6 +21,9 @@ from kvtransfer.protocol import ReceiverAddress
 from kvtransfer.reactor import Reactor
 
 _Acceptor = Callable[["LoopbackLink"], None]
+# A posted data operation: (region, completion, the reactor that runs the completion).
+_PostedOp = tuple["Region | None", DataCallback, Reactor]
+_Queues = dict[int, collections.deque[_PostedOp]]  # by tag, in posting order
 
 
 class LoopbackNetwork:
@@ -60,8 +63,8 @@ class _Channel:
         self.lock = threading.Lock()
         self.closed = False
         # Per direction (index = sending side): tag -> FIFO of posted operations.
-        self.sends: tuple[dict, dict] = ({}, {})
-        self.recvs: tuple[dict, dict] = ({}, {})
+        self.sends: tuple[_Queues, _Queues] = ({}, {})
+        self.recvs: tuple[_Queues, _Queues] = ({}, {})
         self.ends: list[LoopbackLink] = []
 
 
@@ -87,6 +90,7 @@ class LoopbackLink(Link):
         return not self._ch.closed
 
     def start(self) -> None:
+        assert self.reactor is not None  # a link is adopted by a reactor before it starts
         self._started = True
         if self._refused is not None:
             self.reactor.call_soon(self._notify_closed, self._refused)
@@ -105,9 +109,11 @@ class LoopbackLink(Link):
         if self._ch.closed or len(self._ch.ends) < 2:
             return
         peer = self._peer
+        assert peer.reactor is not None  # the accepting side adopted it in connect()
         peer.reactor.call_soon_threadsafe(peer._deliver, bytes(payload))
 
     def send_data(self, tag: int, region: Region, done: DataCallback) -> None:
+        assert self.reactor is not None  # started links only
         self._post(
             self._ch.sends,
             self._ch.recvs,
@@ -118,6 +124,7 @@ class LoopbackLink(Link):
         )
 
     def recv_data(self, tag: int, region: Region | None, done: DataCallback) -> None:
+        assert self.reactor is not None  # started links only
         self._post(
             self._ch.recvs,
             self._ch.sends,
@@ -128,7 +135,14 @@ class LoopbackLink(Link):
         )
 
     def _post(
-        self, mine: tuple, theirs: tuple, direction: int, tag: int, op: tuple, *, sending: bool
+        self,
+        mine: tuple[_Queues, _Queues],
+        theirs: tuple[_Queues, _Queues],
+        direction: int,
+        tag: int,
+        op: _PostedOp,
+        *,
+        sending: bool,
     ) -> None:
         with self._ch.lock:
             if not self._ch.closed:
@@ -148,11 +162,12 @@ class LoopbackLink(Link):
         self._move(send, recv)
 
     @staticmethod
-    def _move(send: tuple, recv: tuple) -> None:
+    def _move(send: _PostedOp, recv: _PostedOp) -> None:
         """Copy a matched send into its receive, then complete both (UCX semantics: a receive
         smaller than the message fails as truncated, the send still succeeds)."""
         src, send_done, send_reactor = send
         dst, recv_done, recv_reactor = recv
+        assert src is not None  # send_data always posts a region
         recv_error: BaseException | None = None
         if dst is not None:
             if dst.nbytes != src.nbytes:

@@ -33,7 +33,7 @@ class Connection:
         self.outbox: list[Op] = []
         self.next_x = 0
         self.handshake_timer: Any = None
-        self.connect_waiters: list[Future] = []
+        self.connect_waiters: list[Future[None]] = []
 
     def allocate_x(self) -> int:
         """A transfer number not used by any open transfer on this connection."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -44,7 +44,7 @@ class Region:
     is_cuda: bool
 
 
-def _torch_module():
+def _torch_module() -> Any:  # torch, if the caller imported it (never imported here)
     return sys.modules.get("torch")
 
 
@@ -128,8 +128,8 @@ class PoolView:
     def host_bytes(self, region: Region) -> np.ndarray:
         """Host uint8 array with the region's bytes (a view for host pools, a copy for device)."""
         if region.is_cuda:
-            return region.buffer.cpu().numpy()
-        return region.buffer
+            return cast(np.ndarray, region.buffer.cpu().numpy())
+        return cast(np.ndarray, region.buffer)
 
     def checksums(self, region: Region) -> list[int]:
         """xxh3_64 of each block of ``region``, in block order.
@@ -139,7 +139,11 @@ class PoolView:
         """
         data = self.host_bytes(region)
         bb = self.block_bytes
-        return [xxhash.xxh3_64_intdigest(data[i * bb : (i + 1) * bb]) for i in range(region.count)]
+        return [
+            # numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12
+            xxhash.xxh3_64_intdigest(data[i * bb : (i + 1) * bb])  # type: ignore[arg-type]
+            for i in range(region.count)
+        ]
 
     def corrupted_copy(self, region: Region, block_offsets: list[int]) -> Region:
         """A copy of ``region`` with one byte flipped in each listed block (fault injection only)."""

@@ -13,7 +13,7 @@ described in ``docs/notes/kvtransfer.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import msgpack
 
@@ -200,19 +200,23 @@ def _op_to_wire(op: Op) -> dict[str, Any]:
 
 def encode_ops(ops: list[Op]) -> bytes:
     """Serialise a batch of operations into one control message."""
-    return msgpack.packb([_op_to_wire(op) for op in ops], use_bin_type=True)
+    return cast(bytes, msgpack.packb([_op_to_wire(op) for op in ops], use_bin_type=True))
 
 
 # ---- decoding ---------------------------------------------------------------------------
 
 
-def _field(d: dict, key: str) -> Any:
+def _field(d: dict[str, Any], key: str) -> Any:
     if key not in d:
         raise ProtocolError(f"{d.get('op')!r} op is missing field {key!r}")
     return d[key]
 
 
-def _int(d: dict, key: str, hi: int = _U64, *, optional: bool = False) -> int | None:
+@overload
+def _int(d: dict[str, Any], key: str, hi: int = ..., *, optional: Literal[False] = ...) -> int: ...
+@overload
+def _int(d: dict[str, Any], key: str, hi: int = ..., *, optional: bool) -> int | None: ...
+def _int(d: dict[str, Any], key: str, hi: int = _U64, *, optional: bool = False) -> int | None:
     v = d.get(key) if optional else _field(d, key)
     if v is None and optional:
         return None
@@ -223,7 +227,15 @@ def _int(d: dict, key: str, hi: int = _U64, *, optional: bool = False) -> int | 
     return v
 
 
-def _str(d: dict, key: str, *, optional: bool = False, max_len: int = _MAX_STR) -> str | None:
+@overload
+def _str(
+    d: dict[str, Any], key: str, *, optional: Literal[False] = ..., max_len: int = ...
+) -> str: ...
+@overload
+def _str(d: dict[str, Any], key: str, *, optional: bool, max_len: int = ...) -> str | None: ...
+def _str(
+    d: dict[str, Any], key: str, *, optional: bool = False, max_len: int = _MAX_STR
+) -> str | None:
     v = d.get(key) if optional else _field(d, key)
     if v is None and optional:
         return None
@@ -234,8 +246,16 @@ def _str(d: dict, key: str, *, optional: bool = False, max_len: int = _MAX_STR) 
     return v
 
 
+@overload
 def _int_list(
-    d: dict, key: str, *, max_len: int, hi: int, optional: bool = False
+    d: dict[str, Any], key: str, *, max_len: int, hi: int, optional: Literal[False] = ...
+) -> list[int]: ...
+@overload
+def _int_list(
+    d: dict[str, Any], key: str, *, max_len: int, hi: int, optional: bool
+) -> list[int] | None: ...
+def _int_list(
+    d: dict[str, Any], key: str, *, max_len: int, hi: int, optional: bool = False
 ) -> list[int] | None:
     v = d.get(key) if optional else _field(d, key)
     if v is None and optional:
@@ -252,8 +272,8 @@ def _int_list(
     return v
 
 
-def _x(d: dict) -> int:
-    return _int(d, "x", TRANSFER_NUMBER_LIMIT - 1)  # type: ignore[return-value]
+def _x(d: dict[str, Any]) -> int:
+    return _int(d, "x", TRANSFER_NUMBER_LIMIT - 1)
 
 
 def _decode_op(d: Any) -> Op:
@@ -359,15 +379,18 @@ class ReceiverAddress:
     receiver_id: str
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "v": 1,
-                "kind": self.kind,
-                "host": self.host,
-                "port": self.port,
-                "receiver": self.receiver_id,
-            },
-            use_bin_type=True,
+        return cast(
+            bytes,
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "kind": self.kind,
+                    "host": self.host,
+                    "port": self.port,
+                    "receiver": self.receiver_id,
+                },
+                use_bin_type=True,
+            ),
         )
 
     @classmethod

@@ -47,7 +47,7 @@ class TimerHandle:
 
     __slots__ = ("args", "cancelled", "fn", "seq", "when")
 
-    def __init__(self, when: float, seq: int, fn: Callable, args: tuple):
+    def __init__(self, when: float, seq: int, fn: Callable[..., Any], args: tuple[Any, ...]):
         self.when, self.seq, self.fn, self.args, self.cancelled = when, seq, fn, args, False
 
     def cancel(self) -> None:
@@ -63,7 +63,9 @@ class Reactor:
     def __init__(self, name: str, *, spin_s: float = 0.0):
         self.name = name
         self.spin_s = spin_s
-        self._ready: collections.deque[tuple[Callable, tuple]] = collections.deque()
+        self._ready: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque()
+        )
         self._timers: list[TimerHandle] = []
         self._seq = itertools.count()
         self._sources: list[ProgressSource] = []
@@ -89,13 +91,13 @@ class Reactor:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def call_soon_threadsafe(self, fn: Callable, *args: Any) -> None:
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the reactor thread soon; safe and non-blocking from any thread."""
         self._ready.append((fn, args))
         if self._sleeping:
             self._wake()
 
-    def run_sync(self, fn: Callable, *args: Any, timeout: float = 10.0) -> Any:
+    def run_sync(self, fn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
         """Run ``fn(*args)`` on the reactor thread and return its result (or raise its error).
 
         Raises ``TimeoutError`` if it has not run within ``timeout`` seconds.
@@ -104,7 +106,7 @@ class Reactor:
             return fn(*args)
         if not self._thread.is_alive():
             raise RuntimeError(f"reactor {self.name} is not running")
-        fut: Future = Future()
+        fut: Future[Any] = Future()
 
         def call() -> None:
             if fut.set_running_or_notify_cancel():
@@ -149,11 +151,11 @@ class Reactor:
             except (OSError, ValueError):
                 pass
 
-    def call_soon(self, fn: Callable, *args: Any) -> None:
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Reactor thread only: run ``fn(*args)`` after the current callback."""
         self._ready.append((fn, args))
 
-    def call_later(self, delay: float, fn: Callable, *args: Any) -> TimerHandle:
+    def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> TimerHandle:
         """Reactor thread only: run ``fn(*args)`` after ``delay`` seconds unless cancelled."""
         handle = TimerHandle(time.monotonic() + max(0.0, delay), next(self._seq), fn, args)
         heapq.heappush(self._timers, handle)
@@ -167,7 +169,7 @@ class Reactor:
         except (BlockingIOError, OSError):
             pass  # pipe full (a wake-up is already pending) or closed during shutdown
 
-    def _call(self, fn: Callable, args: tuple) -> None:
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
             fn(*args)
         except Exception:

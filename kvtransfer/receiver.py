@@ -491,6 +491,7 @@ class Receiver(TransferEnd, KVReceiver):
                 "peer_lost",
             )
         else:
+            assert msg.region is not None  # set before the receive was posted
             msg.received = True
             self._metrics.add_bytes("recv", msg.region.nbytes)
             t.handle.bytes_received += msg.region.nbytes
@@ -505,6 +506,7 @@ class Receiver(TransferEnd, KVReceiver):
         if msg.checksums is None or not self._verify:
             self._verified(msg)
             return
+        assert msg.region is not None  # verified only once received
         msg.transfer.verifying += 1
         if self._checksummer.inline(msg.region):
             self._on_checked(msg, self._checksummer.compute(msg.region), None)
@@ -526,6 +528,8 @@ class Receiver(TransferEnd, KVReceiver):
                     code="protocol",
                 )
             else:
+                # no error: the job delivered them; verification starts only with checksums
+                assert actual is not None and msg.checksums is not None
                 bad = [j for j in range(msg.count) if actual[j] != msg.checksums[j]]
                 if bad:
                     self._metrics.checksum_mismatches("recv", len(bad))

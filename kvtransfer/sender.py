@@ -126,7 +126,7 @@ class Sender(TransferEnd, KVSender):
         self._closed = False
         self._drained = threading.Event()
         # Reactor-thread state.
-        self._conns: dict[tuple, Connection] = {}
+        self._conns: dict[tuple[str, str, int], Connection] = {}
         self._live: set[OutboundTransfer] = set()  # started and not yet settled
         self._slot_queue: collections.deque[OutboundTransfer] = collections.deque()
         self._active = 0
@@ -215,7 +215,7 @@ class Sender(TransferEnd, KVSender):
         address = ReceiverAddress.decode(remote_address)
         if self._closed:
             raise TransportClosedError("sender is closed")
-        fut: Future = Future()
+        fut: Future[None] = Future()
         self._reactor.call_soon_threadsafe(self._connect_cmd, address, fut)
         try:
             fut.result(timeout_s)
@@ -461,6 +461,7 @@ class Sender(TransferEnd, KVSender):
                 notify=True,
             )
         elif t.outcome is None:
+            assert checksums is not None  # a checksum job without error delivers them
             t.handle._checksums[first : first + len(checksums)] = checksums
             if t.conn is not None and t.conn.state == READY:
                 self._queue_op(t.conn, Sums(t.x, first, checksums))  # type: ignore[arg-type]
@@ -519,7 +520,7 @@ class Sender(TransferEnd, KVSender):
         )
         return conn
 
-    def _connect_cmd(self, address: ReceiverAddress, fut: Future) -> None:
+    def _connect_cmd(self, address: ReceiverAddress, fut: Future[None]) -> None:
         if self._closing:
             fut.set_exception(TransportClosedError("sender is closed"))
             return

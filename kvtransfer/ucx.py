@@ -25,7 +25,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 # Which UCX_* variables the user set: importing ucxx sets defaults of its own (RNDV_THRESH...).
 _USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
@@ -82,6 +82,10 @@ def _ucx_config(options: dict[str, str] | None) -> dict[str, str]:
     return {k: v for k, v in cfg.items() if f"UCX_{k}" not in _USER_UCX_ENV}
 
 
+# (ucxx request, callback(request, error), objects kept alive until completion)
+_Tracked = tuple[Any, Callable[[Any, BaseException | None], None], Any]
+
+
 class _Worker:
     """The UCX worker as a reactor progress source, plus request completion tracking."""
 
@@ -90,7 +94,7 @@ class _Worker:
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         # (request, callback(error), objects kept alive until completion)
-        self._requests: list[tuple[Any, Callable[[Any, BaseException | None], None], Any]] = []
+        self._requests: list[_Tracked] = []
         self._dirty = False
 
     def track(
@@ -109,7 +113,8 @@ class _Worker:
             made = True
         if (made or self._dirty) and self._requests:
             self._dirty = False
-            done, still = [], []
+            done: list[_Tracked] = []
+            still: list[_Tracked] = []
             for entry in self._requests:
                 (done if entry[0].completed else still).append(entry)
             self._requests = still
@@ -127,10 +132,10 @@ class _Worker:
         return made
 
     def arm(self) -> bool:
-        return self.worker.arm()
+        return cast(bool, self.worker.arm())
 
     def fileno(self) -> int:
-        return self.worker.epoll_file_descriptor
+        return cast(int, self.worker.epoll_file_descriptor)
 
 
 class UcxLink(Link):

@@ -76,6 +76,7 @@ class BodyError(StarletteHTTPException):
 
 def parse_json_body(raw: bytes) -> Any:
     """``json.loads`` with the checks above; raises :class:`BodyError`."""
+    where: str | None  # path of the offending value, in the error branches
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

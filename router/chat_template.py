@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -27,7 +27,7 @@ class ChatTemplateError(ValueError):
 class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): render the body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -80,8 +80,8 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        tools: list | None = None,
-        documents: list | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text. ``continue_final_message`` cuts it right after the last message."""

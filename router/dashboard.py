@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from fastapi import FastAPI, Request
@@ -56,7 +56,7 @@ def bucket_of(seconds: float) -> int:
 
 def bucket_value(index: int) -> float:
     """The geometric midpoint of bucket ``index`` (what percentiles report)."""
-    return _LO * _R ** (index + 0.5)
+    return cast(float, _LO * _R ** (index + 0.5))  # float ** float is typed Any
 
 
 def quantile(counts: dict[int, int], q: float) -> float | None:
@@ -142,7 +142,7 @@ class LiveStats:
         self.requests_total += 1
         self.recent.append(record)
 
-    def window(self) -> dict:
+    def window(self) -> dict[str, Any]:
         """Rates (per second), percentiles (seconds) and totals, as of now."""
         now = self._clock()
         now_s = int(now)
@@ -150,7 +150,7 @@ class LiveStats:
         lat = [s for s in self._slots if s.second > now_s - self.latency_window_s]
         span = max(1.0, min(self.rate_window_s - 1 + (now - now_s), now - self._started))
 
-        def merged(attr: str) -> dict:
+        def merged(attr: str) -> dict[str, Any]:
             out: dict[int, int] = {}
             for s in lat:
                 for k, v in getattr(s, attr).items():
@@ -217,7 +217,7 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
 
 @dataclass(slots=True)
 class _History:
-    samples: deque  # (monotonic time, figures), newest last
+    samples: deque[tuple[float, dict[str, float]]]  # (monotonic time, figures), newest last
     error: str | None = None
 
 
@@ -266,7 +266,7 @@ class WorkerScraper:
             while len(h.samples) > 2 and h.samples[0][0] < now - self.history_s:
                 h.samples.popleft()
 
-    def view(self, record: WorkerRecord) -> dict:
+    def view(self, record: WorkerRecord) -> dict[str, Any]:
         """What the page shows for one worker: last figures, errors and windowed rates."""
         if not record.info.metrics:
             return {"ok": False, "error": "no metrics URL in the registry"}
@@ -291,8 +291,10 @@ class WorkerScraper:
         return out
 
 
-def _parse_all(texts: list) -> list:
-    out: list = []
+def _parse_all(
+    texts: list[str | BaseException],
+) -> list[dict[str, float] | BaseException]:
+    out: list[dict[str, float] | BaseException] = []
     for t in texts:
         try:
             out.append(t if isinstance(t, BaseException) else parse_worker_metrics(t))
@@ -312,12 +314,12 @@ def _describe(e: BaseException) -> str:
 # ---- aggregation ----------------------------------------------------------------------------
 
 
-def pool_summary(workers: list[dict]) -> dict:
+def pool_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals and block-weighted averages over one role's worker views (see ``Dashboard``)."""
     scraped = [w["scrape"] for w in workers if "running" in w["scrape"]]
 
     def total(key: str) -> float:
-        return sum(s.get(key, 0.0) for s in scraped)
+        return cast(float, sum(s.get(key, 0.0) for s in scraped))
 
     blocks = sum(s.get("num_blocks", 0.0) for s in scraped)
     kv = (
@@ -350,7 +352,7 @@ def pool_summary(workers: list[dict]) -> dict:
     }
 
 
-def router_totals(registry: Any) -> dict:
+def router_totals(registry: Any) -> dict[str, Any]:
     """Cumulative figures from the router's own Prometheus registry."""
     out: dict[str, Any] = {
         "paths": {},
@@ -414,7 +416,7 @@ class Dashboard:
         if self._own_client:
             await self.client.aclose()
 
-    async def data(self) -> dict:
+    async def data(self) -> dict[str, Any]:
         async with self._lock:  # one scrape at a time; concurrent pages share its result
             if self._scraped_at is None or self._clock() - self._scraped_at >= self.cache_s:
                 t0 = self._clock()
@@ -455,7 +457,7 @@ class Dashboard:
             "scrape": {"age_s": self._clock() - self._scraped_at, "duration_s": self._scrape_s},
         }
 
-    def _worker(self, r: WorkerRecord, healthy: bool) -> dict:
+    def _worker(self, r: WorkerRecord, healthy: bool) -> dict[str, Any]:
         return {
             "id": r.worker_id,
             "role": r.info.role,

@@ -27,8 +27,9 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import grpc
 
@@ -137,6 +138,7 @@ class _Watchdog:
 
     def first_output(self) -> None:
         self.last = time.monotonic()
+        assert self._handle is not None  # armed in __init__
         self._handle.cancel()
         self._arm(min(self.deadline, self.last + self.stall_s) - self.last)
 
@@ -146,6 +148,7 @@ class _Watchdog:
         return _Retryable(f"no output for {self.stall_s:g} s")
 
     def stop(self) -> None:
+        assert self._handle is not None  # armed in __init__
         self._handle.cancel()
 
 
@@ -167,7 +170,7 @@ class Dispatcher:
         self.cfg = cfg
         self.metrics = metrics
         self.rng = rng or random.Random()
-        self._cleanup: asyncio.Task | None = None
+        self._cleanup: asyncio.Task[None] | None = None
         self._lookup_failing = False
 
     async def close(self) -> None:
@@ -265,6 +268,7 @@ class Dispatcher:
 
     async def _remove_stale(self, pairs: list[tuple[str, str]]) -> None:
         try:
+            assert self.reader is not None  # stale members come from the reader's lookups
             n = await self.reader.remove_stale(pairs)
             logger.debug("removed %d stale directory members", n)
         except Exception as e:  # noqa: BLE001 - best effort; the sweeper retries later
@@ -300,7 +304,7 @@ class GenerationStream:
     def _remaining(self) -> float:
         return self.inp.deadline - time.monotonic()
 
-    async def events(self) -> AsyncIterator[list[SeqOutput] | StreamEnd]:
+    async def events(self) -> AsyncGenerator[list[SeqOutput] | StreamEnd, None]:
         exclude: set[str] = set()
         overloaded = False
         last_error = ""
@@ -384,7 +388,7 @@ class GenerationStream:
 
     async def _attempt(
         self, decision: RouteDecision, record: WorkerRecord
-    ) -> AsyncIterator[list[SeqOutput] | StreamEnd]:
+    ) -> AsyncGenerator[list[SeqOutput] | StreamEnd, None]:
         """One Generate call on D, bounded by a :class:`_Watchdog` timer instead of per-chunk
         timers (this loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per
         call here). D also gets the deadline in ``deadline_s``."""
@@ -403,7 +407,11 @@ class GenerationStream:
                 try:
                     chunk = await call.read()
                 except asyncio.CancelledError:
-                    if dog.why and not asyncio.current_task().cancelling():
+                    # current_task() is never None here: a coroutine run by a task
+                    if (
+                        dog.why
+                        and not cast("asyncio.Task[Any]", asyncio.current_task()).cancelling()
+                    ):
                         raise dog.error() from None
                     raise
                 except grpc.aio.AioRpcError as e:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Any
 
 
 class RouterError(Exception):
@@ -30,7 +31,7 @@ class RouterError(Exception):
             self.code = code
         self.headers = headers or {}
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,

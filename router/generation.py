@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Protocol, cast
 
 from router.context import ServingContext
 from router.dispatch import GenerationInput, GenerationStream, SeqOutput, StreamEnd
@@ -72,9 +72,10 @@ class Generation:
             SampleOutput(i, ctx.tokenizer, params) for i in range(len(prompts) * self.n)
         ]
         self.ends: list[StreamEnd | None] = [None] * len(prompts)
-        self._iters: list[AsyncIterator] = []
-        self._queue: asyncio.Queue | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._iters: list[AsyncGenerator[list[SeqOutput] | StreamEnd, None]] = []
+        # (prompt index, event or None, the error that ended the stream or None)
+        self._queue: asyncio.Queue[tuple[int, Any, RouterError | None]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._first: list[tuple[int, Any]] = []
         self._last_token_time: float | None = None
         self._ttft: float | None = None
@@ -187,7 +188,7 @@ class Generation:
             metrics.c_itl.observe(itl)
         samples = self.samples
         tokens = 0
-        for sd in ev:
+        for sd in cast("list[SeqOutput]", ev):  # not a StreamEnd (returned above)
             ids = sd.token_ids
             tokens += len(ids)
             s = samples[base + sd.index]
@@ -228,7 +229,7 @@ class Generation:
         cached = [e.cached_tokens for e in self.ends if e is not None]
         details = None
         if cached and len(cached) == len(self.ends) and all(c is not None for c in cached):
-            details = PromptTokensDetails(cached_tokens=sum(cached))
+            details = PromptTokensDetails(cached_tokens=sum(cast("list[int]", cached)))
         p, c = self.prompt_tokens, self.completion_tokens
         return UsageInfo(
             prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details

@@ -4,6 +4,8 @@ entries (``router/output.py``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from router.context import ServingContext
 from router.output import OutputParams, TokenEntry
@@ -20,10 +22,13 @@ def token_text(ctx: ServingContext, params: OutputParams, token_id: int) -> str:
 
 
 def completion_logprobs(
-    ctx: ServingContext, params: OutputParams, entries: list[TokenEntry], offset_base: int = 0
-) -> dict:
+    ctx: ServingContext, params: OutputParams, entries: Sequence[TokenEntry], offset_base: int = 0
+) -> dict[str, Any]:
     """OpenAI completions ``logprobs`` object for ``entries``."""
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for e in entries:
         tokens.append(token_text(ctx, params, e.token_id))
         offsets.append(offset_base + e.text_offset)
@@ -39,7 +44,9 @@ def completion_logprobs(
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
 
 
-def chat_logprobs(ctx: ServingContext, params: OutputParams, entries: list[TokenEntry]) -> dict:
+def chat_logprobs(
+    ctx: ServingContext, params: OutputParams, entries: Sequence[TokenEntry]
+) -> dict[str, Any]:
     """OpenAI chat ``logprobs`` object (``{"content": [...]}``) for ``entries``."""
     content = []
     for e in entries:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from router.tokenizer import RouterTokenizer
 from shared.proto import pdserve_pb2 as pb
@@ -78,7 +79,8 @@ class SampleOutput:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    _step: Callable[[int], str | None] | None = None  # the incremental decoder
+    # the incremental decoder; always set by __post_init__ (None only as the field default)
+    _step: Callable[[int], str | None] = cast("Callable[[int], str | None]", None)
     _held: TokenEntry | None = None
     _entries: list[TokenEntry] = field(default_factory=list)  # accounted, not yet taken
     _sent_chars: int = 0
@@ -199,7 +201,7 @@ class SampleOutput:
                 return None
             end = sent
         self._sent_chars = end
-        entries = self._entries
+        entries: Sequence[TokenEntry] = self._entries
         if entries:
             self._entries = []
         else:

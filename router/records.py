@@ -86,7 +86,7 @@ class RequestRecord:
             ("decode", t.decode_s),
         ]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["phases"] = [{"name": n, "s": s} for n, s in self.phases()]
         return d

@@ -11,11 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from router.errors import InvalidRequestError
 from router.output import OutputParams
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from shared.proto import pdserve_pb2 as pb
+
+# The two request kinds (what a field only one of them has, e.g. max_tokens, needs).
+SamplingRequest = CompletionRequest | ChatCompletionRequest
 
 MAX_N = 128
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -94,7 +98,7 @@ def check_unsupported(req: SamplingFields) -> None:
             )
 
 
-def requested_max_tokens(req: SamplingFields) -> int | None:
+def requested_max_tokens(req: SamplingRequest) -> int | None:
     if isinstance(req, ChatCompletionRequest):
         return (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -102,7 +106,7 @@ def requested_max_tokens(req: SamplingFields) -> int | None:
     return req.max_tokens
 
 
-def resolve_max_tokens(req: SamplingFields, prompt_len: int, limits: Limits) -> int:
+def resolve_max_tokens(req: SamplingRequest, prompt_len: int, limits: Limits) -> int:
     """The completion budget; 400 when prompt + budget exceed the context window."""
     name = (
         "max_completion_tokens"
@@ -132,7 +136,7 @@ def resolve_max_tokens(req: SamplingFields, prompt_len: int, limits: Limits) -> 
     return max_tokens
 
 
-def validate_common(req: SamplingFields, limits: Limits) -> None:
+def validate_common(req: SamplingRequest, limits: Limits) -> None:
     """Range checks that do not depend on the prompt: every value that reaches a worker fits
     its protobuf field, is finite, and is in the engine's range (the workers check again)."""
     if not 1 <= req.n <= limits.max_n:
@@ -229,13 +233,13 @@ def check_json_depth(value: object, max_depth: int, param: str) -> None:
     so no depth a client sends can exhaust the stack here (or in the chat template later)."""
     if not isinstance(value, (list, dict)):
         return
-    stack: list[tuple[object, int]] = [(value, 1)]
+    stack: list[tuple[list[Any] | dict[Any, Any], int]] = [(value, 1)]
     while stack:
         v, depth = stack.pop()
         if depth > max_depth:
             raise _bad(f"{param} nests more than {max_depth} levels deep (--max-json-depth)", param)
         children = v.values() if isinstance(v, dict) else v
-        for c in children:  # type: ignore[union-attr]
+        for c in children:
             if isinstance(c, (list, dict)):
                 stack.append((c, depth + 1))
 
@@ -262,7 +266,7 @@ def stop_strings(req: SamplingFields) -> tuple[str, ...]:
     return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
 
 
-def requested_logprobs(req: SamplingFields, limits: Limits) -> int | None:
+def requested_logprobs(req: SamplingRequest, limits: Limits) -> int | None:
     """Top-N logprobs per output token, or None."""
     if isinstance(req, ChatCompletionRequest):
         top = req.top_logprobs
@@ -281,7 +285,7 @@ def requested_logprobs(req: SamplingFields, limits: Limits) -> int | None:
 
 
 def build_params(
-    req: SamplingFields, max_tokens: int, limits: Limits
+    req: SamplingRequest, max_tokens: int, limits: Limits
 ) -> tuple[pb.SamplingParams, OutputParams]:
     """The engine's sampling parameters and the router's output parameters."""
     if req.min_tokens > max_tokens:

@@ -17,16 +17,18 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as pkg_version
 from pathlib import Path
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.body import BodyError, JSONBodyRoute
 from router.config import RouterConfig
@@ -69,7 +71,9 @@ _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 _CLEANUP_TIMEOUT_S = 5.0  # the lifespan clean-up after uvicorn stopped serving
 
 
-def load_model_files(config: RouterConfig) -> tuple[RouterTokenizer, ModelConfig, dict]:
+def load_model_files(
+    config: RouterConfig,
+) -> tuple[RouterTokenizer, ModelConfig, dict[str, float]]:
     """Tokenizer, model config and sampling defaults; raises ConfigError/ValueError if unusable."""
     model_cfg = EngineArgs(
         model=config.model, served_model_name=config.name, max_model_len=config.max_model_len
@@ -84,11 +88,11 @@ def load_model_files(config: RouterConfig) -> tuple[RouterTokenizer, ModelConfig
 class _BodyLimit:
     """ASGI middleware: 413 for bodies over ``max_bytes`` (declared or streamed)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
@@ -96,7 +100,8 @@ class _BodyLimit:
             return await self._reject(scope, send)
         if declared is not None:
             return await self.app(scope, receive, send)
-        body, more = [], True  # chunked: buffer up to the limit, then replay
+        body: list[Message] = []
+        more = True  # chunked: buffer up to the limit, then replay
         size = 0
         while more:
             message = await receive()
@@ -109,15 +114,16 @@ class _BodyLimit:
             more = message.get("more_body", False)
         return await self.app(scope, _replay(body, receive), send)
 
-    async def _reject(self, scope, send) -> None:
+    async def _reject(self, scope: Scope, send: Send) -> None:
         err = RequestTooLargeError(f"request body exceeds {self.max_bytes} bytes")
         await JSONResponse(err.to_dict(), status_code=err.status)(scope, _replay([]), send)
 
 
-def _replay(messages, then=None):
+def _replay(messages: Iterable[Message], then: Receive | None = None) -> Receive:
     queue = list(messages)
 
-    async def receive():
+    # Any, not Message: the last branch never returns (waits forever), which mypy cannot see
+    async def receive() -> Any:
         if queue:
             return queue.pop(0)
         if then is not None:
@@ -131,10 +137,10 @@ class _RouterApp(FastAPI):
     """FastAPI that also puts the server's own ``send`` into every HTTP scope (under
     ``RAW_SEND``), for :class:`router.sse.SSEResponse`'s per-token body chunks."""
 
-    def build_middleware_stack(self):
+    def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()
 
-        async def app(scope, receive, send) -> None:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http":
                 scope[RAW_SEND] = send
             await stack(scope, receive, send)
@@ -259,7 +265,7 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
     started = int(time.time())
 
     def ctx(request: Request) -> ServingContext:
-        return request.app.state.ctx
+        return cast(ServingContext, request.app.state.ctx)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -312,12 +318,12 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
 class _ApiKey:
     """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` on the OpenAI paths."""
 
-    def __init__(self, app, api_key: str, metrics: RouterMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics: RouterMetrics) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
             and scope["method"] != "OPTIONS"
@@ -427,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=config.uvicorn_log_level,
         access_log=config.access_log,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=config.shutdown_timeout_s,
+        # uvicorn annotates an int, but uses it as an asyncio timeout: a float works
+        timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
     )
     return 0

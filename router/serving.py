@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,7 +23,7 @@ from router.errors import InvalidRequestError, RouterError
 from router.generation import Generation, run_generation
 from router.output import OutputParams, SampleDelta, TokenEntry
 from router.protocol import SamplingFields
-from router.sampling import build_params, resolve_max_tokens
+from router.sampling import SamplingRequest, build_params, resolve_max_tokens
 from router.sse import SSE_DONE, SSE_HEADERS, DisconnectWatch, SSEResponse, sse, until_disconnected
 from shared.proto import pdserve_pb2 as pb
 
@@ -75,7 +76,7 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
 
 async def prepare_prompt_runs(
     ctx: ServingContext,
-    req: SamplingFields,
+    req: SamplingRequest,
     prompts: list[list[int]],
 ) -> tuple[list[pb.SamplingParams], OutputParams]:
     """Per-prompt engine params (the max_tokens default depends on each prompt's length)."""
@@ -95,14 +96,14 @@ async def prepare_prompt_runs(
 
 StreamFn = Callable[
     [ServingContext, Generation, OutputParams, str, int, str, Callable[[], Awaitable[None]]],
-    AsyncIterator[str],
+    AsyncGenerator[str, None],
 ]
 BodyFn = Callable[[Generation, OutputParams, dict[int, list[TokenEntry]], str, int], JSONResponse]
 
 
 async def serve(
     ctx: ServingContext,
-    req: SamplingFields,
+    req: SamplingRequest,
     raw: Request,
     prompts: list[list[int]],
     arrival: float,
@@ -168,7 +169,7 @@ async def serve(
     return resp
 
 
-def stream_end(gen: Generation, head: dict, include_usage: bool) -> str:
+def stream_end(gen: Generation, head: dict[str, Any], include_usage: bool) -> str:
     """The last write of a stream: the usage chunk (``choices: []``) when asked, then
     ``data: [DONE]``."""
     if include_usage:

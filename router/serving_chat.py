@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -87,8 +87,8 @@ async def render_chat_prompt(
     add_generation_prompt: bool,
     continue_final_message: bool,
     add_special_tokens: bool,
-    tools: list | None = None,
-    documents: list | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
     kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     if not messages:
@@ -177,7 +177,7 @@ async def _stream(
     created: int,
     usage_mode: str,
     close: Callable[[], Awaitable[None]],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
     "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
     include_usage = bool(usage_mode)
@@ -204,8 +204,8 @@ async def _stream(
 
     def chunk(
         index: int,
-        delta: dict,
-        logprobs: dict | None = None,
+        delta: dict[str, str],
+        logprobs: dict[str, Any] | None = None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> str:

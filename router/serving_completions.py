@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,13 +37,14 @@ async def tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[
         raise InvalidRequestError("prompt is required", param="prompt")
     if isinstance(p, str):
         raw = [await ctx.encode(p, req.add_special_tokens)]
+    # (mypy does not narrow a list's items through all(isinstance(...)): the casts do)
     elif all(isinstance(x, int) for x in p):
-        raw = [list(p)]
+        raw = [list(cast("list[int]", p))]
     elif all(isinstance(x, str) for x in p):
         check_prompt_count(len(p), req.n, ctx.limits)
-        raw = await ctx.encode_many(list(p), req.add_special_tokens)
+        raw = await ctx.encode_many(list(cast("list[str]", p)), req.add_special_tokens)
     else:
-        raw = [list(x) for x in p]
+        raw = [list(cast("list[int]", x)) for x in p]
     check_prompt_count(len(raw), req.n, ctx.limits)
     out = []
     for ids in raw:
@@ -97,7 +99,7 @@ async def _stream(
     created: int,
     usage_mode: str,
     close: Callable[[], Awaitable[None]],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
     "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
     include_usage = bool(usage_mode)

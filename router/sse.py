@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Receive
 
 T = TypeVar("T")
 
@@ -40,21 +41,22 @@ class DisconnectWatch:
 
     __slots__ = ("_target", "_watcher", "gone")
 
-    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+    def __init__(self, receive: Receive) -> None:
         self.gone = False
-        self._target: asyncio.Task | None = None
+        self._target: asyncio.Task[Any] | None = None
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
-    async def _watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+    async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.gone = True
         if self._target is not None:
             self._target.cancel()
 
-    def attach(self) -> asyncio.Task:
+    def attach(self) -> asyncio.Task[Any]:
         """Cancel the current task on disconnect from now on; returns it."""
-        self._target = asyncio.current_task()
+        # current_task() is never None here: called from a coroutine run by a task
+        self._target = cast("asyncio.Task[Any]", asyncio.current_task())
         return self._target
 
     async def guard(self, work: Awaitable[T]) -> T:
@@ -91,9 +93,11 @@ class SSEResponse(StreamingResponse):
     first event the body is sent from a task of its own, whose stack is a few frames deep.
     """
 
+    body_iterator: AsyncGenerator[str, None]  # ``events``, as given
+
     def __init__(
         self,
-        events: AsyncIterator[str],
+        events: AsyncGenerator[str, None],
         on_close: Callable[[], Awaitable[None]],
         headers: dict[str, str],
         watch: DisconnectWatch | None = None,
@@ -105,7 +109,7 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         watch = self._watch if self._watch is not None else DisconnectWatch(receive)
         task = watch.attach()
-        pump: asyncio.Task | None = None
+        pump: asyncio.Task[None] | None = None
         try:
             if watch.gone:  # left while the response was being handed over
                 return
@@ -181,7 +185,7 @@ async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
 
 
 # ``json.dumps(s, ensure_ascii=False)`` for a str ``s``, without building an encoder per call
-json_str: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+json_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def sse(obj: Any) -> str:

@@ -12,7 +12,7 @@ import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer, decoders
 from tokenizers.decoders import DecodeStream
@@ -39,7 +39,7 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+        return cast(str, value["content"])
     return None
 
 

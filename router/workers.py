@@ -79,7 +79,7 @@ class WorkerPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
         self._wrong_model: set[str] = set()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.last_refresh_ok: float | None = None
         self.last_error: str | None = None
 
@@ -287,7 +287,10 @@ class WorkerPool:
     def decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self._stubs[address] = pb_grpc.DecodeWorkerStub(self.channel(address))
+            # grpc_tools generates the stub's __init__ without annotations
+            stub = self._stubs[address] = pb_grpc.DecodeWorkerStub(  # type: ignore[no-untyped-call]
+                self.channel(address)
+            )
         return stub
 
 

@@ -8,7 +8,7 @@ No torch import: the pool manages block ids; the model runner owns the tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -69,7 +69,7 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free
         while b is not None and b is not self._tail:
             yield b

@@ -139,13 +139,15 @@ class DecodeConnector(KVConnector):
         self._wanted: set[str] = set()  # sequence ids whose prompt KV comes from elsewhere
         self._jobs: dict[str, RemotePrefillJob] = {}  # reserved, not yet taken by the service
 
-    def check(self, params, num_prompt_tokens, block_size) -> None:
+    def check(
+        self, params: KVTransferParams | None, num_prompt_tokens: int, block_size: int
+    ) -> None:
         if params is not None and not isinstance(params, RemotePrefillParams):
             raise KVTransferParamsError(
                 f"a decode worker takes RemotePrefillParams, not {type(params).__name__}"
             )
 
-    def add(self, request: Request, params) -> None:
+    def add(self, request: Request, params: KVTransferParams | None) -> None:
         if params is not None and request.num_output_tokens == 0:
             self._wanted.add(request.request_id)
 
@@ -186,7 +188,9 @@ class PrefillConnector(KVConnector):
         super().__init__()
         self._exports: dict[str, _Export] = {}
 
-    def check(self, params, num_prompt_tokens, block_size) -> None:
+    def check(
+        self, params: KVTransferParams | None, num_prompt_tokens: int, block_size: int
+    ) -> None:
         if params is None:
             return
         if not isinstance(params, RemoteDecodeParams):
@@ -201,7 +205,7 @@ class PrefillConnector(KVConnector):
                 "first_block_index",
             )
 
-    def add(self, request: Request, params) -> None:
+    def add(self, request: Request, params: KVTransferParams | None) -> None:
         if params is not None:
             assert isinstance(params, RemoteDecodeParams)
             n_blocks = cdiv(request.num_prompt_tokens, request.block_size) - params.first_block

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.config import ConfigError, EngineArgs, GiB
 from shared.engine.connector import (
@@ -35,7 +36,9 @@ from shared.engine.outputs import (
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.engine.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
+from shared.engine.scheduler_output import SampleResult, SchedulerOutput
 from shared.hashing import hash_seed
+from shared.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,21 @@ class RequestFailedError(RuntimeError):
     """``LLM.generate``: a request failed inside the engine (the others completed)."""
 
 
+class Runner(Protocol):
+    """What the engine needs of its model runner (``ModelRunner``, or a test's fake)."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def kv_cache_budget(self) -> int: ...
+
+    def num_blocks_for(self, budget: int) -> int: ...
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None: ...
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]: ...
+
+
 @dataclass
 class EngineStats:
     num_blocks: int
@@ -84,7 +102,9 @@ class EngineCore:
     engine would build; ``connector`` (``shared/engine/connector.py``) is how a prefill or
     decode worker takes part in its requests' KV (default: none, colocated)."""
 
-    def __init__(self, args: EngineArgs, runner=None, connector: KVConnector | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, runner: Runner | None = None, connector: KVConnector | None = None
+    ) -> None:
         self.args = args
         from shared.engine.device import resolve_device  # the tensor side: deferred
 
@@ -103,7 +123,7 @@ class EngineCore:
                 args.attention_backend,
                 args.seed,
             )
-        self.runner = runner
+        self.runner: Runner = runner
         cc = self.cache_config
         if cc.num_gpu_blocks_override:
             num_blocks = cc.num_gpu_blocks_override
@@ -359,7 +379,7 @@ class EngineCore:
             finished_time=r.finished_time,
         )
 
-    def _forget_finished(self, parent_ids) -> None:
+    def _forget_finished(self, parent_ids: Iterable[str]) -> None:
         for pid in set(parent_ids):
             seqs = self.parents.get(pid)
             if seqs and all(s.is_finished for s in seqs):
@@ -377,7 +397,7 @@ class EngineCore:
         seqs = self.parents.get(request_id)
         return self.kv.block_ids(seqs[0].request_id) if seqs else []
 
-    def take_kv_events(self):
+    def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()
 
     def check_integrity(self) -> None:

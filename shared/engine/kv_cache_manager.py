@@ -172,6 +172,7 @@ class KVCacheManager:
             held = self.pins[pin_id] = []
         self.pool.touch(blocks)
         held.extend(blocks)
+        assert pin_id is not None  # held is None whenever pin_id is
         return pin_id
 
     def unpin(self, pin_id: int) -> bool:

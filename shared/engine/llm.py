@@ -4,6 +4,7 @@ done, outputs in prompt order."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 from shared.config import EngineArgs
 from shared.engine.core import EngineCore, InvalidRequestError
@@ -11,11 +12,14 @@ from shared.engine.outputs import CompletionOutput, RequestOutput
 from shared.engine.request import Logprob
 from shared.engine.sampling_params import SamplingParams
 
+# A string, a token-id list, or ``{"prompt_token_ids": ..., "prompt": ...}``.
+PromptType = str | Sequence[int] | dict[str, Any]
+
 
 class LLM:
     """Offline batch generation, like ``vllm.LLM``."""
 
-    def __init__(self, model: str, **engine_args) -> None:
+    def __init__(self, model: str, **engine_args: Any) -> None:
         from tokenizers import Tokenizer
 
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
@@ -25,7 +29,7 @@ class LLM:
 
     def generate(
         self,
-        prompts,
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -35,11 +39,13 @@ class LLM:
         ``InvalidRequestError`` before any prompt is queued.
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompts = [cast(PromptType, prompts)]
+        batch = cast(Sequence[PromptType], prompts)
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        token_lists, texts = [], []
-        for p in prompts:
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        token_lists: list[list[int]] = []
+        texts: list[str | None] = []
+        for p in batch:
             if isinstance(p, str):
                 token_lists.append(self.tokenizer.encode(p).ids)
                 texts.append(p)
@@ -49,8 +55,8 @@ class LLM:
             else:
                 token_lists.append(list(p))
                 texts.append(None)
-        ids = []
-        added = []
+        ids: list[str] = []
+        added: list[str] = []
         try:
             for toks, sp in zip(token_lists, plist):
                 rid = str(self._counter)
@@ -63,8 +69,15 @@ class LLM:
             raise
         return self._run(ids, texts, token_lists, plist, use_tqdm)
 
-    def _run(self, ids, texts, token_lists, plist, use_tqdm) -> list[RequestOutput]:
-        acc: dict[str, dict[int, dict]] = {rid: {} for rid in ids}
+    def _run(
+        self,
+        ids: list[str],
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        plist: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        acc: dict[str, dict[int, dict[str, Any]]] = {rid: {} for rid in ids}
         cached: dict[str, int] = {}
         pending = set(ids)
         bar = None

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import cast
 
 from shared.config import SchedulerConfig
 from shared.engine.connector import KVConnector
@@ -97,6 +98,7 @@ class Scheduler:
         preempted = False
 
         i = 0
+        req: Request | None  # None once the request preempted itself
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
@@ -191,7 +193,9 @@ class Scheduler:
             self.waiting.appendleft(req)
             logger.debug("request %s preempted for recompute", req.request_id)
 
-    def _schedule_swapped(self, out: SchedulerOutput, scheduled: dict, budget: int) -> int:
+    def _schedule_swapped(
+        self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int
+    ) -> int:
         while self.swapped and budget > 0 and self.num_running < self.config.max_num_seqs:
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget)
@@ -210,7 +214,9 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, scheduled: dict, budget: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int
+    ) -> None:
         cfg = self.config
         while self.waiting and budget > 0 and self.num_running < cfg.max_num_seqs:
             req = self.waiting[0]
@@ -283,14 +289,17 @@ class Scheduler:
                         updates.append(SeqUpdate(req, [], [], False, ready, pin))
                     continue
                 first = req.num_output_tokens == req.num_resumed_tokens
-                update = self._append(req, sampled[req.request_id], now)
+                # _sample_error found no SampleError among s.samples (req and its siblings)
+                update = self._append(req, cast(SampledToken, sampled[req.request_id]), now)
                 update.kv_blocks_ready, update.kv_pin_id = ready, pin
                 updates.append(update)
                 if first and req.siblings:
                     for sib in req.siblings:
                         if not sib.is_finished:
                             updates.append(
-                                self._start_sibling(req, sib, sampled[sib.request_id], now)
+                                self._start_sibling(
+                                    req, sib, cast(SampledToken, sampled[sib.request_id]), now
+                                )
                             )
                     req.siblings = []
             except Exception as e:  # the request's own failure (logged, then failed alone)
