@@ -70,6 +70,11 @@ class EmbeddedRedis:
         self._dir: str | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (tests and the chaos suite signal it)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def alive(self) -> bool:
         """True while the server process runs (False before ``start`` and after it died)."""
         return self._proc is not None and self._proc.poll() is None
