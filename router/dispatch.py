@@ -108,15 +108,20 @@ class _Watchdog:
     """Cancels one Generate ``call`` at the request ``deadline`` (``time.monotonic()``), or once
     ``stall_s`` passed without output after the first output (a long prefill is not a stall);
     ``why`` then says which. A timer on the event loop, re-armed only when it fires (and once
-    at the first output), so the per-token cost is one attribute write (``last``)."""
+    at the first output), so the per-token cost is a few attribute writes.
 
-    __slots__ = ("_handle", "call", "deadline", "last", "stall_s", "why")
+    Only time spent waiting on the worker counts: while the consumer holds the stream
+    (``paused``: a client that stops reading, whose backpressure stops the router reading the
+    worker) there is no stall, so a slow client never makes a healthy worker look failed."""
+
+    __slots__ = ("_handle", "call", "deadline", "last", "paused", "stall_s", "why")
 
     def __init__(self, call: grpc.aio.Call, deadline: float, stall_s: float) -> None:
         self.call = call
         self.deadline = deadline
         self.stall_s = stall_s
         self.last = 0.0  # time.monotonic() of the latest output; 0 before the first
+        self.paused = False  # the consumer holds the latest output (not the worker's time)
         self.why = ""  # "deadline" | "stall" once it fired
         self._handle: asyncio.TimerHandle | None = None
         self._arm(deadline - time.monotonic())
@@ -128,12 +133,15 @@ class _Watchdog:
         now = time.monotonic()
         if now >= self.deadline:
             self.why = "deadline"
-        elif self.last and now - self.last >= self.stall_s:
+        elif self.last and not self.paused and now - self.last >= self.stall_s:
             self.why = "stall"
         if self.why:
             self.call.cancel()
             return
-        wake = min(self.deadline, self.last + self.stall_s) if self.last else self.deadline
+        if self.last:
+            wake = min(self.deadline, (now if self.paused else self.last) + self.stall_s)
+        else:
+            wake = self.deadline
         self._arm(wake - now)
 
     def first_output(self) -> None:
@@ -444,14 +452,15 @@ class GenerationStream:
                     else:
                         outputs.append(SeqOutput(i, ids, "", None, lps))
                 if outputs:
-                    if got_output:
-                        dog.last = time.monotonic()
-                    else:
+                    if not got_output:
                         got_output = True
                         dog.first_output()  # from now on it also watches for stalls
                         pool.add_backlog(prefiller, -decision.uncached_tokens)
                         pool.add_decoding(record.worker_id, 1)
+                    dog.paused = True  # the consumer's time from here: not a stall
                     yield outputs
+                    dog.paused = False
+                    dog.last = time.monotonic()
                 if chunk.finished:
                     done = True
                     self.path = chunk.timings.path or decision.path

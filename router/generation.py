@@ -92,7 +92,9 @@ class Generation:
             except StopAsyncIteration:
                 raise RouterError("the decode stream ended without output") from None
             return
-        self._queue = asyncio.Queue()
+        # bounded: a slow client holds the prompts' streams (backpressure on the request,
+        # which the stall watchdog does not count against the workers) instead of buffering
+        self._queue = asyncio.Queue(maxsize=8 * len(self.streams))
         self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.streams))]
         seen: set[int] = set()
         while len(seen) < len(self.streams):
