@@ -31,6 +31,8 @@ class Connection:
         self.waiting: list[OutboundTransfer] = []  # activated before the handshake finished
         self.cancel_on_ready: list[tuple[str, list[int], str]] = []  # gave up while connecting
         self.outbox: list[Op] = []
+        self.inflight_msgs = 0  # data messages sent on this connection, not yet completed
+        self.parked: list[OutboundTransfer] = []  # have data, wait for inflight_msgs < cap
         self.next_x = 0
         self.handshake_timer: Any = None
         self.connect_waiters: list[Future[None]] = []

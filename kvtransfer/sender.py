@@ -5,10 +5,11 @@ them validate, enqueue work for the reactor thread and return. On the reactor th
 
 * one :class:`Connection` per receiver (host, port), reused across transfers, opened with a
   ``hello`` handshake that the receiver accepts or refuses (geometry, checksum setting);
-* at most ``max_active_transfers`` transfers run at once, the others wait in FIFO order
-  (their deadline keeps running), and at most ``max_inflight_messages`` data messages are
-  outstanding; a rendezvous-sized data send completes only once the receiver has posted the
-  matching receive, so a slow receiver holds the sender back (backpressure);
+* per receiver, at most ``max_active_transfers`` transfers run at once, the others wait in
+  FIFO order (their deadline keeps running), and at most ``max_inflight_messages`` data
+  messages are outstanding; a rendezvous-sized data send completes only once the receiver has
+  posted the matching receive, so a slow receiver holds back its own transfers (backpressure)
+  and no one else's: a frozen decode worker cannot take the slots of the healthy ones;
 * queued positions are coalesced into runs adjacent in both the source and destination pools,
   each run sent as one ``data`` header plus one tagged data message straight from the pool;
 * a transfer is DONE when all its sends completed and the receiver acknowledged with
@@ -128,9 +129,10 @@ class Sender(TransferEnd, KVSender):
         # Reactor-thread state.
         self._conns: dict[tuple[str, str, int], Connection] = {}
         self._live: set[OutboundTransfer] = set()  # started and not yet settled
-        self._slot_queue: collections.deque[OutboundTransfer] = collections.deque()
-        self._active = 0
-        self._inflight_msgs = 0
+        # Per destination (a receiver's kind, host, port): transfer slots and their queues, so a
+        # frozen receiver holds only its own share; in-flight messages are per connection.
+        self._active: collections.Counter[tuple[Any, ...]] = collections.Counter()
+        self._slot_queues: dict[tuple[Any, ...], collections.deque[OutboundTransfer]] = {}
         self._sendable: collections.deque[OutboundTransfer] = collections.deque()
         self._dirty: list[Connection] = []
         self._pump_scheduled = False
@@ -153,13 +155,13 @@ class Sender(TransferEnd, KVSender):
 
     @property
     def active_transfers(self) -> int:
-        """Transfers holding a slot (at most ``max_active_transfers``)."""
-        return self._active
+        """Transfers holding a slot (at most ``max_active_transfers`` per receiver)."""
+        return sum(self._active.values())
 
     @property
     def queued_transfers(self) -> int:
-        """Transfers waiting for a slot."""
-        return len(self._slot_queue)
+        """Transfers waiting for a slot of their receiver."""
+        return sum(len(q) for q in self._slot_queues.values())
 
     def open(
         self, transfer_id: str, remote_address: bytes, dst_block_ids: list[int], timeout_s: float
@@ -250,14 +252,15 @@ class Sender(TransferEnd, KVSender):
             )
             return
         t.deadline_timer = self._reactor.call_later(t.timeout_s, self._on_deadline, t)
-        if self._active < self._max_active:
+        key = _dest(t.address)
+        if self._active[key] < self._max_active:
             self._activate(t)
         else:
-            self._slot_queue.append(t)
+            self._slot_queues.setdefault(key, collections.deque()).append(t)
 
     def _activate(self, t: OutboundTransfer) -> None:
         t.active = True
-        self._active += 1
+        self._active[_dest(t.address)] += 1
         conn = self._get_conn(t.address)
         t.conn = conn
         if conn.state == READY:
@@ -313,8 +316,9 @@ class Sender(TransferEnd, KVSender):
         self, t: OutboundTransfer, error: KVTransferError | None, notify: bool = False
     ) -> None:
         t.pending.clear()
-        if t in self._slot_queue:
-            self._slot_queue.remove(t)
+        queue = self._slot_queues.get(_dest(t.address))
+        if queue is not None and t in queue:
+            queue.remove(t)
         conn = t.conn
         if notify and conn is not None and conn.state == READY and t.x is not None:
             self._queue_op(conn, Cancel(t.x, str(error)[:1000]))
@@ -348,9 +352,15 @@ class Sender(TransferEnd, KVSender):
     def _after_finalize(self, t: OutboundTransfer) -> None:
         if t.active:
             t.active = False
-            self._active -= 1
-            while self._slot_queue and self._active < self._max_active and not self._closing:
-                self._activate(self._slot_queue.popleft())
+            key = _dest(t.address)
+            self._active[key] -= 1
+            queue = self._slot_queues.get(key)
+            while queue and self._active[key] < self._max_active and not self._closing:
+                self._activate(queue.popleft())
+            if not queue:
+                self._slot_queues.pop(key, None)
+            if not self._active[key]:
+                del self._active[key]
         with self._lock:
             drained = self._closing and not self._ids
         if drained:
@@ -387,14 +397,20 @@ class Sender(TransferEnd, KVSender):
 
     def _pump_once(self) -> None:
         sends = []
-        # Each iteration either sends one message (bounded by the in-flight cap) or drops a
-        # transfer from the round-robin queue, so the loop ends.
-        while self._sendable and self._inflight_msgs < self._max_inflight:
+        # Each iteration either sends one message (bounded by each connection's in-flight
+        # cap), parks a transfer whose connection is at its cap (until one of that
+        # connection's messages completes), or drops a transfer from the round-robin queue,
+        # so the loop ends; a receiver that stops consuming stalls only its own transfers.
+        while self._sendable:
             t = self._sendable.popleft()
             t.sendable = False
-            if t.outcome is not None or t.conn is None or t.conn.state != READY:
+            conn = t.conn
+            if t.outcome is not None or conn is None or conn.state != READY:
                 continue
             if t.pending:
+                if conn.inflight_msgs >= self._max_inflight:
+                    conn.parked.append(t)
+                    continue
                 sends.append(self._build_message(t))
             if t.pending:
                 t.sendable = True
@@ -440,9 +456,9 @@ class Sender(TransferEnd, KVSender):
             t.hashing += 1
             self._checksummer.submit(region, partial(self._on_hashed, t, i0))
         t.inflight += 1
-        self._inflight_msgs += 1
+        conn.inflight_msgs += 1
         tag = data_tag(conn.link_id, t.x, i0)
-        return conn.link, tag, to_send, partial(self._on_sent, t, k, region.nbytes)
+        return conn.link, tag, to_send, partial(self._on_sent, t, conn, k, region.nbytes)
 
     def _on_hashed(
         self,
@@ -470,10 +486,19 @@ class Sender(TransferEnd, KVSender):
         self._maybe_done(t)
 
     def _on_sent(
-        self, t: OutboundTransfer, blocks: int, nbytes: int, error: BaseException | None
+        self,
+        t: OutboundTransfer,
+        conn: Connection,
+        blocks: int,
+        nbytes: int,
+        error: BaseException | None,
     ) -> None:
         t.inflight -= 1
-        self._inflight_msgs -= 1
+        conn.inflight_msgs -= 1
+        if conn.parked:  # room on this connection again
+            parked, conn.parked = conn.parked, []
+            for p in parked:
+                self._mark_sendable(p)
         if error is None:
             t.handle.bytes_sent += nbytes
             t.handle.blocks_sent += blocks
@@ -694,3 +719,8 @@ class Sender(TransferEnd, KVSender):
             if t.outcome is None:
                 t.outcome = (TransferState.FAILED, TransportClosedError("sender closed"), "closed")
             self._finalize(t)
+
+
+def _dest(address: ReceiverAddress) -> tuple[Any, ...]:
+    """The receiver a transfer goes to (what slots and their queues are counted by)."""
+    return (address.kind, address.host, address.port)

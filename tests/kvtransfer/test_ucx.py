@@ -381,3 +381,43 @@ def test_reconnect_after_receiver_restarts_on_same_port(sender, src_pool):
         assert sender.connections_opened >= 2
     finally:
         second.close()
+
+
+def test_a_frozen_receiver_holds_only_its_own_slots_and_window(src_pool):
+    """Slots and the in-flight window are per receiver: with one slot and one message in
+    flight allowed, a transfer stuck on a frozen receiver does not hold back a transfer to
+    another one (it used to wait for the frozen one's deadline)."""
+    g = small_geometry()
+    frozen, healthy = Peer("receiver", g, 256), Peer("receiver", g, 256)
+    sender = create_sender(
+        "ucx",
+        src_pool,
+        g,
+        settle_timeout_s=0.5,
+        max_active_transfers=1,
+        max_inflight_messages=1,
+        max_message_bytes=8 * g.block_bytes,
+    )
+    try:
+        blocks = list(range(64))
+        for peer, tid in ((frozen, "stuck"), (healthy, "free")):
+            peer.request({"cmd": "expect", "id": tid, "blocks": blocks, "timeout": 30})
+            sender.connect(peer.address)
+        os.killpg(frozen.proc.pid, signal.SIGSTOP)
+        stuck = sender.open("stuck", frozen.address, blocks, 8.0)
+        stuck.send_blocks(blocks, 0)
+        stuck.finish()
+        time.sleep(0.3)  # its first (rendezvous) message is now in flight, never completing
+        t0 = time.monotonic()
+        free = sender.open("free", healthy.address, blocks, 5.0)
+        free.send_blocks(blocks, 0)
+        free.finish()
+        assert free.wait(5.0) is DONE, free.error
+        assert time.monotonic() - t0 < 3.0
+        assert healthy.request({"cmd": "wait", "id": "free", "timeout": 10})["state"] == "done"
+        assert not stuck.done
+    finally:
+        os.killpg(frozen.proc.pid, signal.SIGCONT)
+        sender.close()
+        frozen.close()
+        healthy.close()
