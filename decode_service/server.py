@@ -29,6 +29,7 @@ from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
     CLIENT_GRPC_OPTIONS,
+    QueueFullError,
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
@@ -140,19 +141,22 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         finished = False
         try:
             try:
-                await asyncio.wrap_future(
-                    rt.loop.submit(
-                        lambda e: e.add_request(
-                            eid,
-                            prompt,
-                            params,
-                            cache_salt=request.cache_salt or None,
-                            kv_transfer=RemotePrefillParams() if remote else None,
-                            resume=resume,
-                            arrival_time=flight.arrival,
-                        )
+
+                def add(e: EngineCore) -> None:
+                    rt.admit(e, len(prompt) * params.n)
+                    e.add_request(
+                        eid,
+                        prompt,
+                        params,
+                        cache_salt=request.cache_salt or None,
+                        kv_transfer=RemotePrefillParams() if remote else None,
+                        resume=resume,
+                        arrival_time=flight.arrival,
                     )
-                )
+
+                await asyncio.wrap_future(rt.loop.submit(add))
+            except QueueFullError as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except DuplicateRequestError as e:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             except InvalidRequestError as e:
@@ -428,6 +432,8 @@ def _fallback_reason(e: BaseException) -> str:
         code = e.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             return "unreachable"
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "busy"  # P's queue is full: prefill here rather than wait
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return "timeout"
         return "prefill_error"

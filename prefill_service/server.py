@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from shared.engine import InvalidRequestError
+from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import RemoteDecodeParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind
 from shared.engine.sampling_params import SamplingParamsError
@@ -26,6 +26,7 @@ from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.worker.engine_loop import EngineDeadError
 from shared.worker.service import (
+    QueueFullError,
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
@@ -127,19 +128,22 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         added = finished = False
         try:
             try:
-                await asyncio.wrap_future(
-                    rt.loop.submit(
-                        lambda e: e.add_request(
-                            eid,
-                            prompt,
-                            params,
-                            cache_salt=request.cache_salt or None,
-                            kv_transfer=RemoteDecodeParams(first),
-                            arrival_time=arrival,
-                        )
+
+                def add(e: EngineCore) -> None:
+                    rt.admit(e, len(prompt))
+                    e.add_request(
+                        eid,
+                        prompt,
+                        params,
+                        cache_salt=request.cache_salt or None,
+                        kv_transfer=RemoteDecodeParams(first),
+                        arrival_time=arrival,
                     )
-                )
+
+                await asyncio.wrap_future(rt.loop.submit(add))
                 added = True
+            except QueueFullError as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except EngineDeadError as e:

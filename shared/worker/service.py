@@ -68,6 +68,21 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--directory-prefix", default="pds:")
     g.add_argument("--worker-id", default=None)
     g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="refuse new requests with RESOURCE_EXHAUSTED (the router then tries another "
+        "worker, or answers 429 with Retry-After) while this many wait to be scheduled; 0 = "
+        "4 x --max-num-seqs",
+    )
+    g.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=0,
+        help="the same bound in tokens still to compute for waiting requests; 0 = twice the "
+        "KV cache's tokens (the work the cache can hold twice over), -1 = none",
+    )
+    g.add_argument(
         "--engine-hang-timeout",
         type=float,
         default=60.0,
@@ -98,6 +113,10 @@ def configure_logging(level: str) -> None:
     sys.setswitchinterval(0.0005)
 
 
+class QueueFullError(Exception):
+    """The worker's waiting queue is at its bound (-> RESOURCE_EXHAUSTED)."""
+
+
 class WorkerRuntime:
     """Engine + engine thread + metrics + Redis lease/publisher for one worker process."""
 
@@ -121,8 +140,35 @@ class WorkerRuntime:
         self.draining = False
         self.inflight = 0
         self.hung = False  # the engine thread made no progress for --engine-hang-timeout
+        sc = self.engine.scheduler_config
+        self.max_waiting = args.max_waiting_requests or 4 * sc.max_num_seqs
+        kv_tokens = self.engine.num_blocks * self.engine.block_size
+        self.max_waiting_tokens = (
+            None if args.max_waiting_tokens < 0 else (args.max_waiting_tokens or 2 * kv_tokens)
+        )
 
     # ---- engine thread ---------------------------------------------------------------
+    def admit(self, engine: EngineCore, num_tokens: int) -> None:
+        """Backpressure by default (engine thread, in the command that adds the request):
+        raise :class:`QueueFullError` while the waiting queue is at its bound, in requests or
+        in tokens still to compute, so that a burst is refused fast (and sent elsewhere or
+        retried by the client) instead of waiting until its deadline."""
+        sch = engine.scheduler
+        waiting = sch.num_waiting
+        if waiting >= self.max_waiting:
+            raise QueueFullError(
+                f"{waiting} requests are waiting on worker {self.worker_id} "
+                f"(--max-waiting-requests {self.max_waiting})"
+            )
+        if self.max_waiting_tokens is not None and waiting:
+            queued = sum(r.num_tokens - r.num_computed_tokens for r in sch.waiting)
+            queued += sum(r.num_tokens - r.num_computed_tokens for r in sch.swapped)
+            if queued + num_tokens > self.max_waiting_tokens:
+                raise QueueFullError(
+                    f"{queued} tokens are waiting on worker {self.worker_id} "
+                    f"(--max-waiting-tokens {self.max_waiting_tokens})"
+                )
+
     def _on_fatal(self, error: BaseException) -> None:
         if self._aloop is not None and self.fatal is not None:
             self._aloop.call_soon_threadsafe(self.fatal.set)

@@ -1,0 +1,56 @@
+"""Backpressure by default: a worker whose waiting queue is at its bound refuses new requests
+with RESOURCE_EXHAUSTED at once (the router then tries another worker or answers 429 with
+Retry-After) instead of queueing them until their deadline."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import grpc
+import pytest
+
+from shared.proto import pdserve_pb2 as pb
+from tests.cluster_utils import channel_to, decode_stub, make_cluster
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("bp"), "--max-num-seqs", "1",
+                     "--worker-arg=--max-waiting-requests=2", prefill=0, decode=1)
+    c.start_redis()
+    workers = [c.spawn_worker("decode", 0)]
+    c.wait_ready(workers)
+    yield c
+    c.stop()
+
+
+def _run(stub, rid: str, tokens: int):
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7],
+                             sampling=pb.SamplingParams(temperature=0, max_tokens=tokens,
+                                                        ignore_eos=True))
+    t0 = time.monotonic()
+    try:
+        for _ in stub.Generate(req, timeout=120):
+            pass
+        return "ok", time.monotonic() - t0
+    except grpc.RpcError as e:
+        return e.code().name, time.monotonic() - t0
+
+
+def test_a_full_queue_answers_resource_exhausted_at_once(cluster):
+    with channel_to(cluster.ready["decode-0"]["grpc"]) as ch:
+        stub = decode_stub(ch)
+        with cf.ThreadPoolExecutor(6) as pool:
+            # one runs (max_num_seqs 1), two wait (the bound), the rest are refused
+            futs = [pool.submit(_run, stub, f"r{i}", 3000) for i in range(3)]
+            time.sleep(0.5)
+            refused = [pool.submit(_run, stub, f"x{i}", 4) for i in range(3)]
+            late = [f.result() for f in refused]
+            first = [f.result() for f in futs]
+    assert [s for s, _ in first] == ["ok"] * 3
+    assert all(s == "RESOURCE_EXHAUSTED" and dt < 1.0 for s, dt in late), late
+    with channel_to(cluster.ready["decode-0"]["grpc"]) as ch:  # room again afterwards
+        assert _run(decode_stub(ch), "after", 4)[0] == "ok"
