@@ -70,6 +70,7 @@ class _Flight:
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
     aborting: bool = False  # set first thing when the flight ends without finishing
+    done_before: frozenset[int] = frozenset()  # samples that finished on an earlier worker
     path: str = "local"
     remote_task: asyncio.Task | None = None
     transfer_s: float = 0.0
@@ -123,7 +124,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             check_text(request.prefill_address, "prefill_address", MAX_ID_CHARS)
             check_deadline(request.deadline_s)
             params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
-            resume = resume_from_proto(request.resume, params.n)
+            resume, resume_finished = resume_from_proto(request.resume, params.n)
         except (WireError, SamplingParamsError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.flights:
@@ -134,6 +135,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         remote = bool(request.prefill_address) and resume is None
         eid = f"{rid}@{next(self._serial)}"
         flight = _Flight(request, eid, params.n, self.outputs.register(eid))
+        flight.done_before = resume_finished
         flight.path = "disagg" if remote else "local"
         self.flights[rid] = flight
         self.by_engine_id[eid] = flight
@@ -151,6 +153,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                         cache_salt=request.cache_salt or None,
                         kv_transfer=RemotePrefillParams() if remote else None,
                         resume=resume,
+                        resume_finished=resume_finished,
                         arrival_time=flight.arrival,
                     )
 
@@ -198,7 +201,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         rt = self.rt
         rid = request.request_id
         deadline = time.monotonic() + request.deadline_s if request.deadline_s > 0 else None
-        done: set[int] = set()
+        done: set[int] = set(flight.done_before)
         counts = [0] * flight.n
         last_token_time: float | None = None
         first_token_time: float | None = None
@@ -403,10 +406,33 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             unpin_when_terminal(self.rt.loop, handle, pin_id)
 
     # ---- Stats -------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
+        """End some samples of an ``n > 1`` request (the router matched their stop strings);
+        the stream goes on for the others. Unknown ids and finished samples are ignored."""
+        flight = self.flights.get(request.request_id)
+        if flight is None or not request.indices:
+            return pb.AbortReply(aborted=0)
+        indices = [i for i in request.indices if i < flight.n]
+        eid = flight.engine_id
+        loop = self.rt.loop
+        try:
+            outs = await asyncio.wrap_future(
+                loop.submit(lambda e: _deliver(loop, e.abort_samples(eid, indices)))
+            )
+        except EngineDeadError:
+            return pb.AbortReply(aborted=0)
+        return pb.AbortReply(aborted=outs)
+
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(
             self.rt, request, fallbacks=self.fallbacks, transfer=self.receiver.stats
         )
+
+
+def _deliver(loop, outs: list[EngineCoreOutput]) -> int:
+    """Engine thread: hand ``outs`` to the sinks; returns how many there were."""
+    loop.deliver(outs)
+    return len(outs)
 
 
 class _DeadlineExceeded(Exception):

@@ -304,10 +304,26 @@ class GenerationStream:
         self.attempts = 0
         self.decision: RouteDecision | None = None
         self._want_logprobs = inp.sampling.HasField("logprobs")
+        self._live: tuple[Any, str] | None = None  # (decode stub, request id) of the attempt
+        self._aborts: set[asyncio.Task[Any]] = set()
 
     def finish(self, index: int) -> None:
+        """The consumer ended sample ``index`` (a stop string matched). With other samples
+        still running, the decode worker is told to stop that one (``DecodeWorker.Abort``)."""
         self.finished.add(index)
         self._finished_here.add(index)
+        if self._live is not None and len(self.finished) < self.n:
+            stub, rid = self._live
+            task = asyncio.ensure_future(self._abort_sample(stub, rid, index))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
+    @staticmethod
+    async def _abort_sample(stub: Any, rid: str, index: int) -> None:
+        try:
+            await stub.Abort(pb.AbortRequest(request_id=rid, indices=[index]), timeout=2.0)
+        except grpc.aio.AioRpcError as e:  # best effort: its tokens are ignored anyway
+            logger.debug("abort of sample %d of %s failed: %s", index, rid, e.code().name)
 
     def _remaining(self) -> float:
         return self.inp.deadline - time.monotonic()
@@ -390,8 +406,10 @@ class GenerationStream:
             req.prefill_address = decision.prefill.address
             req.prefill_worker_id = decision.prefill.worker_id
         for i, toks in enumerate(self.tokens):
-            if toks:
-                req.resume.append(pb.ResumeTokens(index=i, token_ids=toks))
+            if toks:  # a sample that already ended is not continued on the next worker
+                req.resume.append(
+                    pb.ResumeTokens(index=i, token_ids=toks, finished=i in self.finished)
+                )
         return req
 
     async def _attempt(
@@ -405,7 +423,10 @@ class GenerationStream:
         # until its first token this request is prefill work queued on P (or on D, locally)
         prefiller = decision.prefill.worker_id if decision.prefill else record.worker_id
         pool.add_backlog(prefiller, decision.uncached_tokens)
-        call = pool.decode_stub(record.info.grpc).Generate(self._request(decision))
+        stub = pool.decode_stub(record.info.grpc)
+        request = self._request(decision)
+        call = stub.Generate(request)
+        self._live = (stub, request.request_id)
         done = False
         got_output = False
         dog = _Watchdog(call, self.inp.deadline, self.d.cfg.stall_timeout_s)
@@ -472,6 +493,7 @@ class GenerationStream:
                     yield StreamEnd(self.path or decision.path, record.worker_id, None)
                     return
         finally:
+            self._live = None
             dog.stop()
             if not done:
                 call.cancel()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,6 +182,7 @@ class EngineCore:
         cache_salt: str | None = None,
         kv_transfer: KVTransferParams | None = None,
         resume: Sequence[Sequence[int]] | None = None,
+        resume_finished: Collection[int] = (),
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request (``params.n`` sequences).
@@ -191,7 +192,9 @@ class EngineCore:
         ``RemoteDecodeParams``: blocks go to a decode worker as they complete, each reported
         one pinned, ``EngineCoreOutput.kv_pin_id``, until the caller calls :meth:`unpin`).
         ``resume``: failover; per sample, output tokens already produced elsewhere (continue
-        after them). Raises ``InvalidRequestError`` (nothing queued) on bad input.
+        after them); the samples in ``resume_finished`` already ended there and are not
+        continued (no output comes for them). Raises ``InvalidRequestError`` (nothing queued)
+        on bad input.
         """
         mc = self.model_config
         if not isinstance(request_id, str) or not request_id:
@@ -233,7 +236,17 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"resume has {len(resume)} entries for n={params.n}", "resume"
                 )
-            for r in resume:
+            finished = set(resume_finished)
+            if not finished <= set(range(params.n)) or len(finished) == params.n:
+                raise InvalidRequestError(
+                    f"resume_finished {sorted(finished)} must name some, not all, of the "
+                    f"{params.n} samples",
+                    "resume",
+                )
+            for i, r in enumerate(resume):
+                if i in finished:
+                    self._check_token_ids(r, "resume")
+                    continue
                 if len(r) >= params.max_tokens:
                     raise InvalidRequestError(
                         f"resume holds {len(r)} tokens; max_tokens {params.max_tokens} leaves "
@@ -276,7 +289,11 @@ class EngineCore:
         self.parents[request_id] = seqs
         if resume:  # each sample has its own tokens: independent sequences, no fork
             for s in seqs:
-                self.scheduler.add(s)
+                if s.index in resume_finished:  # ended on the previous worker
+                    s.status = RequestStatus.FINISHED_ABORTED
+                    s.finished_time = now
+                else:
+                    self.scheduler.add(s)
         else:
             leader.siblings = seqs[1:]
             self.scheduler.add(leader)
@@ -298,6 +315,15 @@ class EngineCore:
         aborted = self.scheduler.abort(seq_ids)
         outs = [self._output(SeqUpdate(s, [], [], True)) for s in aborted]
         self._forget_finished(rid for rid in request_ids)
+        return outs
+
+    def abort_samples(self, request_id: str, indices: Collection[int]) -> list[EngineCoreOutput]:
+        """Abort some samples of parent ``request_id`` (the router ended them with a stop
+        string); the others go on. Returns the aborted samples' final outputs."""
+        seqs = [s for s in self.parents.get(request_id, ()) if s.index in set(indices)]
+        aborted = self.scheduler.abort([s.request_id for s in seqs])
+        outs = [self._output(SeqUpdate(s, [], [], True)) for s in aborted]
+        self._forget_finished([request_id])
         return outs
 
     def fail_request(self, request_id: str, reason: str) -> list[EngineCoreOutput]:

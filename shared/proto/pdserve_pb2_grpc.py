@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=shared_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=shared_dot_proto_dot_pdserve__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Abort',
+                request_serializer=shared_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=shared_dot_proto_dot_pdserve__pb2.AbortReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Stats',
                 request_serializer=shared_dot_proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
@@ -56,6 +61,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -69,6 +80,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=shared_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=shared_dot_proto_dot_pdserve__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=shared_dot_proto_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=shared_dot_proto_dot_pdserve__pb2.AbortReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -103,6 +119,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             shared_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             shared_dot_proto_dot_pdserve__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Abort',
+            shared_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            shared_dot_proto_dot_pdserve__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,10 +81,13 @@ def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -
     return params
 
 
-def resume_from_proto(resume: Sequence[pb.ResumeTokens], n: int) -> list[list[int]] | None:
-    """Per-sample resume tokens (``None`` when there are none); one entry per index < n."""
+def resume_from_proto(
+    resume: Sequence[pb.ResumeTokens], n: int
+) -> tuple[list[list[int]] | None, frozenset[int]]:
+    """Per-sample resume tokens (``None`` when there are none; one entry per index < n), and
+    the samples that already finished (not to continue)."""
     if not resume:
-        return None
+        return None, frozenset()
     if len(resume) > n:
         raise WireError(f"resume has {len(resume)} entries for n={n}", "resume")
     by_index: dict[int, list[int]] = {}
@@ -94,8 +97,11 @@ def resume_from_proto(resume: Sequence[pb.ResumeTokens], n: int) -> list[list[in
         if r.index in by_index:
             raise WireError(f"resume index {r.index} appears twice", "resume")
         by_index[r.index] = list(r.token_ids)
+    finished = frozenset(r.index for r in resume if r.finished)
+    if len(finished) == n:
+        raise WireError("resume marks every sample finished: nothing to generate", "resume")
     out = [by_index.get(i, []) for i in range(n)]
-    return out if any(out) else None
+    return (out, finished) if any(out) else (None, frozenset())
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:

@@ -272,3 +272,39 @@ def test_a_failed_forward_pass_is_fatal_and_ends_every_stream(tmp_path):
             loop.submit(lambda eng: None).result(5)
     finally:
         loop.stop()
+
+
+# ---- failover exactness for every sample -----------------------------------------------------
+
+
+def test_a_resumed_request_does_not_continue_samples_that_already_ended(tmp_path):
+    e = fake_engine(tmp_path)
+    params = SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True)
+    e.add_request("r", [5, 6, 7], params, resume=[[9, 9], [8], [7, 7, 7]], resume_finished={0})
+    outs = _run(e)
+    assert {o.index for o in outs} == {1, 2}  # nothing for sample 0
+    per = {i: [t for o in outs if o.index == i for t in o.new_token_ids] for i in (1, 2)}
+    assert len(per[1]) == 5 and len(per[2]) == 3  # each continued up to max_tokens
+    assert e.kv.pool.num_free_blocks == e.num_blocks and "r" not in e.parents
+
+
+def test_resume_finished_must_leave_something_to_do(tmp_path):
+    e = fake_engine(tmp_path)
+    params = SamplingParams(n=2, temperature=0, max_tokens=6)
+    with pytest.raises(InvalidRequestError, match="resume_finished"):
+        e.add_request("r", [5, 6], params, resume=[[1], [2]], resume_finished={0, 1})
+
+
+def test_abort_samples_ends_only_those(tmp_path):
+    e = fake_engine(tmp_path)
+    e.add_request(
+        "p", [5, 6, 7], SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    outs = e.step()  # the first token forks the samples
+    assert {o.index for o in outs} == {0, 1, 2}
+    ended = e.abort_samples("p", [1])
+    assert [(o.index, o.finish_reason) for o in ended] == [(1, "abort")]
+    outs = _run(e)
+    counts = {i: sum(len(o.new_token_ids) for o in outs if o.index == i) for i in (0, 1, 2)}
+    assert counts == {0: 19, 1: 0, 2: 19}
+    assert e.kv.pool.num_free_blocks == e.num_blocks

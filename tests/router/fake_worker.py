@@ -154,9 +154,10 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             cached_blocks = self._cache_prompt(hashes)
             self.hits += cached_blocks > 0
             pos = [0] * n
+            ended = {r.index for r in request.resume if r.finished}
             for r in request.resume:
                 pos[r.index] = len(r.token_ids)
-            live = {i for i in range(n) if pos[i] < max_tokens}
+            live = {i for i in range(n) if pos[i] < max_tokens and i not in ended}
             if a.first_token_delay:
                 await asyncio.sleep(a.first_token_delay)
             while live:

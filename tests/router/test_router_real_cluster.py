@@ -134,3 +134,57 @@ def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
         model=c.served_model_name, prompt="After the failure,", max_tokens=8, temperature=0
     )
     assert out.usage.completion_tokens >= 1 and time.monotonic() - t0 < 60
+
+
+def test_a_sample_ended_by_a_stop_string_is_aborted_on_the_decode_worker(cluster):
+    """n=2: the router ends one sample on a stop string and tells the decode worker to stop
+    it (DecodeWorker.Abort) while the other sample goes on to its end."""
+    import openai
+
+    c, url = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    kw = {
+        "model": c.served_model_name,
+        "prompt": "Two different samples, please:",
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "seed": 4242,
+        "n": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = [
+        ch.text for ch in sorted(client.completions.create(**kw).choices, key=lambda ch: ch.index)
+    ]
+    stop = next(
+        (
+            full[0][k : k + 4]
+            for k in range(5, len(full[0]) - 4)
+            if full[0][k : k + 4] not in full[1] and full[0][k : k + 4].strip()
+        ),
+        None,
+    )
+    assert stop is not None, full
+
+    def aborted_samples() -> float:
+        total = 0.0
+        for name in ("decode-0", "decode-1"):
+            info = c.ready.get(name)
+            if info is None:
+                continue
+            try:
+                text = httpx.get(info["metrics"], timeout=5).text
+            except httpx.TransportError:
+                continue  # killed by an earlier test
+            total += sum(
+                float(ln.split()[-1])
+                for ln in text.splitlines()
+                if ln.startswith("pdserve:request_success_total")
+                and 'finished_reason="abort"' in ln
+            )
+        return total
+
+    before = aborted_samples()
+    got = sorted(client.completions.create(stop=[stop], **kw).choices, key=lambda ch: ch.index)
+    assert got[0].text == full[0][: full[0].index(stop)] and got[0].finish_reason == "stop"
+    assert got[1].text == full[1] and got[1].finish_reason == "length"
+    assert aborted_samples() == before + 1

@@ -18,8 +18,15 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("bp"), "--max-num-seqs", "1",
-                     "--worker-arg=--max-waiting-requests=2", prefill=0, decode=1)
+    c = make_cluster(
+        tiny_llama,
+        tmp_path_factory.mktemp("bp"),
+        "--max-num-seqs",
+        "1",
+        "--worker-arg=--max-waiting-requests=2",
+        prefill=0,
+        decode=1,
+    )
     c.start_redis()
     workers = [c.spawn_worker("decode", 0)]
     c.wait_ready(workers)
@@ -28,9 +35,11 @@ def cluster(tiny_llama, tmp_path_factory):
 
 
 def _run(stub, rid: str, tokens: int):
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7],
-                             sampling=pb.SamplingParams(temperature=0, max_tokens=tokens,
-                                                        ignore_eos=True))
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=[5, 6, 7],
+        sampling=pb.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+    )
     t0 = time.monotonic()
     try:
         for _ in stub.Generate(req, timeout=120):
