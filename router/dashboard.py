@@ -472,6 +472,7 @@ class Dashboard:
             "decoding": self.pool.decoding(r.worker_id),
             "healthy": healthy,
             "generation": r.generation,
+            "restarts": self.pool.restarts(r.worker_id),
             "scrape": self.scraper.view(r),
         }
 

@@ -71,6 +71,7 @@ class WorkerPool:
         self.registry_grace_s = registry_grace_s
         self._role_empty_since: dict[str, float] = {}
         self._records: dict[str, WorkerRecord] = {}
+        self._restarts: dict[str, int] = {}  # new generations seen per worker id
         self._cooldown: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
         self._inflight_by_address: dict[str, int] = {}
@@ -151,6 +152,16 @@ class WorkerPool:
                 if addr not in known
             ]
             records += [r for r in await asyncio.gather(*polls) if r is not None]
+        for r in records:  # a new generation of a known worker: it restarted (or re-registered)
+            old = self._records.get(r.worker_id)
+            if old is not None and old.generation and r.generation != old.generation:
+                self._restarts[r.worker_id] = self._restarts.get(r.worker_id, 0) + 1
+                logger.info(
+                    "worker %s registered again (generation %s, restart %d)",
+                    r.worker_id,
+                    r.generation,
+                    self._restarts[r.worker_id],
+                )
         self._records = {r.worker_id: r for r in records}
         if registry is not None or self.reader is None:
             self.last_refresh_ok = time.monotonic()
@@ -222,6 +233,11 @@ class WorkerPool:
             await ch.close(grace=None)
 
     # ---- queries --------------------------------------------------------------------------
+    def restarts(self, worker_id: str) -> int:
+        """How often this worker id came back with a new generation (a restart, or a lease
+        that lapsed while it lived), as this router saw it."""
+        return self._restarts.get(worker_id, 0)
+
     def records(self, role: str | None = None) -> list[WorkerRecord]:
         return [r for r in self._records.values() if role is None or r.info.role == role]
 

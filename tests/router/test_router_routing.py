@@ -245,3 +245,22 @@ def test_redis_outage_keeps_serving_from_the_last_snapshot_then_recovers(
         for w in workers:
             w.stop()
         server.stop()
+
+
+def test_a_worker_that_comes_back_with_a_new_generation_counts_as_a_restart(
+    make_worker, make_router, router_config
+):
+    first = make_worker("phoenix")
+    r = make_router(router_config)
+    r.wait_workers(1)
+    pool = r.app.state.pool
+    assert pool.restarts("phoenix") == 0
+    first.kill()
+    make_worker("phoenix")  # the same id, a new process: a new generation
+    deadline = time.monotonic() + 15
+    while pool.restarts("phoenix") == 0:
+        assert time.monotonic() < deadline, "the router never saw the new generation"
+        time.sleep(0.1)
+    data = httpx.get(f"{r.url}/dashboard/data", timeout=10).json()
+    (w,) = [w for w in data["workers"] if w["id"] == "phoenix"]
+    assert w["restarts"] == 1
