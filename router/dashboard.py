@@ -383,7 +383,8 @@ def router_totals(registry: Any) -> dict[str, Any]:
 
 class Dashboard:
     """Builds ``/dashboard/data``. ``pool`` needs ``records()``, ``healthy(role)``,
-    ``inflight(worker_id)``, ``prefill_backlog(worker_id)``, ``decoding(worker_id)`` and ``last_error`` (a :class:`router.workers.WorkerPool`)."""
+    ``inflight(worker_id)``, ``prefill_backlog(worker_id)``, ``decoding(worker_id)``,
+    ``restarts(worker_id)`` and ``last_error`` (a :class:`router.workers.WorkerPool`)."""
 
     def __init__(
         self,

@@ -268,6 +268,7 @@ def rec(
 
 class FakePool:
     def __init__(self, records: list[WorkerRecord]) -> None:
+        self.restart_counts: dict[str, int] = {}
         self._records = records
         self.cooling: set[str] = set()
         self.last_error: str | None = None
@@ -286,6 +287,9 @@ class FakePool:
 
     def decoding(self, worker_id):
         return {"decode-0": 2}.get(worker_id, 0)
+
+    def restarts(self, worker_id):
+        return self.restart_counts.get(worker_id, 0)
 
 
 class Workers:
