@@ -411,7 +411,6 @@ def summarize(results: list[Result]) -> dict:
 
 async def inject(fault: str, cluster, sup: Supervisor, args) -> str:
     """Inject one fault and undo it; returns what was done."""
-    loop = asyncio.get_running_loop()
     if fault == "kill-decode":
         pid = worker_pid(cluster, "decode-0")
         os.kill(pid, signal.SIGKILL)
@@ -423,9 +422,15 @@ async def inject(fault: str, cluster, sup: Supervisor, args) -> str:
     if fault == "kill-redis":
         pid = cluster.redis.pid
         os.kill(pid, signal.SIGKILL)
-        await asyncio.sleep(1.0)
-        await loop.run_in_executor(None, cluster.redis.restart)
-        return f"kill -9 Redis (pid {pid}), restarted 1 s later on the same port"
+        t0 = time.monotonic()
+        while not cluster.redis.alive or cluster.redis.pid == pid:  # the supervisor's job
+            await asyncio.sleep(0.1)
+            if time.monotonic() - t0 > 30:
+                raise TimeoutError("Redis was not restarted")
+        return (
+            f"kill -9 Redis (pid {pid}); the supervisor started it again on the same port "
+            f"{time.monotonic() - t0:.1f} s later"
+        )
     if fault == "redis-down":
         pid = cluster.redis.pid
         os.kill(pid, signal.SIGSTOP)
@@ -639,7 +644,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--soak-concurrency", type=int, default=16)
     p.add_argument("--restart-backoff", type=float, default=0.5)
     p.add_argument("--worker-arg", action="append", default=[])
-    p.add_argument("--router-arg", action="append", default=[])
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=None,
+        help="extra router flag (repeatable); default --stall-timeout=10, so that the slow "
+        "readers' pause is several stall timeouts long",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--out", default=None, help="write the report as JSON here")
@@ -652,14 +663,9 @@ def run(args: argparse.Namespace) -> int:
 async def main_async(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     loop = asyncio.get_running_loop()
+    router_args = args.router_arg if args.router_arg is not None else ["--stall-timeout=10"]
     cluster = await loop.run_in_executor(
-        None,
-        make_cluster,
-        run_dir,
-        args.model,
-        args.worker_arg,
-        args.router_arg,
-        args.restart_backoff,
+        None, make_cluster, run_dir, args.model, args.worker_arg, router_args, args.restart_backoff
     )
     report: dict[str, Any] = {"run_dir": str(run_dir), "faults": [], "soak": None}
     try:

@@ -22,7 +22,7 @@ import grpc
 from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
 from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
 from shared.engine.connector import RemotePrefillParams
-from shared.engine.outputs import EngineCoreOutput, FailureKind
+from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
@@ -93,6 +93,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self.fallbacks = 0
         runtime.role_hook = self._on_step
+        runtime.on_hang.append(self._fail_inflight)
 
     # ---- engine thread -----------------------------------------------------------------
     def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
@@ -106,6 +107,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 job.first_block_index,
                 list(job.block_ids),
                 job.pin_id,
+            )
+
+    def _fail_inflight(self, why: str) -> None:
+        """The engine is hung: end every stream with UNAVAILABLE (engine failure) so the router
+        resumes it on another decode worker now; the engine aborts them if it ever steps again."""
+        failure = RequestFailure(FailureKind.ENGINE, why)
+        for flight in list(self.flights.values()):
+            flight.queue.put_nowait(
+                EngineCoreOutput(flight.engine_id, 0, [], [], "error", failure=failure)
             )
 
     # ---- Generate ----------------------------------------------------------------------
@@ -290,10 +300,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 await task
             except BaseException:  # noqa: BLE001 - its outcome no longer matters
                 pass
+        aborted = self.rt.loop.submit(lambda e: e.abort_request([eid]))
+        if self.rt.hung:  # queued: the engine aborts it when (if) it steps again
+            return
         try:
-            await asyncio.wait_for(
-                asyncio.wrap_future(self.rt.loop.submit(lambda e: e.abort_request([eid]))), 10.0
-            )
+            await asyncio.wait_for(asyncio.wrap_future(aborted), 10.0)
         except EngineDeadError:
             pass  # nothing left to abort
         except Exception:

@@ -20,7 +20,7 @@ import grpc
 
 from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import RemoteDecodeParams
-from shared.engine.outputs import EngineCoreOutput, FailureKind
+from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
@@ -60,6 +60,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self.pending_sends = 0
         self._serial = itertools.count()
+        self.queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}  # in flight, by engine id
+        runtime.on_hang.append(self._fail_inflight)
+
+    def _fail_inflight(self, why: str) -> None:
+        """The engine is hung: fail every Prefill with UNAVAILABLE so decode workers prefill
+        locally now instead of at their prefill timeout."""
+        failure = RequestFailure(FailureKind.ENGINE, why)
+        for eid, q in list(self.queues.items()):
+            q.put_nowait(EngineCoreOutput(eid, 0, [], [], "error", failure=failure))
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rt = self.rt
@@ -123,6 +132,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
         eid = f"{rid}@{next(self._serial)}"  # unique: a retried id never meets an old one
         rt.loop.add_sink(eid, sink)
+        self.queues[eid] = queue
         rt.inflight += 1
         self.pending_sends += 1
         added = finished = False
@@ -196,14 +206,17 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             if not finished:
                 await cancel_transfer(handle)
                 if added:
+                    aborted = rt.loop.submit(lambda e: e.abort_request([eid]))
                     try:
-                        await asyncio.wrap_future(rt.loop.submit(lambda e: e.abort_request([eid])))
+                        if not rt.hung:  # else queued: done when (if) the engine steps again
+                            await asyncio.wrap_future(aborted)
                     except EngineDeadError:
                         pass
             # the blocks handed to the sender join the prefix cache once the send is terminal
             for pin_id in pins:
                 unpin_when_terminal(rt.loop, handle, pin_id)
             rt.loop.remove_sink(eid)
+            self.queues.pop(eid, None)
             rt.inflight -= 1
             self.pending_sends -= 1
 

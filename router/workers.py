@@ -31,16 +31,12 @@ from shared.directory import (
 )
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.proto.channel_options import CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.min_reconnect_backoff_ms", 100),
-]
+# keepalive (a frozen worker fails its streams within seconds) and short reconnect backoff
+_CHANNEL_OPTIONS = CLIENT_OPTIONS
 
 
 class WorkerPool:

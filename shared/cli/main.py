@@ -21,6 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("decode_service.server", "run a decode worker"),
     "bench": ("bench.serve", "load-test an OpenAI-compatible server"),
     "fuzz": ("bench.fuzz", "send hostile requests to a running cluster and check it survives"),
+    "chaos": (
+        "bench.chaos",
+        "faults under load (kill -9, SIGSTOP, Redis down, slow clients) and a soak",
+    ),
     "make-tiny-model": (
         "shared.cli.tiny_model",
         "write a small random-weight Hugging Face model directory",

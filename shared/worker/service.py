@@ -140,6 +140,9 @@ class WorkerRuntime:
         self.draining = False
         self.inflight = 0
         self.hung = False  # the engine thread made no progress for --engine-hang-timeout
+        # called on the event loop when the engine is declared hung: each role fails the
+        # requests it has in flight (UNAVAILABLE, so they fail over instead of waiting it out)
+        self.on_hang: list[Callable[[str], None]] = []
         sc = self.engine.scheduler_config
         self.max_waiting = args.max_waiting_requests or 4 * sc.max_num_seqs
         kv_tokens = self.engine.num_blocks * self.engine.block_size
@@ -386,8 +389,10 @@ async def serve_worker(
 
 async def _watch_hang(runtime: WorkerRuntime, health_servicer, period_s: float = 0.5) -> None:
     """Liveness that tells the truth: when no engine step finished for
-    ``--engine-hang-timeout`` while work is queued, turn NOT_SERVING and let the lease lapse
-    (routers stop sending here); turn SERVING again once a step finishes."""
+    ``--engine-hang-timeout`` while work is queued, turn NOT_SERVING, let the lease lapse
+    (routers stop sending here) and fail the requests in flight with UNAVAILABLE (the router
+    resumes them elsewhere, a decode worker prefills locally); turn SERVING again once a step
+    finishes."""
     limit = runtime.args.engine_hang_timeout
     while True:
         await asyncio.sleep(period_s)
@@ -402,6 +407,12 @@ async def _watch_hang(runtime: WorkerRuntime, health_servicer, period_s: float =
             )
             runtime.metrics.hung(True)
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+            why = f"the engine made no progress for {stalled:.0f} s"
+            for fail_inflight in runtime.on_hang:
+                try:
+                    fail_inflight(why)
+                except Exception:  # one role's hook never stops the watcher
+                    logger.exception("failing in-flight requests after a hang failed")
         elif not hung and runtime.hung:
             runtime.hung = False
             logger.warning("engine progresses again after a hang: SERVING")

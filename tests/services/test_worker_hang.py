@@ -1,6 +1,8 @@
 """Liveness that tells the truth: a worker whose engine thread makes no progress (a forward pass
 that hangs) turns NOT_SERVING and lets its lease lapse, so routers stop choosing it; when the
-step finishes it serves and registers again. In process, real Redis and a real gRPC server."""
+step finishes it serves and registers again. The stream it held fails with UNAVAILABLE as soon
+as the hang is declared (the router resumes it elsewhere), not when the step returns. In
+process, real Redis and a real gRPC server."""
 
 from __future__ import annotations
 
@@ -99,6 +101,11 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
                     assert time.monotonic() - t0 < 10, "never turned NOT_SERVING"
                     await asyncio.sleep(0.2)
                 seen["not_serving_after"] = time.monotonic() - t0
+                # the stream in flight fails over now (UNAVAILABLE), not when the step returns
+                try:
+                    await asyncio.wait_for(asyncio.shield(reader), 5)
+                except grpc.aio.AioRpcError as e:
+                    seen["inflight_failed"] = (e.code(), time.monotonic() - t0)
                 while r.exists(key):
                     assert time.monotonic() - t0 < 15, "the lease never lapsed"
                     await asyncio.sleep(0.2)
@@ -112,9 +119,16 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
                     assert time.monotonic() - t0 < 30, "never registered again"
                     await asyncio.sleep(0.2)
                 seen["new_generation"] = r.hget(key, "generation") != generation
-                first = await reader
-                seen["stream_went_on"] = first is not grpc.aio.EOF
-                call.cancel()
+                again = pb_grpc.DecodeWorkerStub(ch).Generate(
+                    pb.GenerateRequest(
+                        request_id="after",
+                        prompt_token_ids=[5, 6, 7],
+                        sampling=pb.SamplingParams(temperature=0, max_tokens=4),
+                    ),
+                    timeout=30,
+                )
+                chunks = [c async for c in again]
+                seen["serves_again"] = bool(chunks) and chunks[-1].finished
             worker.cancel()
             try:
                 await worker
@@ -130,4 +144,6 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
             rt.loop.stop()
     assert seen["not_serving_after"] < 4, seen
     assert seen["lease_gone_after"] < 8, seen
-    assert seen["new_generation"] and seen["stream_went_on"], seen
+    assert seen["inflight_failed"][0] == grpc.StatusCode.UNAVAILABLE, seen
+    assert seen["inflight_failed"][1] < 5, seen
+    assert seen["new_generation"] and seen["serves_again"], seen

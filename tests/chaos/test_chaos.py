@@ -1,0 +1,63 @@
+"""The chaos suite's short form (``bench/chaos.py``): real processes started one by one, a
+steady load of greedy streams with known outputs, and faults while streams are mid-flight:
+nothing may be lost, duplicated or changed, and a frozen worker must not hold its streams for
+the whole freeze. The full suite (20 s freezes, Redis down 30 s, a 10,000-request soak) is
+``pdserve chaos``; its figures are in docs/benchmarks.md, "Reliability"."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from bench import chaos
+
+pytestmark = pytest.mark.integration
+
+
+def test_faults_under_load_lose_nothing(tmp_path):
+    p = argparse.ArgumentParser()
+    chaos.add_cli_args(p)
+    args = p.parse_args(
+        [
+            "--faults",
+            "kill-decode,kill-prefill,stop-decode,slow-readers,kill-redis,drain",
+            "--freeze",
+            "8",
+            "--slow-read",
+            "4",
+            "--before",
+            "2",
+            "--after",
+            "3",
+            "--soak",
+            "300",
+            "--cases",
+            "12",
+            "--run-dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "chaos.json"),
+            "--router-arg=--stall-timeout=1.5",
+        ]
+    )
+    report_rc = asyncio.run(chaos.main_async(args))
+    import json
+
+    report = json.loads((tmp_path / "chaos.json").read_text())
+    rows = {f["fault"]: f for f in report["faults"]}
+    for name, f in rows.items():
+        assert f["started"] > 0, name
+        assert (f["lost"], f["duplicated"], f["wrong"]) == (0, 0, 0), (name, f["examples"])
+    # the frozen decode worker's streams fail over within seconds, not at the end of the freeze
+    assert rows["stop-decode"]["longest_s"] < 8.0, rows["stop-decode"]
+    # slow readers get their whole, identical streams (and fail no worker)
+    assert rows["slow-readers"]["identical"] == rows["slow-readers"]["started"]
+    soak = report["soak"]
+    assert soak["lost"] == soak["duplicated"] == soak["wrong"] == 0, soak["examples"]
+    assert soak["identical"] + soak["cancelled"] == soak["requests"] == 300
+    for name, w in report["workers_end"].items():
+        assert w["integrity_ok"] and w["used_blocks"] == 0, (name, w)
+    assert report["restarts"]["decode-0"] >= 1 and report["restarts"]["prefill-0"] >= 1
+    assert report_rc == 0 and report["ok"]
