@@ -566,22 +566,46 @@ async def soak(cluster, cases: list[Case], n: int, concurrency: int, seed: int) 
 
 
 def rss_summary(samples: list[dict]) -> dict:
-    """Per process: RSS after the first 10 % of the run (warm), at the end, and the growth."""
+    """Per process: RSS after the first 10 % of the run (warm), at the end, the largest, and
+    how much it moved over the second half of the run (a worker that the drain fault had just
+    restarted is still filling its caches during the first half)."""
     if not samples:
         return {}
     warm = samples[max(0, len(samples) // 10)]
     end = samples[-1]
+    half = [s for s in samples if s["t"] >= end["t"] / 2]
     out = {}
     for name in end:
         if name == "t":
             continue
+        lo = min(s.get(name, 0.0) for s in half)
+        hi = max(s.get(name, 0.0) for s in half)
         out[name] = {
             "warm": round(warm.get(name, 0.0), 1),
             "end": round(end[name], 1),
             "max": round(max(s.get(name, 0.0) for s in samples), 1),
             "growth_pct": round(100 * (end[name] / warm[name] - 1), 1) if warm.get(name) else None,
+            "second_half_pct": round(100 * (hi - lo) / lo, 2) if lo else None,
         }
     return out
+
+
+def plot_rss(samples: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in samples[0]:
+        if name != "t":
+            ax.plot([s["t"] for s in samples], [s.get(name) for s in samples], label=name)
+    ax.set_xlabel("soak time (s)")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title("RSS of every process during the soak")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -642,6 +666,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-read", type=float, default=30.0, help="slow readers' pause (s)")
     p.add_argument("--soak", type=int, default=10_000, help="soak requests (0: none)")
     p.add_argument("--soak-concurrency", type=int, default=16)
+    p.add_argument(
+        "--rss-bound",
+        type=float,
+        default=5.0,
+        help="largest RSS change (%%) of any process over the soak's second half",
+    )
     p.add_argument("--restart-backoff", type=float, default=0.5)
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument(
@@ -698,10 +728,22 @@ async def main_async(args: argparse.Namespace) -> int:
     leaks = [
         n for n, w in report["workers_end"].items() if not w["integrity_ok"] or w["used_blocks"]
     ]
-    report["ok"] = bad == 0 and not leaks
+    grew = []
+    if report["soak"]:
+        grew = [
+            n
+            for n, r in report["soak"]["rss_mib"].items()
+            if r["second_half_pct"] is not None and r["second_half_pct"] > args.rss_bound
+        ]
+    report["rss_bound_pct"] = args.rss_bound
+    report["ok"] = bad == 0 and not leaks and not grew
     print(table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+        if report["soak"] and report["soak"]["rss_samples"]:
+            png = Path(args.out).with_name(Path(args.out).stem + "_rss.png")
+            plot_rss(report["soak"]["rss_samples"], png)
+            print(f"wrote {args.out} and {png}")
     return 0 if report["ok"] else 1
 
 
@@ -729,6 +771,16 @@ def table(report: dict) -> str:
             f"blocks in use {w['used_blocks']}, restarts "
             f"{report.get('restarts', {}).get(name, 0)}"
         )
+    if s and s.get("rss_mib"):
+        rows += [
+            "",
+            "| process | RSS warm (MiB) | end | max | change over the second half (%) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, r in s["rss_mib"].items():
+            rows.append(
+                f"| {name} | {r['warm']} | {r['end']} | {r['max']} | {r['second_half_pct']} |"
+            )
     return "\n".join(rows)
 
 
