@@ -226,6 +226,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             batch = [out]
             while not flight.queue.empty():
                 batch.append(flight.queue.get_nowait())
+            if any(o is _CLIENT_LEFT for o in batch):  # Abort(whole): end here, normally
+                return
             deltas: dict[int, pb.SeqDelta] = {}
             now = time.monotonic()
             for o in batch:
@@ -419,8 +421,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     # ---- Stats -------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
         """End some samples of an ``n > 1`` request (the router matched their stop strings);
-        the stream goes on for the others. Unknown ids and finished samples are ignored."""
+        the stream goes on for the others. Unknown ids and finished samples are ignored.
+        With ``whole`` (the client left) the stream ends at once with status OK, and the
+        request is aborted in the engine as for a cancelled call."""
         flight = self.flights.get(request.request_id)
+        if flight is not None and request.whole:
+            # the stream returns (status OK); its clean-up aborts the request in the engine
+            running = flight.n - len(flight.done_before)
+            flight.queue.put_nowait(_CLIENT_LEFT)
+            return pb.AbortReply(aborted=running)
         if flight is None or not request.indices:
             return pb.AbortReply(aborted=0)
         indices = [i for i in request.indices if i < flight.n]
@@ -444,6 +453,10 @@ def _deliver(loop, outs: list[EngineCoreOutput]) -> int:
     """Engine thread: hand ``outs`` to the sinks; returns how many there were."""
     loop.deliver(outs)
     return len(outs)
+
+
+# queued to a flight by Abort(whole=True): its stream ends at once, with status OK
+_CLIENT_LEFT = EngineCoreOutput("", -1, [], [])
 
 
 class _DeadlineExceeded(Exception):

@@ -306,6 +306,8 @@ class GenerationStream:
         self._want_logprobs = inp.sampling.HasField("logprobs")
         self._live: tuple[Any, str] | None = None  # (decode stub, request id) of the attempt
         self._aborts: set[asyncio.Task[Any]] = set()
+        self._call: grpc.aio.Call | None = None  # the attempt's Generate call, while it runs
+        self._leaving = False  # the client left: stop at the next message (client_left)
 
     def finish(self, index: int) -> None:
         """The consumer ended sample ``index`` (a stop string matched). With other samples
@@ -317,6 +319,34 @@ class GenerationStream:
             task = asyncio.ensure_future(self._abort_sample(stub, rid, index))
             self._aborts.add(task)
             task.add_done_callback(self._aborts.discard)
+
+    def client_left(self) -> bool:
+        """The client left: end the running attempt without cancelling a pending read.
+        grpcio's aio leaks native memory (a few KiB) for every call cancelled, or task
+        cancelled, while a read is in flight (grpc/grpc#43360), which a server whose clients
+        often leave mid-stream would pile up without bound. So the decode worker is asked to
+        end the stream (``Abort(whole=True)``): the pending read completes normally and the
+        attempt stops there. If the worker does not know the request or does not answer, the
+        call is cancelled. True when an attempt was running (its task then ends on its own)."""
+        call, live = self._call, self._live
+        if call is None or live is None or call.done() or self._leaving:
+            return False
+        self._leaving = True
+        stub, rid = live
+        task = asyncio.ensure_future(self._end_on_worker(stub, rid, call))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        return True
+
+    @staticmethod
+    async def _end_on_worker(stub: Any, rid: str, call: grpc.aio.Call) -> None:
+        try:
+            reply = await stub.Abort(pb.AbortRequest(request_id=rid, whole=True), timeout=1.0)
+            if reply.aborted:
+                return
+        except grpc.aio.AioRpcError as e:
+            logger.debug("ending %s on its worker failed: %s", rid, e.code().name)
+        call.cancel()
 
     @staticmethod
     async def _abort_sample(stub: Any, rid: str, index: int) -> None:
@@ -427,6 +457,7 @@ class GenerationStream:
         request = self._request(decision)
         call = stub.Generate(request)
         self._live = (stub, request.request_id)
+        self._call = call
         done = False
         got_output = False
         dog = _Watchdog(call, self.inp.deadline, self.d.cfg.stall_timeout_s)
@@ -447,6 +478,8 @@ class GenerationStream:
                     if dog.why:
                         raise dog.error() from None
                     raise self._classify(e, got_output) from None
+                if self._leaving:  # the client left (client_left): stop here, read done
+                    raise asyncio.CancelledError()
                 if chunk is grpc.aio.EOF:
                     if dog.why:
                         raise dog.error()
@@ -494,6 +527,7 @@ class GenerationStream:
                     return
         finally:
             self._live = None
+            self._call = None
             dog.stop()
             if not done:
                 call.cancel()

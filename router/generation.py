@@ -26,6 +26,9 @@ from shared.proto import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# how long a pump whose attempt is being ended (client_left) may take before its task is cancelled
+_CALL_CANCEL_GRACE_S = 2.0
+
 
 class RequestObserver(Protocol):
     """Who watches requests go by (the dashboard's ``LiveStats``)."""
@@ -205,14 +208,25 @@ class Generation:
             self.ctx.live.output(tokens, self._ttft if itl is None else None, itl)
         return out
 
+    def client_left(self) -> bool:
+        """The client left: end every stream's running attempt without cancelling a pending
+        read (see :meth:`GenerationStream.client_left`). True when any was running."""
+        running = False
+        for s in self.streams:
+            running |= s.client_left()
+        return running
+
     async def aclose(self) -> None:
-        """Cancel whatever still runs (idempotent)."""
+        """Cancel whatever still runs (idempotent): the gRPC calls first, so that the pumps'
+        reads end on their own, then any pump that has not ended within a moment."""
         if self._closed:
             return
         self._closed = True
-        for t in self._tasks:
-            t.cancel()
         if self._tasks:
+            if self.client_left():
+                await asyncio.wait(self._tasks, timeout=_CALL_CANCEL_GRACE_S)
+            for t in self._tasks:
+                t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for it in self._iters:
             with contextlib.suppress(Exception):

@@ -127,7 +127,8 @@ async def serve(
         ticket.release()
 
     if req.stream:
-        watch = DisconnectWatch(raw.receive)  # one watcher for routing and the stream
+        # one watcher for routing and the stream; a client that leaves cancels the gRPC calls
+        watch = DisconnectWatch(raw.receive, on_gone=gen.client_left)
         try:
             await watch.guard(gen.start())
         except BaseException:
@@ -155,7 +156,7 @@ async def serve(
             entries.setdefault(d.index, []).extend(d.tokens)
 
     try:
-        await until_disconnected(raw, run_generation(ctx, gen, collect))
+        await until_disconnected(raw, run_generation(ctx, gen, collect), on_gone=gen.client_left)
     finally:
         await close()
     # building the body is Python per output token: off the loop when the output is large

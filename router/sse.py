@@ -19,6 +19,9 @@ from starlette.types import Receive
 
 T = TypeVar("T")
 
+# how long a task whose gRPC streams are being ended (client gone) may take to end on its own
+_ON_GONE_GRACE_S = 2.0
+
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was ready."""
@@ -39,19 +42,29 @@ class DisconnectWatch:
     cancels the handover in the web framework. :meth:`stop` (idempotent) ends the watcher.
     """
 
-    __slots__ = ("_target", "_watcher", "gone")
+    __slots__ = ("_on_gone", "_target", "_watcher", "gone")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, on_gone: Callable[[], bool] | None = None) -> None:
         self.gone = False
         self._target: asyncio.Task[Any] | None = None
+        self._on_gone = on_gone
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.gone = True
-        if self._target is not None:
-            self._target.cancel()
+        target = self._target
+        if target is None:
+            return
+        # ``on_gone`` ends the request's gRPC streams from the worker's side (True when any was
+        # running): a task awaiting a read then ends on its own, whereas cancelling it there
+        # leaks native memory in grpcio (grpc/grpc#43360). Cancel it only if it still runs.
+        if self._on_gone is not None and self._on_gone():
+            await asyncio.wait([target], timeout=_ON_GONE_GRACE_S)
+            if target.done() or self._target is not target:
+                return
+        target.cancel()
 
     def attach(self) -> asyncio.Task[Any]:
         """Cancel the current task on disconnect from now on; returns it."""
@@ -174,10 +187,12 @@ class SSEResponse(StreamingResponse):
             pass
 
 
-async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
+async def until_disconnected(
+    raw: Request, work: Awaitable[T], on_gone: Callable[[], bool] | None = None
+) -> T:
     """Await ``work`` unless the client disconnects first (then cancel it and raise
-    :class:`ClientDisconnected`)."""
-    watch = DisconnectWatch(raw.receive)
+    :class:`ClientDisconnected`; ``on_gone`` as for :class:`DisconnectWatch`)."""
+    watch = DisconnectWatch(raw.receive, on_gone)
     try:
         return await watch.guard(work)
     finally:

@@ -107,12 +107,14 @@ class ResumeTokens(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "indices")
+    __slots__ = ("request_id", "indices", "whole")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    whole: bool
+    def __init__(self, request_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ("aborted",)

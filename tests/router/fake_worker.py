@@ -95,6 +95,7 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.args = args
         self.publisher = publisher
         self.running = 0
+        self.ending: dict[str, asyncio.Event] = {}  # Abort(whole) ends that stream
         self.queries = 0
         self.hits = 0
         self.tokens_sent = 0
@@ -137,6 +138,7 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             await context.abort(getattr(grpc.StatusCode, a.fail_code), "injected failure")
         self.queries += 1
         self.running += 1
+        ending = self.ending[request.request_id] = asyncio.Event()
         try:
             prompt = list(request.prompt_token_ids)
             sp = request.sampling
@@ -161,6 +163,8 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             if a.first_token_delay:
                 await asyncio.sleep(a.first_token_delay)
             while live:
+                if ending.is_set():
+                    return
                 chunk = pb.GenerateChunk(request_id=request.request_id, worker_id=a.worker_id)
                 for i in sorted(live):
                     tok, h = fake_token(key, i, pos[i], seed, a.vocab_size)
@@ -202,6 +206,16 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             )
         finally:
             self.running -= 1
+            if self.ending.get(request.request_id) is ending:
+                del self.ending[request.request_id]
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
+        """``whole``: end that request's stream now, normally (as the real decode worker)."""
+        ev = self.ending.get(request.request_id)
+        if ev is None or not request.whole:
+            return pb.AbortReply(aborted=0)
+        ev.set()
+        return pb.AbortReply(aborted=1)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         load = self.load()

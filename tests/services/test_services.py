@@ -181,6 +181,50 @@ def test_decode_cancel_midstream_leaks_nothing(cluster):
             assert s.pending_sends == 0
 
 
+@pytest.mark.parametrize("when", ["decoding", "prefilling"])
+def test_decode_abort_whole_ends_the_stream_normally_and_leaks_nothing(cluster, when):
+    """The router's way to end a request whose client left (``Abort(whole=True)``): the stream
+    ends with status OK and no further chunk (a read in flight completes normally), and the
+    request is gone from both workers, mid-decode or while its prompt is still on P."""
+    p_addr, d_addr = cluster.ready["prefill-0"]["grpc"], cluster.ready["decode-0"]["grpc"]
+    prompt = random_prompts(27 if when == "decoding" else 28, lengths=[700])[0]
+    rid = f"leave-{when}"
+    with channel_to(d_addr) as ch:
+        stub = decode_stub(ch)
+        call = stub.Generate(
+            pb.GenerateRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                prefill_address=p_addr,
+                sampling=pb.SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
+            ),
+            timeout=60,
+        )
+        got = 0
+        chunks = iter(call)
+        if when == "decoding":
+            while got < 5:
+                got += sum(len(d.token_ids) for d in next(chunks).outputs)
+        reply = wait_until(
+            lambda: (lambda r: r if r.aborted else None)(
+                stub.Abort(pb.AbortRequest(request_id=rid, whole=True), timeout=5)
+            ),
+            what="the decode worker to know the request",
+        )
+        assert reply.aborted == 1
+        rest = list(chunks)  # ends (status OK: an error status would raise here)
+        assert not any(c.finished for c in rest)
+        assert call.code() == grpc.StatusCode.OK
+    for addr, role in ((d_addr, "decode"), (p_addr, "prefill")):
+        stats = wait_until(
+            lambda addr=addr, role=role: (
+                lambda st: st if st.used_blocks == 0 and st.running == 0 else None
+            )(_stats(addr, role)),
+            what=f"{role} to release every block",
+        )
+        assert stats.integrity_ok, stats.integrity_error
+
+
 def test_directory_reflects_caches(cluster, tiny_llama):
     r = redis.Redis.from_url(cluster.redis_url)
     prompt = random_prompts(26, lengths=[96])[0]
