@@ -8,6 +8,7 @@ may have their own ``fake_worker.py``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -189,3 +190,33 @@ def load_fake_worker_module():
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+@contextlib.contextmanager
+def router_with_one_worker(model_dir, redis_url: str, tag: str, **config):
+    """A fake decode worker registered under a fresh prefix and a router thread that sees it
+    (``config``: RouterConfig fields beyond the defaults here); both stopped afterwards."""
+    import uuid
+
+    from router.config import RouterConfig
+
+    prefix = f"{tag}{uuid.uuid4().hex[:6]}:"
+    worker = FakeWorker(redis_url, prefix, f"{tag}-d0")
+    router = None
+    try:
+        router = RouterThread(
+            RouterConfig(
+                model=str(model_dir),
+                served_model_name=MODEL_NAME,
+                redis_url=redis_url,
+                directory_prefix=prefix,
+                worker_refresh_interval_s=0.1,
+                **config,
+            )
+        )
+        router.wait_workers(1)
+        yield router
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-import uuid
 
 import httpx
 import pytest
-from router_harness import MODEL_NAME, FakeWorker, RouterThread, load_fake_worker_module
+from router_harness import (
+    MODEL_NAME,
+    load_fake_worker_module,
+    router_with_one_worker,
+)
 
-from router.config import RouterConfig
 from router.tokenizer import RouterTokenizer
 
 pytestmark = pytest.mark.integration
@@ -19,26 +21,10 @@ VOCAB = 2048
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, redis_server):
-    prefix = f"api{uuid.uuid4().hex[:6]}:"
-    worker = FakeWorker(redis_server.url, prefix, "api-d0")
-    router = None
-    try:
-        router = RouterThread(
-            RouterConfig(
-                model=str(tiny_model),
-                served_model_name=MODEL_NAME,
-                redis_url=redis_server.url,
-                directory_prefix=prefix,
-                worker_refresh_interval_s=0.1,
-                request_timeout_s=30,
-            )
-        )
-        router.wait_workers(1)
+    with router_with_one_worker(
+        tiny_model, redis_server.url, "api", request_timeout_s=30
+    ) as router:
         yield router
-    finally:
-        if router is not None:
-            router.stop()
-        worker.stop()
 
 
 @pytest.fixture(scope="module")

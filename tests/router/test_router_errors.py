@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from dataclasses import replace
 
 import httpx
 import openai
 import pytest
-from router_harness import MODEL_NAME, FakeWorker, RouterThread
-
-from router.config import RouterConfig
+from router_harness import MODEL_NAME, router_with_one_worker
 
 pytestmark = pytest.mark.integration
 
@@ -32,27 +29,10 @@ def assert_error(
 
 @pytest.fixture(scope="module")
 def router(tiny_model, redis_server):
-    """One worker and one router for the stateless checks of this module."""
-    prefix = f"err{uuid.uuid4().hex[:6]}:"
-    worker = FakeWorker(redis_server.url, prefix, "err-d0")
-    r = None
-    try:
-        r = RouterThread(
-            RouterConfig(
-                model=str(tiny_model),
-                served_model_name=MODEL_NAME,
-                redis_url=redis_server.url,
-                directory_prefix=prefix,
-                worker_refresh_interval_s=0.1,
-                max_request_body_bytes=65536,
-            )
-        )
-        r.wait_workers(1)
-        yield r
-    finally:
-        if r is not None:
-            r.stop()
-        worker.stop()
+    with router_with_one_worker(
+        tiny_model, redis_server.url, "err", max_request_body_bytes=65536
+    ) as router:
+        yield router
 
 
 def post(r, path="/v1/completions", **body):

@@ -9,47 +9,31 @@ import os
 import signal
 import threading
 import time
-import uuid
 
 import httpx
 import pytest
-from router_harness import MODEL_NAME, FakeWorker, RouterThread
+from router_harness import MODEL_NAME, router_with_one_worker
 from test_router_errors import assert_error
 from test_router_process import _start_router
-
-from router.config import RouterConfig
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model, redis_server):
-    prefix = f"inp{uuid.uuid4().hex[:6]}:"
-    worker = FakeWorker(redis_server.url, prefix, "inp-d0")
-    r = None
-    try:
-        r = RouterThread(
-            RouterConfig(
-                model=str(tiny_model),
-                served_model_name=MODEL_NAME,
-                redis_url=redis_server.url,
-                directory_prefix=prefix,
-                worker_refresh_interval_s=0.1,
-                max_stop_strings=4,
-                max_stop_chars=64,
-                max_prompts_per_request=4,
-                max_choices_per_request=8,
-                max_cache_salt_length=16,
-                max_json_depth=8,
-                max_n=8,
-            )
-        )
-        r.wait_workers(1)
-        yield r
-    finally:
-        if r is not None:
-            r.stop()
-        worker.stop()
+    with router_with_one_worker(
+        tiny_model,
+        redis_server.url,
+        "inp",
+        max_stop_strings=4,
+        max_stop_chars=64,
+        max_prompts_per_request=4,
+        max_choices_per_request=8,
+        max_cache_salt_length=16,
+        max_json_depth=8,
+        max_n=8,
+    ) as router:
+        yield router
 
 
 def post(r, path="/v1/completions", **body):

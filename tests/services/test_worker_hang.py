@@ -6,9 +6,7 @@ process, real Redis and a real gRPC server."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import threading
 import time
 
@@ -17,12 +15,10 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_service.server import DecodeServicer
-from kvtransfer import LoopbackNetwork, create_receiver
 from shared.directory import DirectoryKeys, EmbeddedRedis
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.worker.service import WorkerRuntime, add_worker_cli_args, serve_worker
+from tests.services.inprocess_worker import decode_runtime, serve
 
 pytestmark = pytest.mark.integration
 
@@ -32,33 +28,9 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
 ):
     ready = tmp_path / "ready.json"
     with EmbeddedRedis() as server:
-        parser = argparse.ArgumentParser()
-        add_worker_cli_args(parser, "decode")
-        args = parser.parse_args(
-            [
-                "--model",
-                str(tiny_llama),
-                "--num-gpu-blocks-override",
-                "64",
-                "--max-model-len",
-                "512",
-                "--redis-url",
-                server.url,
-                "--worker-id",
-                "hang-0",
-                "--ready-file",
-                str(ready),
-                "--directory-prefix",
-                "hang:",
-                "--engine-hang-timeout",
-                "1",
-            ]
+        rt, servicer = decode_runtime(
+            tiny_llama, server.url, "hang-0", ready, "hang:", "--engine-hang-timeout", "1"
         )
-        rt = WorkerRuntime("decode", args)
-        receiver = create_receiver(
-            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-        )
-        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
         r = redis.Redis.from_url(server.url)
         key = DirectoryKeys("hang:").worker("hang-0")
         release = threading.Event()
@@ -69,14 +41,7 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
             return real(out)
 
         async def scenario():
-            worker = asyncio.ensure_future(
-                serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s))
-            )
-            for _ in range(200):
-                if ready.exists():
-                    break
-                await asyncio.sleep(0.05)
-            address = json.loads(ready.read_text())["grpc"]
+            worker, address = await serve(rt, servicer, ready)
             seen = {}
             async with grpc.aio.insecure_channel(address) as ch:
                 hstub = health_pb2_grpc.HealthStub(ch)
@@ -140,7 +105,7 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
             seen = asyncio.run(scenario())
         finally:
             release.set()
-            receiver.close()
+            servicer.receiver.close()
             rt.loop.stop()
     assert seen["not_serving_after"] < 4, seen
     assert seen["lease_gone_after"] < 8, seen

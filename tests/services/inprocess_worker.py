@@ -1,0 +1,63 @@
+"""A decode worker in this process (real gRPC server, real Redis, loopback KV receiver), for
+tests that reach into its engine: ``decode_runtime`` builds it, ``serve`` starts it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+from decode_service.server import DecodeServicer
+from kvtransfer import LoopbackNetwork, create_receiver
+from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.worker.service import WorkerRuntime, add_worker_cli_args, serve_worker
+
+
+def decode_runtime(
+    model_dir: Path, redis_url: str, worker_id: str, ready: Path, prefix: str, *flags: str
+) -> tuple[WorkerRuntime, DecodeServicer]:
+    """A decode runtime (64 blocks, 512 tokens) registering under ``prefix``, and its servicer."""
+    parser = argparse.ArgumentParser()
+    add_worker_cli_args(parser, "decode")
+    args = parser.parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-model-len",
+            "512",
+            "--redis-url",
+            redis_url,
+            "--worker-id",
+            worker_id,
+            "--ready-file",
+            str(ready),
+            "--directory-prefix",
+            prefix,
+            *flags,
+        ]
+    )
+    rt = WorkerRuntime("decode", args)
+    receiver = create_receiver(
+        "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+    )
+    return rt, DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+
+
+async def serve(
+    rt: WorkerRuntime, servicer: DecodeServicer, ready: Path, timeout_s: float = 10.0
+) -> tuple[asyncio.Future[int], str]:
+    """Start serving; returns (the serve task, whose result is the exit code, the gRPC address)
+    once the ready file is written."""
+    worker = asyncio.ensure_future(
+        serve_worker(rt, lambda s: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s))
+    )
+    async with asyncio.timeout(timeout_s):
+        while not ready.exists():
+            if worker.done():
+                worker.result()  # raises what stopped it
+                raise RuntimeError(f"worker exited with {worker.result()} before it was ready")
+            await asyncio.sleep(0.05)
+    return worker, json.loads(ready.read_text())["grpc"]
