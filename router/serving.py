@@ -9,6 +9,7 @@ The pieces live in their own modules: ``context.py`` (what a request needs), ``g
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -168,6 +169,59 @@ async def serve(
     )
     resp.headers.update(headers)
     return resp
+
+
+class ChunkFrame:
+    """What every SSE chunk of one stream shares, pre-formatted: chunks are formatted by hand
+    around JSON-encoded values (this runs once per token), the same bytes as ``json.dumps``
+    of the whole chunk would give. ``usage_mode``: "" (no usage), "final" (a last chunk with
+    ``choices: []``) or "continuous" (also the running usage in every chunk, vLLM's
+    continuous_usage_stats)."""
+
+    def __init__(self, gen: Generation, head: dict[str, Any], usage_mode: str) -> None:
+        self.gen = gen
+        self.include_usage = bool(usage_mode)
+        self.continuous = usage_mode == "continuous"
+        #: up to the first choice's index
+        self.head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
+        #: after the first choice when the usage is not continuous
+        self.fixed_tail = "]" + (',"usage":null' if self.include_usage else "") + "}\n\n"
+
+    def tail(self) -> str:
+        """After the (last) choice: the running usage when continuous."""
+        if self.continuous:
+            return '],"usage":' + self.gen.usage().model_dump_json() + "}\n\n"
+        return self.fixed_tail
+
+
+async def stream_steps(
+    ctx: ServingContext,
+    gen: Generation,
+    head: dict[str, Any],
+    include_usage: bool,
+    fast: Callable[[list[SampleDelta]], str | None],
+    event: Callable[[SampleDelta], str | None],
+    close: Callable[[], Awaitable[None]],
+) -> AsyncGenerator[str, None]:
+    """The SSE writes of a stream: per worker message, ``fast(deltas)`` (a str, "" for
+    nothing, None when the message needs the general path) or else the ``event`` of each
+    delta in one write; then the usage chunk and ``[DONE]``, or the error event; ``close``
+    always."""
+    try:
+        async for deltas in gen.steps():
+            quick = fast(deltas)
+            if quick is not None:
+                if quick:
+                    yield quick
+                continue
+            events = [e for d in deltas if (e := event(d)) is not None]
+            if events:
+                yield "".join(events)
+        yield stream_end(gen, head, include_usage)  # usage chunk and end marker: one write
+    except RouterError as e:
+        yield stream_error(ctx, e)
+    finally:
+        await close()
 
 
 def stream_end(gen: Generation, head: dict[str, Any], include_usage: bool) -> str:

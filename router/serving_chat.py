@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from router.chat_template import ChatTemplateError
 from router.context import ServingContext
-from router.errors import InvalidRequestError, RouterError
+from router.errors import InvalidRequestError
 from router.generation import Generation
 from router.logprobs import chat_logprobs
 from router.output import OutputParams, SampleDelta, TokenEntry
@@ -34,7 +34,7 @@ from router.protocol import (
     ChatResponseMessage,
 )
 from router.sampling import check_json_depth, check_unsupported, validate_common
-from router.serving import serve, stream_end, stream_error, truncate_prompt, warn_unknown_fields
+from router.serving import ChunkFrame, serve, stream_steps, truncate_prompt, warn_unknown_fields
 from router.sse import json_str
 
 
@@ -169,7 +169,7 @@ def _body(
     return JSONResponse(body.model_dump())
 
 
-async def _stream(
+def _stream(
     ctx: ServingContext,
     gen: Generation,
     params: OutputParams,
@@ -178,29 +178,17 @@ async def _stream(
     usage_mode: str,
     close: Callable[[], Awaitable[None]],
 ) -> AsyncGenerator[str, None]:
-    """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
-    "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
-    include_usage = bool(usage_mode)
-    continuous = usage_mode == "continuous"
+    """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`)."""
     head = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": ctx.model_name,
     }
+    frame = ChunkFrame(gen, head, usage_mode)
     want_lp = params.logprobs is not None
     role_sent: set[int] = set()
-
-    # chunks are formatted by hand around json-encoded values (this runs once per token): the
-    # same bytes as json.dumps of the whole chunk would give
-    fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
-    fast_tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
-    content_tail = '},"logprobs":null,"finish_reason":null,"stop_reason":null}' + fast_tail
-
-    def tail() -> str:
-        if continuous:
-            return '],"usage":' + gen.usage().model_dump_json() + "}\n\n"
-        return fast_tail
+    content_tail = '},"logprobs":null,"finish_reason":null,"stop_reason":null}' + frame.fixed_tail
 
     def chunk(
         index: int,
@@ -210,10 +198,10 @@ async def _stream(
         stop_reason: int | str | None = None,
     ) -> str:
         return (
-            f'{fast_head}{index},"delta":{json.dumps(delta, ensure_ascii=False)},'
+            f'{frame.head}{index},"delta":{json.dumps(delta, ensure_ascii=False)},'
             f'"logprobs":{json.dumps(logprobs, ensure_ascii=False)},'
             f'"finish_reason":{json.dumps(finish_reason)},'
-            f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{tail()}'
+            f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{frame.tail()}'
         )
 
     def event(d: SampleDelta) -> str | None:
@@ -234,29 +222,19 @@ async def _stream(
             d.stop_reason,
         )
 
-    plain = not want_lp and not continuous
-    try:
-        async for deltas in gen.steps():
-            if (
-                plain
-                and len(deltas) == 1
-                and deltas[0].finish_reason is None
-                and (deltas[0].index in role_sent)
-            ):
-                d = deltas[0]  # one sample's next text: the per-token chunk, the same
-                if d.text:  # bytes as chunk(d.index, {"content": d.text})
-                    yield (
-                        f'{fast_head}{d.index},"delta":{{"content": '
-                        f"{json_str(d.text)}{content_tail}"
-                    )
-                continue
-            # the deltas of one worker message (n samples; the role chunk before a choice's
-            # first content): their events in one write
-            events = [e for d in deltas if (e := event(d)) is not None]
-            if events:
-                yield "".join(events)
-        yield stream_end(gen, head, include_usage)  # usage chunk and end marker: one write
-    except RouterError as e:
-        yield stream_error(ctx, e)
-    finally:
-        await close()
+    plain = not want_lp and not frame.continuous
+
+    def fast(deltas: list[SampleDelta]) -> str | None:
+        """One sample's next text: the per-token chunk, the same bytes as
+        chunk(d.index, {"content": d.text}). (The role chunk before a choice's first content
+        goes the general way.)"""
+        if not plain or len(deltas) != 1:
+            return None
+        d = deltas[0]
+        if d.finish_reason is not None or d.index not in role_sent:
+            return None
+        if not d.text:
+            return ""
+        return f'{frame.head}{d.index},"delta":{{"content": {json_str(d.text)}{content_tail}'
+
+    return stream_steps(ctx, gen, head, frame.include_usage, fast, event, close)

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.context import ServingContext
-from router.errors import InvalidRequestError, RouterError
+from router.errors import InvalidRequestError
 from router.generation import Generation
 from router.logprobs import completion_logprobs
 from router.output import OutputParams, SampleDelta, TokenEntry
@@ -27,7 +27,7 @@ from router.protocol import (
     CompletionResponse,
 )
 from router.sampling import check_prompt_count, check_unsupported, validate_common
-from router.serving import serve, stream_end, stream_error, truncate_prompt, warn_unknown_fields
+from router.serving import ChunkFrame, serve, stream_steps, truncate_prompt, warn_unknown_fields
 from router.sse import json_str, sse
 
 
@@ -91,7 +91,7 @@ def _body(
     return JSONResponse(body.model_dump())
 
 
-async def _stream(
+def _stream(
     ctx: ServingContext,
     gen: Generation,
     params: OutputParams,
@@ -100,27 +100,16 @@ async def _stream(
     usage_mode: str,
     close: Callable[[], Awaitable[None]],
 ) -> AsyncGenerator[str, None]:
-    """SSE chunks. ``usage_mode``: "" (none), "final" (a last chunk with ``choices: []``) or
-    "continuous" (also the running usage in every chunk, vLLM's continuous_usage_stats)."""
-    include_usage = bool(usage_mode)
-    continuous = usage_mode == "continuous"
+    """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`)."""
     head = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": ctx.model_name,
     }
+    frame = ChunkFrame(gen, head, usage_mode)
     want_lp = params.logprobs is not None
-    # chunks without logprobs are formatted by hand around JSON-encoded values (this runs
-    # once per token): the same bytes as json.dumps of the whole chunk would give
-    fast_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ',"choices":[{"index":'
-    fast_tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
-    going_tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null}' + fast_tail
-
-    def tail() -> str:
-        if continuous:
-            return '],"usage":' + gen.usage().model_dump_json() + "}\n\n"
-        return fast_tail
+    going_tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null}' + frame.fixed_tail
 
     def event(d: SampleDelta) -> str | None:
         """The SSE event of one delta (None: nothing to send)."""
@@ -128,9 +117,9 @@ async def _stream(
             if not d.text and d.finish_reason is None:
                 return None
             return (
-                f'{fast_head}{d.index},"text":{json_str(d.text)},'
+                f'{frame.head}{d.index},"text":{json_str(d.text)},'
                 f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
-                f'"stop_reason":{json.dumps(d.stop_reason)}}}{tail()}'
+                f'"stop_reason":{json.dumps(d.stop_reason)}}}{frame.tail()}'
             )
         if not d.text and d.finish_reason is None and not d.tokens:
             return None
@@ -142,24 +131,17 @@ async def _stream(
             "stop_reason": d.stop_reason,
         }
         chunk = {**head, "choices": [choice]}
-        if include_usage:
-            chunk["usage"] = gen.usage().model_dump() if continuous else None
+        if frame.include_usage:
+            chunk["usage"] = gen.usage().model_dump() if frame.continuous else None
         return sse(chunk)
 
-    plain = not want_lp and not continuous
-    try:
-        async for deltas in gen.steps():
-            if plain and len(deltas) == 1 and deltas[0].finish_reason is None:
-                d = deltas[0]  # one sample's next text: the per-token chunk
-                if d.text:
-                    yield f'{fast_head}{d.index},"text":{json_str(d.text)}{going_tail}'
-                continue
-            # the deltas of one worker message (n samples): their events in one write
-            events = [e for d in deltas if (e := event(d)) is not None]
-            if events:
-                yield "".join(events)
-        yield stream_end(gen, head, include_usage)  # usage chunk and end marker: one write
-    except RouterError as e:
-        yield stream_error(ctx, e)
-    finally:
-        await close()
+    plain = not want_lp and not frame.continuous
+
+    def fast(deltas: list[SampleDelta]) -> str | None:
+        """One sample's next text: the per-token chunk."""
+        if not plain or len(deltas) != 1 or deltas[0].finish_reason is not None:
+            return None
+        d = deltas[0]
+        return f'{frame.head}{d.index},"text":{json_str(d.text)}{going_tail}' if d.text else ""
+
+    return stream_steps(ctx, gen, head, frame.include_usage, fast, event, close)
