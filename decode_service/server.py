@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -73,6 +74,7 @@ class _Flight:
     done_before: frozenset[int] = frozenset()  # samples that finished on an earlier worker
     path: str = "local"
     remote_task: asyncio.Task | None = None
+    recv_handle: Any = None  # the remote prefill's KV receive, once posted
     transfer_s: float = 0.0
     transfer_bytes: int = 0
     blocks_transferred: int = 0
@@ -323,9 +325,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if flight is None or flight.aborting:
             self._unpin(pin_id)
             return
-        flight.remote_task = asyncio.ensure_future(
-            self._remote_prefill(flight, first_block, block_ids, pin_id)
+        task = asyncio.ensure_future(self._remote_prefill(flight, first_block, block_ids))
+        # The pin is released by the task's end, not inside its coroutine: a task cancelled
+        # before its first step never enters the coroutine (no finally runs there).
+        task.add_done_callback(
+            lambda _t: unpin_when_terminal(self.rt.loop, flight.recv_handle, pin_id)
         )
+        flight.remote_task = task
 
     def _unpin(self, pin_id: int | None) -> None:
         if pin_id is not None:
@@ -344,8 +350,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return entry[1]
 
     async def _remote_prefill(
-        self, flight: _Flight, first_block: int, block_ids: list[int], pin_id: int | None
+        self, flight: _Flight, first_block: int, block_ids: list[int]
     ) -> None:
+        """Prefill on P into ``block_ids``; on any failure but cancellation, locally. The
+        blocks' pin is dropped by the caller once this ends and the receive is terminal."""
         req = flight.request
         eid = flight.engine_id
         transfer_id = f"{req.request_id}:{uuid.uuid4().hex[:8]}"
@@ -353,6 +361,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         handle = None
         try:
             handle = self.receiver.expect(transfer_id, block_ids, timeout_s=self.prefill_timeout_s)
+            flight.recv_handle = handle
             result = await self._stub(req.prefill_address).Prefill(
                 pb.PrefillRequest(
                     request_id=req.request_id,
@@ -414,9 +423,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 )
             except EngineDeadError:
                 pass
-        finally:
-            # after a terminal receive no byte lands in these blocks any more
-            unpin_when_terminal(self.rt.loop, handle, pin_id)
 
     # ---- Stats -------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
