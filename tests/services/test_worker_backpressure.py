@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from shared.proto import pdserve_pb2 as pb
-from tests.cluster_utils import channel_to, decode_stub, make_cluster
+from tests.cluster_utils import channel_to, decode_stub, make_cluster, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,12 @@ def test_a_full_queue_answers_resource_exhausted_at_once(cluster):
         with cf.ThreadPoolExecutor(6) as pool:
             # one runs (max_num_seqs 1), two wait (the bound), the rest are refused
             futs = [pool.submit(_run, stub, f"r{i}", 3000) for i in range(3)]
-            time.sleep(0.5)
+            wait_until(  # the queue is at its bound: one running, two waiting
+                lambda: (lambda st: st.running == 1 and st.waiting == 2)(
+                    stub.Stats(pb.StatsRequest(), timeout=10)
+                ),
+                what="one running and two waiting requests",
+            )
             refused = [pool.submit(_run, stub, f"x{i}", 4) for i in range(3)]
             late = [f.result() for f in refused]
             first = [f.result() for f in futs]
