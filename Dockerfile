@@ -38,8 +38,9 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv \
  && useradd --create-home --uid 10001 --shell /bin/bash pdserve \
- && mkdir -p /models /var/lib/pdserve/gpu-claims \
- && chown pdserve:pdserve /models /var/lib/pdserve/gpu-claims
+ && mkdir -p /models /var/lib/pdserve/gpu-claims /run/pdserve \
+ && chown pdserve:pdserve /models /var/lib/pdserve/gpu-claims /run/pdserve \
+ && chmod 0700 /run/pdserve
 
 # Layers in order of how rarely they change: torch, then the dependencies declared in
 # pyproject.toml (installed from a copy of it alone, with no packages yet), then the source.

@@ -309,14 +309,13 @@ def wait_healthy(cluster, timeout_s: float = 120.0) -> float:
 
 
 def worker_stats(cluster) -> dict[str, dict]:
-    import grpc
 
     from shared.proto import pdserve_pb2 as pb
     from shared.proto import pdserve_pb2_grpc as pb_grpc
 
     out = {}
     for name, info in sorted(cluster.ready.items()):
-        with grpc.insecure_channel(info["grpc"]) as ch:
+        with cluster.security.channel(info["grpc"]) as ch:
             stub = (
                 pb_grpc.DecodeWorkerStub(ch)
                 if info["role"] == "decode"

@@ -841,8 +841,14 @@ async def run_grpc(
     timeout_s: float,
     report: Report,
     hostile: bool = True,
+    security: Any = None,
 ) -> None:
     import grpc
+
+    from shared.security import ClusterSecurity
+
+    security = security or ClusterSecurity.from_env()
+    md = security.call_metadata
 
     from shared.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -853,17 +859,17 @@ async def run_grpc(
     async def one(role: str, address: str, req) -> None:
         ch = channels.get(address)
         if ch is None:
-            ch = channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", 64 << 20)]
+            ch = channels[address] = security.aio_channel(
+                address, [("grpc.max_send_message_length", 64 << 20)]
             )
         async with sem:
             try:
                 if role == "decode":
                     stub = pb_grpc.DecodeWorkerStub(ch)
-                    async for _ in stub.Generate(req, timeout=timeout_s):
+                    async for _ in stub.Generate(req, timeout=timeout_s, metadata=md):
                         pass
                 else:
-                    await pb_grpc.PrefillWorkerStub(ch).Prefill(req, timeout=timeout_s)
+                    await pb_grpc.PrefillWorkerStub(ch).Prefill(req, timeout=timeout_s, metadata=md)
                 status, detail = "OK", ""
             except grpc.aio.AioRpcError as e:
                 status, detail = e.code().name, e.details() or ""
@@ -891,9 +897,15 @@ def read_workers(run_dir: Path) -> dict[str, dict]:
     return out
 
 
-def check_workers(workers: dict[str, dict], settle_s: float = 30.0) -> list[str]:
+def check_workers(
+    workers: dict[str, dict], settle_s: float = 30.0, security: Any = None
+) -> list[str]:
     """Alive, SERVING, integrity clean and (once idle) no block held, for every worker."""
     import grpc
+
+    from shared.security import ClusterSecurity
+
+    security = security or ClusterSecurity.from_env()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from shared.proto import pdserve_pb2 as pb
@@ -909,7 +921,7 @@ def check_workers(workers: dict[str, dict], settle_s: float = 30.0) -> list[str]
                 problems.append(f"{name}: process {pid} is gone")
                 continue
         try:
-            with grpc.insecure_channel(info["grpc"]) as ch:
+            with security.channel(info["grpc"]) as ch:
                 h = health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(), timeout=10
                 )
@@ -995,6 +1007,9 @@ async def fuzz(args: argparse.Namespace) -> Report:
         cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
         vocab = int(cfg["vocab_size"])
     workers = read_workers(Path(args.run_dir)) if args.run_dir else {}
+    from shared.security import ClusterSecurity
+
+    security = ClusterSecurity.for_run_dir(args.run_dir) if args.run_dir else None
     report = Report()
     before = await canary(url, model)
     rng = random.Random(args.seed)
@@ -1012,9 +1027,10 @@ async def fuzz(args: argparse.Namespace) -> Report:
             args.timeout,
             report,
             hostile=not getattr(args, "no_grpc_hostile", False),
+            security=security,
         )
     if workers:
-        report.worker_problems = await asyncio.to_thread(check_workers, workers)
+        report.worker_problems = await asyncio.to_thread(check_workers, workers, 30.0, security)
     try:
         after = await canary(url, model)
         report.canary_changed = after != before

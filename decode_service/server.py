@@ -345,7 +345,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         entry = self.channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=CLIENT_GRPC_OPTIONS)
+            channel = self.rt.security.aio_channel(address, CLIENT_GRPC_OPTIONS)
             entry = self.channels[address] = (channel, pb_grpc.PrefillWorkerStub(channel))
         return entry[1]
 
@@ -375,6 +375,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     transfer_id=transfer_id,
                 ),
                 timeout=self.prefill_timeout_s,
+                metadata=self.rt.security.call_metadata,
             )
             remaining = max(0.1, self.prefill_timeout_s - (time.monotonic() - t0))
             await wait_transfer(handle, remaining)
@@ -524,6 +525,8 @@ async def _main(args: argparse.Namespace) -> int:
         rt.kv_geometry(),
         host=args.advertise_host or args.host,
         port=args.kv_port,
+        bind_host=args.host,
+        secret=rt.security.secret,
         verify_checksums=args.kv_checksums,
         metrics=TransferMetrics(rt.metrics.registry),
     )

@@ -118,8 +118,15 @@ class Transport(ABC):
     eager_limit: int = 0
 
     @abstractmethod
-    def listen(self, host: str, port: int, on_accept: Callable[[Link], None]) -> tuple[str, int]:
-        """Accept connections at ``host:port`` (port 0 picks one); returns the address bound."""
+    def listen(
+        self,
+        host: str,
+        port: int,
+        on_accept: Callable[[Link], None],
+        bind_host: str | None = None,
+    ) -> tuple[str, int]:
+        """Accept connections at ``host:port`` (port 0 picks one) arriving on ``bind_host``
+        (default ``host``; a wildcard: any address); returns the address advertised."""
 
     @abstractmethod
     def connect(self, address: ReceiverAddress) -> Link:

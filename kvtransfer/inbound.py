@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from kvtransfer.auth import TagCipher
 from kvtransfer.base import Link, TransferState
 from kvtransfer.errors import KVTransferError
 from kvtransfer.handles import RecvHandle
@@ -30,6 +31,10 @@ class InboundLink:
         self.transfers: dict[int, InboundTransfer] = {}  # by transfer number
         self.retired: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.peer = "unknown sender"
+        self.nonce = b""  # this connection's challenge
+        self.authenticated: bool | None = None  # None: no hello yet
+        self.hello_timer: Any = None
+        self.cipher: TagCipher | None = None  # data tags, from the handshake on
 
     def retire(self, x: int) -> None:
         """Remember that transfer number ``x`` ended, so its late messages are dropped quietly."""

@@ -220,7 +220,13 @@ class LoopbackTransport(Transport):
         self._links: set[LoopbackLink] = set()
         self._closed = False
 
-    def listen(self, host: str, port: int, on_accept: Callable[[Link], None]) -> tuple[str, int]:
+    def listen(
+        self,
+        host: str,
+        port: int,
+        on_accept: Callable[[Link], None],
+        bind_host: str | None = None,
+    ) -> tuple[str, int]:
         if self._port is not None:
             raise RuntimeError("this transport already listens")
         self._on_accept = on_accept

@@ -10,6 +10,7 @@ import collections
 from concurrent.futures import Future
 from typing import Any
 
+from kvtransfer.auth import TagCipher
 from kvtransfer.base import Link, TransferState
 from kvtransfer.errors import KVTransferError
 from kvtransfer.handles import SendHandle
@@ -27,6 +28,9 @@ class Connection:
         self.link = link
         self.state = CONNECTING
         self.link_id = 0  # assigned by the receiver in hello_ok; part of every data tag
+        self.cipher: TagCipher | None = None  # the data tags, from hello_ok's tag key
+        self.challenge = b""  # the receiver's nonce
+        self.nonce = b""  # ours, sent in hello
         self.transfers: dict[int, OutboundTransfer] = {}  # by transfer number, once opened
         self.waiting: list[OutboundTransfer] = []  # activated before the handshake finished
         self.cancel_on_ready: list[tuple[str, list[int], str]] = []  # gave up while connecting

@@ -17,9 +17,10 @@ from typing import Any, Literal, cast, overload
 
 import msgpack
 
+from kvtransfer.auth import NONCE_BYTES, PROOF_BYTES, TAG_KEY_BYTES, TagCipher
 from kvtransfer.errors import InvalidAddressError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: challenge, handshake proofs, keyed data tags
 #: Largest control message accepted, in bytes.
 MAX_CTRL_BYTES = 16 << 20
 #: Largest number of blocks in one transfer (the block index must fit in 24 bits of a tag).
@@ -32,35 +33,49 @@ _MAX_STR = 4096
 _U64 = (1 << 64) - 1
 
 
-def data_tag(link_id: int, transfer_number: int, first_index: int) -> int:
+def data_tag(cipher: TagCipher, link_id: int, transfer_number: int, first_index: int) -> int:
     """The 64-bit UCX tag of the data message whose first block is ``first_index``.
 
-    Layout: ``link_id`` (16 bits) | ``transfer_number`` (24 bits) | ``first_index`` (24 bits).
-    Tags are unique per receiver while the transfer is active; the link id keeps two senders
-    from colliding on the receiver's worker-wide tag matching.
+    ``link_id`` (16 bits, unique per receiver) | a keyed permutation of ``transfer_number``
+    (24 bits) | ``first_index`` (24 bits) under the connection's tag key
+    (:class:`kvtransfer.auth.TagCipher`): unique per receiver while the transfer is active, and
+    unguessable from any other connection (UCX matches tags across the receiver's whole worker).
     """
-    return (link_id << 48) | (transfer_number << 24) | first_index
+    return cipher.tag(link_id, transfer_number, first_index)
 
 
 # ---- operations -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class Challenge:
+    """Receiver -> sender, first message on a connection: a fresh nonce to prove against."""
+
+    nonce: bytes
+    proto: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
 class Hello:
-    """Sender -> receiver, first message on a connection."""
+    """Sender -> receiver, answering ``challenge``: ``proof`` = HMAC(secret, nonces, sender)."""
 
     geometry: dict[str, Any]
     checksums: bool
     sender_id: str
+    nonce: bytes = b""
+    proof: bytes = b""
     proto: int = PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
 class HelloOk:
-    """Receiver -> sender: handshake accepted; ``link_id`` goes into every data tag."""
+    """Receiver -> sender: handshake accepted; ``link_id`` and ``tag_key`` make every data
+    tag of this connection; ``proof`` = HMAC(secret, nonces, everything above)."""
 
     receiver_id: str
     link_id: int
+    tag_key: bytes = b""
+    proof: bytes = b""
     proto: int = PROTOCOL_VERSION
 
 
@@ -149,7 +164,7 @@ class Error:
     reason: str
 
 
-Op = Hello | HelloOk | Refuse | Open | Data | Sums | Fin | Cancel | Done | Fail | Error
+Op = Challenge | Hello | HelloOk | Refuse | Open | Data | Sums | Fin | Cancel | Done | Fail | Error
 
 #: Machine-readable ``Fail.code`` values.
 FAIL_CODES = (
@@ -167,6 +182,8 @@ FAIL_CODES = (
 
 
 def _op_to_wire(op: Op) -> dict[str, Any]:
+    if isinstance(op, Challenge):
+        return {"op": "challenge", "proto": op.proto, "nonce": op.nonce}
     if isinstance(op, Hello):
         return {
             "op": "hello",
@@ -174,9 +191,18 @@ def _op_to_wire(op: Op) -> dict[str, Any]:
             "geometry": op.geometry,
             "checksums": op.checksums,
             "sender": op.sender_id,
+            "nonce": op.nonce,
+            "proof": op.proof,
         }
     if isinstance(op, HelloOk):
-        return {"op": "hello_ok", "proto": op.proto, "receiver": op.receiver_id, "link": op.link_id}
+        return {
+            "op": "hello_ok",
+            "proto": op.proto,
+            "receiver": op.receiver_id,
+            "link": op.link_id,
+            "tag_key": op.tag_key,
+            "proof": op.proof,
+        }
     if isinstance(op, Refuse):
         return {"op": "refuse", "reason": op.reason, "geometry": op.geometry}
     if isinstance(op, Open):
@@ -272,6 +298,13 @@ def _int_list(
     return v
 
 
+def _bytes(d: dict[str, Any], key: str, size: int) -> bytes:
+    v = _field(d, key)
+    if not isinstance(v, bytes) or len(v) != size:
+        raise ProtocolError(f"{d.get('op')!r} op field {key!r} must be {size} bytes")
+    return v
+
+
 def _x(d: dict[str, Any]) -> int:
     return _int(d, "x", TRANSFER_NUMBER_LIMIT - 1)
 
@@ -282,6 +315,8 @@ def _decode_op(d: Any) -> Op:
             f"an operation must be a map with a string 'op', got {type(d).__name__}"
         )
     kind = d["op"]
+    if kind == "challenge":
+        return Challenge(nonce=_bytes(d, "nonce", NONCE_BYTES), proto=_int(d, "proto", 1 << 16))
     if kind == "hello":
         geometry = _field(d, "geometry")
         if not isinstance(geometry, dict):
@@ -293,12 +328,16 @@ def _decode_op(d: Any) -> Op:
             geometry=geometry,
             checksums=checksums,
             sender_id=_str(d, "sender"),
+            nonce=_bytes(d, "nonce", NONCE_BYTES),
+            proof=_bytes(d, "proof", PROOF_BYTES),
             proto=_int(d, "proto", 1 << 16),
         )
     if kind == "hello_ok":
         return HelloOk(
             receiver_id=_str(d, "receiver"),
             link_id=_int(d, "link", LINK_ID_LIMIT - 1),
+            tag_key=_bytes(d, "tag_key", TAG_KEY_BYTES),
+            proof=_bytes(d, "proof", PROOF_BYTES),
             proto=_int(d, "proto", 1 << 16),
         )
     if kind == "refuse":

@@ -3,9 +3,13 @@
 ``expect`` registers a transfer before the prefill worker is asked to send (no I/O). On the
 reactor thread, for each connection (:class:`InboundLink`):
 
-* the first message must be ``hello``; the receiver compares geometry, protocol version and
-  checksum setting and answers ``hello_ok`` (with the connection's tag id) or ``refuse``
-  naming both sides' values;
+* the receiver speaks first, a ``challenge`` nonce; the sender's first message must be a
+  ``hello`` that proves it holds the cluster secret (:mod:`kvtransfer.auth`), sent within
+  ``hello_timeout_s``, or the connection is closed; at most ``max_connections`` connections
+  are open at once (the next ones are closed at accept);
+* the receiver checks the proof first, then geometry, protocol version and checksum setting,
+  and answers ``hello_ok`` (the connection's link id and tag key, and its own proof) or
+  ``refuse`` naming both sides' values (to an authenticated sender only);
 * ``open`` binds a transfer number to an expected transfer; the sender's destination ids must
   equal the expected ones (the receiver only ever writes to blocks it was told to expect);
 * each ``data`` header is validated (range, not seen before, contiguous destination run) and a
@@ -33,6 +37,14 @@ import weakref
 from functools import partial
 from typing import Any
 
+from kvtransfer.auth import (
+    TagCipher,
+    hello_ok_proof,
+    hello_proof,
+    new_nonce,
+    new_tag_key,
+    proof_ok,
+)
 from kvtransfer.base import KVReceiver, Link, TransferState, Transport
 from kvtransfer.checksums import Checksummer
 from kvtransfer.errors import (
@@ -56,6 +68,7 @@ from kvtransfer.protocol import (
     MAX_BLOCKS_PER_TRANSFER,
     PROTOCOL_VERSION,
     Cancel,
+    Challenge,
     Data,
     Done,
     Error,
@@ -79,8 +92,9 @@ logger = logging.getLogger("kvtransfer")
 class Receiver(TransferEnd, KVReceiver):
     """Receives blocks into ``pool`` over ``transport``; see the module docstring.
 
-    Options: ``verify_checksums`` (default on; a sender with checksums off is then refused),
-    ``max_posted_receives``, ``settle_timeout_s``, ``checksum_threads`` / ``inline_checksum_bytes`` (messages
+    Options: ``secret`` (the cluster secret; ``None``: the empty key, open to anyone who reaches
+    the port), ``hello_timeout_s``, ``max_connections``, ``verify_checksums`` (default on; a
+    sender with checksums off is then refused), ``max_posted_receives``, ``settle_timeout_s``, ``checksum_threads`` / ``inline_checksum_bytes`` (messages
     larger than this are verified on those threads, off the I/O thread), ``metrics``. ``host`` is the address
     advertised to senders; ``port`` 0 picks a free port.
     """
@@ -99,9 +113,18 @@ class Receiver(TransferEnd, KVReceiver):
         checksum_threads: int = 1,
         inline_checksum_bytes: int = 1 << 20,
         metrics: TransferMetrics | None = None,
+        secret: bytes | None = None,
+        bind_host: str | None = None,
+        hello_timeout_s: float = 5.0,
+        max_connections: int = 256,
     ):
-        if max_posted_receives < 1:
-            raise ValueError("max_posted_receives must be >= 1")
+        if max_posted_receives < 1 or max_connections < 1:
+            raise ValueError("max_posted_receives and max_connections must be >= 1")
+        self._secret = secret
+        self._hello_timeout_s = hello_timeout_s
+        self._max_connections = max_connections
+        self.auth_failures = 0  # handshakes refused for a wrong proof
+        self.dropped_connections = 0  # closed at accept (cap) or for never sending hello
         self._geometry = geometry
         self._pool = PoolView(pool, geometry)
         self._transport = transport
@@ -130,7 +153,7 @@ class Receiver(TransferEnd, KVReceiver):
         self.protocol_errors = 0
         self._finalizer = weakref.finalize(self, transport.close)
         bound_host, bound_port = self._reactor.run_sync(
-            self._transport.listen, host, port, self._on_accept
+            self._transport.listen, host, port, self._on_accept, bind_host
         )
         self._address = ReceiverAddress(transport.kind, bound_host, bound_port, self.receiver_id)
         self._address_bytes = self._address.encode()
@@ -276,6 +299,14 @@ class Receiver(TransferEnd, KVReceiver):
         if self._closing:
             link.close()
             return
+        if len(self._links) >= self._max_connections:
+            self.dropped_connections += 1
+            logger.warning(
+                "kvtransfer: %d connections open (the cap): closing a new one",
+                len(self._links),
+            )
+            link.close()
+            return
         link_id = self._next_link_id
         while link_id in self._links or link_id == 0:
             link_id = (link_id + 1) % LINK_ID_LIMIT
@@ -285,11 +316,27 @@ class Receiver(TransferEnd, KVReceiver):
         link.on_ctrl = partial(self._on_ctrl, il)
         link.on_closed = partial(self._on_link_closed, il)
         link.start()
+        il.nonce = new_nonce()
+        self._send(il, Challenge(il.nonce))
+        il.hello_timer = self._reactor.call_later(self._hello_timeout_s, self._on_hello_timeout, il)
+
+    def _on_hello_timeout(self, il: InboundLink) -> None:
+        if il.ready or il.closed:
+            return
+        self.dropped_connections += 1
+        logger.warning(
+            "kvtransfer: %s sent no valid hello within %.1f s: closing the connection",
+            il.peer,
+            self._hello_timeout_s,
+        )
+        il.link.close()
 
     def _on_link_closed(self, il: InboundLink, error: BaseException) -> None:
         if il.closed:
             return
         il.closed = True
+        if il.hello_timer is not None:
+            il.hello_timer.cancel()
         self._links.pop(il.link_id, None)
         for t in list(il.transfers.values()):
             self._decide(
@@ -319,8 +366,13 @@ class Receiver(TransferEnd, KVReceiver):
         for op in ops:
             if il.closed:
                 return
+            if il.authenticated is False:
+                return  # refused: nothing more is read from it
             if not il.ready and not isinstance(op, (Hello, Error)):
+                # an honest sender never does this: close rather than answer an unknown peer
                 self._reject(il, f"{type(op).__name__.lower()} op before the handshake")
+                il.link.close()
+                return
             elif isinstance(op, Hello):
                 self._on_hello(il, op)
             elif isinstance(op, Open):
@@ -354,6 +406,19 @@ class Receiver(TransferEnd, KVReceiver):
         if il.ready:
             self._reject(il, "duplicate hello")
             return
+        if il.authenticated is None:  # one try per connection
+            expected = hello_proof(self._secret, il.nonce, op.nonce, op.sender_id)
+            il.authenticated = proof_ok(expected, op.proof)
+            if not il.authenticated:
+                self.auth_failures += 1
+                logger.warning(
+                    "kvtransfer: a sender failed the handshake (its cluster secret differs): "
+                    "closing the connection"
+                )
+                self._send(il, Refuse("authentication failed: the cluster secret differs", None))
+                # closed shortly, so the refusal gets out first; nothing else is accepted
+                self._reactor.call_later(0.2, il.link.close)
+                return
         il.peer = f"sender {op.sender_id[:64]}"
         mine = self._geometry.to_wire()
         if op.proto != PROTOCOL_VERSION:
@@ -381,7 +446,14 @@ class Receiver(TransferEnd, KVReceiver):
             logger.warning("kvtransfer: refused %s: %s", il.peer, "; ".join(diffs))
             return
         il.ready = True
-        self._send(il, HelloOk(self.receiver_id, il.link_id))
+        if il.hello_timer is not None:
+            il.hello_timer.cancel()
+        tag_key = new_tag_key()
+        il.cipher = TagCipher(tag_key)
+        mac = hello_ok_proof(
+            self._secret, op.nonce, il.nonce, self.receiver_id, il.link_id, tag_key
+        )
+        self._send(il, HelloOk(self.receiver_id, il.link_id, tag_key, mac))
 
     def _on_open(self, il: InboundLink, op: Open) -> None:
         if op.x in il.transfers:
@@ -414,7 +486,8 @@ class Receiver(TransferEnd, KVReceiver):
             )
 
     def _on_data(self, il: InboundLink, op: Data) -> None:
-        tag = data_tag(il.link_id, op.x, op.index)
+        assert il.cipher is not None  # ready
+        tag = data_tag(il.cipher, il.link_id, op.x, op.index)
         t = il.transfers.get(op.x)
         if t is None or t.outcome is not None:
             if t is None and op.x not in il.retired:

@@ -30,6 +30,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
+from kvtransfer.auth import TagCipher, hello_ok_proof, hello_proof, new_nonce, proof_ok
 from kvtransfer.base import FaultInjector, KVSender, Link, TransferState, Transport
 from kvtransfer.checksums import Checksummer
 from kvtransfer.errors import (
@@ -56,6 +57,7 @@ from kvtransfer.protocol import (
     MAX_BLOCKS_PER_TRANSFER,
     PROTOCOL_VERSION,
     Cancel,
+    Challenge,
     Data,
     Done,
     Error,
@@ -104,6 +106,7 @@ class Sender(TransferEnd, KVSender):
         inline_checksum_bytes: int = 1 << 20,
         metrics: TransferMetrics | None = None,
         fault_injector: FaultInjector | None = None,
+        secret: bytes | None = None,
     ):
         if max_active_transfers < 1 or max_inflight_messages < 1:
             raise ValueError("max_active_transfers and max_inflight_messages must be >= 1")
@@ -120,6 +123,7 @@ class Sender(TransferEnd, KVSender):
         self._direction = "send"
         self._metrics = metrics if metrics is not None else TransferMetrics()
         self._faults = fault_injector
+        self._secret = secret
         self.sender_id = uuid.uuid4().hex[:16]
         # Shared with caller threads (guarded by _lock): ids of transfers not yet terminal.
         self._lock = threading.Lock()
@@ -457,7 +461,8 @@ class Sender(TransferEnd, KVSender):
             self._checksummer.submit(region, partial(self._on_hashed, t, i0))
         t.inflight += 1
         conn.inflight_msgs += 1
-        tag = data_tag(conn.link_id, t.x, i0)
+        assert conn.cipher is not None  # ready
+        tag = data_tag(conn.cipher, conn.link_id, t.x, i0)
         return conn.link, tag, to_send, partial(self._on_sent, t, conn, k, region.nbytes)
 
     def _on_hashed(
@@ -538,8 +543,7 @@ class Sender(TransferEnd, KVSender):
         self.connections_opened += 1
         link.on_ctrl = partial(self._on_ctrl, conn)
         link.on_closed = partial(self._on_link_closed, conn)
-        link.start()
-        self._queue_op(conn, Hello(self.geometry.to_wire(), self._checksums, self.sender_id))
+        link.start()  # the receiver speaks first: its challenge, answered in _handle_op
         conn.handshake_timer = self._reactor.call_later(
             self._connect_timeout_s, self._on_handshake_timeout, conn
         )
@@ -601,8 +605,35 @@ class Sender(TransferEnd, KVSender):
             self._handle_op(conn, op)
 
     def _handle_op(self, conn: Connection, op: Op) -> None:
-        if isinstance(op, HelloOk) and conn.state == CONNECTING:
+        if isinstance(op, Challenge) and conn.state == CONNECTING and not conn.nonce:
             if op.proto != PROTOCOL_VERSION:
+                self._fail_conn(
+                    conn,
+                    HandshakeError(
+                        f"receiver speaks protocol {op.proto}, sender {PROTOCOL_VERSION}"
+                    ),
+                    "handshake",
+                )
+                return
+            conn.nonce, conn.challenge = new_nonce(), op.nonce
+            mac = hello_proof(self._secret, op.nonce, conn.nonce, self.sender_id)
+            self._queue_op(
+                conn,
+                Hello(self.geometry.to_wire(), self._checksums, self.sender_id, conn.nonce, mac),
+            )
+        elif isinstance(op, HelloOk) and conn.state == CONNECTING and conn.nonce:
+            expected = hello_ok_proof(
+                self._secret, conn.nonce, conn.challenge, op.receiver_id, op.link_id, op.tag_key
+            )
+            if not proof_ok(expected, op.proof):
+                self._fail_conn(
+                    conn,
+                    HandshakeError(
+                        f"receiver {conn.address} failed the handshake: its cluster secret differs"
+                    ),
+                    "handshake",
+                )
+            elif op.proto != PROTOCOL_VERSION:
                 self._fail_conn(
                     conn,
                     HandshakeError(
@@ -656,6 +687,7 @@ class Sender(TransferEnd, KVSender):
     def _on_ready(self, conn: Connection, op: HelloOk) -> None:
         conn.state = READY
         conn.link_id = op.link_id
+        conn.cipher = TagCipher(op.tag_key)
         conn.handshake_timer.cancel()
         for transfer_id, dst, reason in conn.cancel_on_ready:
             x = conn.allocate_x()

@@ -20,8 +20,11 @@ UCX settings: :data:`DEFAULT_OPTIONS`, overridden by ``options``, overridden by 
 
 from __future__ import annotations
 
+import ctypes
+import ipaddress
 import logging
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -80,6 +83,54 @@ def _ucx_config(options: dict[str, str] | None) -> dict[str, str]:
     cfg = dict(DEFAULT_OPTIONS)
     cfg.update({k.removeprefix("UCX_"): str(v) for k, v in (options or {}).items()})
     return {k: v for k, v in cfg.items() if f"UCX_{k}" not in _USER_UCX_ENV}
+
+
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
+_EP_ATTR_LOCAL_SOCKADDR = 1 << 1  # UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR
+_EP_ATTR_SOCKADDR_OFFSET = 8 + 32  # ucp_ep_attr_t: field_mask, name[UCP_ENTITY_NAME_MAX]
+_ucp: Any = None
+
+
+def _bind_addresses(host: str) -> frozenset[str] | None:
+    """The local addresses a listener given ``host`` may accept connections on (None: any)."""
+    if host.strip("[]") in _WILDCARDS:
+        return None
+    try:
+        return frozenset({str(ipaddress.ip_address(host.strip("[]")))})
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as e:
+        raise OSError(f"UCX listener: cannot resolve --host {host!r}: {e}") from e
+    return frozenset(str(ipaddress.ip_address(i[4][0])) for i in infos)
+
+
+def _local_address(endpoint: Any) -> str | None:
+    """The local IP a connection from the listener arrived on (``ucp_ep_query``); ucxx does
+    not expose it, so libucp is called directly. None if UCX cannot tell."""
+    global _ucp
+    if _ucp is None:
+        _ucp = ctypes.CDLL("libucp.so.0")  # already loaded by ucxx: the same library
+        _ucp.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        _ucp.ucp_ep_query.restype = ctypes.c_int
+    attr = ctypes.create_string_buffer(4096)  # larger than any ucp_ep_attr_t
+    struct.pack_into("<Q", attr, 0, _EP_ATTR_LOCAL_SOCKADDR)
+    if _ucp.ucp_ep_query(endpoint.handle, attr) != 0:
+        return None
+    off = _EP_ATTR_SOCKADDR_OFFSET
+    (family,) = struct.unpack_from("<H", attr, off)
+    if family == socket.AF_INET:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv4Address(
+            attr.raw[off + 4 : off + 8]
+        )
+    elif family == socket.AF_INET6:
+        ip = ipaddress.IPv6Address(attr.raw[off + 8 : off + 24])
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+    else:
+        return None
+    return str(ip)
 
 
 # (ucxx request, callback(request, error), objects kept alive until completion)
@@ -352,6 +403,8 @@ class UcxTransport(Transport):
         self._on_accept: Callable[[Link], None] | None = None
         self._links: set[UcxLink] = set()
         self._closed = False
+        self._bind: frozenset[str] | None = None
+        self.refused_off_host = 0  # connections that arrived on an address not bound
         try:
             self.worker: _Worker = self.reactor.run_sync(self._init)
         except BaseException:
@@ -363,11 +416,21 @@ class UcxTransport(Transport):
         self.reactor.add_source(worker)
         return worker
 
-    def listen(self, host: str, port: int, on_accept: Callable[[Link], None]) -> tuple[str, int]:
-        """Listen on ``port`` on all interfaces (UCX binds the wildcard address); ``host`` is
-        what senders are told to connect to."""
+    def listen(
+        self,
+        host: str,
+        port: int,
+        on_accept: Callable[[Link], None],
+        bind_host: str | None = None,
+    ) -> tuple[str, int]:
+        """Listen on ``port``; ``host`` is what senders are told to connect to, ``bind_host``
+        (default ``host``) the address connections must arrive on. ucxx 0.52 can only listen
+        on the wildcard address, so a connection that arrives on any other local address is
+        closed at accept, before anything is read from it; a wildcard ``bind_host`` accepts
+        all."""
         if self._listener is not None:
             raise RuntimeError("this transport already listens")
+        self._bind = _bind_addresses(host if bind_host is None else bind_host)
         self._on_accept = on_accept
         try:
             self._listener = ucx_api.UCXListener.create(
@@ -383,6 +446,17 @@ class UcxTransport(Transport):
         if self._closed or self._on_accept is None:
             link.close()
             return
+        if self._bind is not None:
+            local = _local_address(endpoint)
+            if local is None or local not in self._bind:
+                self.refused_off_host += 1
+                logger.warning(
+                    "kvtransfer: closed a UCX connection that arrived on %s (bound to %s)",
+                    local or "an unknown address",
+                    ", ".join(sorted(self._bind)),
+                )
+                link.close()
+                return
         self._links.add(link)
         self.reactor.call_soon(self._on_accept, link)
 

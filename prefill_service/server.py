@@ -244,6 +244,7 @@ async def _main(args: argparse.Namespace) -> int:
         rt.engine.runner.kv_cache,
         rt.kv_geometry(),
         checksums=args.kv_checksums,
+        secret=rt.security.secret,
         metrics=TransferMetrics(rt.metrics.registry),
     )
     servicer = PrefillServicer(rt, sender, args.kv_transfer_timeout)

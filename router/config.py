@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import ssl
+import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from router.policy import PolicyConfig
 from shared.config import parse_bytes
 from shared.directory import DEFAULT_PREFIX
+from shared.security import ClusterSecurity
+
+logger = logging.getLogger(__name__)
+# the environment variables read for API keys (comma-separated), in this order
+API_KEY_ENV = ("PDSERVE_API_KEY", "VLLM_API_KEY")
+_CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
 
 
 def _addresses(text: str | None) -> tuple[str, ...]:
@@ -20,6 +31,102 @@ def _addresses(text: str | None) -> tuple[str, ...]:
         if not sep or not host or not port.isdigit():
             raise argparse.ArgumentTypeError(f"worker address {a!r} is not host:port")
     return out
+
+
+def _check_key(key: str, where: str) -> None:
+    """A key must be sendable as a Bearer token: printable ASCII, no spaces (the message
+    never contains the key)."""
+    if not key:
+        raise ValueError(f"{where}: empty API key")
+    if not all(0x21 <= ord(c) <= 0x7E for c in key):
+        raise ValueError(
+            f"{where}: an API key may hold only printable ASCII characters without spaces"
+        )
+
+
+def read_api_key_file(path: str) -> tuple[str, ...]:
+    """The keys in ``path``: one a line; blank lines and lines starting with ``#`` are
+    skipped, surrounding whitespace is stripped. Raises ValueError if the file cannot be read
+    or holds no key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(f"--api-key-file {path}: cannot read it: {reason}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"--api-key-file {path}: not a regular file")
+    keys = []
+    for n, line in enumerate(lines, 1):
+        key = line.strip()
+        if key and not key.startswith("#"):
+            _check_key(key, f"--api-key-file {path}, line {n}")
+            keys.append(key)
+    if not keys:
+        raise ValueError(
+            f"--api-key-file {path}: no key in it (one key per line; blank lines and "
+            "lines starting with # are ignored)"
+        )
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "--api-key-file %s can be read by other users (mode %03o): chmod 600 it",
+            path,
+            stat.S_IMODE(mode),
+        )
+    return tuple(keys)
+
+
+def collect_api_keys(
+    cli: Iterable[str] | None,
+    files: Iterable[str] | None,
+    environ: Mapping[str, str],
+) -> tuple[str, ...]:
+    """All configured keys, merged and de-duplicated in order: ``--api-key``, then
+    ``--api-key-file``s, then ``$PDSERVE_API_KEY`` and ``$VLLM_API_KEY`` (comma-separated;
+    an empty variable means no key from it)."""
+    keys: list[str] = []
+    for key in cli or ():
+        _check_key(key, "--api-key")
+        keys.append(key)
+    for path in files or ():
+        keys.extend(read_api_key_file(path))
+    for var in API_KEY_ENV:
+        for key in (k.strip() for k in environ.get(var, "").split(",")):
+            if key:
+                _check_key(key, f"${var}")
+                keys.append(key)
+    return tuple(dict.fromkeys(keys))
+
+
+def check_tls_files(config: RouterConfig) -> None:
+    """Loads the certificate chain and CA file the way the server will, so a wrong path,
+    an unreadable file or a key that does not match the certificate is a clear start-up
+    error instead of a traceback from uvicorn. Raises ValueError."""
+    if config.ssl_certfile is None or config.ssl_keyfile is None:
+        return
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for flag, path in (
+        ("--ssl-certfile", config.ssl_certfile),
+        ("--ssl-keyfile", config.ssl_keyfile),
+    ):
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ValueError(f"{flag} {path}: not a readable file")
+    try:
+        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(
+            f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: "
+            f"cannot load the certificate and its key ({e})"
+        ) from None
+    if config.ssl_ca_certs is not None:
+        path = config.ssl_ca_certs
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"--ssl-ca-certs {path}: not readable")
+        try:
+            ctx.load_verify_locations(path)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-ca-certs {path}: cannot load it ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -36,7 +143,15 @@ class RouterConfig:
     block_size: int = 16  # for static workers the registry does not describe
     host: str = "0.0.0.0"
     port: int = 8000
-    api_key: str | None = None
+    # the accepted API keys (empty: no authentication); never in repr() or a log line. A
+    # single str is taken as one key (older callers), None as none
+    api_key: tuple[str, ...] = field(default=(), repr=False)
+    disable_metrics_auth: bool = False  # /metrics open (like /health) even with keys set
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = ssl.CERT_NONE
+    security: ClusterSecurity = field(default_factory=ClusterSecurity)  # cluster secret, gRPC TLS
     request_timeout_s: float = 600.0
     max_retries: int = 2
     stall_timeout_s: float = 60.0
@@ -65,7 +180,32 @@ class RouterConfig:
         """The model name clients send and the block-hash seed (same as the workers')."""
         return self.served_model_name or self.model
 
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
     def __post_init__(self) -> None:
+        raw: object = self.api_key
+        if raw is None:
+            raw = ()
+        elif isinstance(raw, str):
+            raw = (raw,)
+        if not isinstance(raw, (tuple, list)) or not all(isinstance(k, str) for k in raw):
+            raise ValueError("api_key must be a tuple of strings")
+        keys = tuple(dict.fromkeys(cast("list[str]", raw)))
+        for n, key in enumerate(keys, 1):
+            _check_key(key, f"API key #{n}")
+        object.__setattr__(self, "api_key", keys)
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile must be given together")
+        if self.ssl_certfile is None and self.ssl_ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        if self.ssl_cert_reqs not in _CERT_REQS:
+            raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and self.ssl_ca_certs is None:
+            raise ValueError(
+                "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CA that signs client certificates)"
+            )
         if not self.redis_url and not self.decode_workers:
             raise ValueError("give --redis-url (worker discovery) or --decode-workers (static)")
         if self.request_timeout_s <= 0 or self.stall_timeout_s <= 0:
@@ -88,6 +228,7 @@ class RouterConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        ClusterSecurity.add_cli_args(parser)
         g = parser.add_argument_group("model")
         g.add_argument(
             "--model",
@@ -178,11 +319,6 @@ class RouterConfig:
         g.add_argument("--host", default="0.0.0.0")
         g.add_argument("--port", type=int, default=8000)
         g.add_argument(
-            "--api-key",
-            default=os.environ.get("PDSERVE_API_KEY"),
-            help="require 'Authorization: Bearer KEY' on /v1 (env PDSERVE_API_KEY)",
-        )
-        g.add_argument(
             "--request-timeout",
             type=float,
             default=600.0,
@@ -208,6 +344,60 @@ class RouterConfig:
             type=int,
             default=0,
             help="429 when every decode worker has this many waiting (0 = off)",
+        )
+        g = parser.add_argument_group(
+            "authentication and TLS",
+            "with any API key configured, every route but /health needs one: "
+            "'Authorization: Bearer KEY', or HTTP Basic auth with the key as the password "
+            "(any user name; the browser asks for it on /dashboard). Keys from all sources "
+            "are merged",
+        )
+        g.add_argument(
+            "--api-key",
+            nargs="+",
+            action="extend",
+            default=None,
+            metavar="KEY",
+            help="accepted API key(s). Prefer $PDSERVE_API_KEY / $VLLM_API_KEY "
+            "(comma-separated) or --api-key-file: a flag's value is visible to every "
+            "user on the host in `ps`",
+        )
+        g.add_argument(
+            "--api-key-file",
+            action="append",
+            default=None,
+            metavar="PATH",
+            help="file of accepted API keys, one a line; blank lines and lines starting "
+            "with # are ignored (keep it chmod 600). May be repeated",
+        )
+        g.add_argument(
+            "--disable-metrics-auth",
+            action="store_true",
+            help="serve /metrics without a key (like /health), for a scraper that cannot "
+            "send 'Authorization: Bearer KEY' (Prometheus can: authorization: "
+            "{credentials: KEY}). The metrics then show request counts and model names "
+            "to anyone who can reach the port",
+        )
+        g.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="TLS private key (PEM)")
+        g.add_argument(
+            "--ssl-certfile",
+            default=None,
+            metavar="PATH",
+            help="TLS certificate chain (PEM); with --ssl-keyfile, serve HTTPS",
+        )
+        g.add_argument(
+            "--ssl-ca-certs",
+            default=None,
+            metavar="PATH",
+            help="CA certificates (PEM) that client certificates must chain to",
+        )
+        g.add_argument(
+            "--ssl-cert-reqs",
+            type=int,
+            default=int(ssl.CERT_NONE),
+            choices=_CERT_REQS,
+            help="client certificates: 0 = not asked for, 1 = checked if sent, "
+            "2 = required (mutual TLS; needs --ssl-ca-certs)",
         )
         g = parser.add_argument_group(
             "request limits",
@@ -292,7 +482,13 @@ class RouterConfig:
             block_size=ns.block_size,
             host=ns.host,
             port=ns.port,
-            api_key=ns.api_key,
+            api_key=collect_api_keys(ns.api_key, ns.api_key_file, os.environ),
+            disable_metrics_auth=ns.disable_metrics_auth,
+            ssl_keyfile=ns.ssl_keyfile,
+            ssl_certfile=ns.ssl_certfile,
+            ssl_ca_certs=ns.ssl_ca_certs,
+            ssl_cert_reqs=ns.ssl_cert_reqs,
+            security=ClusterSecurity.from_cli_args(ns),
             request_timeout_s=ns.request_timeout,
             max_retries=ns.max_retries,
             stall_timeout_s=ns.stall_timeout,

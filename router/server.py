@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -31,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.body import BodyError, JSONBodyRoute
-from router.config import RouterConfig
+from router.config import RouterConfig, check_tls_files
 from router.context import ServingContext
 from router.dashboard import Dashboard, LiveStats, add_dashboard_routes
 from router.dispatch import DispatchConfig, Dispatcher
@@ -67,7 +70,12 @@ from shared.directory import (
 
 logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+# open without a key: the readiness probe (and /metrics with --disable-metrics-auth)
+_OPEN_PATHS = ("/health",)
+# pages a person opens in a browser: their 401 asks for HTTP Basic auth, so the browser
+# prompts once and then sends the credentials itself, also with the page's own requests
+_BROWSER_PATHS = ("/dashboard", "/docs", "/redoc", "/openapi.json")
+_REALM = 'realm="pdserve"'
 _CLEANUP_TIMEOUT_S = 5.0  # the lifespan clean-up after uvicorn stopped serving
 
 
@@ -170,6 +178,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             static_block_size=config.block_size,
             refresh_interval_s=config.worker_refresh_interval_s,
             cooldown_s=config.worker_cooldown_s,
+            security=config.security,
         )
         dispatcher = Dispatcher(
             pool,
@@ -256,7 +265,10 @@ def create_app(config: RouterConfig) -> FastAPI:
     _install_error_handlers(app, metrics)
     app.add_middleware(_BodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key:  # outermost: unauthenticated bodies are not even read
-        app.add_middleware(_ApiKey, api_key=config.api_key, metrics=metrics)
+        open_paths = _OPEN_PATHS + (("/metrics",) if config.disable_metrics_auth else ())
+        app.add_middleware(
+            _ApiKey, api_keys=config.api_key, metrics=metrics, open_paths=frozenset(open_paths)
+        )
     _add_routes(app, config)
     return app
 
@@ -316,27 +328,85 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
 
 
 class _ApiKey:
-    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` on the OpenAI paths."""
+    """ASGI middleware: 401 on every path but ``open_paths`` (any method, unknown paths
+    included, so nothing about the routes shows) unless the request carries one of
+    ``api_keys``: ``Authorization: Bearer KEY``, or HTTP Basic auth with the key as the
+    password (any user name). The digests of the token and of every key are compared, all of
+    them each time, in constant time: neither a key's length nor which key matched shows in
+    the timing."""
 
-    def __init__(self, app: ASGIApp, api_key: str, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: tuple[str, ...],
+        metrics: RouterMetrics,
+        open_paths: frozenset[str],
+    ) -> None:
+        if not api_keys:
+            raise ValueError("_ApiKey needs at least one key")
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.digests = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys)
         self.metrics = metrics
+        self.open_paths = open_paths
+
+    def _valid(self, token: bytes) -> bool:
+        got = hashlib.sha256(token).digest()
+        ok = False
+        for digest in self.digests:  # no early exit
+            ok |= hmac.compare_digest(got, digest)
+        return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["method"] != "OPTIONS"
-            and scope["path"].startswith(_PROTECTED)
-        ):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                err = AuthenticationError("invalid or missing API key (Authorization: Bearer ...)")
-                self.metrics.error(err.status)
-                return await JSONResponse(
-                    err.to_dict(), status_code=err.status, headers={"WWW-Authenticate": "Bearer"}
-                )(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        sent, token = _credentials(scope["headers"])
+        if token is not None and self._valid(token):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # no such route today; refused all the same
+            self.metrics.error(403)
+            return await send({"type": "websocket.close", "code": 1008})
+        path: str = scope["path"]
+        basic = any(path == p or path.startswith(p + "/") for p in _BROWSER_PATHS)
+        if basic:
+            challenge = f"Basic {_REALM}"
+        else:
+            challenge = f"Bearer {_REALM}" + (', error="invalid_token"' if sent else "")
+        if sent:
+            err = AuthenticationError("invalid API key")
+        else:
+            err = AuthenticationError(
+                "missing API key: send 'Authorization: Bearer KEY' (or HTTP Basic auth "
+                "with the key as the password)"
+            )
+        self.metrics.error(err.status)
+        return await JSONResponse(
+            err.to_dict(),
+            status_code=err.status,
+            headers={"WWW-Authenticate": challenge, "Cache-Control": "no-store"},
+        )(scope, _replay([]), send)
+
+
+def _credentials(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bool, bytes | None]:
+    """(whether an Authorization header came, the key it carries or None). More than one
+    Authorization header, an unknown scheme or a malformed Basic value carry no key."""
+    values = [v for k, v in headers if k == b"authorization"]
+    if not values:
+        return False, None
+    if len(values) > 1:
+        return True, None
+    scheme, _, rest = values[0].strip().partition(b" ")
+    rest = rest.strip()
+    scheme = scheme.lower()
+    if scheme == b"bearer":
+        return True, rest or None
+    if scheme == b"basic":
+        try:
+            decoded = base64.b64decode(rest, validate=True)
+        except (binascii.Error, ValueError):
+            return True, None
+        _user, colon, password = decoded.partition(b":")
+        return True, password if colon and password else None
+    return True, None
 
 
 def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
@@ -422,14 +492,20 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.001)
     try:
         config = RouterConfig.from_cli_args(args)
+        check_tls_files(config)
         load_model_files(config)  # fail fast with a clear message, before binding the port
     except (ConfigError, ValueError, OSError) as e:
         print(f"pdserve router: error: {e}", file=sys.stderr)
         return 2
+    _log_access_settings(config)
     uvicorn.run(
         create_app(config),
         host=config.host,
         port=config.port,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=config.ssl_cert_reqs,
         log_level=config.uvicorn_log_level,
         access_log=config.access_log,
         timeout_keep_alive=30,
@@ -437,3 +513,26 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
     )
     return 0
+
+
+def _log_access_settings(config: RouterConfig) -> None:
+    """How clients get in, in one line (the number of keys, never a key)."""
+    loopback = config.host in ("127.0.0.1", "::1", "localhost")
+    if not config.api_key:
+        (logger.info if loopback else logger.warning)(
+            "no API key configured: every route on %s:%d is open", config.host, config.port
+        )
+    else:
+        logger.info(
+            "%d API key(s) configured: required on every route but /health%s",
+            len(config.api_key),
+            " and /metrics" if config.disable_metrics_auth else "",
+        )
+        if not config.tls and not loopback:
+            logger.warning(
+                "API keys are sent in clear text: serve HTTPS (--ssl-certfile/--ssl-keyfile) "
+                "or put a TLS proxy in front"
+            )
+    if config.tls:
+        reqs = {0: "not asked for", 1: "checked if sent", 2: "required"}[config.ssl_cert_reqs]
+        logger.info("serving HTTPS; client certificates %s", reqs)

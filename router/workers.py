@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -32,6 +33,7 @@ from shared.directory import (
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.channel_options import CLIENT_OPTIONS
+from shared.security import ClusterSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,13 @@ class WorkerPool:
         cooldown_s: float = 5.0,
         rpc_timeout_s: float = 1.0,
         registry_grace_s: float = 3.0,
+        security: ClusterSecurity | None = None,
     ) -> None:
         if reader is None and not static_decode:
             raise ValueError("without a Redis registry, static decode workers are required")
         self.model = model
         self.reader = reader
+        self.security = security or ClusterSecurity()
         self.static = {ROLE_DECODE: tuple(static_decode), ROLE_PREFILL: tuple(static_prefill)}
         self.static_block_size = static_block_size
         self.refresh_interval_s = refresh_interval_s
@@ -74,7 +78,7 @@ class WorkerPool:
         self._backlog: dict[str, int] = {}  # worker id -> prompt tokens sent to prefill
         self._decoding: dict[str, int] = {}  # worker id -> streams past their first token
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
+        self._stubs: dict[str, _MemberStub] = {}
         self._wrong_model: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self.last_refresh_ok: float | None = None
@@ -200,7 +204,7 @@ class WorkerPool:
         stub_cls = pb_grpc.DecodeWorkerStub if role == ROLE_DECODE else pb_grpc.PrefillWorkerStub
         try:
             stats = await stub_cls(self.channel(address)).Stats(
-                pb.StatsRequest(), timeout=self.rpc_timeout_s
+                pb.StatsRequest(), timeout=self.rpc_timeout_s, metadata=self.security.call_metadata
             )
         except grpc.aio.AioRpcError as e:
             logger.debug("static %s worker %s: %s", role, address, e.code())
@@ -292,18 +296,37 @@ class WorkerPool:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            ch = self.security.aio_channel(address, _CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 
-    def decode_stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
+    def decode_stub(self, address: str) -> Any:
+        """A DecodeWorker stub whose every call carries the cluster token."""
         stub = self._stubs.get(address)
         if stub is None:
             # grpc_tools generates the stub's __init__ without annotations
-            stub = self._stubs[address] = pb_grpc.DecodeWorkerStub(  # type: ignore[no-untyped-call]
-                self.channel(address)
-            )
+            raw = pb_grpc.DecodeWorkerStub(self.channel(address))  # type: ignore[no-untyped-call]
+            stub = self._stubs[address] = _MemberStub(raw, self.security.call_metadata)
         return stub
+
+
+class _MemberStub:
+    """A generated stub whose calls all carry ``metadata`` (the cluster token)."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]):
+        self._stub = stub
+        self._metadata = metadata
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        if not self._metadata:
+            return method
+        md = self._metadata
+
+        def call(request: Any, **kw: Any) -> Any:
+            return method(request, metadata=md, **kw)
+
+        return call
 
 
 def _adjust(counts: dict[str, int], key: str, delta: int) -> None:

@@ -11,6 +11,7 @@ import grpc
 from shared.cli.launcher import Cluster, cluster_args
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.security import ClusterSecurity
 
 
 def free_port() -> int:
@@ -46,7 +47,7 @@ def make_cluster(model_dir, run_dir, *flags: str, prefill: int = 1, decode: int 
 
 @contextlib.contextmanager
 def channel_to(address: str):
-    ch = grpc.insecure_channel(address)
+    ch = ClusterSecurity.from_env().channel(address)  # tests/conftest.py sets the secret
     try:
         grpc.channel_ready_future(ch).result(timeout=30)
         yield ch

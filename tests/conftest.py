@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every cluster a test starts shares this session's cluster secret (workers then refuse calls
+# without its token), and tests' own channels carry it (ClusterSecurity.from_env()).
+os.environ.setdefault("PDSERVE_CLUSTER_SECRET", os.urandom(24).hex())
 
 
 def _model_dir(root: Path, preset: str, arch: str) -> Path:

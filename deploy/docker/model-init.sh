@@ -9,6 +9,15 @@
 #   * anything else is missing: fail with a message saying how to mount a model.
 set -euo pipefail
 
+# The cluster secret every member proves (docs/deploy.md, Security): made once, random, into
+# the `secrets` volume that the router and the workers mount read-only.
+secret=${PDSERVE_CLUSTER_SECRET_FILE:-}
+if [ -n "$secret" ] && [ -z "${PDSERVE_CLUSTER_SECRET:-}" ] && [ ! -s "$secret" ]; then
+  (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32))' > "$secret.tmp")
+  mv "$secret.tmp" "$secret"
+  echo "[model-init] wrote a new cluster secret to $secret"
+fi
+
 model=${MODEL:-/models/tiny-llama}
 tiny=${PDSERVE_TINY_MODEL:-/models/tiny-llama}
 

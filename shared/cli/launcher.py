@@ -17,6 +17,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import EngineArgs
+from shared.security import SECRET_ENV, SECRET_FILE_ENV, ClusterSecurity
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = (
@@ -43,9 +45,28 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--redis-url", default=None, help="use this Redis (default: start an embedded one)"
     )
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="address the router listens on (its --host)")
     g.add_argument("--port", type=int, default=8000, help="router port")
-    g.add_argument("--api-key", default=None)
+    g.add_argument(
+        "--worker-host",
+        default="127.0.0.1",
+        help="address the workers bind (gRPC, metrics, UCX); loopback unless the workers "
+        "must be reached from other hosts",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="API key the router requires (also PDSERVE_API_KEY / VLLM_API_KEY, which the "
+        "router reads itself); handed to the router in its environment, never on its "
+        "command line",
+    )
+    g.add_argument("--api-key-file", default=None, help="file of API keys, one per line")
+    g.add_argument(
+        "--cluster-secret-file",
+        default=os.environ.get(SECRET_FILE_ENV),
+        help=f"the cluster secret to use (or {SECRET_ENV}); default: a new random secret "
+        "in the run directory, readable by this user only",
+    )
     g.add_argument(
         "--preset",
         default="tiny",
@@ -93,6 +114,7 @@ class Child:
     ready_file: Path | None = None
     argv: list[str] = field(default_factory=list)  # to start it again
     threads: int | None = None
+    env: dict[str, str] = field(default_factory=dict)  # beyond the cluster's (the API key)
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
     backoff_s: float = 0.0  # the next restart's delay (0: the initial backoff)
@@ -122,20 +144,52 @@ class Cluster:
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ready: dict[str, dict] = {}
+        self.secret_env = self._cluster_secret()
+        self.security = ClusterSecurity.from_environ(self.secret_env)  # what the children use
+
+    def _cluster_secret(self) -> dict[str, str]:
+        """The environment that gives every child the cluster secret: the file or value the
+        user gave, else a new random secret in a file only this user can read."""
+        if self.args.cluster_secret_file:
+            return {SECRET_FILE_ENV: str(Path(self.args.cluster_secret_file).resolve())}
+        if os.environ.get(SECRET_ENV, "").strip():
+            return {SECRET_ENV: os.environ[SECRET_ENV].strip()}
+        path = self.run_dir / "cluster-secret"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        return {SECRET_FILE_ENV: str(path)}
+
+    def _child_env(
+        self, threads: int | None, extra: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop(SECRET_ENV, None)
+        env.pop(SECRET_FILE_ENV, None)
+        env.update(self.secret_env)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if threads:
+            env["PDSERVE_NUM_THREADS"] = str(threads)
+            env["OMP_NUM_THREADS"] = str(threads)
+        env.update(extra or {})
+        return env
 
     def _spawn(
-        self, name: str, argv: list[str], threads: int | None = None, ready: bool = True
+        self,
+        name: str,
+        argv: list[str],
+        threads: int | None = None,
+        ready: bool = True,
+        env: dict[str, str] | None = None,
     ) -> Child:
         log = self.run_dir / f"{name}.log"
         ready_file = self.run_dir / f"{name}.ready.json" if ready else None
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
             argv = argv + ["--ready-file", str(ready_file)]
-        env = dict(os.environ)
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if threads:
-            env["PDSERVE_NUM_THREADS"] = str(threads)
-            env["OMP_NUM_THREADS"] = str(threads)
+        extra_env = dict(env or {})
+        env = self._child_env(threads, extra_env)
         f = open(log, "ab")  # noqa: SIM115 - handed to the child, closed right after
         proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", *argv],
@@ -145,7 +199,7 @@ class Cluster:
             preexec_fn=_die_with_parent,
         )
         f.close()
-        child = Child(name, proc, log, ready_file, argv=list(argv), threads=threads)
+        child = Child(name, proc, log, ready_file, argv=list(argv), threads=threads, env=extra_env)
         self.children.append(child)
         return child
 
@@ -153,11 +207,7 @@ class Cluster:
         """Start ``child``'s process again with the same argv (its ready file anew)."""
         if child.ready_file is not None:
             child.ready_file.unlink(missing_ok=True)
-        env = dict(os.environ)
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if child.threads:
-            env["PDSERVE_NUM_THREADS"] = str(child.threads)
-            env["OMP_NUM_THREADS"] = str(child.threads)
+        env = self._child_env(child.threads, child.env)
         with open(child.log, "ab") as f:
             f.write(f"\n[pdserve] restart {child.restarts}\n".encode())
             f.flush()
@@ -260,7 +310,7 @@ class Cluster:
             "--redis-url",
             self.start_redis(),
             "--host",
-            a.host,
+            a.worker_host,
             "--worker-id",
             name,
             *a.worker_arg,
@@ -287,9 +337,10 @@ class Cluster:
             *a.router_arg,
             *(extra or []),
         ]
-        if a.api_key:
-            argv += ["--api-key", a.api_key]
-        router = self._spawn("router", argv, ready=False)
+        if a.api_key_file:
+            argv += ["--api-key-file", a.api_key_file]
+        env = {"PDSERVE_API_KEY": a.api_key} if a.api_key else None
+        router = self._spawn("router", argv, ready=False, env=env)
         url = f"http://{a.host}:{a.port}"
         self._wait_http(router, f"{url}/health")
         return url

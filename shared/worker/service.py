@@ -29,6 +29,7 @@ from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
+from shared.security import ClusterSecurity
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from shared.worker.metrics import WorkerMetrics
 
@@ -100,6 +101,7 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
         "--ready-file", default=None, help="write a JSON file with the bound addresses once serving"
     )
     g.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
+    ClusterSecurity.add_cli_args(parser)
 
 
 def configure_logging(level: str) -> None:
@@ -124,6 +126,8 @@ class WorkerRuntime:
         self.role = role
         self.args = args
         self.worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.security = ClusterSecurity.from_cli_args(args)
+        self.security.warn_if_open(f"{role} worker")
         self.engine = EngineCore(EngineArgs.from_cli_args(args), connector=connector_for_role(role))
         mc = self.engine.model_config
         self.model_name = mc.served_model_name
@@ -312,13 +316,15 @@ async def serve_worker(
     runtime._aloop = asyncio.get_running_loop()
     runtime.fatal = asyncio.Event()
     runtime.loop.start()
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=runtime.security.server_interceptors()
+    )
     add_servicer(server)
     health_servicer = (
         health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = runtime.security.add_port(server, f"{args.host}:{args.port}")
     await server.start()
     httpd = start_metrics_server(args.host, args.metrics_port, runtime.metrics.registry)
     metrics_port = httpd.server_port

@@ -62,13 +62,23 @@ def result_of(handle, pool=None, block_bytes=0) -> dict:
 
 
 def raw_exchange(
-    address: bytes, payloads: list[bytes], settle: float, unframed: bool = False
+    address: bytes,
+    payloads: list,
+    settle: float,
+    unframed: bool = False,
+    geometry: KVGeometry | None = None,
 ) -> tuple[list, list]:
     """Send control payloads verbatim over a bare UCX link; collect decoded replies and whether
     the receiver closed the connection. ``unframed`` writes the bytes to the stream without the
-    frame header (a corrupt frame)."""
+    frame header (a corrupt frame). A payload is hex bytes, or a step:
+    ``{"hello": SECRET_HEX}`` waits for the receiver's challenge and answers it with a hello
+    proven with that secret; ``{"tags": [...], "nbytes": n}`` sends an n-byte tagged data
+    message (0xEE bytes) with each tag, straight to the receiver's worker."""
     from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXXTag
 
+    from kvtransfer.auth import hello_proof, new_nonce
+    from kvtransfer.protocol import Challenge, Hello, encode_ops
     from kvtransfer.ucx import UcxTransport
 
     transport = UcxTransport(name="raw")
@@ -81,15 +91,44 @@ def raw_exchange(
             link.on_ctrl = lambda p: replies.append(p)
             link.on_closed = lambda e: closed.append(str(e))
             link.start()
-            for p in payloads:
-                if unframed:
-                    data = np.frombuffer(p, dtype=np.uint8)
-                    transport.worker.track(link._ep.stream_send(Array(data)), lambda *_: None, data)
-                else:
-                    link.send_ctrl(p)
             return link
 
+        def send(p: bytes) -> None:
+            if unframed:
+                data = np.frombuffer(p, dtype=np.uint8)
+                transport.worker.track(link._ep.stream_send(Array(data)), lambda *_: None, data)
+            else:
+                link.send_ctrl(p)
+
+        def send_tagged(tags: list[int], nbytes: int) -> None:
+            for tag in tags:
+                data = np.full(nbytes, 0xEE, dtype=np.uint8)
+                req = link._ep.tag_send(Array(data), UCXXTag(tag))
+                transport.worker.track(req, lambda *_: None, data)
+
         link = transport.reactor.run_sync(setup)
+        for p in payloads:
+            if isinstance(p, dict) and "hello" in p:
+                deadline = time.monotonic() + 10
+                challenge = None
+                while challenge is None and time.monotonic() < deadline:
+                    for raw in list(replies):
+                        for op in decode_ops(raw):
+                            if isinstance(op, Challenge):
+                                challenge = op
+                    time.sleep(0.01)
+                assert challenge is not None, "no challenge from the receiver"
+                secret = bytes.fromhex(p["hello"]) or None
+                nonce = new_nonce()
+                mac = hello_proof(secret, challenge.nonce, nonce, "rogue")
+                assert geometry is not None
+                hello = Hello(geometry.to_wire(), True, "rogue", nonce, mac)
+                transport.reactor.run_sync(send, encode_ops([hello]))
+                time.sleep(0.2)
+            elif isinstance(p, dict) and "tags" in p:
+                transport.reactor.run_sync(send_tagged, p["tags"], p["nbytes"])
+            else:
+                transport.reactor.run_sync(send, bytes.fromhex(p))
         time.sleep(settle)
         transport.reactor.run_sync(link.close)
     finally:
@@ -97,7 +136,13 @@ def raw_exchange(
     ops = []
     for p in replies:
         try:
-            ops += [dict(vars(op), op=type(op).__name__) for op in decode_ops(p)]
+            ops += [
+                {
+                    **{k: v.hex() if isinstance(v, bytes) else v for k, v in vars(op).items()},
+                    "op": type(op).__name__,
+                }
+                for op in decode_ops(p)
+            ]
         except Exception as e:  # noqa: BLE001  (report, do not crash the peer)
             ops.append({"op": "undecodable", "error": str(e)})
     return ops, closed
@@ -111,10 +156,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--no-checksums", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--secret", default="", help="cluster secret, hex (empty: none)")
+    ap.add_argument("--hello-timeout", type=float, default=5.0)
     args = ap.parse_args()
     geometry = KVGeometry(**json.loads(args.geometry))
     bb = geometry.block_bytes
     pool = np.zeros(args.num_blocks * bb, dtype=np.uint8)
+    secret = bytes.fromhex(args.secret) or None
 
     def emit(obj: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -123,12 +171,20 @@ def main() -> None:
     handles = {}
     if args.role == "receiver":
         endpoint = create_receiver(
-            "ucx", pool, geometry, port=args.port, verify_checksums=not args.no_checksums
+            "ucx",
+            pool,
+            geometry,
+            port=args.port,
+            verify_checksums=not args.no_checksums,
+            secret=secret,
+            hello_timeout_s=args.hello_timeout,
         )
         emit({"event": "ready", "address": endpoint.address.hex()})
     else:
         fill_pool(pool, args.seed)
-        endpoint = create_sender("ucx", pool, geometry, checksums=not args.no_checksums)
+        endpoint = create_sender(
+            "ucx", pool, geometry, checksums=not args.no_checksums, secret=secret
+        )
         emit({"event": "ready", "address": None})
     try:
         for line in sys.stdin:
@@ -161,9 +217,10 @@ def main() -> None:
             elif kind == "raw":
                 ops, closed = raw_exchange(
                     bytes.fromhex(cmd["address"]),
-                    [bytes.fromhex(p) for p in cmd["payloads"]],
+                    cmd["payloads"],
                     cmd.get("settle", 0.5),
                     cmd.get("unframed", False),
+                    geometry,
                 )
                 emit({"event": "replies", "ops": ops, "closed": closed})
             elif kind == "pool_digest":
@@ -179,6 +236,9 @@ def main() -> None:
                         "event": "stats",
                         **vars(endpoint.stats),
                         "protocol_errors": endpoint.protocol_errors,
+                        "auth_failures": getattr(endpoint, "auth_failures", 0),
+                        "dropped_connections": getattr(endpoint, "dropped_connections", 0),
+                        "connections": getattr(endpoint, "num_connections", 0),
                     }
                 )
             else:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from kvt_helpers import block_bytes_of, small_geometry
+from kvt_helpers import block_bytes_of, random_pool, small_geometry
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtransfer import (
@@ -409,8 +409,26 @@ def _raw_link(network: LoopbackNetwork, receiver, replies: list):
     return transport, transport.reactor.run_sync(setup)
 
 
+def _wait_for(replies: list, n: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(replies) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _hello(replies: list, geometry, secret: bytes | None):
+    """The hello a sender holding ``secret`` answers the receiver's challenge with."""
+    from kvtransfer.auth import hello_proof, new_nonce
+    from kvtransfer.protocol import Challenge, Hello
+
+    _wait_for(replies, 1)
+    assert isinstance(replies[0], Challenge), replies
+    nonce = new_nonce()
+    mac = hello_proof(secret, replies[0].nonce, nonce, "raw")
+    return Hello(geometry.to_wire(), True, "raw", nonce, mac)
+
+
 def test_malformed_and_unexpected_messages_to_receiver_are_rejected(loopback_pair, geometry):
-    from kvtransfer.protocol import Done, Error, Fin, Hello, HelloOk, Open
+    from kvtransfer.protocol import Challenge, Done, Error, Fin, HelloOk
 
     sender, receiver, src, dst = loopback_pair()
     replies: list = []
@@ -420,23 +438,109 @@ def test_malformed_and_unexpected_messages_to_receiver_are_rejected(loopback_pai
         def send(payload):
             return transport.reactor.run_sync(link.send_ctrl, payload)
 
+        hello = _hello(replies, geometry, None)
         send(b"\x00garbage")
-        send(encode_ops([Open(1, "x", [1])]))  # before the handshake
-        send(encode_ops([Hello(geometry.to_wire(), True, "raw")]))
-        send(encode_ops([Hello(geometry.to_wire(), True, "raw")]))  # duplicate
+        send(encode_ops([hello]))
+        send(encode_ops([hello]))  # duplicate
         send(encode_ops([Done(9), Fin(77, 1)]))  # receiver-bound 'done', fin for unknown transfer
-        deadline = time.monotonic() + 5
-        while len(replies) < 6 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(replies, 6)
         kinds = [type(op).__name__ for op in replies]
-        assert kinds == ["Error", "Error", "HelloOk", "Error", "Error", "Error"], replies
-        assert "malformed" in replies[0].reason and "before the handshake" in replies[1].reason
-        assert all(isinstance(op, (Error, HelloOk)) for op in replies)
+        assert kinds == ["Challenge", "Error", "HelloOk", "Error", "Error", "Error"], replies
+        assert "malformed" in replies[1].reason and "duplicate" in replies[3].reason
+        assert all(isinstance(op, (Challenge, Error, HelloOk)) for op in replies)
     finally:
         transport.close()
-    assert receiver.protocol_errors >= 5
+    assert receiver.protocol_errors >= 4
     run_transfer(sender, receiver, "still-serving", [3, 4], [5, 6])
     assert_blocks_equal(src, dst, geometry, [3, 4], [5, 6])
+
+
+def test_an_op_before_the_handshake_closes_that_connection(loopback_pair, geometry):
+    from kvtransfer.protocol import Open
+
+    sender, receiver, src, dst = loopback_pair()
+    replies: list = []
+    transport, link = _raw_link(receiver._transport.network, receiver, replies)
+    try:
+        transport.reactor.run_sync(link.send_ctrl, encode_ops([Open(1, "x", [1])]))
+        deadline = time.monotonic() + 5
+        while link.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not link.alive
+        assert receiver.protocol_errors == 1
+    finally:
+        transport.close()
+    run_transfer(sender, receiver, "after", [3], [5])
+    assert_blocks_equal(src, dst, geometry, [3], [5])
+
+
+def test_a_wrong_cluster_secret_is_refused_and_closed(geometry):
+    from kvtransfer import LoopbackNetwork, create_receiver, create_sender
+    from kvtransfer.errors import HandshakeError
+    from kvtransfer.protocol import Refuse
+
+    net = LoopbackNetwork()
+    src = random_pool(8, geometry, seed=3)
+    dst = np.zeros_like(src)
+    receiver = create_receiver("loopback", dst, geometry, network=net, secret=b"s" * 32)
+    wrong = create_sender("loopback", src, geometry, network=net, secret=b"x" * 32)
+    none = create_sender("loopback", src, geometry, network=net)
+    right = create_sender("loopback", src, geometry, network=net, secret=b"s" * 32)
+    try:
+        for bad in (wrong, none):
+            with pytest.raises(HandshakeError, match="authentication failed"):
+                bad.connect(receiver.address, timeout_s=5)
+        assert receiver.auth_failures == 2
+        replies: list = []
+        transport, link = _raw_link(net, receiver, replies)
+        try:  # a raw peer gets nothing but the challenge and the refusal, then is closed
+            hello = _hello(replies, geometry, b"x" * 32)
+            transport.reactor.run_sync(link.send_ctrl, encode_ops([hello]))
+            deadline = time.monotonic() + 5
+            while link.alive and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not link.alive
+            assert [type(op) for op in replies[1:]] == [Refuse] and replies[1].geometry is None
+        finally:
+            transport.close()
+        run_transfer(right, receiver, "member", [1, 2], [3, 4])
+        assert_blocks_equal(src, dst, geometry, [1, 2], [3, 4])
+    finally:
+        for e in (wrong, none, right, receiver):
+            e.close()
+
+
+def test_silent_peers_are_dropped_and_the_connection_cap_holds(geometry):
+    from kvtransfer import LoopbackNetwork, create_receiver, create_sender
+
+    net = LoopbackNetwork()
+    src = random_pool(4, geometry, seed=3)
+    dst = np.zeros_like(src)
+    receiver = create_receiver(
+        "loopback", dst, geometry, network=net, hello_timeout_s=0.5, max_connections=2
+    )
+    raws = [_raw_link(net, receiver, []) for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 2
+        while raws[2][1].alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not raws[2][1].alive  # over the cap: closed at accept
+        assert raws[0][1].alive and raws[1][1].alive  # within the hello timeout
+        deadline = time.monotonic() + 3
+        while any(link.alive for _, link in raws) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(link.alive for _, link in raws)  # never sent hello: dropped
+        assert receiver.dropped_connections == 3 and receiver.num_connections == 0
+    finally:
+        for t, _ in raws:
+            t.close()
+    sender = create_sender("loopback", src, geometry, network=net)
+    try:
+        run_transfer(sender, receiver, "after", [1], [2])
+        assert_blocks_equal(src, dst, geometry, [1], [2])
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_malformed_messages_to_sender_are_rejected_and_connection_survives(loopback_pair, geometry):

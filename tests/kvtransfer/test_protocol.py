@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvtransfer import InvalidAddressError, ProtocolError
 from kvtransfer.protocol import (
     Cancel,
+    Challenge,
     Data,
     Done,
     Error,
@@ -29,8 +30,9 @@ from kvtransfer.protocol import (
 pytestmark = pytest.mark.unit
 
 ALL_OPS = [
-    Hello({"model": "m"}, True, "abc"),
-    HelloOk("rid", 7),
+    Challenge(b"n" * 16),
+    Hello({"model": "m"}, True, "abc", b"n" * 16, b"p" * 32),
+    HelloOk("rid", 7, b"k" * 16, b"p" * 32),
     Refuse("no", {"model": "m"}),
     Refuse("no", None),
     Open(3, "req-1", [5, 6, 9]),
@@ -122,13 +124,18 @@ def test_address_round_trip_and_errors():
             ReceiverAddress.decode(bad)  # type: ignore[arg-type]
 
 
-def test_data_tag_layout_separates_links_transfers_and_positions():
-    tags = {
-        data_tag(link, x, i)
-        for link in (1, 2)
-        for x in (0, 1, (1 << 24) - 1)
-        for i in (0, 1, (1 << 24) - 1)
+def test_data_tags_are_unique_per_link_and_unguessable_without_the_key():
+    from kvtransfer.auth import TagCipher
+
+    key_a, key_b = TagCipher(b"a" * 16), TagCipher(b"b" * 16)
+    cases = [(x, i) for x in (0, 1, 2, (1 << 24) - 1) for i in (0, 1, 2, (1 << 24) - 1)]
+    tags = {data_tag(key_a, link, x, i) for link in (1, 2) for x, i in cases}
+    assert len(tags) == 2 * len(cases)  # a permutation per link: no collisions
+    assert all(t >> 48 in (1, 2) and t < 1 << 64 for t in tags)
+    # the old, guessable layout is not what goes on the wire, and another key gives other tags
+    plain = {(1 << 48) | (x << 24) | i for x, i in cases}
+    assert not plain & {data_tag(key_a, 1, x, i) for x, i in cases}
+    assert not {data_tag(key_a, 1, x, i) for x, i in cases} & {
+        data_tag(key_b, 1, x, i) for x, i in cases
     }
-    assert len(tags) == 18
-    assert data_tag(1, 2, 3) == (1 << 48) | (2 << 24) | 3
-    assert max(tags) < 1 << 64
+    assert data_tag(key_a, 1, 2, 3) == data_tag(TagCipher(b"a" * 16), 1, 2, 3)  # both ends agree

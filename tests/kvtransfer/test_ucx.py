@@ -19,6 +19,7 @@ from kvtransfer import (
     ChecksumMismatchError,
     CorruptBlocks,
     GeometryMismatchError,
+    HandshakeError,
     PeerLostError,
     StaleAddressError,
     TransferState,
@@ -34,9 +35,12 @@ POOL_BLOCKS = 3000
 DONE, FAILED = TransferState.DONE, TransferState.FAILED
 
 
+SECRET = b"0123456789abcdef0123456789abcdef"  # the cluster secret of this module's peers
+
+
 @pytest.fixture(scope="module")
 def receiver_peer():
-    peer = Peer("receiver", small_geometry(), POOL_BLOCKS)
+    peer = Peer("receiver", small_geometry(), POOL_BLOCKS, "--secret", SECRET.hex())
     yield peer
     peer.close()
 
@@ -48,7 +52,7 @@ def src_pool():
 
 @pytest.fixture
 def sender(src_pool):
-    s = create_sender("ucx", src_pool, small_geometry(), settle_timeout_s=1.0)
+    s = create_sender("ucx", src_pool, small_geometry(), settle_timeout_s=1.0, secret=SECRET)
     yield s
     s.close()
 
@@ -109,7 +113,9 @@ def test_endpoint_is_reused_across_requests(sender, receiver_peer):
 
 def test_corrupted_bytes_fail_only_that_transfer(src_pool, receiver_peer):
     g = small_geometry()
-    sender = create_sender("ucx", src_pool, g, fault_injector=CorruptBlocks({("corrupt", 3)}))
+    sender = create_sender(
+        "ucx", src_pool, g, fault_injector=CorruptBlocks({("corrupt", 3)}), secret=SECRET
+    )
     try:
         for tid, dst in (("corrupt", list(range(200, 208))), ("clean", list(range(300, 308)))):
             receiver_peer.request({"cmd": "expect", "id": tid, "blocks": dst, "timeout": 20})
@@ -138,7 +144,7 @@ def test_corrupted_bytes_fail_only_that_transfer(src_pool, receiver_peer):
 
 def test_geometry_mismatch_is_refused_clearly(receiver_peer):
     g = small_geometry(dtype="fp8", head_dim=64)
-    sender = create_sender("ucx", np.zeros(4 * g.block_bytes, np.uint8), g)
+    sender = create_sender("ucx", np.zeros(4 * g.block_bytes, np.uint8), g, secret=SECRET)
     try:
         with pytest.raises(GeometryMismatchError) as exc:
             sender.connect(receiver_peer.address, timeout_s=10)
@@ -148,58 +154,147 @@ def test_geometry_mismatch_is_refused_clearly(receiver_peer):
         sender.close()
 
 
-def test_malformed_control_messages_to_receiver_are_rejected(sender, receiver_peer, src_pool):
-    """A bare UCX client (run by a second peer process) sends garbage and out-of-place ops;
-    the receiver answers each with an error op and keeps serving everyone."""
-    g = small_geometry()
-    hello = Hello(g.to_wire(), True, "rogue")
-    payloads = [
-        b"\xc1\x00garbage",
-        encode_ops([Open(1, "x", [1])]),
-        encode_ops([hello]),
-        encode_ops([hello]),
-        encode_ops([Fin(55, 1)]),
-        encode_ops([Data(66, 0, 1, [0])]),
-    ]
-    rogue = Peer("sender", g, 4)
+def _raw(receiver_peer, payloads, settle=1.0, unframed=False):
+    """Run ``payloads`` over a bare UCX connection from a second peer process (see
+    ``peer.py``'s ``raw`` command): the replies and whether the receiver closed it."""
+    rogue = Peer("sender", small_geometry(), 4)
     try:
-        replies = rogue.request(
+        return rogue.request(
             {
                 "cmd": "raw",
                 "address": receiver_peer.address.hex(),
-                "payloads": [p.hex() for p in payloads],
-                "settle": 1.0,
+                "payloads": payloads,
+                "settle": settle,
+                "unframed": unframed,
             },
             timeout=30,
-        )["ops"]
+        )
     finally:
         rogue.close()
+
+
+def test_malformed_control_messages_to_receiver_are_rejected(sender, receiver_peer, src_pool):
+    """A bare UCX client (run by a second peer process) that holds the secret sends garbage
+    and out-of-place ops; the receiver answers each with an error op and keeps serving."""
+    g = small_geometry()
+    payloads = [
+        b"\xc1\x00garbage".hex(),
+        {"hello": SECRET.hex()},
+        encode_ops([Hello(g.to_wire(), True, "rogue", b"n" * 16, b"p" * 32)]).hex(),
+        encode_ops([Fin(55, 1)]).hex(),
+        encode_ops([Data(66, 0, 1, [0])]).hex(),
+    ]
+    replies = _raw(receiver_peer, payloads)["ops"]
     kinds = [op["op"] for op in replies]
-    assert kinds == ["Error", "Error", "HelloOk", "Error", "Error", "Error"], replies
-    assert "malformed" in replies[0]["reason"] and "before the handshake" in replies[1]["reason"]
+    assert kinds == ["Challenge", "Error", "HelloOk", "Error", "Error", "Error"], replies
+    assert "malformed" in replies[1]["reason"] and "duplicate" in replies[3]["reason"]
     _sh, result = push(sender, receiver_peer, "after-rogue", [1, 2, 3], [400, 401, 402])
     assert result["state"] == "done" and result["digests"] == block_digests(src_pool, g, [1, 2, 3])
+
+
+def test_a_peer_with_a_wrong_secret_is_refused_and_dropped(sender, receiver_peer, src_pool):
+    before = receiver_peer.request({"cmd": "stats"})
+    out = _raw(receiver_peer, [{"hello": (b"w" * 32).hex()}, encode_ops([Fin(1, 1)]).hex()])
+    kinds = [op["op"] for op in out["ops"]]
+    assert kinds == ["Challenge", "Refuse"], out  # nothing answers the fin: it is not read
+    assert "authentication failed" in out["ops"][1]["reason"] and out["ops"][1]["geometry"] is None
+    assert out["closed"], out  # the receiver closed the connection
+    stats = receiver_peer.request({"cmd": "stats"})
+    assert stats["auth_failures"] == before["auth_failures"] + 1
+    g = small_geometry()
+    _sh, result = push(sender, receiver_peer, "after-wrong-secret", [4], [404])
+    assert result["state"] == "done" and result["digests"] == block_digests(src_pool, g, [4])
+
+
+def test_a_sender_without_the_secret_fails_its_handshake(receiver_peer, src_pool):
+    stranger = create_sender("ucx", src_pool, small_geometry())
+    try:
+        with pytest.raises(HandshakeError, match="authentication failed"):
+            stranger.connect(receiver_peer.address, timeout_s=10)
+    finally:
+        stranger.close()
+
+
+def test_a_peer_that_never_says_hello_is_dropped():
+    receiver = Peer(
+        "receiver", small_geometry(), 8, "--secret", SECRET.hex(), "--hello-timeout", "0.5"
+    )
+    try:
+        out = _raw(receiver, [], settle=2.0)
+        assert [op["op"] for op in out["ops"]] == ["Challenge"] and out["closed"], out
+        stats = receiver.request({"cmd": "stats"})
+        assert stats["dropped_connections"] == 1 and stats["connections"] == 0
+    finally:
+        receiver.close()
+
+
+def test_forged_tags_from_another_connection_land_nowhere(src_pool):
+    """UCX matches tags across the receiver's whole worker. A stranger's connection sends
+    data messages with every tag the old layout (link | transfer | index) would give the next
+    connections' first transfers; they wait in UCX unmatched, and the member's transfer that
+    follows receives its own bytes (with the old tags the forged messages matched its posted
+    receives and the transfer failed)."""
+    g = small_geometry()
+    receiver = Peer("receiver", g, 64, "--secret", SECRET.hex())
+    member = create_sender("ucx", src_pool, g, secret=SECRET)
+    try:
+        tags = [
+            (link << 48) | (x << 24) | i for link in range(1, 5) for x in range(2) for i in range(3)
+        ]
+        out = _raw(receiver, [{"tags": tags, "nbytes": 3 * g.block_bytes}], settle=1.0)
+        assert out["ops"][0]["op"] == "Challenge"
+        _sh, result = push(member, receiver, "victim", [5, 6, 7], [0, 1, 2])
+        assert result["state"] == "done", result
+        assert result["digests"] == block_digests(src_pool, g, [5, 6, 7])
+        assert receiver.request({"cmd": "stats"})["checksum_mismatches_total"] == 0
+    finally:
+        member.close()
+        receiver.close()
+
+
+def _non_loopback_ipv4() -> str | None:
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing address
+        ip = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if ip.startswith("127.") else ip
+
+
+def test_a_receiver_bound_to_loopback_closes_connections_on_other_addresses(
+    receiver_peer, src_pool
+):
+    """ucxx listens on the wildcard address; a connection that arrives on an address the
+    receiver was not bound to is closed at accept, before anything is read."""
+    import dataclasses
+
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    addr = ReceiverAddress.decode(receiver_peer.address)
+    elsewhere = dataclasses.replace(addr, host=ip).encode()
+    member = create_sender("ucx", src_pool, small_geometry(), secret=SECRET)
+    try:
+        with pytest.raises((PeerLostError, HandshakeError)):
+            member.connect(elsewhere, timeout_s=5)
+        member.connect(receiver_peer.address, timeout_s=5)  # on the bound address: fine
+    finally:
+        member.close()
 
 
 def test_corrupt_frame_closes_only_that_connection(sender, receiver_peer, src_pool):
     """Bytes that are not a valid frame desynchronise the stream: the receiver drops that
     connection (and only that one) and keeps serving."""
     g = small_geometry()
-    rogue = Peer("sender", g, 4)
-    try:
-        out = rogue.request(
-            {
-                "cmd": "raw",
-                "address": receiver_peer.address.hex(),
-                "unframed": True,
-                "payloads": [b"GET / HTTP/1.1\r\n\r\n".hex()],
-                "settle": 1.5,
-            },
-            timeout=30,
-        )
-    finally:
-        rogue.close()
-    assert out["ops"] == [] and out["closed"], out
+    out = _raw(receiver_peer, [b"GET / HTTP/1.1\r\n\r\n".hex()], settle=1.5, unframed=True)
+    # nothing answers the bad frame (the receiver's challenge, sent at accept, may get out
+    # before the connection closes)
+    assert all(op["op"] == "Challenge" for op in out["ops"]) and out["closed"], out
     _, result = push(sender, receiver_peer, "after-bad-frame", [7], [410])
     assert result["state"] == "done" and result["digests"] == block_digests(src_pool, g, [7])
 
@@ -356,7 +451,7 @@ def test_port_in_use_is_a_clear_error():
 def test_reconnect_after_receiver_restarts_on_same_port(sender, src_pool):
     g = small_geometry()
     port = free_port()
-    first = Peer("receiver", g, 64, "--port", str(port))
+    first = Peer("receiver", g, 64, "--port", str(port), "--secret", SECRET.hex())
     try:
         _, result = push(sender, first, "before", [1], [1])
         assert result["state"] == "done"
@@ -367,7 +462,7 @@ def test_reconnect_after_receiver_restarts_on_same_port(sender, src_pool):
     deadline = time.monotonic() + 20
     while second is None:  # the port may linger briefly after the kill
         try:
-            second = Peer("receiver", g, 64, "--port", str(port))
+            second = Peer("receiver", g, 64, "--port", str(port), "--secret", SECRET.hex())
         except AssertionError:
             if time.monotonic() > deadline:
                 raise

@@ -146,7 +146,9 @@ def test_api_key_is_required_when_configured(make_worker, make_router, router_co
     ok = r.openai(api_key="sekret").completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
     assert ok.usage.completion_tokens == 1
     assert httpx.get(f"{r.url}/health").status_code == 200  # probes stay open
-    assert httpx.get(f"{r.url}/metrics").status_code == 200
+    assert httpx.get(f"{r.url}/metrics").status_code == 401  # under the key too
+    auth = {"Authorization": "Bearer sekret"}
+    assert httpx.get(f"{r.url}/metrics", headers=auth).status_code == 200
 
 
 def test_router_admission_limit_is_429_with_retry_after(make_worker, make_router, router_config):

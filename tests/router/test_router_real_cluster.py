@@ -93,7 +93,7 @@ def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
     # whole 600-token stream only ~500 ms, so finding the serving worker through fresh channels
     # (as this test once did) often found it after it had sent its last token: no failover.
     names = ("decode-0", "decode-1")
-    channels = {n: grpc.insecure_channel(c.ready[n]["grpc"]) for n in names}
+    channels = {n: c.security.channel(c.ready[n]["grpc"]) for n in names}
     try:
         for ch in channels.values():
             grpc.channel_ready_future(ch).result(timeout=30)

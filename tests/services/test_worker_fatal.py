@@ -43,6 +43,7 @@ def test_engine_death_fails_streams_deregisters_and_exits_1(tiny_llama, tmp_path
                         sampling=pb.SamplingParams(temperature=0, max_tokens=4),
                     ),
                     timeout=30,
+                    metadata=rt.security.call_metadata,
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     async for _ in call:

@@ -59,6 +59,7 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
                         sampling=pb.SamplingParams(temperature=0, max_tokens=4),
                     ),
                     timeout=60,
+                    metadata=rt.security.call_metadata,
                 )
                 reader = asyncio.ensure_future(call.read())
                 t0 = time.monotonic()
@@ -91,6 +92,7 @@ def test_a_hung_engine_turns_not_serving_and_leaves_the_registry_until_it_recove
                         sampling=pb.SamplingParams(temperature=0, max_tokens=4),
                     ),
                     timeout=30,
+                    metadata=rt.security.call_metadata,
                 )
                 chunks = [c async for c in again]
                 seen["serves_again"] = bool(chunks) and chunks[-1].finished
