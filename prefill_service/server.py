@@ -30,8 +30,8 @@ from shared.worker.service import (
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
-    configure_logging,
     failure_metadata,
+    run_worker,
     serve_worker,
     unpin_when_terminal,
     wait_transfer,
@@ -231,8 +231,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
-    return asyncio.run(_main(args))
+    return run_worker(ROLE, args, _main)
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -23,13 +24,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.config import EngineArgs
+from shared.config import ConfigError, EngineArgs
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
-from shared.security import ClusterSecurity
+from shared.security import ClusterSecurity, SecurityConfigError
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from shared.worker.metrics import WorkerMetrics
 
@@ -102,6 +103,20 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
     ClusterSecurity.add_cli_args(parser)
+
+
+def run_worker(
+    role: str, args: argparse.Namespace, main: Callable[[argparse.Namespace], Awaitable[int]]
+) -> int:
+    """A worker process's entry point: logging, then ``main`` on an event loop. A bad flag,
+    model directory or secret is one line on stderr and exit status 2 (as for the router),
+    not a traceback."""
+    configure_logging(args.log_level)
+    try:
+        return asyncio.run(main(args))
+    except (ConfigError, SecurityConfigError) as e:
+        print(f"pdserve {role}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def configure_logging(level: str) -> None:

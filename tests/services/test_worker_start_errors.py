@@ -1,0 +1,28 @@
+"""A worker that cannot start (a bad model directory, an unreadable cluster secret) says why in
+one line on stderr and exits with status 2, as the router does: no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--cluster-secret-file", "/nonexistent/secret"], "cannot read --cluster-secret-file"),
+        (["--model", "/nonexistent/model"], "is not a Hugging Face model directory"),
+    ],
+    ids=["secret", "model"],
+)
+def test_a_worker_that_cannot_start_says_why_and_exits_2(tiny_llama, role, flags, message):
+    argv = [sys.executable, "-m", "shared.cli", role, "--model", str(tiny_llama), *flags]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"pdserve {role}: error: " in p.stderr and message in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
