@@ -54,13 +54,20 @@ def test_a_full_queue_answers_resource_exhausted_at_once(cluster):
         stub = decode_stub(ch)
         with cf.ThreadPoolExecutor(6) as pool:
             # one runs (max_num_seqs 1), two wait (the bound), the rest are refused
-            futs = [pool.submit(_run, stub, f"r{i}", 3000) for i in range(3)]
-            wait_until(  # the queue is at its bound: one running, two waiting
-                lambda: (lambda st: st.running == 1 and st.waiting == 2)(
-                    stub.Stats(pb.StatsRequest(), timeout=10)
-                ),
-                what="one running and two waiting requests",
-            )
+            def at(running: int, waiting: int, what: str) -> None:
+                wait_until(
+                    lambda: (lambda st: st.running == running and st.waiting == waiting)(
+                        stub.Stats(pb.StatsRequest(), timeout=10)
+                    ),
+                    what=what,
+                )
+
+            # the first is scheduled before the others come: while it still waited, the
+            # second and third together would find the queue at its bound already
+            futs = [pool.submit(_run, stub, "r0", 3000)]
+            at(1, 0, "the first request to run")
+            futs += [pool.submit(_run, stub, f"r{i}", 3000) for i in (1, 2)]
+            at(1, 2, "one running and two waiting requests")  # the queue is at its bound
             refused = [pool.submit(_run, stub, f"x{i}", 4) for i in range(3)]
             late = [f.result() for f in refused]
             first = [f.result() for f in futs]
