@@ -123,8 +123,7 @@ def raw_exchange(
                 mac = hello_proof(secret, challenge.nonce, nonce, "rogue")
                 assert geometry is not None
                 hello = Hello(geometry.to_wire(), True, "rogue", nonce, mac)
-                transport.reactor.run_sync(send, encode_ops([hello]))
-                time.sleep(0.2)
+                transport.reactor.run_sync(send, encode_ops([hello]))  # the stream keeps order
             elif isinstance(p, dict) and "tags" in p:
                 transport.reactor.run_sync(send_tagged, p["tags"], p["nbytes"])
             else:
