@@ -72,6 +72,10 @@ class ServingContext:
             return replace(self.limits, max_model_len=min(advertised))
         return self.limits
 
+    def quantization(self) -> list[str]:
+        """The weight schemes the live workers advertise (sorted; [] when all are dense)."""
+        return sorted({r.info.quantization for r in self.dispatcher.pool.records()} - {""})
+
     def check_token_ids(self, ids: list[int]) -> None:
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)

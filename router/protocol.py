@@ -205,6 +205,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # pdserve: the weight schemes the live workers advertise ([] = dense); one unless the pools
+    # were started with different --quantization
+    quantization: list[str] = []
 
 
 class ModelList(BaseModel):

@@ -65,6 +65,7 @@ def models(ctx: ServingContext, root: str, created: int | None = None) -> ModelL
                 created=created or int(time.time()),
                 root=root,
                 max_model_len=ctx.limits.max_model_len,
+                quantization=ctx.quantization(),
             )
         ]
     )

@@ -57,6 +57,140 @@ class ModelConfig:
     head_dim: int
     eos_token_ids: tuple[int, ...]
     hf_config: dict = field(hash=False, compare=False, repr=False)
+    quantization: QuantizationConfig | None = None
+
+
+QUANTIZATION_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "int8")
+_QUANT_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """A weight-only scheme, from ``--quantization`` and the checkpoint's ``quantization_config``.
+
+    ``method``: ``awq`` | ``gptq`` | ``compressed-tensors`` (read from the checkpoint) or ``int8``
+    (per-output-channel weights quantized at load from a dense checkpoint). ``skip``: module-name
+    fragments left dense (AWQ ``modules_to_not_convert``, compressed-tensors ``ignore``); any
+    linear the checkpoint stores as a dense ``weight`` also loads dense.
+    """
+
+    method: str
+    bits: int
+    group_size: int  # -1: per output channel
+    symmetric: bool
+    desc_act: bool = False
+    checkpoint_format: str = ""  # gptq: "gptq" (v1 zero points) or "gptq_v2"
+    skip: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        g = "per-channel" if self.group_size in (-1, 0) else f"group {self.group_size}"
+        sym = "symmetric" if self.symmetric else "asymmetric"
+        act = ", act-order" if self.desc_act else ""
+        return f"{self.method} (w{self.bits}a16, {g}, {sym}{act})"
+
+
+def resolve_quantization(requested: str | None, hf: dict) -> QuantizationConfig | None:
+    """vLLM's ``--quantization`` rules: the checkpoint's ``quantization_config`` decides when
+    the flag is absent; a flag that names another method is an error; unknown or unsupported
+    schemes are refused with the scheme named."""
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ConfigError(
+            f"--quantization {requested!r} is not supported; choose from "
+            f"{', '.join(QUANTIZATION_METHODS)}"
+        )
+    want = _QUANT_ALIASES.get(requested or "", requested)
+    qc = hf.get("quantization_config")
+    if not qc:
+        if want is None:
+            return None
+        if want != "int8":
+            raise ConfigError(
+                f"--quantization {requested} needs a checkpoint quantized with it; this one has "
+                "no quantization_config (use --quantization int8 to quantize a dense checkpoint "
+                "at load)"
+            )
+        return QuantizationConfig("int8", 8, -1, True)
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    method = {"compressed-tensors": "compressed-tensors"}.get(method, method)
+    if want is not None and want != method:
+        raise ConfigError(
+            f"the checkpoint is quantized with {method!r} but --quantization {requested} was given"
+        )
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        if version != "gemm" or bits != 4:
+            raise ConfigError(f"AWQ {version} with {bits} bits is not supported (gemm, 4-bit)")
+        return QuantizationConfig(
+            "awq",
+            4,
+            int(qc.get("group_size", qc.get("q_group_size", 128))),
+            not bool(qc.get("zero_point", True)),
+            skip=tuple(qc.get("modules_to_not_convert") or ()),
+        )
+    if method == "gptq":
+        bits = int(qc.get("bits", 4))
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if bits not in (4, 8):
+            raise ConfigError(f"GPTQ with {bits} bits is not supported (4 or 8)")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ConfigError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+        if qc.get("dynamic"):
+            raise ConfigError("GPTQ per-module 'dynamic' overrides are not supported")
+        return QuantizationConfig(
+            "gptq",
+            bits,
+            int(qc.get("group_size", 128)),
+            bool(qc.get("sym", True)),
+            desc_act=bool(qc.get("desc_act", False)),
+            checkpoint_format=fmt,
+        )
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise ConfigError(
+        f"quantization method {method!r} (from quantization_config) is not supported; "
+        f"supported: awq, gptq, compressed-tensors, int8"
+    )
+
+
+def _compressed_tensors(qc: dict) -> QuantizationConfig:
+    fmt = str(qc.get("format", ""))
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ConfigError(
+            f"compressed-tensors with {len(groups)} config groups is not supported (one)"
+        )
+    (group,) = groups.values()
+    fmt = str(group.get("format") or fmt)
+    w = group.get("weights") or {}
+    if fmt != "pack-quantized":
+        raise ConfigError(
+            f"compressed-tensors format {fmt!r} is not supported (pack-quantized W4A16 / W8A16)"
+        )
+    if group.get("input_activations"):
+        raise ConfigError(
+            "compressed-tensors with quantized activations is not supported (weight-only)"
+        )
+    if w.get("type", "int") != "int" or int(w.get("num_bits", 0)) not in (4, 8):
+        raise ConfigError(
+            f"compressed-tensors weights {w.get('type')} {w.get('num_bits')}-bit are not "
+            "supported (int 4 or 8)"
+        )
+    strategy = str(w.get("strategy", "group"))
+    if strategy not in ("group", "channel"):
+        raise ConfigError(f"compressed-tensors strategy {strategy!r} is not supported")
+    targets = group.get("targets") or ["Linear"]
+    if targets != ["Linear"]:
+        raise ConfigError(f"compressed-tensors targets {targets} are not supported (['Linear'])")
+    actorder = w.get("actorder")
+    return QuantizationConfig(
+        "compressed-tensors",
+        int(w["num_bits"]),
+        int(w.get("group_size") or -1) if strategy == "group" else -1,
+        bool(w.get("symmetric", True)),
+        desc_act=actorder in ("group", True),  # older llm-compressor: weight_g_idx stored
+        skip=tuple(str(x) for x in (qc.get("ignore") or ())),
+    )
 
 
 @dataclass(frozen=True)
@@ -110,6 +244,7 @@ class EngineArgs:
     enforce_eager: bool = False
     disable_log_stats: bool = False
     max_logprobs: int = 20  # vLLM's: most logprobs a request may ask for
+    quantization: str | None = None  # vLLM's --quantization; None: from the checkpoint
 
     # ---- CLI ---------------------------------------------------------------------------
     @staticmethod
@@ -167,6 +302,14 @@ class EngineArgs:
             type=int,
             default=20,
             help="most top logprobs a request may ask for (vLLM's --max-logprobs)",
+        )
+        g.add_argument(
+            "--quantization",
+            "-q",
+            default=None,
+            choices=QUANTIZATION_METHODS,
+            help="weight quantization; default: the checkpoint's quantization_config. int8 "
+            "quantizes a dense checkpoint's linear layers per output channel at load",
         )
 
     @classmethod
@@ -245,6 +388,7 @@ class EngineArgs:
             head_dim=int(hf.get("head_dim") or hidden // n_heads),
             eos_token_ids=eos_ids,
             hf_config=hf,
+            quantization=resolve_quantization(self.quantization, hf),
         )
 
     def create_cache_config(self) -> CacheConfig:

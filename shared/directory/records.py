@@ -79,6 +79,7 @@ class WorkerInfo:
     ucx: str = ""  # kvtransfer address (opaque to the router)
     metrics: str = ""  # URL of the worker's /metrics
     max_model_len: int = 0  # 0 = not advertised
+    quantization: str = ""  # weight scheme, e.g. "awq (w4a16, group 128, asymmetric)"; "" dense
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -136,6 +137,7 @@ class WorkerRecord:
                 ucx=d.get("ucx", ""),
                 metrics=d.get("metrics", ""),
                 max_model_len=int(d.get("max_model_len") or 0),
+                quantization=d.get("quantization", ""),
             )
             load = WorkerLoad(
                 free_blocks=int(d.get("free_blocks") or 0),

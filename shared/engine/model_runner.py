@@ -21,6 +21,7 @@ from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import SampleResult, SampleSpec, SchedulerOutput
 from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
+from shared.models.quantization import weight_bytes
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -70,6 +71,12 @@ class ModelRunner:
         if seed is not None:
             torch.manual_seed(seed)
         self.model = load_model(model_config, device, self.backend)
+        q = model_config.quantization
+        logger.info(
+            "model weights: %.1f MiB read per decode step (%s)",
+            weight_bytes(self.model) / (1 << 20),
+            q.describe() if q is not None else f"{model_config.dtype}, not quantized",
+        )
         self.sampler = Sampler(
             model_config.vocab_size, self.device, seed, argmax_rows=self.backend.argmax_rows
         )

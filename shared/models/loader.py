@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from shared.config import ModelConfig
+from kernels.quant import QuantFormatError
+from shared.config import ModelConfig, QuantizationConfig
 from shared.models.llama import LlamaForCausalLM, fused_param_name
+from shared.models.quantization import (
+    FUSED,
+    QuantLinear,
+    hf_linear_name,
+    install,
+    is_quant_tensor,
+    read_linear,
+    skipped,
+    weight_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +61,12 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
         hf.get("rope_scaling"),
     ).to(device)
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
+    qc = cfg.quantization
+    quantized: set[str] = set()  # HF linear names whose weights are quantized
+    if qc is not None:
+        quantized = _install_quantized(model, qc, files)
+    collected: dict[str, dict[str, torch.Tensor]] = {}
+    paths: Counter[str] = Counter()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     shard_sizes = _shard_sizes(cfg)
@@ -57,6 +75,14 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                     if "rotary_emb.inv_freq" in hf_name:
+                        continue
+                    lin = hf_linear_name(hf_name) if qc is not None else None
+                    if lin is not None and lin[0] in quantized and lin[1] != "bias":
+                        if not is_quant_tensor(qc, lin[1]):  # type: ignore[arg-type]
+                            raise ModelLoadError(
+                                f"unexpected weight {hf_name!r} in {path.name} for {qc.method}"  # type: ignore[union-attr]
+                            )
+                        collected.setdefault(lin[0], {})[lin[1]] = f.get_tensor(hf_name)
                         continue
                     name, shard = fused_param_name(hf_name)
                     if name == "lm_head.weight" and model.lm_head is None:
@@ -67,10 +93,30 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
                     tensor = f.get_tensor(hf_name)
                     _copy_into(param, tensor, shard, shard_sizes, hf_name)
                     loaded.add(name if shard is None else f"{name}#{shard}")
+            if qc is not None:  # a linear's tensors live in one file: finish what is complete
+                paths += _finish_quantized(model, qc, collected, device, dtype)
         except SafetensorError as e:
             raise ModelLoadError(f"corrupt safetensors file {path}: {e}") from e
+        except QuantFormatError as e:
+            raise ModelLoadError(f"{cfg.path}: {e}") from e
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if qc is not None:
+        unloaded = [
+            n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.prepared is None
+        ]
+        if unloaded or collected:
+            raise ModelLoadError(
+                f"checkpoint {cfg.path} lacks {qc.method} weights of "
+                f"{', '.join((unloaded or sorted(collected))[:3])}"
+            )
+        logger.info(
+            "quantization %s: %d linears (%s); weights %.1f MiB",
+            qc.describe(),
+            sum(paths.values()),
+            ", ".join(f"{n} x {p}" for p, n in sorted(paths.items())),
+            weight_bytes(model) / (1 << 20),
+        )
     missing = []
     for name, _param in params.items():
         parts = (
@@ -120,3 +166,84 @@ def _copy_into(
                 f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
         target.copy_(tensor)
+
+
+def _our_linear(hf_base: str) -> str:
+    """``layers.0.self_attn.q_proj`` -> ``layers.0.self_attn.qkv_proj``."""
+    prefix, _, proj = hf_base.rpartition(".")
+    for fused, parts in FUSED.items():
+        if proj in parts:
+            return f"{prefix}.{fused}"
+    return hf_base
+
+
+def _install_quantized(
+    model: LlamaForCausalLM, qc: QuantizationConfig, files: list[Path]
+) -> set[str]:
+    """Swap in ``QuantLinear`` for every projection the checkpoint quantizes; return the HF
+    linear names whose tensors are quantized."""
+    from safetensors import safe_open
+
+    kinds: dict[str, set[str]] = {}  # HF linear -> its tensor suffixes
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():  # noqa: SIM118
+                lin = hf_linear_name(hf_name)
+                if lin is not None:
+                    kinds.setdefault(lin[0], set()).add(lin[1])
+    quantized = set()
+    for base, suffixes in kinds.items():
+        if skipped(qc, base):
+            continue
+        if qc.method == "int8" or any(s != "weight" and is_quant_tensor(qc, s) for s in suffixes):
+            quantized.add(base)
+    dense: set[str] = set()
+    by_module: dict[str, set[bool]] = {}
+    for base in kinds:
+        by_module.setdefault(_our_linear(base), set()).add(base in quantized)
+    for module, states in by_module.items():
+        if len(states) > 1:
+            raise ModelLoadError(f"{module}: the fused shards are partly quantized, partly dense")
+        if states == {False}:
+            dense.add(module)
+    install(model, qc, dense)
+    return quantized
+
+
+def _finish_quantized(
+    model: LlamaForCausalLM,
+    qc: QuantizationConfig,
+    collected: dict[str, dict[str, torch.Tensor]],
+    device: str,
+    dtype: torch.dtype,
+) -> Counter[str]:
+    """Install the weights of every ``QuantLinear`` whose shards have all been read."""
+    from kernels import quant
+
+    cpp = _quant_cpp(device, dtype)
+    paths: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear) or module.prepared is not None:
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{p}" for p in FUSED.get(leaf, (leaf,))]
+        if not all(p in collected for p in parts):
+            continue
+        shards = [read_linear(qc, collected.pop(p), p) for p in parts]
+        qw = shards[0] if len(shards) == 1 else quant.QuantizedWeight.concat(shards)
+        pw = quant.prepare(qw, torch.device(device), dtype, cpp)
+        module.set_weight(pw)
+        paths[pw.path] += 1
+        logger.debug("%s: %s (%d bytes)", name, pw.path, pw.nbytes)
+    return paths
+
+
+def _quant_cpp(device: str, dtype: torch.dtype) -> object:
+    """The C++ quantized-matmul extension when it applies (CPU, bf16, AVX512-BF16), else None."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    try:
+        from kernels import quant_cpu
+    except ImportError:
+        return None
+    return quant_cpu.extension()

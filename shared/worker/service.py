@@ -240,6 +240,9 @@ class WorkerRuntime:
             ucx=ucx_addr,
             metrics=metrics_url,
             max_model_len=self.engine.model_config.max_model_len,
+            quantization=(
+                q.describe() if (q := self.engine.model_config.quantization) is not None else ""
+            ),
         )
         self.lease = WorkerLease(client, info, keys=DirectoryKeys(self.args.directory_prefix))
         self.publisher = KVEventPublisher(client, self.lease)
