@@ -425,6 +425,84 @@ def bench_decode(ctx: Ctx, peak: float) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_quant(ctx: Ctx, peak: float) -> None:
+    """The quantized linears' Triton kernel (``kernels/triton_quant.py``): error against the
+    fp32 dequantized weight, then time per call and weight bandwidth against bf16 ``F.linear``
+    (cuBLAS) at decode batch sizes, weights replicated past L2."""
+    torch = ctx.torch
+    from kernels import quant
+
+    dev = torch.device(ctx.device)
+    shapes = [(4096, 4096), (11008, 4096)] if not ctx.dry_run else [(64, 128)]
+    batches = [1, 16, 64] if not ctx.dry_run else [1, 17]
+    for n, k in shapes:
+        w = torch.randn(n, k) * 0.02
+        schemes = {
+            "int8": quant.quantize_int8_per_channel(w),
+            "w4g128": quant.quantize_rtn(w, 4, 128 if k >= 128 else 32, True),
+        }
+        dense = w.to(dev, torch.bfloat16)
+        copies = 1 if ctx.dry_run else max(1, cdiv(512 << 20, n * k * 2))
+        denses = [dense.clone() for _ in range(copies)]
+        for m in batches:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            if ctx.left() < 30:
+                ctx.add(Row("quant", "remaining shapes", "skipped: deadline", None))
+                return
+            d_ms, _ = time_ms(
+                ctx, lambda x=x, ds=denses: [torch.nn.functional.linear(x, d) for d in ds]
+            )
+            d_ms /= copies
+            for name, qw in schemes.items():
+                pw = quant.prepare(qw, dev, torch.bfloat16)
+                ok = pw.path.startswith("triton") or ctx.device != "cuda"
+                if not pw.path.startswith("triton"):  # dry run on the CPU: call the kernel
+                    from kernels import triton_quant
+
+                    pw = quant.PreparedWeight(
+                        f"triton-w{qw.bits}", n, k, torch.bfloat16,
+                        triton_quant.prepare(qw, dev), None, 1 << 62, None, qw.bits,
+                        qw.group_size,
+                    )  # fmt: skip
+                y = quant.quant_linear(x, pw, None).float()
+                ref = x.float() @ qw.dequantize().to(dev).t()
+                err = float((y - ref).abs().max() / ref.abs().max())
+                ok = ok and err < 2e-2
+                pws = [pw] + [
+                    quant.PreparedWeight(
+                        pw.path,
+                        n,
+                        k,
+                        pw.dtype,
+                        {kk: v.clone() for kk, v in pw.tensors.items()},
+                        None,
+                        pw.small_m,
+                        None,
+                        pw.bits,
+                        pw.group_size,
+                    )  # fmt: skip
+                    for _ in range(copies - 1)
+                ]
+                q_ms, how = time_ms(
+                    ctx, lambda x=x, pws=pws: [quant.quant_linear(x, p, None) for p in pws]
+                )
+                q_ms /= copies
+                gbps = pw.nbytes / q_ms / 1e6
+                ctx.add(
+                    Row(
+                        "quant",
+                        f"{name} {n}x{k} M={m}",
+                        f"rel err {err:.1e}; {q_ms * 1e3:.1f} us vs bf16 {d_ms * 1e3:.1f} us "
+                        f"({q_ms / d_ms:.2f}x), weights {gbps:.0f} GB/s = "
+                        f"{100 * gbps / peak:.0f}% of peak ({how})",
+                        ok,
+                    )
+                )
+        del denses
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_e2e(ctx: Ctx, batch: int, prompt_len: int, max_tokens: int) -> None:
     """Phase 3 runs ``bench/gpu_e2e.py`` in a child process: kernels import nothing from the
     project (the engine lives in ``shared``), so the end-to-end part is the bench's."""
@@ -544,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
         ("2/3 decode bandwidth", lambda: bench_decode(ctx, peak)),
+        ("2b/3 quantized linears", lambda: bench_quant(ctx, peak)),
     ]
     if not args.skip_e2e:
         batch, prompt, tokens = (

@@ -365,6 +365,8 @@ class PreparedWeight:
     perm: torch.Tensor | None
     small_m: int  # rows up to which the packed kernel runs; dequantize + F.linear above
     source: QuantizedWeight | None = None  # kept only for the dequantize fallback
+    bits: int = 0
+    group_size: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -392,6 +394,12 @@ def prepare(
     n, k = qw.out_features, qw.in_features
     perm = None if qw.perm is None else qw.perm.to(device)
     low_precision = dtype in (torch.bfloat16, torch.float16)
+    meta = {"bits": qw.bits, "group_size": qw.group_size}
+    if kernels and device.type == "cuda" and _triton_ok(qw):
+        from kernels import triton_quant
+
+        tensors = triton_quant.prepare(qw, device)
+        return PreparedWeight(f"triton-w{qw.bits}", n, k, dtype, tensors, perm, 1 << 62, **meta)
     if kernels and device.type == "cpu" and low_precision:
         if cpp is not None and dtype == torch.bfloat16:
             from kernels import quant_cpu
@@ -399,13 +407,13 @@ def prepare(
             prepared = quant_cpu.prepare(qw, cpp)
             if prepared is not None:
                 return PreparedWeight(
-                    prepared[0], n, k, dtype, prepared[1], perm, quant_cpu.MAX_M, None
+                    prepared[0], n, k, dtype, prepared[1], perm, quant_cpu.MAX_M, None, **meta
                 )
         if qw.bits == 8 and qw.group_size == k and qw.symmetric:
             q = (qw.qweight.to(torch.int16) - 128).to(torch.int8).contiguous()
             scale = qw.scales.reshape(n).to(dtype).contiguous()
             return PreparedWeight(
-                "torch-int8pack", n, k, dtype, {"q": q, "scale": scale}, perm, 8, qw
+                "torch-int8pack", n, k, dtype, {"q": q, "scale": scale}, perm, 8, qw, **meta
             )
         if _cpu_int4_ok(qw):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -414,7 +422,7 @@ def prepare(
             s = qw.scales.float()
             sz = torch.stack([s, (8.0 - qw.zeros.float()) * s], -1).to(dtype).contiguous()
             return PreparedWeight(
-                "torch-int4pack", n, k, dtype, {"packed": packed, "sz": sz}, perm, 16, qw
+                "torch-int4pack", n, k, dtype, {"packed": packed, "sz": sz}, perm, 16, qw, **meta
             )
     moved = QuantizedWeight(
         qw.bits,
@@ -433,7 +441,16 @@ def prepare(
         perm,
         0,
         moved,
+        **meta,
     )
+
+
+def _triton_ok(qw: QuantizedWeight) -> bool:
+    try:
+        from kernels import triton_quant
+    except ImportError:
+        return False
+    return triton_quant.supports(qw)
 
 
 def _dequant(pw: PreparedWeight) -> torch.Tensor:
@@ -459,8 +476,12 @@ def quant_linear(x: torch.Tensor, pw: PreparedWeight, bias: torch.Tensor | None)
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), t["q"], t["scale"])
         elif pw.path == "torch-int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.contiguous(), t["packed"], pw.source.group_size if pw.source else 0, t["sz"]
+                x.contiguous(), t["packed"], pw.group_size, t["sz"]
             )
+        elif pw.path.startswith("triton"):
+            from kernels import triton_quant
+
+            y = triton_quant.quant_matmul(x, t, pw.bits, pw.group_size, pw.out_features)
         else:
             from kernels import quant_cpu
 

@@ -91,16 +91,10 @@ def prepare(qw, ext) -> tuple[str, dict[str, torch.Tensor]] | None:  # type: ign
     return f"cpp-w{qw.bits}", tensors
 
 
-def _meta(pw) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    bits = 8 if pw.path == "cpp-w8" else 4
-    g = pw.in_features // int(pw.tensors["scales"].shape[0])
-    return bits, g
-
-
 def run(pw, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     ext = extension()
     assert ext is not None
-    bits, g = _meta(pw)
+    bits, g = pw.bits, pw.group_size
     t = pw.tensors
     if x.shape[0] <= MAX_M:
         return ext.quant_gemm(  # type: ignore[attr-defined]

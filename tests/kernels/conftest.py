@@ -21,6 +21,7 @@ _KERNEL_MODULES = (
     "kernels.triton_decode",
     "kernels.triton_prefill",
     "kernels.triton_paged",
+    "kernels.triton_quant",
 )
 
 
@@ -31,7 +32,8 @@ def triton_backend() -> ModuleType:
 
     if not tp._interpreted():
         for name in _KERNEL_MODULES:
-            importlib.reload(sys.modules[name])
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])
     tp = sys.modules["kernels.triton_paged"]
     assert tp._interpreted(), "Triton kernels are not running in the interpreter"
     return tp
