@@ -228,6 +228,7 @@ class Dispatcher:
                 self.pool.inflight(r.worker_id),
                 self.pool.prefill_backlog(r.worker_id),
                 self.pool.decoding(r.worker_id),
+                r.info.quantization,
             )
 
         decision = choose_route(

@@ -57,6 +57,7 @@ class Candidate:
     inflight: int = 0  # requests this router sent it and has not seen finish
     prefill_backlog: int = 0  # prompt tokens this router sent it to prefill, no first token yet
     decoding: int = 0  # requests this router is streaming from it past their first token
+    weights: str = ""  # the weight scheme it advertises ("" dense): P and D must agree
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,8 @@ def choose_route(
         for p, p_cost in p_costs:
             if p.block_size != d.block_size:
                 continue  # KV blocks of another geometry cannot be pushed into D's pool
+            if p.weights != d.weights:
+                continue  # KV computed by other weights is not the KV D's model would make
             cost = p_cost + cfg.transfer_cost * lacking + d_load
             options.append(RouteDecision(d, p, cost, lacking))
     if not options:

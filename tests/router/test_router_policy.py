@@ -104,6 +104,15 @@ def test_prefill_workers_with_another_block_size_are_not_paired():
     assert r.prefill.worker_id == "q"
 
 
+def test_prefill_workers_with_other_weights_are_not_paired():
+    """A P serving another quantization would push KV that D's own weights do not produce."""
+    d = Candidate("d", "d:1", 0, 0, 0, 10_000, 16, weights="int8 (w8a16, per-channel, symmetric)")
+    dense = cand("p")
+    same = Candidate("q", "q:1", 0, 0, 0, 10_000, 16, weights=d.weights)
+    assert choose_route(4096, [d], [dense], CFG).path == "local"
+    assert choose_route(4096, [d], [dense, same], CFG).prefill.worker_id == "q"
+
+
 def cand2(wid, backlog=0, decoding=0, **kw):
     c = cand(wid, **kw)
     return Candidate(
