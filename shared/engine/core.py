@@ -92,6 +92,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     pinned_blocks: int  # blocks held by KV transfers (pins)
+    prefill_backlog_tokens: int = 0  # prompt tokens not computed yet (waiting, running, swapped)
 
 
 class EngineCore:
@@ -432,10 +433,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         sch = self.scheduler
-        held_tokens = slots = 0
-        for r in sch.running:
+        held_tokens = slots = backlog = 0
+        running = tuple(sch.running)  # one atomic copy: other threads (metrics, lease) call this
+        for r in running:
             held_tokens += r.num_computed_tokens
             slots += self.kv.num_blocks_of(r.request_id) * self.block_size
+        for r in running + tuple(sch.waiting) + tuple(sch.swapped):
+            backlog += max(0, r.num_prompt_tokens - r.num_computed_tokens)
         return EngineStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -448,6 +452,7 @@ class EngineCore:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=sch.num_preemptions,
             pinned_blocks=self.kv.num_pinned_blocks,
+            prefill_backlog_tokens=backlog,
         )
 
 

@@ -66,6 +66,12 @@ class _EngineCollector:
         )
         yield gauge("num_requests_waiting", "Sequences waiting or swapped out.", s.waiting)
         yield gauge(
+            "prefill_backlog_tokens",
+            "Prompt tokens admitted and not computed yet (waiting, running or swapped out): "
+            "the prefill work queued on this worker; a prefill pool's scaling signal.",
+            s.prefill_backlog_tokens,
+        )
+        yield gauge(
             "kv_cache_usage_perc", "Fraction of KV blocks held by live requests.", s.kv_cache_usage
         )
         yield gauge(

@@ -1031,8 +1031,8 @@ def test_autoscalers_scale_each_pool_on_metrics_the_code_exports():
                 if "reason" in labels:
                     assert labels["reason"] in _fallback_reasons(), labels["reason"]
         used[role] = names
-    # the signals: prefill queue for P, KV usage and running streams for D
-    assert {"pdserve:num_requests_waiting", "pdserve:num_requests_running"} <= used["prefill"]
+    # the signals: prefill backlog tokens for P, KV usage and running streams for D
+    assert "pdserve:prefill_backlog_tokens" in used["prefill"]
     assert {"pdserve:kv_cache_usage_perc", "pdserve:num_requests_running"} <= used["decode"]
 
 
