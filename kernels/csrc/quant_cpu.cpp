@@ -29,6 +29,7 @@ bool supported() {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr int MR = 8;
+constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight stream
 
 static inline __m512bh load_w8(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -49,55 +50,84 @@ static inline __m512bh xpair(const uint16_t* x, int64_t k) {
   return (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + k));
 }
 
-template <int BITS, int ROWS>
-static void tile(const uint16_t* x, int64_t K, const uint8_t* wblk, const float* scales,
-                 const float* zs, const float* xsum, int64_t G, int64_t gsize, int64_t N,
-                 int64_t n0, at::BFloat16* y, __m512i table) {
-  __m512 res[ROWS], acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) res[r] = _mm512_setzero_ps();
+// One tile: ROWS rows of x against COLS consecutive 16-channel blocks (blk_bytes apart), so each
+// converted weight vector serves ROWS rows and each broadcast of x serves COLS blocks. The
+// per-group sums live in registers (acc); the scaled result accumulates in `res` (memory,
+// touched once per group).
+template <int BITS, int ROWS, int COLS>
+static void tile(const uint16_t* x, int64_t K, const uint8_t* wblk, int64_t blk_bytes,
+                 const float* scales, const float* zs, const float* xsum, int64_t G,
+                 int64_t gsize, int64_t N, int64_t n0, at::BFloat16* y, __m512i table) {
+  alignas(64) float res[ROWS][COLS][16];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) _mm512_store_ps(res[r][c], _mm512_setzero_ps());
+  // Few rows: a second set of accumulators for the odd pair, so 2 x ROWS x COLS dot-product
+  // chains run independently (one chain per accumulator is bound by vdpbf16ps's latency).
+  constexpr bool DUAL = ROWS <= 4;
+  __m512 acc[ROWS][COLS], acc2[DUAL ? ROWS : 1][COLS];
   // bytes per group: 8-bit 32 per pair, 4-bit 32 per two pairs
   const int64_t gbytes = BITS == 8 ? (gsize / 2) * 32 : (gsize / 4) * 32;
   for (int64_t g = 0; g < G; ++g) {
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+    if constexpr (DUAL)
+      for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < COLS; ++c) acc2[r][c] = _mm512_setzero_ps();
     const uint8_t* wp = wblk + g * gbytes;
     const int64_t k0 = g * gsize;
-    if constexpr (BITS == 8) {
-      for (int64_t p = 0; p < gsize / 2; ++p) {
-        const __m512bh w = load_w8((const int8_t*)(wp + p * 32));
-        for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], xpair(x + r * K, k0 + 2 * p), w);
+    // 4 features (two pairs, 64 bytes of 8-bit or 32 bytes of 4-bit codes) per step
+    const int64_t step_bytes = BITS == 8 ? 64 : 32;
+    for (int64_t q = 0; q < gsize / 4; ++q) {
+      __m512bh w0[COLS], w1[COLS];
+      for (int c = 0; c < COLS; ++c) {
+        const uint8_t* src = wp + c * blk_bytes + q * step_bytes;
+        _mm_prefetch((const char*)(src + PREFETCH), _MM_HINT_T0);
+        if constexpr (BITS == 8) {
+          w0[c] = load_w8((const int8_t*)src);
+          w1[c] = load_w8((const int8_t*)(src + 32));
+        } else {
+          load_w4x2(src, table, w0[c], w1[c]);
+        }
       }
-    } else {
-      for (int64_t q = 0; q < gsize / 4; ++q) {
-        __m512bh w0, w1;
-        load_w4x2(wp + q * 32, table, w0, w1);
-        const int64_t k = k0 + 4 * q;
-        for (int r = 0; r < ROWS; ++r) {
-          acc[r] = _mm512_dpbf16_ps(acc[r], xpair(x + r * K, k), w0);
-          acc[r] = _mm512_dpbf16_ps(acc[r], xpair(x + r * K, k + 2), w1);
+      const int64_t k = k0 + 4 * q;
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh xa = xpair(x + r * K, k), xb = xpair(x + r * K, k + 2);
+        for (int c = 0; c < COLS; ++c) {
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xa, w0[c]);
+          if constexpr (DUAL) acc2[r][c] = _mm512_dpbf16_ps(acc2[r][c], xb, w1[c]);
+          else acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w1[c]);
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(scales + g * N + n0);
-    for (int r = 0; r < ROWS; ++r) res[r] = _mm512_fmadd_ps(acc[r], s, res[r]);
-    if (zs != nullptr) {
-      const __m512 z = _mm512_loadu_ps(zs + g * N + n0);
-      for (int r = 0; r < ROWS; ++r)
-        res[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), z, res[r]);
+    for (int c = 0; c < COLS; ++c) {
+      const __m512 s = _mm512_loadu_ps(scales + g * N + n0 + 16 * c);
+      const __m512 z = zs != nullptr ? _mm512_loadu_ps(zs + g * N + n0 + 16 * c) : s;
+      for (int r = 0; r < ROWS; ++r) {
+        __m512 a = acc[r][c];
+        if constexpr (DUAL) a = _mm512_add_ps(a, acc2[r][c]);
+        __m512 v = _mm512_fmadd_ps(a, s, _mm512_load_ps(res[r][c]));
+        if (zs != nullptr) v = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), z, v);
+        _mm512_store_ps(res[r][c], v);
+      }
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(res[r]);
-    _mm256_storeu_si256((__m256i*)(y + r * N + n0), b);
-  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) {
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(res[r][c]));
+      _mm256_storeu_si256((__m256i*)(y + r * N + n0 + 16 * c), b);
+    }
 }
 
-template <int BITS>
+template <int BITS, int COLS>
 static void tile_rows(int64_t rows, const uint16_t* x, int64_t K, const uint8_t* wblk,
-                      const float* scales, const float* zs, const float* xsum, int64_t G,
-                      int64_t gsize, int64_t N, int64_t n0, at::BFloat16* y, __m512i table) {
+                      int64_t blk_bytes, const float* scales, const float* zs, const float* xsum,
+                      int64_t G, int64_t gsize, int64_t N, int64_t n0, at::BFloat16* y,
+                      __m512i table) {
   switch (rows) {
-#define PDS_ROWS(R) \
-  case R: tile<BITS, R>(x, K, wblk, scales, zs, xsum, G, gsize, N, n0, y, table); break;
+#define PDS_ROWS(R)                                                                     \
+  case R:                                                                               \
+    tile<BITS, R, COLS>(x, K, wblk, blk_bytes, scales, zs, xsum, G, gsize, N, n0, y, table); \
+    break;
     PDS_ROWS(1) PDS_ROWS(2) PDS_ROWS(3) PDS_ROWS(4) PDS_ROWS(5) PDS_ROWS(6) PDS_ROWS(7)
     PDS_ROWS(8)
 #undef PDS_ROWS
@@ -147,17 +177,25 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
   const float* zp = asym ? zs.data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t NB = N / 16;
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
+  // work items: pairs of 16-channel blocks (a lone last block when NB is odd)
+  const int64_t items = (NB + 1) / 2;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t nb = 2 * it;
+      const bool pair = nb + 1 < NB;
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int64_t rows = std::min<int64_t>(MR, M - m0);
         const float* xs = asym ? xsum.data() + m0 * G : nullptr;
-        if (bits == 8)
-          tile_rows<8>(rows, xp + m0 * K, K, pp + nb * blk_bytes, sp, zp, xs, G, group_size, N,
-                       nb * 16, yp + m0 * N, table);
-        else
-          tile_rows<4>(rows, xp + m0 * K, K, pp + nb * blk_bytes, sp, zp, xs, G, group_size, N,
-                       nb * 16, yp + m0 * N, table);
+        const uint8_t* wb = pp + nb * blk_bytes;
+        const uint16_t* xr = xp + m0 * K;
+        at::BFloat16* yr = yp + m0 * N;
+        if (bits == 8) {
+          if (pair) tile_rows<8, 2>(rows, xr, K, wb, blk_bytes, sp, zp, xs, G, group_size, N, nb * 16, yr, table);
+          else tile_rows<8, 1>(rows, xr, K, wb, blk_bytes, sp, zp, xs, G, group_size, N, nb * 16, yr, table);
+        } else {
+          if (pair) tile_rows<4, 2>(rows, xr, K, wb, blk_bytes, sp, zp, xs, G, group_size, N, nb * 16, yr, table);
+          else tile_rows<4, 1>(rows, xr, K, wb, blk_bytes, sp, zp, xs, G, group_size, N, nb * 16, yr, table);
+        }
       }
     }
   });
