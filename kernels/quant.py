@@ -487,9 +487,4 @@ def quant_linear(x: torch.Tensor, pw: PreparedWeight, bias: torch.Tensor | None)
 
             y = quant_cpu.run(pw, x)
         return y if bias is None else y + bias
-    if pw.source is None:  # C++ paths carry their own large-M kernel
-        from kernels import quant_cpu
-
-        y = quant_cpu.run(pw, x)
-        return y if bias is None else y + bias
     return F.linear(x, _dequant(pw), bias)

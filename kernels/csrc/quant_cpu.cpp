@@ -205,38 +205,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
 #endif
 }
 
-// The dense bf16 weight [N, K] of a packed one (large-M calls dequantize and use oneDNN).
-at::Tensor dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zs,
-                   int64_t bits, int64_t group_size, int64_t N, int64_t K) {
-  auto w = at::empty({N, K}, at::TensorOptions().dtype(at::kBFloat16));
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const bool asym = zs.numel() > 0;
-  const float* zp = asym ? zs.data_ptr<float>() : nullptr;
-  at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-  const int64_t blk_bytes = bits == 8 ? (K / 2) * 32 : (K / 4) * 32;
-  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t k = 0; k < K; ++k)
-        for (int j = 0; j < 16; ++j) {
-          const int64_t n = nb * 16 + j, g = k / group_size, p = k / 2, word = 2 * j + (k & 1);
-          int c;
-          if (bits == 8) {
-            c = reinterpret_cast<const int8_t*>(pp + nb * blk_bytes + p * 32)[word];
-          } else {
-            const uint8_t b = pp[nb * blk_bytes + (p / 2) * 32 + word];
-            c = static_cast<int>((p & 1) ? (b >> 4) : (b & 15)) - 8;
-          }
-          float v = c * sp[g * N + n];
-          if (asym) v += zp[g * N + n];
-          wp[n * K + k] = at::BFloat16(v);
-        }
-  });
-  return w;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm", &quant_gemm, "x @ W.T for 4/8-bit grouped weights, bf16 (AVX512-BF16)");
-  m.def("dequant", &dequant, "the dense bf16 weight of a packed one");
   m.def("supported", &supported, "whether quant_gemm was built");
 }
