@@ -192,6 +192,9 @@ _WORKER_SERIES = {
     "pdserve:kv_transfer_bytes_total": "transfer_bytes",
     "pdserve:kv_transfer_failures_total": "transfer_failures",
     "pdserve:prefill_fallbacks_total": "prefill_fallbacks",
+    "pdserve:spec_decode_num_drafts_total": "spec_drafts",
+    "pdserve:spec_decode_num_draft_tokens_total": "spec_draft_tokens",
+    "pdserve:spec_decode_num_accepted_tokens_total": "spec_accepted_tokens",
 }
 COUNTERS = (
     "prefix_queries",
@@ -200,6 +203,9 @@ COUNTERS = (
     "transfer_bytes",
     "transfer_failures",
     "prefill_fallbacks",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 )
 
 
@@ -349,6 +355,17 @@ def pool_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer_bytes_per_s": sum(rates) if rates else None,
         "transfer_failures": total("transfer_failures"),
         "prefill_fallbacks": total("prefill_fallbacks"),
+        # speculative decoding: share of draft tokens accepted, tokens per speculating step
+        "spec_acceptance_rate": (
+            total("spec_accepted_tokens") / total("spec_draft_tokens")
+            if total("spec_draft_tokens")
+            else None
+        ),
+        "spec_mean_acceptance_length": (
+            1.0 + total("spec_accepted_tokens") / total("spec_drafts")
+            if total("spec_drafts")
+            else None
+        ),
     }
 
 

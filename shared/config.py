@@ -214,6 +214,92 @@ class SchedulerConfig:
     long_prefill_token_threshold: int
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` (same JSON keys): ``method`` ``ngram`` (prompt lookup:
+    the tokens that followed the latest earlier occurrence of the sequence's last
+    ``prompt_lookup_max .. prompt_lookup_min`` tokens) or ``draft_model`` (a small model
+    with the target's vocabulary, ``model``); ``num_speculative_tokens`` drafts per step;
+    speculation pauses while ``disable_by_batch_size`` or more sequences run."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                d = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not JSON: {e}") from e
+        else:
+            d = dict(value)
+        if not isinstance(d, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "model",
+            "disable_by_batch_size",
+        }
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unsupported key(s) {', '.join(unknown)}")
+        method = d.get("method") or ("draft_model" if d.get("model") else None)
+        if method == "draft":
+            method = "draft_model"
+        if method not in SPEC_METHODS:
+            raise ConfigError(
+                f"--speculative-config method {method!r} is not supported; choose from "
+                f"{', '.join(SPEC_METHODS)}"
+            )
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError("--speculative-config num_speculative_tokens must be 1..16")
+        lo = d.get("prompt_lookup_min")
+        hi = d.get("prompt_lookup_max")
+        if method == "ngram":
+            if lo is None and hi is None:
+                lo, hi = 1, 4
+            elif lo is None:
+                lo = hi
+            elif hi is None:
+                hi = lo
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+                raise ConfigError(
+                    "--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64"
+                )
+        if method == "draft_model" and not d.get("model"):
+            raise ConfigError("--speculative-config method draft_model needs a model directory")
+        dbs = d.get("disable_by_batch_size")
+        if dbs is not None and (not isinstance(dbs, int) or dbs < 1):
+            raise ConfigError("--speculative-config disable_by_batch_size must be a positive int")
+        return cls(method, k, int(lo or 1), int(hi or 4), d.get("model"), dbs)
+
+    def to_json(self) -> str:
+        d: dict = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            d.update(
+                prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max
+            )
+        if self.model:
+            d["model"] = self.model
+        if self.disable_by_batch_size:
+            d["disable_by_batch_size"] = self.disable_by_batch_size
+        return json.dumps(d, separators=(",", ":"))
+
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -245,6 +331,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     max_logprobs: int = 20  # vLLM's: most logprobs a request may ask for
     quantization: str | None = None  # vLLM's --quantization; None: from the checkpoint
+    speculative_config: str | dict | None = None  # vLLM's JSON (SpeculativeConfig)
 
     # ---- CLI ---------------------------------------------------------------------------
     @staticmethod
@@ -311,6 +398,14 @@ class EngineArgs:
             help="weight quantization; default: the checkpoint's quantization_config. int8 "
             "quantizes a dense checkpoint's linear layers per output channel at load",
         )
+        g.add_argument(
+            "--speculative-config",
+            default=None,
+            help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"method": "draft_model", '
+            '"model": DIR, "num_speculative_tokens": 3}; "disable_by_batch_size": N pauses it '
+            "while N or more sequences run",
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -331,11 +426,16 @@ class EngineArgs:
                     out.append(flag)
                 elif f.name.startswith("enable_"):  # BooleanOptionalAction flags
                     out.append("--no-" + flag[2:])
+            elif isinstance(value, dict):
+                out += [flag, json.dumps(value, separators=(",", ":"))]
             elif value is not None:
                 out += [flag, str(value)]
         return out
 
     # ---- resolution --------------------------------------------------------------------
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def create_model_config(self) -> ModelConfig:
         path = Path(self.model)
         cfg_file = path / "config.json"

@@ -1252,6 +1252,38 @@ def make_tiny_model(
     return out
 
 
+def truncate_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
+    """A copy of ``src`` keeping its first ``num_layers`` decoder layers (embedding, final norm
+    and LM head kept): a draft model with the target's tokenizer, for speculative decoding."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= int(cfg["num_hidden_layers"]):
+        raise ValueError(f"num_layers must be in 1..{cfg['num_hidden_layers']}")
+    cfg["num_hidden_layers"] = num_layers
+    if "max_window_layers" in cfg:
+        cfg["max_window_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    out = {}
+    for path in sorted(src.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                parts = k.split(".")
+                if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= num_layers:
+                    continue
+                out[k] = f.get_tensor(k)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -1266,6 +1298,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="write the checkpoint quantized in this method's on-disk layout (round to nearest)",
     )
     quantize.add_cli_args(parser, with_paths=False)
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="also write DIR-draft: the model's first N layers, a speculative-decoding draft "
+        "with its tokenizer",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1290,6 +1329,9 @@ def run(args: argparse.Namespace) -> int:
     path = make_tiny_model(args.dir, args.preset, args.arch, args.seed)
     n_params = _count_params(path)
     print(f"wrote {args.preset} {args.arch} model ({n_params / 1e6:.1f} M parameters) to {path}")
+    if args.draft_layers:
+        draft = truncate_layers(path, f"{str(args.dir).rstrip('/')}-draft", args.draft_layers)
+        print(f"wrote its {args.draft_layers}-layer draft to {draft}")
     return 0
 
 

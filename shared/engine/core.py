@@ -93,6 +93,10 @@ class EngineStats:
     num_preemptions: int
     pinned_blocks: int  # blocks held by KV transfers (pins)
     prefill_backlog_tokens: int = 0  # prompt tokens not computed yet (waiting, running, swapped)
+    spec_num_drafts: int = 0  # speculative decoding (vLLM's spec_decode_* counters)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class EngineCore:
@@ -144,7 +148,19 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks, num_host)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
         self.connector = connector or KVConnector()
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
+        self.spec_config = args.create_speculative_config()
+        spec = None
+        if self.spec_config is not None:
+            from shared.engine.spec_decode import SpecDecoder
+
+            spec = SpecDecoder(self.spec_config, self.model_config.max_model_len)
+            if spec.uses_draft_model:
+                attach = getattr(self.runner, "attach_draft_model", None)
+                if attach is None:
+                    raise ConfigError("this model runner cannot run a draft model")
+                attach(self.spec_config, num_blocks)
+            logger.info("speculative decoding: %s", self.spec_config.to_json())
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, spec)
         self.hash_seeds: dict[str | None, int] = {}
         self.parents: dict[str, list[Request]] = {}
         self.capacity_line = self._capacity_line(num_blocks, num_host)
@@ -440,6 +456,7 @@ class EngineCore:
             slots += self.kv.num_blocks_of(r.request_id) * self.block_size
         for r in running + tuple(sch.waiting) + tuple(sch.swapped):
             backlog += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        st = sch.spec.stats if sch.spec is not None else None
         return EngineStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -453,6 +470,10 @@ class EngineCore:
             num_preemptions=sch.num_preemptions,
             pinned_blocks=self.kv.num_pinned_blocks,
             prefill_backlog_tokens=backlog,
+            spec_num_drafts=st.num_drafts if st else 0,
+            spec_num_draft_tokens=st.num_draft_tokens if st else 0,
+            spec_num_accepted_tokens=st.num_accepted_tokens if st else 0,
+            spec_accepted_per_pos=tuple(st.accepted_per_pos) if st else (),
         )
 
 

@@ -113,6 +113,23 @@ class KVCacheManager:
         self.pool.cache_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
         self.num_cached_blocks[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the blocks past the first ``cdiv(num_tokens, block_size)`` (those only
+        rejected speculative drafts needed), tail first; returns how many. They were never
+        hashed: only blocks of known tokens are."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = cdiv(num_tokens, self.block_size)
+        extra = blocks[keep:]
+        if not extra:
+            return 0
+        if self.num_cached_blocks.get(request.request_id, 0) > keep:
+            raise IntegrityError(f"trimming a hashed block of {request.request_id}")
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its last blocks are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, None)

@@ -18,7 +18,12 @@ import torch
 from kernels import default_backend, get_backend
 from shared.config import CacheConfig, ModelConfig, SchedulerConfig
 from shared.engine.sampler import Sampler
-from shared.engine.scheduler_output import SampleResult, SampleSpec, SchedulerOutput
+from shared.engine.scheduler_output import (
+    SampleResult,
+    SampleSpec,
+    SchedulerOutput,
+    position_spec,
+)
 from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
 from shared.models.quantization import weight_bytes
@@ -81,10 +86,17 @@ class ModelRunner:
             model_config.vocab_size, self.device, seed, argmax_rows=self.backend.argmax_rows
         )
         self.block_size = cache_config.block_size
+        self.drafter = None  # DraftModelProposer (shared/engine/draft_model.py) when configured
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+
+    def attach_draft_model(self, spec, num_blocks: int) -> None:  # type: ignore[no-untyped-def]
+        """Load the speculative draft model with a KV twin pool of ``num_blocks`` blocks."""
+        from shared.engine.draft_model import DraftModelProposer
+
+        self.drafter = DraftModelProposer(self, spec, num_blocks)
 
     # ---- KV pool -----------------------------------------------------------------------
     @property
@@ -179,6 +191,10 @@ class ModelRunner:
         self._move_blocks(out)
         if not out.scheduled:
             return {}
+        drafted: dict[str, list[int]] = {}  # draft-model drafts, by seq id
+        draft_probs: dict[str, torch.Tensor] = {}
+        if self.drafter is not None and any(s.num_lookahead for s in out.scheduled):
+            drafted, draft_probs = self.drafter.propose(out, self.sampler)
         bs = self.block_size
         n_seqs = len(out.scheduled)
         total = out.num_batched_tokens
@@ -192,22 +208,35 @@ class ModelRunner:
         logit_rows: list[int] = []
         rows: list[SampleSpec] = []
         t = 0
+        verify: list[tuple[str, list[int], int]] = []  # (seq id, drafts, first row index)
         for i, s in enumerate(out.scheduled):
-            c, n = s.start, len(s.token_ids)
+            token_ids = s.token_ids
+            drafts = list(s.draft_token_ids)
+            if s.num_lookahead:
+                drafts = drafted[s.seq_id]
+                token_ids = [*s.token_ids, *drafts]
+            c, n = s.start, len(token_ids)
             ids = np.asarray(s.block_ids, dtype=np.int64)
             tables[i, : len(ids)] = ids
             if n == 1:
-                input_ids[t] = s.token_ids[0]
+                input_ids[t] = token_ids[0]
                 positions[t] = c
                 slots[t] = ids[c // bs] * bs + c % bs
             else:
                 pos = np.arange(c, c + n)
-                input_ids[t : t + n] = s.token_ids
+                input_ids[t : t + n] = token_ids
                 positions[t : t + n] = pos
                 slots[t : t + n] = ids[pos // bs] * bs + pos % bs
             t += n
             seq_lens[i] = c + n
             qsl[i + 1] = t
+            if drafts:  # one row per verified position: the last token's and each draft's
+                (spec,) = s.samples
+                verify.append((s.seq_id, drafts, len(rows)))
+                for j in range(len(drafts) + 1):
+                    logit_rows.append(t - 1 - len(drafts) + j)
+                    rows.append(position_spec(spec, drafts, j))
+                continue
             for spec in s.samples:
                 logit_rows.append(t - 1)
                 rows.append(spec)
@@ -230,8 +259,25 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        sampled = self.sampler(logits, rows)
-        return {r.seq_id: tok for r, tok in zip(rows, sampled)}
+        if not verify:
+            sampled = self.sampler(logits, rows)
+            return {r.seq_id: tok for r, tok in zip(rows, sampled)}
+        covered = {i for _, d, first in verify for i in range(first, first + len(d) + 1)}
+        plain = [i for i in range(len(rows)) if i not in covered]
+        result: dict[str, SampleResult] = {}
+        if plain:
+            idx = torch.tensor(plain, device=dev)
+            for i, tok in zip(plain, self.sampler(logits[idx], [rows[i] for i in plain])):
+                result[rows[i].seq_id] = tok
+        for seq_id, drafts, first in verify:
+            k = len(drafts)
+            result[seq_id] = self.sampler.verify(
+                logits[first : first + k + 1],
+                rows[first : first + k + 1],
+                drafts,
+                draft_probs.get(seq_id),
+            )
+        return result
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Byte views: index_put is not implemented for every dtype (fp8), bytes always are.

@@ -20,18 +20,23 @@ import torch
 import xxhash
 
 from shared.engine.request import Logprob
-from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec
+from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec, SpecSample
 
 logger = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
 
 
-def _row_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+def _row_generator(
+    seed: int, position: int, device: torch.device, salt: int = 0
+) -> torch.Generator:
     # the same bytes as packing (seed, position) as int64 for every valid seed; the mask only
-    # keeps a bug elsewhere from turning into struct.error on the engine thread
-    key = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed & _U64, position & _U64)) & (
-        (1 << 63) - 1
-    )
+    # keeps a bug elsewhere from turning into struct.error on the engine thread. ``salt``
+    # separates the streams of one position (speculative decoding's acceptance test and
+    # residual draw); 0 is the plain draw's stream, unchanged.
+    packed = struct.pack("<QQ", seed & _U64, position & _U64)
+    if salt:
+        packed += struct.pack("<Q", salt)
+    key = xxhash.xxh3_64_intdigest(packed) & ((1 << 63) - 1)
     return torch.Generator(device=device).manual_seed(key)
 
 
@@ -146,6 +151,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         # logits: [M, V] for non-greedy rows -> sampled ids [M]
+        return self._race(self._probs(logits, rows), rows)
+
+    def _probs(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
+        """The distribution each non-greedy row samples from (temperature, top-k, top-p, min-p
+        applied to already penalised logits), unnormalised where top-p / min-p cut."""
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
         logits = logits / temps
@@ -169,6 +179,12 @@ class Sampler:
         if any(min_p):
             mp = torch.tensor(min_p, device=dev).unsqueeze(1)
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _race(self, probs: torch.Tensor, rows: list[SampleSpec], salt: int = 0) -> torch.Tensor:
+        """One draw per row from ``probs`` (any non-negative weights): ``argmax(p / E)``, the
+        noise ``E ~ Exp(1)`` keyed by (seed, position[, salt]) for seeded rows."""
+        dev = probs.device
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
@@ -177,9 +193,92 @@ class Sampler:
             )
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                g = _row_generator(r.params.seed, r.num_output_tokens, dev)
+                g = _row_generator(r.params.seed, r.num_output_tokens, dev, salt)
                 noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+    # ---- speculative decoding ---------------------------------------------------------
+    @torch.inference_mode()
+    def verify(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleSpec],
+        drafts: list[int],
+        draft_probs: torch.Tensor | None = None,
+    ) -> SpecSample | SampleError:
+        """Verify ``k = len(drafts)`` drafts from the target's logits at their ``k + 1``
+        positions (``rows[j]``: the draw at position j, as if ``drafts[:j]`` were sampled).
+
+        Greedy rows, and every row of an n-gram proposal (a one-hot ``q``): draw the target's
+        token at each position exactly as without speculation (argmax, or the race with the
+        position's noise) and keep drafts while they equal it; the first that differs is
+        replaced by it (the target's sample given that the draft was rejected: rejection
+        sampling with a one-hot q). Output and seeded streams are those of plain decoding.
+        Sampled rows with a draft model's distributions ``draft_probs`` ``[k, V]``: rejection
+        sampling, accept ``d`` with ``min(1, p(d) / q(d))``, else draw from ``max(p - q, 0)``;
+        a bonus draw from the last position when every draft is accepted."""
+        k = len(drafts)
+        params = rows[0].params
+        if draft_probs is None or params.greedy:
+            draws = self(logits, rows)
+            for d in draws:
+                if isinstance(d, SampleError):
+                    return d
+            toks = [d for d in draws if isinstance(d, SampledToken)]
+            a = 0
+            while a < k and toks[a].token_id == drafts[a]:
+                a += 1
+            return SpecSample(toks[: a + 1], k, a)
+        try:
+            return self._rejection(logits, rows, drafts, draft_probs)
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            return self._row_error(rows[0], e)
+
+    def _rejection(
+        self, logits: torch.Tensor, rows: list[SampleSpec], drafts: list[int], q: torch.Tensor
+    ) -> SpecSample:
+        k = len(drafts)
+        logits = logits.float().clone()
+        want_lp = rows[0].params.logprobs is not None
+        raw = torch.log_softmax(logits, dim=-1) if want_lp else None
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.needs_penalties:
+                self._apply_penalties(logits, i, r)
+        probs = self._probs(logits, rows)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        q = q.float()
+        out: list[SampledToken] = []
+
+        def tok(i: int, t: int) -> SampledToken:
+            lp = self._logprob(raw[i], t, rows[i].params.logprobs) if raw is not None else None
+            return SampledToken(t, lp)
+
+        for i, d in enumerate(drafts):
+            u = self._uniform(rows[i])
+            ratio = float(probs[i, d]) / max(float(q[i, d]), 1e-30)
+            if u < min(1.0, ratio):
+                out.append(tok(i, d))
+                continue
+            resid = (probs[i] - q[i]).clamp_min(0.0)
+            if float(resid.sum()) <= 0.0:
+                resid = probs[i]
+            t = int(self._race(resid.unsqueeze(0), [rows[i]], salt=1)[0])
+            out.append(tok(i, t))
+            return SpecSample(out, k, i)
+        t = int(self._race(probs[k : k + 1], [rows[k]])[0])
+        out.append(tok(k, t))
+        return SpecSample(out, k, k)
+
+    def _uniform(self, row: SampleSpec) -> float:
+        if row.params.seed is not None:
+            g = _row_generator(row.params.seed, row.num_output_tokens, self.device, salt=2)
+            return float(torch.rand(1, generator=g, device=self.device))
+        return float(torch.rand(1, generator=self.generator, device=self.device))
 
     @staticmethod
     def _logprob(raw: torch.Tensor, token: int, top_n: int) -> Logprob:

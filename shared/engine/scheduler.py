@@ -32,7 +32,9 @@ from shared.engine.scheduler_output import (
     SchedulerOutput,
     SeqFailure,
     SeqUpdate,
+    SpecSample,
 )
+from shared.engine.spec_decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +56,14 @@ class Scheduler:
     ``Request.num_computed_tokens``. Roles take part only through ``connector``."""
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        connector: KVConnector | None = None,
+        spec: SpecDecoder | None = None,
     ) -> None:
         self.config = config
+        self.spec = spec
         self.kv = kv
         self.connector = connector or KVConnector()
         self.connector.bind(kv)
@@ -99,10 +106,26 @@ class Scheduler:
 
         i = 0
         req: Request | None  # None once the request preempted itself
+        speculate = self.spec is not None and self.spec.active(len(self.running))
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
             if num_new <= 0:
+                i += 1
+                continue
+            drafts: list[int] = []
+            lookahead = 0
+            if speculate and num_new == 1 and budget > 1:
+                drafts, lookahead = self._drafts(req, budget - 1)
+            # drafts only where their slots fit without preempting anyone
+            if (drafts or lookahead) and self.kv.allocate_slots(
+                req, 1 + len(drafts) + lookahead
+            ) is None:
+                drafts, lookahead = [], 0
+            elif drafts or lookahead:
+                num_new = 1 + len(drafts) + lookahead
+                scheduled[req.request_id] = self._scheduled(req, 1, drafts, lookahead)
+                budget -= num_new
                 i += 1
                 continue
             while True:
@@ -156,7 +179,27 @@ class Scheduler:
             num_new = threshold
         return min(num_new, budget)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _drafts(self, req: Request, room: int) -> tuple[list[int], int]:
+        """(n-gram drafts, draft-model lookahead) for a decoding request, within ``room``
+        budget tokens. None for a request's first token or pending ``n > 1`` siblings."""
+        assert self.spec is not None
+        if req.siblings or req.num_output_tokens == req.num_resumed_tokens:
+            return [], 0
+        k = min(
+            room,
+            self.spec.max_drafts(
+                req.num_tokens, req.num_output_tokens, req.sampling_params.max_tokens
+            ),
+        )
+        if k <= 0:
+            return [], 0
+        if self.spec.uses_draft_model:
+            return [], k
+        return self.spec.propose(req.request_id, req.all_token_ids, k), 0
+
+    def _scheduled(
+        self, req: Request, num_new: int, drafts: list[int] | None = None, lookahead: int = 0
+    ) -> ScheduledSeq:
         """The plain-data work item of ``req`` for this step (its tokens, block table and, when
         the chunk reaches the last known token, what to sample)."""
         c = req.num_computed_tokens
@@ -165,12 +208,18 @@ class Scheduler:
             first = req.num_output_tokens == req.num_resumed_tokens
             seqs = [req, *req.siblings] if first and req.siblings else [req]
             samples = tuple(_sample_spec(s) for s in seqs)
+        tokens = req.all_token_ids[c : c + num_new]
+        if drafts:
+            tokens = [*tokens, *drafts]
         return ScheduledSeq(
             req.request_id,
             c,
-            req.all_token_ids[c : c + num_new],
+            tokens,
             self.kv.block_ids(req.request_id),
             samples,
+            tuple(drafts or ()),
+            lookahead,
+            req.all_token_ids if lookahead else (),
         )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -281,6 +330,14 @@ class Scheduler:
                 if bad is not None:
                     failures.append(SeqFailure(req, bad.reason))
                     continue
+                if s.num_drafts:
+                    update = self._append_spec(req, s, sampled[req.request_id], now)
+                    if not update.finished:
+                        update.kv_blocks_ready = self.connector.blocks_ready(req)
+                        if update.kv_blocks_ready:
+                            update.kv_pin_id = self.connector.pin_of(req)
+                    updates.append(update)
+                    continue
                 req.num_computed_tokens += s.num_new_tokens
                 ready = self.connector.blocks_ready(req)
                 pin = self.connector.pin_of(req) if ready else None
@@ -316,6 +373,44 @@ class Scheduler:
             if isinstance(tok, SampleError):
                 return tok
         return None
+
+    def _append_spec(
+        self, req: Request, s: ScheduledSeq, result: SampleResult, now: float
+    ) -> SeqUpdate:
+        """Apply a verified speculative step: KV is valid for the last token and the accepted
+        drafts; their tokens are appended one by one (a stop among them ends the request
+        there); blocks only rejected drafts needed go back to the pool."""
+        if not isinstance(result, SpecSample):
+            raise TypeError(f"a speculative step got {type(result).__name__}")
+        if not 0 <= result.num_accepted <= s.num_drafts or len(result.tokens) != (
+            result.num_accepted + 1
+        ):
+            raise ValueError(
+                f"bad verification: {result.num_accepted} of {s.num_drafts} drafts accepted, "
+                f"{len(result.tokens)} tokens"
+            )
+        assert self.spec is not None
+        self.spec.stats.record(s.num_drafts, result.num_accepted)
+        req.num_computed_tokens += 1 + result.num_accepted
+        new_ids: list[int] = []
+        new_lps = []
+        finished = False
+        for tok in result.tokens:
+            req.append_output_token(tok.token_id)
+            new_ids.append(tok.token_id)
+            if tok.logprob is not None:
+                req.logprobs.append(tok.logprob)
+                new_lps.append(tok.logprob)
+            if self._check_stop(req, tok.token_id):
+                finished = True
+                break
+        if finished:
+            self._finish(req, now)
+        else:
+            # tokens appended past a stop never happen; the KV of the last one is computed
+            # next step, so keep the blocks that hold num_computed_tokens
+            self.kv.trim(req, req.num_computed_tokens)
+        return SeqUpdate(req, new_ids, new_lps, finished)
 
     def _append(self, req: Request, tok: SampledToken, now: float) -> SeqUpdate:
         req.append_output_token(tok.token_id)
@@ -367,6 +462,8 @@ class Scheduler:
         req.finished_time = now
         if req in self.running:
             self.running.remove(req)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         self.kv.free(req)
         self.connector.request_finished(req)
         self.requests.pop(req.request_id, None)
@@ -420,6 +517,8 @@ class Scheduler:
                     pass  # a pending sibling: not queued yet
             req.status = status
             req.finished_time = time.monotonic()
+            if self.spec is not None:
+                self.spec.forget(rid)
             self.kv.free(req)
             self.connector.request_finished(req)
             aborted.append(req)

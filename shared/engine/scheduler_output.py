@@ -31,6 +31,22 @@ class SampleSpec:
     output_token_ids: Sequence[int] = ()  # only with any penalty
 
 
+def position_spec(spec: SampleSpec, drafts: Sequence[int], j: int) -> SampleSpec:
+    """The draw at verified position ``j`` of a speculating sequence: as if ``drafts[:j]`` had
+    been sampled already (its output position, and the outputs the penalties count)."""
+    if j == 0:
+        return spec
+    outputs = (*spec.output_token_ids, *drafts[:j]) if spec.params.needs_penalties else ()
+    return SampleSpec(
+        spec.seq_id,
+        spec.params,
+        spec.num_output_tokens + j,
+        spec.eos_token_ids,
+        spec.prompt_token_ids,
+        outputs,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One sequence's work this step: compute ``token_ids`` at positions
@@ -44,10 +60,22 @@ class ScheduledSeq:
     token_ids: Sequence[int]
     block_ids: Sequence[int]
     samples: tuple[SampleSpec, ...] = ()
+    # speculative decoding (shared/engine/spec_decode.py): the n-gram drafts, already the tail
+    # of token_ids; or, for a draft model, how many drafts the runner makes itself (token_ids
+    # is then the last token only). Either way the step verifies them and draws one token more.
+    draft_token_ids: tuple[int, ...] = ()
+    num_lookahead: int = 0
+    all_token_ids: Sequence[int] = ()  # with num_lookahead: the sequence so far (the draft
+    # model recomputes its own KV from it where it lacks some)
 
     @property
     def num_new_tokens(self) -> int:
-        return len(self.token_ids)
+        """Positions computed this step (drafts included)."""
+        return len(self.token_ids) + self.num_lookahead
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids) + self.num_lookahead
 
 
 @dataclass
@@ -82,7 +110,17 @@ class SampleError:
     reason: str
 
 
-SampleResult = SampledToken | SampleError
+@dataclass(slots=True)
+class SpecSample:
+    """A speculating sequence's draws: the accepted drafts, then the target's own token (the
+    correction at the first rejected draft, or the bonus after the last accepted)."""
+
+    tokens: list[SampledToken]
+    num_drafts: int
+    num_accepted: int
+
+
+SampleResult = SampledToken | SampleError | SpecSample
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,26 @@ class _EngineCollector:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
         )
         yield counter("num_preemptions", "Preempted sequences.", s.num_preemptions)
+        # speculative decoding, vLLM's names (zero without --speculative-config)
+        yield counter(
+            "spec_decode_num_drafts", "Sequence-steps that carried drafts.", s.spec_num_drafts
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            s.spec_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted at each draft position (0 = the first draft).",
+            labels=[*names, "position"],
+        )
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([*values, str(pos)], n)
+        yield per_pos
 
 
 class WorkerMetrics:

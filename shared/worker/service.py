@@ -143,7 +143,13 @@ class WorkerRuntime:
         self.worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.security = ClusterSecurity.from_cli_args(args)
         self.security.warn_if_open(f"{role} worker")
-        self.engine = EngineCore(EngineArgs.from_cli_args(args), connector=connector_for_role(role))
+        engine_args = EngineArgs.from_cli_args(args)
+        if role == "prefill" and engine_args.speculative_config:
+            # a prefill worker draws one token per request: nothing to speculate on (and no
+            # draft model to load); pdserve up passes the same engine flags to both pools
+            logger.info("prefill worker: --speculative-config ignored")
+            engine_args.speculative_config = None
+        self.engine = EngineCore(engine_args, connector=connector_for_role(role))
         mc = self.engine.model_config
         self.model_name = mc.served_model_name
         self.metrics = WorkerMetrics(role, self.worker_id, self.model_name, self.engine.stats)

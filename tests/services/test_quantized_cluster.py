@@ -71,3 +71,32 @@ def test_on_the_fly_int8_flag_reaches_the_workers(tiny_llama, tmp_path):
         assert len(_complete(url, [5, 6, 7], 4)) == 4
     finally:
         c.stop()
+
+
+def test_speculative_decoding_on_the_disaggregated_path(tiny_llama, tmp_path):
+    """The decode worker speculates (n-gram) on KV that arrived from the prefill worker;
+    greedy output through the router is still transformers' and the drafts are counted."""
+    import json
+
+    import httpx
+
+    prompts = [p * 3 for p in random_prompts(32, lengths=[20, 45])]
+    want = hf_greedy(tiny_llama, prompts, 24)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    c = make_cluster(tiny_llama, tmp_path / "run", "--speculative-config", json.dumps(spec))
+    try:
+        c.start_redis()
+        workers = [c.spawn_worker("prefill", 0), c.spawn_worker("decode", 0)]
+        c.wait_ready(workers)
+        url = c.start_router()
+        got = [_complete(url, p, 24) for p in prompts]
+        assert got == want
+        metrics = httpx.get(c.ready["decode-0"]["metrics"], timeout=10).text
+        drafts = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("pdserve:spec_decode_num_draft_tokens_total")
+        ]
+        assert drafts and drafts[0] > 0
+    finally:
+        c.stop()

@@ -1,0 +1,189 @@
+"""The draft-model proposer of speculative decoding (``method: draft_model``).
+
+The draft model (same vocabulary and tokenizer as the target, checked at start-up) keeps its KV
+in a twin pool indexed by the *target's* block ids: block ``b`` of the draft pool holds the
+draft's KV for the tokens of target block ``b``, so the draft needs no allocator of its own and
+follows every block-table change. What the twin pool holds for a sequence is valid up to
+``min(computed, the step's start)`` positions, and only while the sequence's block table still
+begins with the blocks it was computed in (preemption, swap and prefix-cache sharing change
+them); everything past that is recomputed ("catch-up", one batched prefill of the draft over the
+missing positions). So a decode worker rebuilds the draft's KV for a prompt whose target KV
+arrived from a prefill worker, and nothing about the draft crosses the wire.
+
+Per step, for the sequences the scheduler gave ``k`` lookahead slots: one draft forward over each
+sequence's catch-up positions and its last token (sample draft 1 from its last row), then
+``k - 1`` single-token forwards (drafts 2..k). Greedy requests take the draft's argmax; sampled
+ones draw from the draft's distribution ``q`` (kept for the target's rejection sampling), seeded
+rows from their own (seed, position) stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.config import ConfigError, EngineArgs, SpeculativeConfig
+from shared.engine.scheduler_output import ScheduledSeq, SchedulerOutput, position_spec
+from shared.models.llama import AttentionMetadata
+from shared.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+def _vocab(model_dir: str) -> dict | None:
+    f = Path(model_dir) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text()).get("model", {}).get("vocab")
+
+
+class DraftModelProposer:
+    def __init__(self, runner, spec: SpeculativeConfig, num_blocks: int) -> None:  # type: ignore[no-untyped-def]
+        target = runner.model_config
+        assert spec.model is not None
+        cfg = EngineArgs(
+            model=spec.model, dtype=target.dtype, max_model_len=target.max_model_len
+        ).create_model_config()
+        if cfg.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"draft model {spec.model} has a vocabulary of {cfg.vocab_size} tokens, the "
+                f"target {target.vocab_size}: speculative decoding needs the same tokenizer"
+            )
+        dv, tv = _vocab(spec.model), _vocab(target.path)
+        if dv is not None and tv is not None and dv != tv:
+            raise ConfigError(
+                f"draft model {spec.model} and the target {target.path} have different "
+                "tokenizers (tokenizer.json vocabularies differ)"
+            )
+        self.runner = runner
+        self.config = cfg
+        self.device = runner.device
+        self.backend = runner.backend
+        self.model = load_model(cfg, str(self.device), self.backend)
+        self.block_size = runner.block_size
+        shape = (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = getattr(torch, cfg.dtype)
+        if self.device.type == "cpu":
+            from shared.engine.model_runner import zeroed_host_tensor
+
+            self.kv = zeroed_host_tensor(shape, dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        # seq id -> (positions with valid draft KV, the block ids they were computed in)
+        self.state: dict[str, tuple[int, tuple[int, ...]]] = {}
+        nbytes = self.kv.numel() * self.kv.element_size()
+        logger.info(
+            "draft model %s: %d layers, KV twin pool %.2f GiB",
+            spec.model,
+            cfg.num_layers,
+            nbytes / (1 << 30),
+        )
+
+    def _valid(self, s: ScheduledSeq) -> int:
+        done, blocks = self.state.get(s.seq_id, (0, ()))
+        done = min(done, s.start)
+        n_blocks = -(-done // self.block_size)
+        if tuple(s.block_ids[:n_blocks]) != blocks[:n_blocks]:
+            same = 0
+            for a, b in zip(s.block_ids, blocks):
+                if a != b:
+                    break
+                same += 1
+            done = min(done, same * self.block_size)
+        return done
+
+    def _forward(self, chunks: list[tuple[ScheduledSeq, int, list[int]]]) -> torch.Tensor:
+        """One draft forward: per sequence, tokens at positions ``start ..``; returns the
+        logits of each sequence's last position ``[S, V]``."""
+        bs = self.block_size
+        total = sum(len(t) for _, _, t in chunks)
+        ids = np.empty(total, dtype=np.int64)
+        pos = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        seq_lens = np.empty(len(chunks), dtype=np.int32)
+        qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
+        width = max(len(s.block_ids) for s, _, _ in chunks)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)
+        t = 0
+        for i, (s, start, toks) in enumerate(chunks):
+            n = len(toks)
+            blocks = np.asarray(s.block_ids, dtype=np.int64)
+            tables[i, : len(blocks)] = blocks
+            p = np.arange(start, start + n)
+            ids[t : t + n] = toks
+            pos[t : t + n] = p
+            slots[t : t + n] = blocks[p // bs] * bs + p % bs
+            t += n
+            seq_lens[i] = start + n
+            qsl[i + 1] = t
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            decode_only=total == len(chunks),
+        )
+        hidden = self.model(
+            torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv, meta
+        )
+        last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
+        return self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def propose(
+        self, out: SchedulerOutput, sampler
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+        """Drafts for every lookahead sequence of ``out``, and the draft distributions of
+        the sampled (non-greedy) ones ``[k, V]``."""
+        work = [s for s in out.scheduled if s.num_lookahead]
+        drafts: dict[str, list[int]] = {s.seq_id: [] for s in work}
+        qs: dict[str, list[torch.Tensor]] = {s.seq_id: [] for s in work}
+        chunks = []
+        for s in work:
+            valid = self._valid(s)
+            context = list(s.all_token_ids[valid : s.start]) + list(s.token_ids)
+            chunks.append((s, valid, context))
+        live = chunks
+        for _ in range(max(s.num_lookahead for s in work)):
+            logits = self._forward(live)
+            nxt = []
+            for row, (s, start, toks) in enumerate(live):
+                (spec,) = s.samples
+                d = drafts[s.seq_id]
+                pspec = position_spec(spec, d, len(d))
+                if spec.params.greedy:
+                    tok = int(sampler._greedy(logits[row : row + 1])[0])
+                else:
+                    q = self._q(sampler, logits[row : row + 1], pspec)
+                    tok = int(sampler._race(q, [pspec], salt=3)[0])
+                    qs[s.seq_id].append(q[0] / q[0].sum())
+                d.append(tok)
+                end = start + len(toks)  # positions with draft KV now
+                self.state[s.seq_id] = (end, tuple(s.block_ids))
+                if len(d) < s.num_lookahead:
+                    nxt.append((s, end, [tok]))
+            live = nxt
+            if not live:
+                break
+        keep = {s.seq_id for s in out.scheduled}
+        for sid in [k for k in self.state if k not in keep]:
+            del self.state[sid]
+        probs = {sid: torch.stack(v) for sid, v in qs.items() if v}
+        return drafts, probs
+
+    @staticmethod
+    def _q(sampler, logits: torch.Tensor, spec) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        logits = logits.float().clone()
+        p = spec.params
+        if p.min_tokens and spec.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(spec.eos_token_ids))
+            if banned:
+                logits[0, banned] = float("-inf")
+        if p.needs_penalties:
+            sampler._apply_penalties(logits, 0, spec)
+        return sampler._probs(logits, [spec])
