@@ -28,6 +28,29 @@ from bench.compare_vllm import DEFAULT_MODEL_DIR, PdserveServer, wait_quiet
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def make_echo_model(src: Path, dst: Path) -> Path:
+    """``src`` with every attention and MLP output projection zeroed: the residual stream is
+    the token's embedding, so the next token is a fixed function of the current one (a bigram
+    model at the small model's full per-token cost). Its greedy continuation of text that is
+    already in the context repeats that text: the case speculation is for (a random-weight
+    model never repeats, so it would accept no n-gram draft)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, dst / f.name)
+    w = load_file(str(src / "model.safetensors"))
+    for k in w:
+        if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            w[k] = torch.zeros_like(w[k])
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def echo_prompts(model: str, n: int, seed: int, prefix: int, cont: int) -> list[list[int]]:
     """Prompts whose greedy continuation repeats text in them (made with the engine offline)."""
     from shared.engine import LLM
@@ -152,47 +175,45 @@ def main() -> int:
     if not (model / "model.safetensors").exists():
         make_tiny_model(model, preset="small")
     work = Path(args.work)
-    draft = work / "draft-1layer"
-    if not (draft / "model.safetensors").exists():
-        truncate_layers(model, draft, 1)
+    echo_model = work / "small-echo"
+    if not (echo_model / "model.safetensors").exists():
+        make_echo_model(model, echo_model)
+    drafts = {}
+    for name, m in (("echo", echo_model), ("random", model)):
+        drafts[name] = work / f"{name}-draft-1layer"
+        if not (drafts[name] / "model.safetensors").exists():
+            truncate_layers(m, drafts[name], 1)
     print("[spec] making the echo prompts", flush=True)
-    echo = echo_prompts(str(model), args.num_prompts, 7, 64, 96)
-    variants = {
-        "none": [],
-        "ngram": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 16})],
-        "draft": ["--speculative-config", json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": 16})],
-    }  # fmt: skip
+    echo = echo_prompts(str(echo_model), args.num_prompts, 7, 64, 96)
     conc = [int(c) for c in args.concurrency.split(",")]
     rows = []
-    for name, extra in variants.items():
-        wait_quiet(1.5, 120, name)
-        run = work / name
-        run.mkdir(parents=True, exist_ok=True)
-        server = PdserveServer(str(model), args.port, run / "server.log", run / "run", extra=extra)
-        server.start(600)
-        try:
-            metrics_url = server.metrics_urls().get("decode-0")
-            for workload in ("echo", "random"):
+    for workload, m in (("echo", echo_model), ("random", model)):
+        variants = {
+            "none": [],
+            "ngram": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 16})],
+            "draft": ["--speculative-config", json.dumps({"method": "draft_model", "model": str(drafts[workload]), "num_speculative_tokens": 3, "disable_by_batch_size": 16})],
+        }  # fmt: skip
+        for name, extra in variants.items():
+            wait_quiet(1.5, 120, name)
+            run = work / f"{workload}-{name}"
+            run.mkdir(parents=True, exist_ok=True)
+            server = PdserveServer(str(m), args.port, run / "server.log", run / "run", extra=extra)
+            server.start(600)
+            try:
+                metrics_url = server.metrics_urls().get("decode-0")
                 for c in conc:
                     before = spec_counters(metrics_url) if metrics_url else {}
                     if workload == "echo":
                         r = run_token_prompts(server.base_url, echo, c, 96)
                     else:
                         r = run_bench(
-                            server.base_url,
-                            str(model),
-                            c,
-                            args.num_prompts,
-                            100,
-                            run / f"{workload}-{c}.json",
+                            server.base_url, str(m), c, args.num_prompts, 100, run / f"{c}.json"
                         )
                     after = spec_counters(metrics_url) if metrics_url else {}
-                    drafted = after.get(
-                        "pdserve:spec_decode_num_draft_tokens_total", 0
-                    ) - before.get("pdserve:spec_decode_num_draft_tokens_total", 0)
-                    acc = after.get(
-                        "pdserve:spec_decode_num_accepted_tokens_total", 0
-                    ) - before.get("pdserve:spec_decode_num_accepted_tokens_total", 0)
+                    key_d = "pdserve:spec_decode_num_draft_tokens_total"
+                    key_a = "pdserve:spec_decode_num_accepted_tokens_total"
+                    drafted = after.get(key_d, 0) - before.get(key_d, 0)
+                    acc = after.get(key_a, 0) - before.get(key_a, 0)
                     r.update(
                         variant=name,
                         workload=workload,
@@ -204,8 +225,8 @@ def main() -> int:
                         f"[spec] {name} {workload} c={c}: TPOT p50 {r['tpot_p50']:.1f} ms, ITL p50/p99 {r['itl_p50']:.1f}/{r['itl_p99']:.1f} ms, {r['tok_s']:.0f} tok/s, acceptance {r['acceptance']}",
                         flush=True,
                     )
-        finally:
-            server.stop()
+            finally:
+                server.stop()
     print(
         "\n| workload | concurrency | variant | TPOT p50 ms (x none) | ITL p50 / p99 ms | output tok/s (x none) | acceptance |"
     )
@@ -231,7 +252,7 @@ def main() -> int:
 
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
         for ax, workload in zip(axes, ("echo", "random")):
-            for name in variants:
+            for name in ("none", "ngram", "draft"):
                 pts = [r for r in rows if r["variant"] == name and r["workload"] == workload]
                 ax.plot(
                     [r["concurrency"] for r in pts],

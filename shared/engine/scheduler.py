@@ -185,6 +185,8 @@ class Scheduler:
         assert self.spec is not None
         if req.siblings or req.num_output_tokens == req.num_resumed_tokens:
             return [], 0
+        if not self.spec.allow(req.request_id):
+            return [], 0
         k = min(
             room,
             self.spec.max_drafts(
@@ -390,7 +392,7 @@ class Scheduler:
                 f"{len(result.tokens)} tokens"
             )
         assert self.spec is not None
-        self.spec.stats.record(s.num_drafts, result.num_accepted)
+        self.spec.observe(req.request_id, s.num_drafts, result.num_accepted)
         req.num_computed_tokens += 1 + result.num_accepted
         new_ids: list[int] = []
         new_lps = []

@@ -64,6 +64,15 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
+# A request whose drafts keep being rejected speculates less: below this acceptance (a moving
+# average of accepted / proposed drafts) it decodes plainly for PAUSE_STEPS steps, then probes
+# with one speculative step. A useless draft then costs ~1 step in PAUSE_STEPS + 1 instead of
+# every step (vLLM has only disable_by_batch_size; both apply here).
+MIN_ACCEPTANCE = 0.25
+PAUSE_STEPS = 16
+_EWMA = 0.3  # weight of the newest step
+
+
 class SpecDecoder:
     """The scheduler's half of speculative decoding: how many drafts a request may carry this
     step and, for n-gram, which."""
@@ -74,6 +83,22 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self._index: dict[str, NgramIndex] = {}
+        self._accept: dict[str, list[float]] = {}  # request -> [acceptance average, paused steps]
+
+    def allow(self, request_id: str) -> bool:
+        """Whether this request may speculate this step (see ``MIN_ACCEPTANCE``)."""
+        st = self._accept.get(request_id)
+        if st is None or st[1] <= 0:
+            return True
+        st[1] -= 1
+        return False
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.stats.record(num_drafts, num_accepted)
+        st = self._accept.setdefault(request_id, [1.0, 0])
+        st[0] = (1 - _EWMA) * st[0] + _EWMA * (num_accepted / num_drafts)
+        if st[0] < MIN_ACCEPTANCE:
+            st[1] = PAUSE_STEPS
 
     @property
     def uses_draft_model(self) -> bool:
@@ -102,3 +127,4 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self._index.pop(request_id, None)
+        self._accept.pop(request_id, None)

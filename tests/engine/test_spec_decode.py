@@ -316,3 +316,22 @@ def test_randomized_steps_with_speculation_keep_integrity(kind, tiny_llama, draf
     allowed = {h for r in seen for h in r.block_hashes}
     cached = {b.block_hash for b in pool.blocks if b.block_hash is not None}
     assert cached and cached <= allowed
+
+
+@pytest.mark.unit
+def test_a_request_whose_drafts_fail_pauses_then_probes():
+    from shared.engine.spec_decode import MIN_ACCEPTANCE, PAUSE_STEPS, SpecDecoder
+
+    spec = SpecDecoder(SpeculativeConfig.parse(json.dumps(NGRAM)), max_model_len=4096)
+    steps = 0
+    while spec.allow("r"):  # every draft rejected: the average falls below the floor
+        spec.observe("r", 4, 0)
+        steps += 1
+        assert steps < 20
+    assert steps == 4 and MIN_ACCEPTANCE > 0
+    paused = 1 + sum(1 for _ in range(PAUSE_STEPS * 2) if not spec.allow("r"))
+    assert paused == PAUSE_STEPS  # then one probe step
+    spec.observe("r", 4, 4)  # a good probe: speculating again
+    assert all(spec.allow("r") for _ in range(5))
+    spec.forget("r")
+    assert spec.allow("other") and "r" not in spec._accept
