@@ -182,12 +182,15 @@ def test_greedy_output_is_unchanged_and_matches_transformers(kind, tiny_llama, d
     from tests.engine.helpers import hf_greedy, mismatches
 
     prompts = _prompts(1)
+    rng = random.Random(9)  # later prompts share earlier ones' prefixes: prefix-cache hits
+    prompts += [p[:48] + [rng.randrange(3, 2048) for _ in range(9)] for p in prompts if len(p) > 48]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    # chunked prefill (32-token steps) and prefix caching on
+    # chunked prefill (64-token steps), at most 4 running: the later prompts find the prefixes
     kw = {"max_num_batched_tokens": 64, "max_num_seqs": 4}
     got, llm = _run(tiny_llama, prompts, sp, speculative_config=_spec_config(kind, draft_dir), **kw)
     assert mismatches(got, hf_greedy(tiny_llama, prompts, 48)) == []
     st = llm.engine.stats()
+    assert st.prefix_cache_hits > 0
     assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens >= st.spec_num_drafts
     assert 0 < st.spec_num_accepted_tokens <= st.spec_num_draft_tokens
     llm.engine.check_integrity()

@@ -73,16 +73,23 @@ def test_on_the_fly_int8_flag_reaches_the_workers(tiny_llama, tmp_path):
         c.stop()
 
 
-def test_speculative_decoding_on_the_disaggregated_path(tiny_llama, tmp_path):
-    """The decode worker speculates (n-gram) on KV that arrived from the prefill worker;
-    greedy output through the router is still transformers' and the drafts are counted."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_the_disaggregated_path(method, tiny_llama, tmp_path):
+    """The decode worker speculates on KV that arrived from the prefill worker (a draft model
+    rebuilds its own KV of the prompt); greedy output through the router is still
+    transformers' and the drafts are counted."""
     import json
 
     import httpx
 
+    from shared.cli.tiny_model import truncate_layers
+
     prompts = [p * 3 for p in random_prompts(32, lengths=[20, 45])]
     want = hf_greedy(tiny_llama, prompts, 24)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        draft = truncate_layers(tiny_llama, tmp_path / "draft", 1)
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     c = make_cluster(tiny_llama, tmp_path / "run", "--speculative-config", json.dumps(spec))
     try:
         c.start_redis()
