@@ -440,6 +440,7 @@ def bench_quant(ctx: Ctx, peak: float) -> None:
         schemes = {
             "int8": quant.quantize_int8_per_channel(w),
             "w4g128": quant.quantize_rtn(w, 4, 128 if k >= 128 else 32, True),
+            "fp8": quant.quantize_fp8_per_channel(w),
         }
         dense = w.to(dev, torch.bfloat16)
         copies = 1 if ctx.dry_run else max(1, cdiv(512 << 20, n * k * 2))
@@ -456,7 +457,12 @@ def bench_quant(ctx: Ctx, peak: float) -> None:
             for name, qw in schemes.items():
                 pw = quant.prepare(qw, dev, torch.bfloat16)
                 ok = pw.path.startswith("triton") or ctx.device != "cuda"
-                if not pw.path.startswith("triton"):  # dry run on the CPU: call the kernel
+                if isinstance(qw, quant.Fp8Weight) and not pw.path.startswith("triton"):
+                    pw = quant.PreparedWeight(
+                        "triton-fp8", n, k, torch.bfloat16, dict(pw.tensors), None, 1 << 62,
+                        None, 8, k,
+                    )  # fmt: skip
+                elif not pw.path.startswith("triton"):  # dry run on the CPU: call the kernel
                     from kernels import triton_quant
 
                     pw = quant.PreparedWeight(

@@ -111,6 +111,61 @@ class QuantizedWeight:
         )
 
 
+@dataclass
+class Fp8Weight:
+    """fp8 (e4m3) weights ``[N, K]`` with one fp32 scale per output channel ``[N]``:
+    ``w = weight.float() * scale[:, None]``."""
+
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [N]
+    perm: torch.Tensor | None = None  # never set (no act order for fp8); kept for the API
+    bits: int = 8
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale.float().unsqueeze(1)).to(dtype)
+
+    @staticmethod
+    def concat(parts: list[Fp8Weight]) -> Fp8Weight:
+        return Fp8Weight(
+            torch.cat([p.weight for p in parts], 0), torch.cat([p.scale for p in parts], 0)
+        )
+
+
+FP8_MAX = 448.0  # largest finite e4m3fn
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> Fp8Weight:
+    """e4m3 weights with a per-output-channel scale (``--quantization fp8`` at load)."""
+    scale = w.float().abs().amax(1).clamp_min(1e-12) / FP8_MAX
+    q = (w.float() / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(q, scale)
+
+
+def from_fp8_checkpoint(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> Fp8Weight:
+    """An fp8 checkpoint's linear (AutoFP8 / llm-compressor ``weight`` in e4m3 and its
+    ``weight_scale``: a scalar per tensor or one per output channel); a dense ``weight``
+    (a checkpoint that left the layer unquantized) is quantized here."""
+    if weight.dtype != torch.float8_e4m3fn:
+        return quantize_fp8_per_channel(weight)
+    n = int(weight.shape[0])
+    if weight_scale is None:
+        raise QuantFormatError("fp8 weight without weight_scale")
+    s = weight_scale.float().flatten()
+    if s.numel() == 1:
+        s = s.expand(n).clone()
+    if s.numel() != n:
+        raise QuantFormatError(f"weight_scale has {s.numel()} values for {n} output channels")
+    return Fp8Weight(weight, s)
+
+
 # ---- bit packing ------------------------------------------------------------------------
 
 
@@ -378,7 +433,7 @@ def _cpu_int4_ok(qw: QuantizedWeight) -> bool:
 
 
 def prepare(
-    qw: QuantizedWeight,
+    qw: QuantizedWeight | Fp8Weight,
     device: torch.device,
     dtype: torch.dtype,
     cpp: object = None,
@@ -392,6 +447,10 @@ def prepare(
     path of every device but the CPU, and of every call when ``kernels`` is False).
     """
     n, k = qw.out_features, qw.in_features
+    if isinstance(qw, Fp8Weight):
+        t = {"w": qw.weight.to(device), "scale": qw.scale.float().to(device)}
+        path = "triton-fp8" if kernels and device.type == "cuda" and _triton_fp8_ok() else "fp8"
+        return PreparedWeight(path, n, k, dtype, t, None, 1 << 62, None, 8, k)
     perm = None if qw.perm is None else qw.perm.to(device)
     low_precision = dtype in (torch.bfloat16, torch.float16)
     meta = {"bits": qw.bits, "group_size": qw.group_size}
@@ -445,6 +504,14 @@ def prepare(
     )
 
 
+def _triton_fp8_ok() -> bool:
+    try:
+        from kernels import triton_quant  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _triton_ok(qw: QuantizedWeight) -> bool:
     try:
         from kernels import triton_quant
@@ -471,6 +538,14 @@ def quant_linear(x: torch.Tensor, pw: PreparedWeight, bias: torch.Tensor | None)
         x = x.index_select(-1, pw.perm)
     m = x.shape[0]
     t = pw.tensors
+    if pw.path == "fp8":  # dequantize per call (CPU and any device without Triton)
+        w = (t["w"].float() * t["scale"].unsqueeze(1)).to(x.dtype)
+        return F.linear(x, w, bias)
+    if pw.path == "triton-fp8":
+        from kernels import triton_quant
+
+        y = triton_quant.fp8_matmul(x, t["w"], t["scale"])
+        return y if bias is None else y + bias
     if m <= pw.small_m:
         if pw.path == "torch-int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), t["q"], t["scale"])

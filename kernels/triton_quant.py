@@ -77,6 +77,86 @@ def _quant_matmul_kernel(
     )
 
 
+@triton.jit
+def _fp8_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """y = x @ (w_e4m3 * s[:, None]).T: the weight tile is widened to fp32 in registers and
+    rounded to the activation dtype; the per-channel scale is applied to the fp32 sums."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        compute_dtype = x.dtype
+        x = to_compute_dtype(x, compute_dtype, EMULATE_BF16)
+        w = tl.load(
+            w_ptr + offs_n[None, :] * K + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        w = to_compute_dtype(w.to(tl.float32), compute_dtype, EMULATE_BF16)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    acc = acc * s[None, :]
+    if EMULATE_BF16:
+        acc = round_rne(acc, BF16_MANT_BITS, BF16_MIN_EXP)
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ (w * scale[:, None]).T`` for e4m3 ``w [N, K]``."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = int(w.shape[0])
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    _fp8_matmul_kernel[grid](
+        x,
+        w,
+        scale,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_K=BLOCK_K,
+        EMULATE_BF16=x.dtype == torch.bfloat16 and _interpreted(),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )
+    return y
+
+
 def supports(qw) -> bool:  # type: ignore[no-untyped-def]
     return qw.bits in (4, 8) and qw.group_size % BLOCK_K == 0 and qw.in_features % BLOCK_K == 0
 

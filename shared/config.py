@@ -60,7 +60,15 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
 
 
-QUANTIZATION_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "int8")
+QUANTIZATION_METHODS = (
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "compressed-tensors",
+    "int8",
+    "fp8",
+)
 _QUANT_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
@@ -83,6 +91,8 @@ class QuantizationConfig:
     skip: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.method == "fp8":
+            return "fp8 (w8a16 e4m3, per-channel scales)"
         g = "per-channel" if self.group_size in (-1, 0) else f"group {self.group_size}"
         sym = "symmetric" if self.symmetric else "asymmetric"
         act = ", act-order" if self.desc_act else ""
@@ -103,13 +113,13 @@ def resolve_quantization(requested: str | None, hf: dict) -> QuantizationConfig 
     if not qc:
         if want is None:
             return None
-        if want != "int8":
+        if want not in ("int8", "fp8"):
             raise ConfigError(
                 f"--quantization {requested} needs a checkpoint quantized with it; this one has "
-                "no quantization_config (use --quantization int8 to quantize a dense checkpoint "
-                "at load)"
+                "no quantization_config (use --quantization int8 or fp8 to quantize a dense "
+                "checkpoint at load)"
             )
-        return QuantizationConfig("int8", 8, -1, True)
+        return QuantizationConfig(want, 8, -1, True)
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
     method = {"compressed-tensors": "compressed-tensors"}.get(method, method)
     if want is not None and want != method:
@@ -147,9 +157,16 @@ def resolve_quantization(requested: str | None, hf: dict) -> QuantizationConfig 
         )
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "fp8":  # AutoFP8 / vLLM Fp8Config checkpoints: e4m3 weights + weight_scale
+        if qc.get("weight_block_size"):
+            raise ConfigError(
+                f"fp8 with weight_block_size {qc['weight_block_size']} is not supported "
+                "(per-tensor or per-channel scales)"
+            )
+        return QuantizationConfig("fp8", 8, -1, True)
     raise ConfigError(
         f"quantization method {method!r} (from quantization_config) is not supported; "
-        f"supported: awq, gptq, compressed-tensors, int8"
+        f"supported: awq, gptq, compressed-tensors, fp8, int8"
     )
 
 

@@ -195,7 +195,9 @@ def _install_quantized(
     for base, suffixes in kinds.items():
         if skipped(qc, base):
             continue
-        if qc.method == "int8" or any(s != "weight" and is_quant_tensor(qc, s) for s in suffixes):
+        if qc.method in ("int8", "fp8") or any(
+            s != "weight" and is_quant_tensor(qc, s) for s in suffixes
+        ):
             quantized.add(base)
     dense: set[str] = set()
     by_module: dict[str, set[bool]] = {}
@@ -230,7 +232,12 @@ def _finish_quantized(
         if not all(p in collected for p in parts):
             continue
         shards = [read_linear(qc, collected.pop(p), p) for p in parts]
-        qw = shards[0] if len(shards) == 1 else quant.QuantizedWeight.concat(shards)
+        if len(shards) == 1:
+            qw = shards[0]
+        elif isinstance(shards[0], quant.Fp8Weight):
+            qw = quant.Fp8Weight.concat(shards)  # type: ignore[arg-type]
+        else:
+            qw = quant.QuantizedWeight.concat(shards)  # type: ignore[arg-type]
         pw = quant.prepare(qw, torch.device(device), dtype, cpp)
         module.set_weight(pw)
         paths[pw.path] += 1

@@ -34,6 +34,7 @@ QUANT_SUFFIXES = {
         "weight_g_idx",
     ),
     "int8": ("weight",),
+    "fp8": ("weight", "weight_scale", "input_scale"),  # input_scale: unused (weight-only)
 }
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -100,11 +101,13 @@ def skipped(qc: QuantizationConfig, hf_base: str) -> bool:
 
 def read_linear(
     qc: QuantizationConfig, tensors: dict[str, torch.Tensor], name: str
-) -> QuantizedWeight:
+) -> QuantizedWeight | quant.Fp8Weight:
     """The canonical weight of one Hugging Face linear from its checkpoint tensors."""
     try:
         if qc.method == "int8":
             return quant.quantize_int8_per_channel(tensors["weight"])
+        if qc.method == "fp8":
+            return quant.from_fp8_checkpoint(tensors["weight"], tensors.get("weight_scale"))
         if qc.method == "awq":
             return quant.from_awq(
                 tensors["qweight"], tensors["qzeros"], tensors["scales"], qc.group_size

@@ -295,6 +295,14 @@ def test_quant_linear_matches_the_dequantized_reference(path, act_order):
 def test_quantization_config_resolution():
     assert resolve_quantization(None, {}) is None
     assert resolve_quantization("int8", {}).method == "int8"
+    assert resolve_quantization("fp8", {}).method == "fp8"
+    assert (
+        resolve_quantization(None, {"quantization_config": {"quant_method": "fp8"}}).method == "fp8"
+    )
+    with pytest.raises(ConfigError, match="weight_block_size"):
+        resolve_quantization(
+            None, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+        )
     awq = {
         "quant_method": "awq",
         "bits": 4,
@@ -404,6 +412,51 @@ def test_on_the_fly_int8_equals_the_int8_checkpoint(tiny_llama, quantized_tiny):
     assert _ours(tiny_llama, prompts, 10, quantization="int8") == _ours(
         quantized_tiny("ct-w8a16"), prompts, 10
     )
+
+
+def _fp8_reference_dir(src: Path, dst: Path, write_fp8: Path | None = None) -> Path:
+    """A dense copy of ``src`` whose projections hold their e4m3 round trip (per-channel
+    scale amax / 448), computed here; with ``write_fp8`` also the fp8 checkpoint itself
+    (e4m3 ``weight`` + ``weight_scale`` per channel, quant_method fp8)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for d in [dst] + ([write_fp8] if write_fp8 else []):
+        d.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                (d / f.name).write_bytes(f.read_bytes())
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    dense, fp8 = {}, {}
+    for k, v in t.items():
+        proj = k.endswith("_proj.weight") and ".layers." in k
+        if not proj:
+            dense[k] = fp8[k] = v
+            continue
+        scale = v.float().abs().amax(1) / 448.0
+        q = (v.float() / scale[:, None]).to(torch.float8_e4m3fn)
+        dense[k] = (q.float() * scale[:, None]).to(v.dtype)
+        fp8[k] = q
+        fp8[k.replace(".weight", ".weight_scale")] = scale
+    save_file(dense, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if write_fp8:
+        save_file(fp8, str(write_fp8 / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((write_fp8 / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        (write_fp8 / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.integration
+def test_fp8_weights_on_the_fly_and_from_a_checkpoint_match_transformers(tiny_llama, tmp_path):
+    from tests.engine.helpers import hf_greedy, mismatches
+
+    ref_dir = _fp8_reference_dir(tiny_llama, tmp_path / "ref", tmp_path / "fp8")
+    prompts = _prompts(5, seed=14)
+    want = hf_greedy(ref_dir, prompts, 12)
+    assert mismatches(_ours(tiny_llama, prompts, 12, quantization="fp8"), want) == []
+    assert mismatches(_ours(tmp_path / "fp8", prompts, 12), want) == []
 
 
 @pytest.mark.integration
