@@ -137,7 +137,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             check_deadline(request.deadline_s)
             params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
             resume, resume_finished = resume_from_proto(request.resume, params.n)
-        except (WireError, SamplingParamsError) as e:
+            if params.structured_outputs is not None:  # compiled here, not on the engine thread
+                await asyncio.to_thread(rt.engine.compile_grammar, params)
+        except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.flights:
             await context.abort(

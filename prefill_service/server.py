@@ -103,7 +103,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     "dst_block_ids",
                 )
             params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
-        except (WireError, SamplingParamsError) as e:
+            if params.structured_outputs is not None:  # compiled here, not on the engine thread
+                await asyncio.to_thread(rt.engine.compile_grammar, params)
+        except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         params.max_tokens = 1
         params.min_tokens = 0

@@ -65,6 +65,8 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's structured outputs: one of json (a schema), regex, choice, grammar, json_object
+    structured_outputs: dict[str, Any] | None = None
     priority: int = 0
 
 

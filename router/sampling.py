@@ -8,6 +8,7 @@ instead of being ignored. Sampling defaults missing from the request come from t
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,6 +59,100 @@ def _bad(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SCHEMA_CHARS = 256 * 1024
+
+
+def structured_outputs(req: SamplingFields) -> pb.StructuredOutputs | None:
+    """The request's constraint, from ``response_format`` (``json_object``, ``json_schema``),
+    vLLM's ``structured_outputs`` extra or its older ``guided_*`` fields; at most one of them."""
+    found: list[tuple[str, pb.StructuredOutputs]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", pb.StructuredOutputs(json_object=True)))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise _bad(
+                    "response_format json_schema needs json_schema.schema (an object)",
+                    "response_format",
+                )
+            found.append(("response_format", pb.StructuredOutputs(json=_schema_text(schema))))
+        elif kind != "text":
+            raise _bad(
+                f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                "response_format",
+            )
+    so = req.structured_outputs
+    if so is not None:
+        keys = [k for k in _SO_KINDS if so.get(k) not in (None, False)]
+        unknown = sorted(set(so) - set(_SO_KINDS) - {"disable_any_whitespace"})
+        if unknown or len(keys) != 1:
+            raise _bad(
+                f"structured_outputs needs exactly one of {', '.join(_SO_KINDS)}"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else ""),
+                "structured_outputs",
+            )
+        found.append(("structured_outputs", _so_message(keys[0], so[keys[0]])))
+    for name, kind in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        v = getattr(req, name)
+        if v is not None:
+            found.append((name, _so_message(kind, v)))
+    if len(found) > 1:
+        raise _bad(
+            f"{' and '.join(n for n, _ in found)} both constrain the output: use one",
+            found[1][0],
+        )
+    return found[0][1] if found else None
+
+
+def _schema_text(schema: object) -> str:
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise _bad(
+            f"the schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS}",
+            "structured_outputs",
+        )
+    return text
+
+
+def _so_message(kind: str, value: object) -> pb.StructuredOutputs:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise _bad(f"structured_outputs json is not JSON: {e}", "structured_outputs") from e
+        if not isinstance(value, dict):
+            raise _bad("structured_outputs json must be a JSON schema object", "structured_outputs")
+        return pb.StructuredOutputs(json=_schema_text(value))
+    if kind == "json_object":
+        return pb.StructuredOutputs(json_object=True)
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise _bad("choice must be a non-empty list of non-empty strings", "structured_outputs")
+        return pb.StructuredOutputs(choice=pb.ChoiceList(items=value))
+    if not isinstance(value, str) or not value:
+        raise _bad(f"structured_outputs {kind} must be a non-empty string", "structured_outputs")
+    if len(value) > MAX_SCHEMA_CHARS:
+        raise _bad(f"structured_outputs {kind} is too long", "structured_outputs")
+    if kind == "regex":
+        return pb.StructuredOutputs(regex=value)
+    return pb.StructuredOutputs(grammar=value)
+
+
 def check_unsupported(req: SamplingFields) -> None:
     """Refuse request features the engine does not implement."""
     if req.use_beam_search:
@@ -72,16 +167,7 @@ def check_unsupported(req: SamplingFields) -> None:
         raise _bad("bad_words is not supported", "bad_words")
     if req.prompt_logprobs is not None:
         raise _bad("prompt_logprobs is not supported", "prompt_logprobs")
-    if any(
-        v is not None
-        for v in (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
-    ):
-        raise _bad("guided decoding is not supported", "guided_json")
-    rf = req.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        raise _bad(
-            f"response_format {rf.get('type')!r} is not supported (only 'text')", "response_format"
-        )
+    structured_outputs(req)  # 400 for a malformed response_format / structured_outputs
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise _bad("echo is not supported", "echo")
@@ -315,6 +401,9 @@ def build_params(
     logprobs = requested_logprobs(req, limits)
     if logprobs is not None:
         sp.logprobs = logprobs
+    so = structured_outputs(req)
+    if so is not None:
+        sp.structured_outputs.CopyFrom(so)
     stop_ids = frozenset(req.stop_token_ids or ())
     terminal = stop_ids if req.ignore_eos else stop_ids | limits.eos_token_ids
     out = OutputParams(

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shared.config import ConfigError, EngineArgs, GiB
 from shared.engine.connector import (
@@ -39,6 +39,9 @@ from shared.engine.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpda
 from shared.engine.scheduler_output import SampleResult, SchedulerOutput
 from shared.hashing import hash_seed
 from shared.kv_events import KVEvent
+
+if TYPE_CHECKING:
+    from shared.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +164,7 @@ class EngineCore:
                 attach(self.spec_config, num_blocks)
             logger.info("speculative decoding: %s", self.spec_config.to_json())
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, spec)
+        self._grammars: GrammarCompiler | None = None
         self.hash_seeds: dict[str | None, int] = {}
         self.parents: dict[str, list[Request]] = {}
         self.capacity_line = self._capacity_line(num_blocks, num_host)
@@ -190,6 +194,23 @@ class EngineCore:
         return line
 
     # ---- requests ----------------------------------------------------------------------
+    def compile_grammar(self, params: SamplingParams) -> object:
+        """The compiled grammar of ``params.structured_outputs`` (cached by spec; callers off
+        the engine thread call this first so the engine thread only looks it up).
+        ``InvalidRequestError`` when it does not compile."""
+        if self._grammars is None:
+            from shared.engine.structured_output import GrammarCompiler
+
+            mc = self.model_config
+            self._grammars = GrammarCompiler(
+                self.args.tokenizer or mc.path, mc.vocab_size, mc.eos_token_ids
+            )
+        assert params.structured_outputs is not None
+        try:
+            return self._grammars.compile(params.structured_outputs)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from e
+
     def add_request(
         self,
         request_id: str,
@@ -244,6 +265,9 @@ class EngineCore:
             raise InvalidRequestError(
                 f"logprobs {params.logprobs} exceeds the vocabulary ({mc.vocab_size})", "logprobs"
             )
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.compile_grammar(params)
         room = mc.max_model_len - len(prompt)
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
@@ -299,6 +323,7 @@ class EngineCore:
                     arrival_time=now,
                     output_token_ids=done,
                     num_resumed_tokens=len(done),
+                    grammar=grammar,
                 )
             )
         leader = seqs[0]

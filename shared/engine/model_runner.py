@@ -188,6 +188,8 @@ class ModelRunner:
         """Copies / swaps, one forward pass over every scheduled chunk, and one draw per
         ``SampleSpec``; returns the draws by ``seq_id``."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
+        if out.finished_seq_ids:
+            self.sampler.matchers.drop(out.finished_seq_ids)
         self._move_blocks(out)
         if not out.scheduled:
             return {}

@@ -76,6 +76,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None  # why it ended in FINISHED_ERROR
+    grammar: object | None = None  # compiled structured-outputs grammar (opaque to the core)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -21,6 +21,7 @@ import xxhash
 
 from shared.engine.request import Logprob
 from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec, SpecSample
+from shared.engine.structured_output import Matchers
 
 logger = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
@@ -55,6 +56,7 @@ class Sampler:
         self.device = device
         self._argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
         self.generator = torch.Generator(device=device)
+        self.matchers = Matchers()  # structured outputs: one grammar matcher per sequence
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
@@ -101,6 +103,9 @@ class Sampler:
                     logits[i, banned] = float("-inf")
             if p.needs_penalties:
                 self._apply_penalties(logits, i, r)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            self._apply_grammars(logits, rows, constrained)
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == n:
@@ -114,6 +119,8 @@ class Sampler:
                 logits[rand], [rows[i] for i in rand]
             )
         token_list = tokens.tolist()
+        for i in constrained:
+            self.matchers.accepted(rows[i].seq_id, token_list[i])
         out = []
         for i, r in enumerate(rows):
             lp = None
@@ -129,7 +136,51 @@ class Sampler:
     @staticmethod
     def _needs_processing(r: SampleSpec) -> bool:
         p = r.params
-        return p.needs_penalties or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
+        return (
+            p.needs_penalties
+            or r.grammar is not None
+            or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
+        )
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, rows: list[SampleSpec], constrained: list[int]
+    ) -> None:
+        """Mask every constrained row to the tokens its grammar allows next (one batched
+        bitmask application); a finished grammar allows only the end of the sequence."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        masked = []
+        for i in constrained:
+            r = rows[i]
+            m = self.matchers.get(r.seq_id, r.grammar, r.output_token_ids)
+            if m.is_terminated():  # type: ignore[attr-defined]
+                self._only_end(logits, i, r)
+                continue
+            m.fill_next_token_bitmask(bitmask, i)  # type: ignore[attr-defined]
+            masked.append(i)
+            g = r.grammar
+            if g.banned:  # type: ignore[attr-defined]
+                logits[i, g.banned] = float("-inf")  # type: ignore[attr-defined]
+            if r.output_token_ids and r.output_token_ids[-1] in g.ends_ed:  # type: ignore[attr-defined]
+                logits[i, g.after_ed] = float("-inf")  # type: ignore[attr-defined]
+        if masked:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=masked
+            )
+            # where the grammar allows only the end and min_tokens banned it, the grammar wins:
+            # no token could continue the output validly
+            dead = ~torch.isfinite(logits[masked]).any(dim=-1)
+            for j in torch.nonzero(dead).flatten().tolist():
+                self._only_end(logits, masked[j], rows[masked[j]])
+
+    @staticmethod
+    def _only_end(logits: torch.Tensor, i: int, r: SampleSpec) -> None:
+        """Row ``i`` may only end the sequence (its EOS, else its stop ids), min_tokens or not."""
+        keep = list(r.eos_token_ids) or list(r.params.stop_token_ids)
+        logits[i] = float("-inf")
+        if keep:
+            logits[i, keep] = 0.0
 
     def _apply_penalties(self, logits: torch.Tensor, i: int, r: SampleSpec) -> None:
         p = r.params

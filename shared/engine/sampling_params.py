@@ -39,6 +39,55 @@ def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema / regex / grammar larger than this is refused
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema, as JSON text),
+    ``regex``, ``choice``, ``grammar`` (EBNF / GBNF) or ``json_object`` (any JSON object)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind(self) -> tuple[str, str]:
+        """(kind, spec): the compiled-grammar cache key."""
+        set_ = [
+            (k, v)
+            for k, v in (
+                ("json", self.json),
+                ("regex", self.regex),
+                ("grammar", self.grammar),
+            )
+            if v is not None
+        ]
+        if self.choice is not None:
+            set_.append(("choice", "\x00".join(self.choice)))
+        if self.json_object:
+            set_.append(("json_object", ""))
+        if len(set_) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {len(set_)}",
+                param="structured_outputs",
+            )
+        kind, spec = set_[0]
+        if len(spec) > MAX_GRAMMAR_CHARS:
+            raise SamplingParamsError(
+                f"structured_outputs {kind} has {len(spec)} characters; at most "
+                f"{MAX_GRAMMAR_CHARS} allowed",
+                param="structured_outputs",
+            )
+        if kind == "choice" and (not self.choice or not all(self.choice)):
+            raise SamplingParamsError(
+                "structured_outputs choice needs non-empty strings", param="structured_outputs"
+            )
+        return kind, spec
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -55,6 +104,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = sampled token only)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -125,6 +175,10 @@ class SamplingParams:
                 if max_logprobs is None
                 else f"an integer in [0, {max_logprobs}] (--max-logprobs)",
             )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", self.structured_outputs, "StructuredOutputsParams")
+            self.structured_outputs.kind()
         if (
             not isinstance(self.stop_token_ids, list)
             or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
@@ -142,6 +196,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def constrained(self) -> bool:
+        return self.structured_outputs is not None
 
     @property
     def needs_penalties(self) -> bool:

@@ -76,6 +76,7 @@ class Scheduler:
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self.finished_since: list[str] = []  # handed to the runner with the next step
 
     # ---- intake ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -100,6 +101,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(blocks_to_copy=self.pending_copies)
         self.pending_copies = []
+        out.finished_seq_ids, self.finished_since = self.finished_since, []
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted = False
@@ -183,8 +185,8 @@ class Scheduler:
         """(n-gram drafts, draft-model lookahead) for a decoding request, within ``room``
         budget tokens. None for a request's first token or pending ``n > 1`` siblings."""
         assert self.spec is not None
-        if req.siblings or req.num_output_tokens == req.num_resumed_tokens:
-            return [], 0
+        if req.siblings or req.num_output_tokens == req.num_resumed_tokens or req.grammar:
+            return [], 0  # no drafts at the first token, for pending siblings, or a grammar
         if not self.spec.allow(req.request_id):
             return [], 0
         k = min(
@@ -466,6 +468,8 @@ class Scheduler:
             self.running.remove(req)
         if self.spec is not None:
             self.spec.forget(req.request_id)
+        if req.grammar is not None:
+            self.finished_since.append(req.request_id)
         self.kv.free(req)
         self.connector.request_finished(req)
         self.requests.pop(req.request_id, None)
@@ -521,6 +525,8 @@ class Scheduler:
             req.finished_time = time.monotonic()
             if self.spec is not None:
                 self.spec.forget(rid)
+            if req.grammar is not None:
+                self.finished_since.append(rid)
             self.kv.free(req)
             self.connector.request_finished(req)
             aborted.append(req)
@@ -532,6 +538,16 @@ class Scheduler:
 
 def _sample_spec(req: Request) -> SampleSpec:
     p = req.sampling_params
+    if req.grammar is not None:
+        return SampleSpec(
+            req.request_id,
+            p,
+            req.num_output_tokens,
+            req.eos_token_ids,
+            req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+            tuple(req.output_token_ids),
+            req.grammar,
+        )
     if not p.needs_penalties:
         return SampleSpec(req.request_id, p, req.num_output_tokens, req.eos_token_ids)
     return SampleSpec(

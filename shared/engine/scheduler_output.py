@@ -28,7 +28,8 @@ class SampleSpec:
     num_output_tokens: int
     eos_token_ids: tuple[int, ...]
     prompt_token_ids: Sequence[int] = ()  # only with a repetition penalty
-    output_token_ids: Sequence[int] = ()  # only with any penalty
+    output_token_ids: Sequence[int] = ()  # only with any penalty, or a grammar
+    grammar: object | None = None  # structured outputs: the compiled grammar
 
 
 def position_spec(spec: SampleSpec, drafts: Sequence[int], j: int) -> SampleSpec:
@@ -44,6 +45,7 @@ def position_spec(spec: SampleSpec, drafts: Sequence[int], j: int) -> SampleSpec
         spec.eos_token_ids,
         spec.prompt_token_ids,
         outputs,
+        spec.grammar,
     )
 
 
@@ -86,6 +88,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     num_preempted: int = 0
+    finished_seq_ids: list[str] = field(default_factory=list)  # ended since the last step
 
     @property
     def is_empty(self) -> bool:

@@ -12,7 +12,12 @@ import math
 from collections.abc import Sequence
 
 from shared.engine.request import Logprob
-from shared.engine.sampling_params import MAX_N, SamplingParams, SamplingParamsError
+from shared.engine.sampling_params import (
+    MAX_N,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from shared.engine.scheduler import SampledToken
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.failure import (  # noqa: F401 - re-exported for the two roles
@@ -75,6 +80,8 @@ def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -
             kw[name] = getattr(m, name)
     if "max_tokens" not in kw:
         kw["max_tokens"] = None  # until max_model_len, as in the OpenAI server
+    if m.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_from_proto(m.structured_outputs)
     params = SamplingParams(**kw)
     if max_logprobs is not None:
         params.validate(max_logprobs)
@@ -104,6 +111,28 @@ def resume_from_proto(
     return (out, finished) if any(out) else (None, frozenset())
 
 
+def structured_from_proto(m: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        raise SamplingParamsError(
+            "structured_outputs is set but names no kind", param="structured_outputs"
+        )
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(m.choice.items))
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=m.json_object)
+    return StructuredOutputsParams(**{kind: getattr(m, kind)})
+
+
+def structured_to_proto(so: StructuredOutputsParams) -> pb.StructuredOutputs:
+    if so.choice is not None:
+        return pb.StructuredOutputs(choice=pb.ChoiceList(items=list(so.choice)))
+    if so.json_object:
+        return pb.StructuredOutputs(json_object=True)
+    kind, spec = so.kind()
+    return pb.StructuredOutputs(**{kind: spec})
+
+
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     m = pb.SamplingParams(
         n=p.n,
@@ -124,6 +153,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         m.max_tokens = p.max_tokens
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.structured_outputs is not None:
+        m.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return m
 
 

@@ -1,0 +1,168 @@
+"""Structured outputs (vLLM's ``structured_outputs`` / ``response_format``) through xgrammar.
+
+``GrammarCompiler`` compiles a request's JSON schema, regex, choice list, EBNF grammar or "any
+JSON object" once per distinct spec (xgrammar's compiler caches by spec; an LRU of ours keeps
+the compiled handles). The worker compiles on its gRPC threads before the request reaches the
+engine thread (``precompile``), so the engine thread only finds it in the cache. The sampler
+keeps one ``GrammarMatcher`` per constrained sequence, rebuilt from the sequence's output tokens
+wherever it lacks one (a decode worker continuing a prefill worker's first token, a resumed
+stream), applies every constrained row's token bitmask to the logits in one call, and advances
+the matcher with each sampled token. Requests without a grammar pay nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+_CACHE = 256  # compiled grammars kept
+
+
+class StructuredOutputError(SamplingParamsError):
+    """The schema, regex or grammar does not compile (the request is refused, named)."""
+
+
+class Compiled:
+    """A compiled grammar and what its kind never allows beyond it. For JSON: every token with
+    a control byte (0x00-0x1f: compact JSON needs none, strings must escape them) and every
+    UTF-8 surrogate encoding (0xED then 0xA0-0xBF, inside a token or across two). xgrammar's
+    JSON string rule lets both through (seen with a random model), and strict parsers (Python's
+    ``json``, pydantic) refuse them."""
+
+    __slots__ = ("grammar", "banned", "ends_ed", "after_ed")
+
+    def __init__(
+        self,
+        grammar: object,
+        banned: list[int],
+        ends_ed: frozenset[int] = frozenset(),
+        after_ed: list[int] | None = None,
+    ) -> None:
+        self.grammar = grammar
+        self.banned = banned
+        self.ends_ed = ends_ed  # tokens ending in 0xED: the next may not start with 0xA0-0xBF
+        self.after_ed = after_ed or []
+
+
+class GrammarCompiler:
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler = None
+        self._info = None
+        self._cache: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
+        self._control: list[int] = []
+        self._ends_ed: frozenset[int] = frozenset()
+        self._after_ed: list[int] = []
+        self._lock = threading.Lock()
+
+    def _xgr(self):  # type: ignore[no-untyped-def]
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            from transformers import PreTrainedTokenizerFast
+
+            tok_file = Path(self.model_dir) / "tokenizer.json"
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_file))
+            self._info = xgr.TokenizerInfo.from_huggingface(
+                tok, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
+            )
+            self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
+            special = set(self.eos_token_ids)
+            vocab = self._info.decoded_vocab
+            self._control = [
+                i
+                for i, b in enumerate(vocab)
+                if i not in special
+                and (
+                    any(c < 0x20 for c in b)
+                    or any(b[j] == 0xED and 0xA0 <= b[j + 1] <= 0xBF for j in range(len(b) - 1))
+                )
+            ]
+            self._ends_ed = frozenset(i for i, b in enumerate(vocab) if b and b[-1] == 0xED)
+            self._after_ed = [i for i, b in enumerate(vocab) if b and 0xA0 <= b[0] <= 0xBF]
+        return xgr
+
+    def compile(self, so: StructuredOutputsParams) -> Compiled:
+        """The compiled grammar of ``so`` (cached); ``StructuredOutputError`` if it fails."""
+        key = so.kind()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            xgr = self._xgr()
+            kind, spec = key
+            try:
+                # compact JSON (no free whitespace between tokens): a model cannot drift into
+                # unbounded whitespace before max_tokens (vLLM's disable_any_whitespace)
+                if kind == "json":
+                    json.loads(spec)  # a clear error for text that is not JSON
+                    cg = self._compiler.compile_json_schema(spec, any_whitespace=False)  # type: ignore[attr-defined]
+                elif kind == "json_object":
+                    cg = self._compiler.compile_json_schema(
+                        '{"type": "object"}', any_whitespace=False
+                    )  # type: ignore[attr-defined]
+                elif kind == "regex":
+                    cg = self._compiler.compile_regex(spec)  # type: ignore[attr-defined]
+                elif kind == "choice":
+                    alts = " | ".join(json.dumps(c) for c in so.choice or ())
+                    cg = self._compiler.compile_grammar(f"root ::= {alts}")  # type: ignore[attr-defined]
+                else:
+                    cg = self._compiler.compile_grammar(spec)  # type: ignore[attr-defined]
+            except Exception as e:  # xgrammar raises RuntimeError / ValueError
+                # drop xgrammar's "[12:00:00] /project/cpp/file.cc:123: " prefix
+                why = re.sub(r"^\[[0-9:]+\] \S+?:\d+: ", "", str(e).splitlines()[0])
+                raise StructuredOutputError(
+                    f"structured_outputs {kind} does not compile: {why[:300]}",
+                    param="structured_outputs",
+                ) from e
+            del xgr
+            if kind in ("json", "json_object"):
+                compiled = Compiled(cg, self._control, self._ends_ed, self._after_ed)
+            else:
+                compiled = Compiled(cg, [])
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHE:
+                self._cache.popitem(last=False)
+            return compiled
+
+
+class Matchers:
+    """The sampler's per-sequence grammar matchers."""
+
+    def __init__(self) -> None:
+        self._m: dict[str, tuple[object, int]] = {}
+
+    def get(self, seq_id: str, compiled: Compiled, outputs: Sequence[int]) -> object:
+        """The matcher of ``seq_id`` having accepted exactly ``outputs``."""
+        import xgrammar as xgr
+
+        held = self._m.get(seq_id)
+        if held is not None and held[1] == len(outputs):
+            return held[0]
+        m = xgr.GrammarMatcher(compiled.grammar)  # type: ignore[arg-type]
+        for t in outputs:
+            if not m.accept_token(int(t)):
+                raise RuntimeError(f"output token {t} of {seq_id} violates its grammar")
+        self._m[seq_id] = (m, len(outputs))
+        return m
+
+    def accepted(self, seq_id: str, token: int) -> None:
+        m, n = self._m[seq_id]
+        if not m.is_terminated() and not m.accept_token(int(token)):  # type: ignore[attr-defined]
+            raise RuntimeError(f"token {token} violates the grammar of {seq_id}")
+        self._m[seq_id] = (m, n + 1)
+
+    def drop(self, seq_ids) -> None:  # type: ignore[no-untyped-def]
+        for s in seq_ids:
+            self._m.pop(s, None)
