@@ -338,3 +338,29 @@ def test_a_request_whose_drafts_fail_pauses_then_probes():
     assert all(spec.allow("r") for _ in range(5))
     spec.forget("r")
     assert spec.allow("other") and "r" not in spec._accept
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+def test_a_resumed_stream_speculates_to_the_same_tokens(kind, tiny_llama, draft_dir):
+    """Mid-stream failover: the router resends the prompt with the tokens already streamed to
+    another decode worker (``resume``); with speculation on there, the rest is unchanged."""
+    prompts = _prompts(6, n=3)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, _ = _run(tiny_llama, prompts, sp)
+    engine = EngineCore(
+        EngineArgs(
+            model=str(tiny_llama),
+            kv_cache_memory="64MiB",
+            speculative_config=_spec_config(kind, draft_dir),
+        )
+    )
+    for i, (p, full) in enumerate(zip(prompts, ref)):
+        engine.add_request(f"r{i}", p, sp, resume=[list(full[: 7 + 5 * i])])
+    rest: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            rest.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for i, full in enumerate(ref):
+        assert list(full[: 7 + 5 * i]) + rest[f"r{i}"] == list(full)
+    assert engine.stats().spec_num_drafts > 0
