@@ -25,26 +25,33 @@ from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
 
 
+def time_decode_steps(
+    engine, batch: int, prompt_len: int, steps: int, max_token: int = 1000
+) -> float:
+    """ms per engine step once ``batch`` random prompts (ids in [100, max_token)) all decode."""
+    rng = random.Random(batch)
+    for i in range(batch):
+        engine.add_request(
+            f"r{i}",
+            [rng.randrange(100, max_token) for _ in range(prompt_len)],
+            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
+        )
+    for _ in range(4):  # prefill, then a few warm decode steps
+        engine.step()
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def step_ms(model: str, batch: int, prompt_len: int, steps: int, small: bool) -> float:
     default = cpu_paged._SMALL_M
     cpu_paged._SMALL_M = default if small else 0
     try:
         engine = LLM(model, kv_cache_memory="512MiB").engine
-        rng = random.Random(batch)
-        for i in range(batch):
-            engine.add_request(
-                f"r{i}",
-                [rng.randrange(100, 1000) for _ in range(prompt_len)],
-                SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
-            )
-        for _ in range(4):  # prefill, then a few warm decode steps
-            engine.step()
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-            engine.step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        return (time.perf_counter() - t0) / steps * 1e3
+        return time_decode_steps(engine, batch, prompt_len, steps)
     finally:
         cpu_paged._SMALL_M = default
 

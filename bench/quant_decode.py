@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 import statistics
 import sys
 import time
@@ -23,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from bench.decode_step import time_decode_steps
 from shared.engine import LLM
-from shared.engine.sampling_params import SamplingParams
 from shared.models.quantization import weight_bytes
 
 
@@ -44,21 +43,7 @@ def copy_bandwidth() -> float:
 def step_ms(model: str, batch: int, steps: int, prompt_len: int, **kw) -> tuple[float, int]:
     llm = LLM(model, kv_cache_memory="1GiB", **kw)
     engine = llm.engine
-    rng = random.Random(batch)
-    for i in range(batch):
-        engine.add_request(
-            f"r{i}",
-            [rng.randrange(100, 30000) for _ in range(prompt_len)],
-            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
-        )
-    for _ in range(4):
-        engine.step()
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms = time_decode_steps(engine, batch, prompt_len, steps, max_token=30000)
     nbytes = weight_bytes(engine.runner.model)
     del llm, engine
     gc.collect()

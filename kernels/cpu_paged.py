@@ -16,16 +16,13 @@ extension built; ``get_backend("cpp")`` falls back to the reference with a warni
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
 import threading
 from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import cpp_build, reference
 from kernels.reference import gather_kv, is_fp8, write_kv  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -40,26 +37,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_paged.cpp"
 _FLAGS = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` builds for exactly these)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def extension_name() -> str:
-    """``pdserve_cpu_paged_<hash>``: the hash covers the source, the flags, torch's version and
-    the CPU's features, so a changed kernel, or a cache dir shared with another CPU model (AMX
-    or not), builds afresh instead of loading a stale or illegal binary."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(_FLAGS), torch.__version__, _cpu_flags()):
-        h.update(b"\0" + part.encode())
-    return f"pdserve_cpu_paged_{h.hexdigest()[:16]}"
+    """``pdserve_cpu_paged_<hash>`` (``kernels/cpp_build.py``)."""
+    return cpp_build.extension_name("pdserve_cpu_paged", SOURCE, _FLAGS)
 
 
 def _load():
@@ -69,15 +49,7 @@ def _load():
     with _lock:
         if _ext is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import load
-
-                _ext = load(
-                    name=extension_name(),
-                    sources=[str(SOURCE)],
-                    extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")),
-                )
+                _ext = cpp_build.build("pdserve_cpu_paged", SOURCE, _FLAGS)
             except Exception as e:  # noqa: BLE001 - no compiler, no headers: the reference works
                 _failed = f"{type(e).__name__}: {e}"
                 logger.warning(

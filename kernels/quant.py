@@ -449,15 +449,15 @@ def prepare(
     n, k = qw.out_features, qw.in_features
     if isinstance(qw, Fp8Weight):
         t = {"w": qw.weight.to(device), "scale": qw.scale.float().to(device)}
-        path = "triton-fp8" if kernels and device.type == "cuda" and _triton_fp8_ok() else "fp8"
+        cuda = kernels and device.type == "cuda" and _triton_quant() is not None
+        path = "triton-fp8" if cuda else "fp8"
         return PreparedWeight(path, n, k, dtype, t, None, 1 << 62, None, 8, k)
     perm = None if qw.perm is None else qw.perm.to(device)
     low_precision = dtype in (torch.bfloat16, torch.float16)
     meta = {"bits": qw.bits, "group_size": qw.group_size}
-    if kernels and device.type == "cuda" and _triton_ok(qw):
-        from kernels import triton_quant
-
-        tensors = triton_quant.prepare(qw, device)
+    tq = _triton_quant() if kernels and device.type == "cuda" else None
+    if tq is not None and tq.supports(qw):
+        tensors = tq.prepare(qw, device)
         return PreparedWeight(f"triton-w{qw.bits}", n, k, dtype, tensors, perm, 1 << 62, **meta)
     if kernels and device.type == "cpu" and low_precision:
         if cpp is not None and dtype == torch.bfloat16:
@@ -471,8 +471,9 @@ def prepare(
         if qw.bits == 8 and qw.group_size == k and qw.symmetric:
             q = (qw.qweight.to(torch.int16) - 128).to(torch.int8).contiguous()
             scale = qw.scales.reshape(n).to(dtype).contiguous()
+            # no source kept: the dequantize fallback reads q and scale themselves
             return PreparedWeight(
-                "torch-int8pack", n, k, dtype, {"q": q, "scale": scale}, perm, 8, qw, **meta
+                "torch-int8pack", n, k, dtype, {"q": q, "scale": scale}, perm, 8, None, **meta
             )
         if _cpu_int4_ok(qw):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -504,23 +505,19 @@ def prepare(
     )
 
 
-def _triton_fp8_ok() -> bool:
-    try:
-        from kernels import triton_quant  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _triton_ok(qw: QuantizedWeight) -> bool:
+def _triton_quant():  # type: ignore[no-untyped-def]
+    """``kernels.triton_quant`` where Triton imports, else None."""
     try:
         from kernels import triton_quant
     except ImportError:
-        return False
-    return triton_quant.supports(qw)
+        return None
+    return triton_quant
 
 
 def _dequant(pw: PreparedWeight) -> torch.Tensor:
+    if pw.path == "torch-int8pack":  # (code - 128) * scale, the same values as below
+        t = pw.tensors
+        return t["q"].to(pw.dtype) * t["scale"].unsqueeze(1)
     src = pw.source
     assert src is not None
     n, k = pw.out_features, pw.in_features

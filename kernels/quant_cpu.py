@@ -11,15 +11,13 @@ oneDNN's bf16 GEMM on the dense weight it is faster up to ~128 rows and within ~
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_paged import _cpu_flags
+from kernels import cpp_build
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +30,6 @@ _ext: object = None
 _failed: str | None = None
 
 
-def extension_name() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(_FLAGS), torch.__version__, _cpu_flags()):
-        h.update(b"\0" + part.encode())
-    return f"pdserve_quant_cpu_{h.hexdigest()[:16]}"
-
-
 def extension() -> object:
     """The built extension when this CPU runs it (AVX512-BF16), else None."""
     global _ext, _failed
@@ -47,15 +38,7 @@ def extension() -> object:
     with _lock:
         if _ext is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import load
-
-                ext = load(
-                    name=extension_name(),
-                    sources=[str(SOURCE)],
-                    extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")),
-                )
+                ext = cpp_build.build("pdserve_quant_cpu", SOURCE, _FLAGS)
                 if ext.supported():
                     _ext = ext
                 else:

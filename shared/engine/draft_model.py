@@ -23,12 +23,11 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from shared.config import ConfigError, EngineArgs, SpeculativeConfig
+from shared.engine.model_runner import pack_chunks, zeroed_host_tensor
 from shared.engine.scheduler_output import ScheduledSeq, SchedulerOutput, position_spec
-from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -68,8 +67,6 @@ class DraftModelProposer:
         shape = (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = getattr(torch, cfg.dtype)
         if self.device.type == "cpu":
-            from shared.engine.model_runner import zeroed_host_tensor
-
             self.kv = zeroed_host_tensor(shape, dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -99,39 +96,11 @@ class DraftModelProposer:
     def _forward(self, chunks: list[tuple[ScheduledSeq, int, list[int]]]) -> torch.Tensor:
         """One draft forward: per sequence, tokens at positions ``start ..``; returns the
         logits of each sequence's last position ``[S, V]``."""
-        bs = self.block_size
-        total = sum(len(t) for _, _, t in chunks)
-        ids = np.empty(total, dtype=np.int64)
-        pos = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
-        seq_lens = np.empty(len(chunks), dtype=np.int32)
-        qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
-        width = max(len(s.block_ids) for s, _, _ in chunks)
-        tables = np.zeros((len(chunks), width), dtype=np.int32)
-        t = 0
-        for i, (s, start, toks) in enumerate(chunks):
-            n = len(toks)
-            blocks = np.asarray(s.block_ids, dtype=np.int64)
-            tables[i, : len(blocks)] = blocks
-            p = np.arange(start, start + n)
-            ids[t : t + n] = toks
-            pos[t : t + n] = p
-            slots[t : t + n] = blocks[p // bs] * bs + p % bs
-            t += n
-            seq_lens[i] = start + n
-            qsl[i + 1] = t
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            decode_only=total == len(chunks),
+        ids, pos, meta = pack_chunks(
+            [(s.block_ids, start, toks) for s, start, toks in chunks], self.block_size, self.device
         )
-        hidden = self.model(
-            torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv, meta
-        )
-        last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
+        hidden = self.model(ids, pos, self.kv, meta)
+        last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
 
     @torch.inference_mode()
@@ -159,7 +128,7 @@ class DraftModelProposer:
                 if spec.params.greedy:
                     tok = int(sampler._greedy(logits[row : row + 1])[0])
                 else:
-                    q = self._q(sampler, logits[row : row + 1], pspec)
+                    q = sampler.processed_probs(logits[row : row + 1], [pspec])
                     tok = int(sampler._race(q, [pspec], salt=3)[0])
                     qs[s.seq_id].append(q[0] / q[0].sum())
                 d.append(tok)
@@ -175,15 +144,3 @@ class DraftModelProposer:
             del self.state[sid]
         probs = {sid: torch.stack(v) for sid, v in qs.items() if v}
         return drafts, probs
-
-    @staticmethod
-    def _q(sampler, logits: torch.Tensor, spec) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        logits = logits.float().clone()
-        p = spec.params
-        if p.min_tokens and spec.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(spec.eos_token_ids))
-            if banned:
-                logits[0, banned] = float("-inf")
-        if p.needs_penalties:
-            sampler._apply_penalties(logits, 0, spec)
-        return sampler._probs(logits, [spec])

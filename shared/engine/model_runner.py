@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -47,6 +48,54 @@ def zeroed_host_tensor(
     t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
     t._pdserve_mmap = buf  # keep the mapping alive with the tensor
     return t.view(dtype).view(shape)
+
+
+def pack_chunks(
+    chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+    block_size: int,
+    device: torch.device,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One forward pass's inputs for ``chunks`` of (block table, first position, tokens):
+    the packed token ids and positions ``[T]`` and the attention metadata (the slot of
+    position p is ``block_ids[p // block_size] * block_size + p % block_size``)."""
+    bs = block_size
+    n_seqs = len(chunks)
+    total = sum(len(toks) for _, _, toks in chunks)
+    input_ids = np.empty(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    slots = np.empty(total, dtype=np.int64)
+    seq_lens = np.empty(n_seqs, dtype=np.int32)
+    qsl = np.zeros(n_seqs + 1, dtype=np.int32)
+    tables = np.zeros((n_seqs, max(len(b) for b, _, _ in chunks)), dtype=np.int32)
+    t = 0
+    for i, (block_ids, c, token_ids) in enumerate(chunks):
+        n = len(token_ids)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        tables[i, : len(ids)] = ids
+        if n == 1:
+            input_ids[t] = token_ids[0]
+            positions[t] = c
+            slots[t] = ids[c // bs] * bs + c % bs
+        else:
+            pos = np.arange(c, c + n)
+            input_ids[t : t + n] = token_ids
+            positions[t : t + n] = pos
+            slots[t : t + n] = ids[pos // bs] * bs + pos % bs
+        t += n
+        seq_lens[i] = c + n
+        qsl[i + 1] = t
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        decode_only=total == n_seqs,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta
 
 
 class ModelRunner:
@@ -197,41 +246,19 @@ class ModelRunner:
         draft_probs: dict[str, torch.Tensor] = {}
         if self.drafter is not None and any(s.num_lookahead for s in out.scheduled):
             drafted, draft_probs = self.drafter.propose(out, self.sampler)
-        bs = self.block_size
-        n_seqs = len(out.scheduled)
-        total = out.num_batched_tokens
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
-        seq_lens = np.empty(n_seqs, dtype=np.int32)
-        qsl = np.zeros(n_seqs + 1, dtype=np.int32)
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        tables = np.zeros((n_seqs, max_blocks), dtype=np.int32)
+        chunks: list[tuple[Sequence[int], int, Sequence[int]]] = []
         logit_rows: list[int] = []
         rows: list[SampleSpec] = []
         t = 0
         verify: list[tuple[str, list[int], int]] = []  # (seq id, drafts, first row index)
-        for i, s in enumerate(out.scheduled):
+        for s in out.scheduled:
             token_ids = s.token_ids
             drafts = list(s.draft_token_ids)
             if s.num_lookahead:
                 drafts = drafted[s.seq_id]
                 token_ids = [*s.token_ids, *drafts]
-            c, n = s.start, len(token_ids)
-            ids = np.asarray(s.block_ids, dtype=np.int64)
-            tables[i, : len(ids)] = ids
-            if n == 1:
-                input_ids[t] = token_ids[0]
-                positions[t] = c
-                slots[t] = ids[c // bs] * bs + c % bs
-            else:
-                pos = np.arange(c, c + n)
-                input_ids[t : t + n] = token_ids
-                positions[t : t + n] = pos
-                slots[t : t + n] = ids[pos // bs] * bs + pos % bs
-            t += n
-            seq_lens[i] = c + n
-            qsl[i + 1] = t
+            chunks.append((s.block_ids, s.start, token_ids))
+            t += len(token_ids)
             if drafts:  # one row per verified position: the last token's and each draft's
                 (spec,) = s.samples
                 verify.append((s.seq_id, drafts, len(rows)))
@@ -242,22 +269,11 @@ class ModelRunner:
             for spec in s.samples:
                 logit_rows.append(t - 1)
                 rows.append(spec)
+        input_ids, positions, meta = pack_chunks(
+            chunks, self.block_size, self.device, self.k_scale, self.v_scale
+        )
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            decode_only=total == n_seqs,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
-        )
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_cache,
-            meta,
-        )
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])

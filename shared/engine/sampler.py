@@ -95,14 +95,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
-        for i, r in enumerate(rows):
-            p = r.params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
-            if p.needs_penalties:
-                self._apply_penalties(logits, i, r)
+        self._apply_row_rules(logits, rows)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
             self._apply_grammars(logits, rows, constrained)
@@ -141,6 +134,25 @@ class Sampler:
             or r.grammar is not None
             or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
         )
+
+    def _apply_row_rules(self, logits: torch.Tensor, rows: list[SampleSpec]) -> None:
+        """Each row's own rules, in place on fp32 logits: ``min_tokens`` bans its ends, then
+        its repetition / frequency / presence penalties."""
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.needs_penalties:
+                self._apply_penalties(logits, i, r)
+
+    def processed_probs(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
+        """The distribution each row samples from: its rules, then temperature, top-k, top-p
+        and min-p (rows not normalised where top-p / min-p cut)."""
+        logits = logits.float().clone()
+        self._apply_row_rules(logits, rows)
+        return self._probs(logits, rows)
 
     def _apply_grammars(
         self, logits: torch.Tensor, rows: list[SampleSpec], constrained: list[int]
@@ -289,18 +301,9 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SampleSpec], drafts: list[int], q: torch.Tensor
     ) -> SpecSample:
         k = len(drafts)
-        logits = logits.float().clone()
         want_lp = rows[0].params.logprobs is not None
-        raw = torch.log_softmax(logits, dim=-1) if want_lp else None
-        for i, r in enumerate(rows):
-            p = r.params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
-            if p.needs_penalties:
-                self._apply_penalties(logits, i, r)
-        probs = self._probs(logits, rows)
+        raw = torch.log_softmax(logits.float(), dim=-1) if want_lp else None
+        probs = self.processed_probs(logits, rows)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         q = q.float()
         out: list[SampledToken] = []

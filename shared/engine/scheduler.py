@@ -396,25 +396,18 @@ class Scheduler:
         assert self.spec is not None
         self.spec.observe(req.request_id, s.num_drafts, result.num_accepted)
         req.num_computed_tokens += 1 + result.num_accepted
-        new_ids: list[int] = []
-        new_lps = []
-        finished = False
-        for tok in result.tokens:
-            req.append_output_token(tok.token_id)
-            new_ids.append(tok.token_id)
-            if tok.logprob is not None:
-                req.logprobs.append(tok.logprob)
-                new_lps.append(tok.logprob)
-            if self._check_stop(req, tok.token_id):
-                finished = True
-                break
-        if finished:
-            self._finish(req, now)
-        else:
-            # tokens appended past a stop never happen; the KV of the last one is computed
-            # next step, so keep the blocks that hold num_computed_tokens
-            self.kv.trim(req, req.num_computed_tokens)
-        return SeqUpdate(req, new_ids, new_lps, finished)
+        merged = SeqUpdate(req, [], [], False)
+        for tok in result.tokens:  # one by one, as if sampled in as many steps
+            u = self._append(req, tok, now)  # finishes the request at a stop
+            merged.new_token_ids += u.new_token_ids
+            merged.new_logprobs += u.new_logprobs
+            if u.finished:
+                merged.finished = True
+                return merged
+        # the KV of the last token is computed next step: keep the blocks that hold
+        # num_computed_tokens, give back those only rejected drafts needed
+        self.kv.trim(req, req.num_computed_tokens)
+        return merged
 
     def _append(self, req: Request, tok: SampledToken, now: float) -> SeqUpdate:
         req.append_output_token(tok.token_id)

@@ -65,7 +65,8 @@ class GrammarCompiler:
         self._after_ed: list[int] = []
         self._lock = threading.Lock()
 
-    def _xgr(self):  # type: ignore[no-untyped-def]
+    def _ensure_compiler(self) -> None:
+        """Build xgrammar's tokenizer info and compiler on first use (not at start-up)."""
         import xgrammar as xgr
 
         if self._compiler is None:
@@ -90,7 +91,6 @@ class GrammarCompiler:
             ]
             self._ends_ed = frozenset(i for i, b in enumerate(vocab) if b and b[-1] == 0xED)
             self._after_ed = [i for i, b in enumerate(vocab) if b and 0xA0 <= b[0] <= 0xBF]
-        return xgr
 
     def compile(self, so: StructuredOutputsParams) -> Compiled:
         """The compiled grammar of ``so`` (cached); ``StructuredOutputError`` if it fails."""
@@ -100,7 +100,7 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            xgr = self._xgr()
+            self._ensure_compiler()
             kind, spec = key
             try:
                 # compact JSON (no free whitespace between tokens): a model cannot drift into
@@ -126,7 +126,6 @@ class GrammarCompiler:
                     f"structured_outputs {kind} does not compile: {why[:300]}",
                     param="structured_outputs",
                 ) from e
-            del xgr
             if kind in ("json", "json_object"):
                 compiled = Compiled(cg, self._control, self._ends_ed, self._after_ed)
             else:
