@@ -159,6 +159,40 @@ _FIELDS_CHAT = _FIELDS_COMMON + [
 ]
 
 
+_FIELDS_RESPONSES = [
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "text",
+    "previous_response_id",
+    "metadata",
+    "truncation",
+    "include",
+    "seed",
+    "an_unknown_field",
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"enum": ["a", "b"]}},
+                "required": ["x"],
+            },
+        },
+    }
+]
+
+
 def _deep(depth: int, leaf: Any = 1, kind: str = "list") -> Any:
     v = leaf
     for _ in range(depth):
@@ -415,8 +449,58 @@ class BodyMaker:
                     else body.update(prompt=[self.token_ids() for _ in range(r.choice([2, 8]))])
                 ),
                 lambda: body.update(user="u", priority=r.choice([0, -5, 10]), an_unknown_field=1),
+                lambda: body.update(
+                    logit_bias={
+                        str(r.randrange(v)): r.choice([-100, -1.5, 0, 5, 100])
+                        for _ in range(r.choice([1, 5, 300]))
+                    }
+                ),
+                lambda: body.update(
+                    allowed_token_ids=[r.randrange(v) for _ in range(r.choice([1, 3, 50]))]
+                ),
+                lambda: (
+                    body.update(
+                        tools=TOOLS,
+                        tool_choice=r.choice(
+                            ["none", "required", {"type": "function", "function": {"name": "f"}}]
+                        ),
+                        parallel_tool_calls=r.random() < 0.5,
+                        max_tokens=r.choice([8, 64]),
+                    )
+                    if chat
+                    else body.update(logit_bias={"0": 1.0})
+                ),
             ]
         )()
+
+    def responses_body(self) -> dict[str, Any]:
+        """A valid ``/v1/responses`` body: text, function calls, their outputs, JSON output."""
+        r = self.rng
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_output_tokens": r.choice([1, 4, 16]),
+            "input": r.choice(
+                [
+                    "hello",
+                    [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                    [
+                        {"role": "user", "content": "hi"},
+                        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "c1", "output": "3"},
+                    ],
+                ]
+            ),
+        }
+        if r.random() < 0.4:
+            body["stream"] = True
+        if r.random() < 0.3:
+            body["instructions"] = "be brief"
+        if r.random() < 0.4:
+            body["tools"] = [{"type": "function", **TOOLS[0]["function"]}]
+            body["tool_choice"] = r.choice(["none", "required", {"type": "function", "name": "f"}])
+        elif r.random() < 0.3:
+            body["text"] = {"format": {"type": "json_object"}}
+        return body
 
     def request(self) -> tuple[str, bytes, dict[str, Any]]:
         """(path, raw body, headers)."""
@@ -435,8 +519,10 @@ class BodyMaker:
         if path == "/detokenize":
             body = {"model": self.model, "tokens": self.token_ids()}
         fields = _FIELDS_CHAT if chat else _FIELDS_COMPLETION
+        if r.random() < 0.06:
+            path, body, fields = "/v1/responses", self.responses_body(), _FIELDS_RESPONSES
         hostile = r.random() < 0.55 or path in ("/tokenize", "/detokenize")
-        if not hostile:
+        if not hostile and path != "/v1/responses":
             for _ in range(r.choice([1, 2, 3, 4])):
                 self.edge(body, chat)
         for _ in range(r.choice([1, 1, 2, 3]) if hostile else 0):
@@ -610,6 +696,20 @@ async def _http_one(
             except (ValueError, KeyError, TypeError):
                 ok = False
         return Outcome("http", str(status), ok, text[:200])
+    if "text/event-stream" in ctype and status == 200 and path == "/v1/responses":
+        # a Responses stream ends with response.completed / .incomplete, or an error event
+        last = text.rstrip().rsplit("\n\n", 1)[-1]
+        if last.startswith("event: error"):
+            try:
+                code = json.loads(last.split("data: ", 1)[1])["code"]
+            except (ValueError, KeyError, IndexError):
+                return Outcome("http", "stream_bad_error", False, last[:200])
+            if isinstance(code, int) and code >= 500 and code != 503:
+                return Outcome("http", f"stream_error_{code}", False, last[:200])
+            return Outcome("http", "200-stream-error", True)
+        if not last.startswith(("event: response.completed", "event: response.incomplete")):
+            return Outcome("http", "stream_cut", False, text[-200:])
+        return Outcome("http", "200-stream", True)
     if "text/event-stream" in ctype and status == 200:
         # a stream must end with [DONE]; an error event inside it must not be a 5xx other
         # than 503

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from router.policy import PolicyConfig
+from router.tool_calls import TOOL_CALL_PARSERS, ToolSettings
 from shared.config import parse_bytes
 from shared.directory import DEFAULT_PREFIX
 from shared.security import ClusterSecurity
@@ -136,6 +137,7 @@ class RouterConfig:
     tokenizer: str | None = None
     chat_template: str | None = None
     max_model_len: int | None = None
+    tools: ToolSettings = field(default_factory=ToolSettings)  # tool calling (vLLM's flags)
     redis_url: str | None = None
     directory_prefix: str = DEFAULT_PREFIX
     decode_workers: tuple[str, ...] = ()
@@ -243,6 +245,24 @@ class RouterConfig:
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
         g.add_argument("--chat-template", default=None, help="chat template file or inline text")
         g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help="parse tool calls from the model's output for tool_choice 'auto' "
+            "(needs --tool-call-parser)",
+        )
+        g.add_argument(
+            "--tool-call-parser",
+            default=None,
+            choices=TOOL_CALL_PARSERS,
+            help="the model's tool-call format: hermes (<tool_call> JSON, Qwen2.5 / Hermes / "
+            "the test models) or llama3_json (Llama 3.x JSON)",
+        )
+        g.add_argument(
+            "--exclude-tools-when-tool-choice-none",
+            action="store_true",
+            help="do not render the tools into the prompt when tool_choice is 'none'",
+        )
         g = parser.add_argument_group("workers")
         g.add_argument(
             "--redis-url",
@@ -475,6 +495,11 @@ class RouterConfig:
             tokenizer=ns.tokenizer,
             chat_template=ns.chat_template,
             max_model_len=ns.max_model_len,
+            tools=ToolSettings(
+                ns.enable_auto_tool_choice,
+                ns.tool_call_parser,
+                ns.exclude_tools_when_tool_choice_none,
+            ),
             redis_url=ns.redis_url,
             directory_prefix=ns.directory_prefix,
             decode_workers=tuple(ns.decode_workers),

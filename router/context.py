@@ -4,7 +4,7 @@ limits, metrics and admission (:class:`ServingContext`), built once in the app's
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from router.dispatch import Dispatcher
@@ -12,6 +12,7 @@ from router.errors import InvalidRequestError, ModelNotFoundError, OverloadedErr
 from router.metrics import RouterMetrics
 from router.sampling import Limits
 from router.tokenizer import RouterTokenizer
+from router.tool_calls import ToolSettings
 from shared.directory import ROLE_DECODE
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class ServingContext:
     max_inflight: int = 0  # 0 = unlimited
     inflight: int = 0
     live: RequestObserver | None = None  # the dashboard's sliding windows and recent requests
+    tools: ToolSettings = field(default_factory=ToolSettings)  # tool calling (--tool-call-parser)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

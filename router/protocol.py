@@ -102,6 +102,38 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # accepted, no effect on the output: completions are never stored
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None  # the served models do not reason
+
+
+class ResponsesRequest(OpenAIModel):
+    """``/v1/responses`` (router/serving_responses.py): text and function calls. vLLM's
+    sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``) pass through."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    store: bool | None = None  # accepted; responses are never stored
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # accepted; the served models do not reason
+    truncation: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    background: bool | None = None
+    service_tier: str | None = None
 
 
 class TokenizeRequest(OpenAIModel):

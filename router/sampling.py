@@ -1,7 +1,7 @@
 """OpenAI request fields -> engine ``SamplingParams`` + router ``OutputParams``, with vLLM's checks.
 
 Every invalid value raises :class:`InvalidRequestError` naming the parameter. Fields the
-engine cannot honour (beam search, logit bias, guided decoding, ...) are refused clearly
+engine cannot honour (beam search, best_of, bad_words, ...) are refused clearly
 instead of being ignored. Sampling defaults missing from the request come from the model's
 ``generation_config.json`` (vLLM's ``--generation-config auto``), else the engine's.
 """
@@ -153,16 +153,22 @@ def _so_message(kind: str, value: object) -> pb.StructuredOutputs:
     return pb.StructuredOutputs(grammar=value)
 
 
+# OpenAI chat fields that would change the output and are not served: a 400, not an ignore
+_CHAT_UNSUPPORTED = {
+    "functions": " (the deprecated form of tools: send tools)",
+    "function_call": " (the deprecated form of tool_choice: send tool_choice)",
+    "audio": " (text only)",
+    "prediction": "",
+    "web_search_options": "",
+}
+
+
 def check_unsupported(req: SamplingFields) -> None:
     """Refuse request features the engine does not implement."""
     if req.use_beam_search:
         raise _bad("beam search is not supported", "use_beam_search")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of must equal n (best-of sampling is not supported)", "best_of")
-    if req.logit_bias:
-        raise _bad("logit_bias is not supported", "logit_bias")
-    if req.allowed_token_ids:
-        raise _bad("allowed_token_ids is not supported", "allowed_token_ids")
     if req.bad_words:
         raise _bad("bad_words is not supported", "bad_words")
     if req.prompt_logprobs is not None:
@@ -176,12 +182,13 @@ def check_unsupported(req: SamplingFields) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.echo:
             raise _bad("echo is not supported", "echo")
-        if req.tool_choice not in (None, "none"):
-            raise _bad(
-                "tool calling is not supported by this server: use tool_choice 'none' "
-                "(tools are still rendered into the prompt)",
-                "tool_choice",
-            )
+        extra = req.model_extra or {}
+        for name, why in _CHAT_UNSUPPORTED.items():
+            if extra.get(name) is not None:
+                raise _bad(f"{name} is not supported{why}", name)
+        modalities = extra.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise _bad("only the text modality is supported", "modalities")
 
 
 def requested_max_tokens(req: SamplingRequest) -> int | None:
@@ -303,6 +310,7 @@ def validate_common(req: SamplingRequest, limits: Limits) -> None:
         req.truncate_prompt_tokens == -1 or req.truncate_prompt_tokens >= 1
     ):
         raise _bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+    _check_token_sets(req, limits)
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, ChatCompletionRequest):
@@ -312,6 +320,40 @@ def validate_common(req: SamplingRequest, limits: Limits) -> None:
         check_json_depth(req.chat_template_kwargs, limits.max_json_depth, "chat_template_kwargs")
     check_json_depth(req.response_format, limits.max_json_depth, "response_format")
     check_json_depth(req.model_extra, limits.max_json_depth, "body")
+
+
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300; vLLM has no cap)
+
+
+def _check_token_sets(req: SamplingFields, limits: Limits) -> None:
+    """``logit_bias`` (token id strings -> [-100, 100]) and ``allowed_token_ids``."""
+    if req.logit_bias is not None:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:
+            raise _bad(f"logit_bias has more than {MAX_LOGIT_BIAS} entries", "logit_bias")
+        for k, v in req.logit_bias.items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise _bad(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+            if not 0 <= tid < limits.vocab_size:
+                raise _bad(
+                    f"logit_bias token id {tid} is outside the vocabulary [0, {limits.vocab_size})",
+                    "logit_bias",
+                )
+            if not (math.isfinite(v) and -100.0 <= v <= 100.0):
+                raise _bad(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise _bad("allowed_token_ids must not be empty", "allowed_token_ids")
+        if len(req.allowed_token_ids) > limits.vocab_size:
+            raise _bad("allowed_token_ids is longer than the vocabulary", "allowed_token_ids")
+        for t in req.allowed_token_ids:
+            if not 0 <= t < limits.vocab_size:
+                raise _bad(
+                    f"allowed_token_ids contains {t}, outside the vocabulary "
+                    f"[0, {limits.vocab_size})",
+                    "allowed_token_ids",
+                )
 
 
 def check_json_depth(value: object, max_depth: int, param: str) -> None:
@@ -404,6 +446,10 @@ def build_params(
     so = structured_outputs(req)
     if so is not None:
         sp.structured_outputs.CopyFrom(so)
+    for k, v in (req.logit_bias or {}).items():
+        sp.logit_bias[int(k)] = v
+    if req.allowed_token_ids:
+        sp.allowed_token_ids.extend(req.allowed_token_ids)
     stop_ids = frozenset(req.stop_token_ids or ())
     terminal = stop_ids if req.ignore_eos else stop_ids | limits.eos_token_ids
     out = OutputParams(

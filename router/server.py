@@ -50,11 +50,13 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from router.sampling import Limits
 from router.serving_chat import create_chat_completion
 from router.serving_completions import create_completion
+from router.serving_responses import create_response
 from router.serving_tokens import detokenize, models, tokenize
 from router.sse import RAW_SEND, ClientDisconnected
 from router.tokenizer import RouterTokenizer
@@ -226,6 +228,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 config.request_timeout_s,
                 config.max_inflight_requests,
                 live=live,
+                tools=config.tools,
             )
             app.state.pool = pool
             # Everything built so far lives as long as the router: move it out of the GC's
@@ -286,6 +289,10 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx(request), body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(ctx(request), body, request)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -23,7 +23,7 @@ from router.context import ServingContext
 from router.errors import InvalidRequestError, RouterError
 from router.generation import Generation, run_generation
 from router.output import OutputParams, SampleDelta, TokenEntry
-from router.protocol import SamplingFields
+from router.protocol import OpenAIModel
 from router.sampling import SamplingRequest, build_params, resolve_max_tokens
 from router.sse import SSE_DONE, SSE_HEADERS, DisconnectWatch, SSEResponse, sse, until_disconnected
 from shared.proto import pdserve_pb2 as pb
@@ -56,7 +56,7 @@ def response_headers(raw: Request, request_id: str) -> dict[str, str]:
     return {"x-request-id": label or request_id}
 
 
-def warn_unknown_fields(req: SamplingFields) -> None:
+def warn_unknown_fields(req: OpenAIModel) -> None:
     extra = req.unknown_fields()
     if extra:
         logger.warning("ignoring unknown request fields: %s", ", ".join(extra))

@@ -11,6 +11,7 @@ chunk with ``choices: []``, and ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -33,9 +34,15 @@ from router.protocol import (
     ChatMessage,
     ChatResponseMessage,
 )
-from router.sampling import check_json_depth, check_unsupported, validate_common
+from router.sampling import (
+    check_json_depth,
+    check_unsupported,
+    structured_outputs,
+    validate_common,
+)
 from router.serving import ChunkFrame, serve, stream_steps, truncate_prompt, warn_unknown_fields
 from router.sse import json_str
+from router.tool_calls import NO_TOOLS, ToolPlan, ToolStream, parse_all, plan_tools
 
 
 def template_messages(
@@ -127,42 +134,84 @@ async def create_chat_completion(
     ctx.check_model(req.model)
     check_unsupported(req)
     validate_common(req, ctx.limits)
+    plan = chat_tool_plan(ctx, req)
     ids = await render_chat_prompt(
         ctx,
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         add_special_tokens=req.add_special_tokens,
-        tools=req.tools,
+        tools=plan.tools,
         documents=req.documents,
         kwargs=req.chat_template_kwargs,
     )
     prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
     return await serve(
-        ctx, req, raw, prompts, arrival, "chatcmpl", _stream, lambda *a: _body(ctx, *a)
+        ctx,
+        req,
+        raw,
+        prompts,
+        arrival,
+        "chatcmpl",
+        functools.partial(_stream, plan=plan),
+        lambda *a: _body(ctx, plan, *a),
     )
+
+
+def chat_tool_plan(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
+    """The request's tool plan; for ``required`` / a named function, the request's output
+    constraint becomes the plan's JSON schema."""
+    plan = plan_tools(
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        ctx.tools,
+        constrained=structured_outputs(req) is not None,
+    )
+    if plan.schema is not None:
+        req.structured_outputs = {"json": plan.schema}
+        structured_outputs(req)  # the schema's size limit
+    return plan
+
+
+def tool_finish_reason(plan: ToolPlan, tools: ToolStream, finish_reason: str | None) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that ended by calling tools (a named function's
+    choice keeps ``stop``, as OpenAI's does)."""
+    if finish_reason == "stop" and tools.called and plan.mode != "named":
+        return "tool_calls"
+    return finish_reason
 
 
 def _body(
     ctx: ServingContext,
+    plan: ToolPlan,
     gen: Generation,
     params: OutputParams,
     entries: dict[int, list[TokenEntry]],
     request_id: str,
     created: int,
 ) -> JSONResponse:
-    choices = [
-        ChatChoice(
-            index=s.index,
-            message=ChatResponseMessage(content=s.text),
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
-            if params.logprobs is not None
-            else None,
+    parsed = parse_all(plan, [s.text for s in gen.samples]) if plan.parses else None
+    choices = []
+    for s in gen.samples:
+        message = ChatResponseMessage(content=s.text)
+        finish = s.finish_reason
+        if parsed is not None:
+            tools = parsed[s.index]
+            content, calls = tools.message()
+            message = ChatResponseMessage(content=content, tool_calls=calls)
+            finish = tool_finish_reason(plan, tools, finish)
+        choices.append(
+            ChatChoice(
+                index=s.index,
+                message=message,
+                finish_reason=finish,
+                stop_reason=s.stop_reason,
+                logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
+                if params.logprobs is not None
+                else None,
+            )
         )
-        for s in gen.samples
-    ]
     body = ChatCompletionResponse(
         id=request_id, created=created, model=ctx.model_name, choices=choices, usage=gen.usage()
     )
@@ -177,8 +226,11 @@ def _stream(
     created: int,
     usage_mode: str,
     close: Callable[[], Awaitable[None]],
+    *,
+    plan: ToolPlan = NO_TOOLS,
 ) -> AsyncGenerator[str, None]:
-    """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`)."""
+    """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`); with a tool plan,
+    each choice's text goes through its :class:`ToolStream` (content and ``tool_calls``)."""
     head = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -190,9 +242,11 @@ def _stream(
     role_sent: set[int] = set()
     content_tail = '},"logprobs":null,"finish_reason":null,"stop_reason":null}' + frame.fixed_tail
 
+    tool_streams = {i: plan.stream() for i in range(len(gen.samples))} if plan.parses else None
+
     def chunk(
         index: int,
-        delta: dict[str, str],
+        delta: dict[str, Any],
         logprobs: dict[str, Any] | None = None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
@@ -209,20 +263,38 @@ def _stream(
         (None: nothing to send)."""
         if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
             return None
+        finish = d.finish_reason
+        delta: dict[str, Any]
+        if tool_streams is not None:
+            tools = tool_streams[d.index]
+            out = tools.feed(d.text)
+            if finish is not None:
+                end = tools.finish()
+                out.content += end.content
+                out.tool_calls += end.tool_calls
+                finish = tool_finish_reason(plan, tools, finish)
+            if not out and finish is None and not (want_lp and d.tokens):
+                return None  # held back (a tag or a call being written)
+            delta = {}
+            if out.content or (finish is None and not out.tool_calls):
+                delta["content"] = out.content
+            if out.tool_calls:
+                delta["tool_calls"] = out.tool_calls
+        else:
+            delta = {"content": d.text} if d.text or finish is None else {}
         role = ""
         if d.index not in role_sent:
             role_sent.add(d.index)
             role = chunk(d.index, {"role": "assistant", "content": ""})
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
         return role + chunk(
             d.index,
             delta,
             chat_logprobs(ctx, params, d.tokens) if want_lp else None,
-            d.finish_reason,
+            finish,
             d.stop_reason,
         )
 
-    plain = not want_lp and not frame.continuous
+    plain = not want_lp and not frame.continuous and tool_streams is None
 
     def fast(deltas: list[SampleDelta]) -> str | None:
         """One sample's next text: the per-token chunk, the same bytes as

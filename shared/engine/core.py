@@ -261,6 +261,10 @@ class EngineCore:
         except (SamplingParamsError, TypeError) as e:
             raise InvalidRequestError(str(e), getattr(e, "param", None)) from e
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self._check_token_ids(list(params.logit_bias), "logit_bias")
+        if params.allowed_token_ids is not None:
+            self._check_token_ids(params.allowed_token_ids, "allowed_token_ids")
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
             raise InvalidRequestError(
                 f"logprobs {params.logprobs} exceeds the vocabulary ({mc.vocab_size})", "logprobs"

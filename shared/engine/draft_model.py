@@ -125,7 +125,11 @@ class DraftModelProposer:
                 (spec,) = s.samples
                 d = drafts[s.seq_id]
                 pspec = position_spec(spec, d, len(d))
-                if spec.params.greedy:
+                if spec.params.greedy and sampler.needs_rules(pspec):
+                    # the argmax the target's verification takes: after the row's rules
+                    # (logit_bias, allowed_token_ids, min_tokens, penalties)
+                    tok = int(sampler.processed_logits(logits[row : row + 1], [pspec]).argmax())
+                elif spec.params.greedy:
                     tok = int(sampler._greedy(logits[row : row + 1])[0])
                 else:
                     q = sampler.processed_probs(logits[row : row + 1], [pspec])

@@ -1,5 +1,21 @@
 """Batched sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
 
+Each row's own rules come first, on fp32 logits and in vLLM's order: ``allowed_token_ids``
+(every other token to -inf), ``logit_bias`` (added to its tokens' logits), ``min_tokens``
+(its ends to -inf), then the repetition / frequency / presence penalties (so these see the
+biased logits); a structured-output grammar's mask after them, then temperature, top-k, top-p
+and min-p. The first three commute (-inf absorbs a finite bias). Where ``min_tokens`` would
+ban every allowed token, the allow-list wins (the ban is skipped: some token must be drawn),
+as a grammar's end wins over ``min_tokens``; where a grammar allows none of the allowed tokens,
+the row may only end (EOS), as for any grammar that allows nothing else. Greedy rows with any
+of these rules take the argmax of the processed logits, and every path that draws or verifies
+a token (plain draws, speculative verification, rejection sampling, the draft model's q) goes
+through the same rules (``_apply_row_rules``).
+
+Logprobs report the model's raw distribution (``log_softmax`` of the logits before any rule,
+vLLM's default ``raw_logprobs``): a bias or an allow-list changes what is drawn, not the
+reported logprob or rank of a token.
+
 A seeded row draws its token with noise from a generator keyed by ``(seed, position)``, where
 position is the index of the output token being drawn. The draw is the exponential race
 ``argmax(p / E)``, ``E ~ Exp(1)``, which samples exactly from ``p`` and depends on nothing but
@@ -20,6 +36,7 @@ import torch
 import xxhash
 
 from shared.engine.request import Logprob
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler_output import SampledToken, SampleError, SampleSpec, SpecSample
 from shared.engine.structured_output import Matchers
 
@@ -57,6 +74,7 @@ class Sampler:
         self._argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
         self.generator = torch.Generator(device=device)
         self.matchers = Matchers()  # structured outputs: one grammar matcher per sequence
+        self._token_tensors: dict[int, tuple[list[int], torch.Tensor]] = {}
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
@@ -127,32 +145,72 @@ class Sampler:
         return self._argmax_rows(logits)
 
     @staticmethod
-    def _needs_processing(r: SampleSpec) -> bool:
+    def needs_rules(r: SampleSpec) -> bool:
+        """Row ``r`` has rules of its own (``_apply_row_rules``) at this position."""
         p = r.params
         return (
             p.needs_penalties
-            or r.grammar is not None
+            or p.biased
             or (p.min_tokens > 0 and r.num_output_tokens < p.min_tokens)
         )
 
+    @classmethod
+    def _needs_processing(cls, r: SampleSpec) -> bool:
+        return cls.needs_rules(r) or r.grammar is not None
+
     def _apply_row_rules(self, logits: torch.Tensor, rows: list[SampleSpec]) -> None:
-        """Each row's own rules, in place on fp32 logits: ``min_tokens`` bans its ends, then
-        its repetition / frequency / presence penalties."""
+        """Each row's own rules, in place on fp32 logits (the order of the module docstring):
+        ``allowed_token_ids``, ``logit_bias``, ``min_tokens`` bans its ends, then its
+        repetition / frequency / presence penalties."""
         for i, r in enumerate(rows):
             p = r.params
+            if p.biased:
+                allowed, bias_ids, bias_values = self._bias_tensors(p, logits.device)
+                if allowed is not None:
+                    keep = logits[i, allowed]
+                    logits[i] = float("-inf")
+                    logits[i, allowed] = keep
+                if bias_ids is not None:
+                    logits[i].index_add_(0, bias_ids, bias_values.to(logits.dtype))
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if banned and p.allowed_token_ids is not None:
+                    ban = set(banned)
+                    if all(t in ban for t in p.allowed_token_ids):
+                        banned = []  # the allow-list holds only ends: it wins over min_tokens
                 if banned:
                     logits[i, banned] = float("-inf")
             if p.needs_penalties:
                 self._apply_penalties(logits, i, r)
 
+    @staticmethod
+    def _bias_tensors(
+        p: SamplingParams, dev: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(allowed ids, logit_bias ids, logit_bias values) on ``dev``, built once per request
+        (cached on its params) and reused at every position."""
+        key = f"bias:{dev}"
+        cached = p.sampler_cache.get(key)
+        if cached is None:
+            allowed = None
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)
+            bias = p.logit_bias or {}
+            ids = torch.tensor(list(bias), dtype=torch.long, device=dev) if bias else None
+            values = torch.tensor(list(bias.values()), dtype=torch.float32, device=dev)
+            cached = p.sampler_cache[key] = (allowed, ids, values)
+        return cached  # type: ignore[return-value]
+
+    def processed_logits(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
+        """fp32 copy of ``logits`` with each row's rules applied (no grammar, no temperature)."""
+        logits = logits.float().clone()
+        self._apply_row_rules(logits, rows)
+        return logits
+
     def processed_probs(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         """The distribution each row samples from: its rules, then temperature, top-k, top-p
         and min-p (rows not normalised where top-p / min-p cut)."""
-        logits = logits.float().clone()
-        self._apply_row_rules(logits, rows)
-        return self._probs(logits, rows)
+        return self._probs(self.processed_logits(logits, rows), rows)
 
     def _apply_grammars(
         self, logits: torch.Tensor, rows: list[SampleSpec], constrained: list[int]
@@ -163,6 +221,8 @@ class Sampler:
 
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         masked = []
+        # rows by the token list their grammar bans (one list per grammar kind): one write each
+        bans: dict[int, tuple[list[int], list[int]]] = {}
         for i in constrained:
             r = rows[i]
             m = self.matchers.get(r.seq_id, r.grammar, r.output_token_ids)
@@ -173,18 +233,31 @@ class Sampler:
             masked.append(i)
             g = r.grammar
             if g.banned:  # type: ignore[attr-defined]
-                logits[i, g.banned] = float("-inf")  # type: ignore[attr-defined]
+                bans.setdefault(id(g.banned), (g.banned, []))[1].append(i)  # type: ignore[attr-defined]
             if r.output_token_ids and r.output_token_ids[-1] in g.ends_ed:  # type: ignore[attr-defined]
-                logits[i, g.after_ed] = float("-inf")  # type: ignore[attr-defined]
+                bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(i)  # type: ignore[attr-defined]
+        for banned, at in bans.values():
+            cols = self._token_tensor(banned, logits.device)
+            logits[torch.tensor(at, device=logits.device)[:, None], cols[None, :]] = float("-inf")
         if masked:
             xgr.apply_token_bitmask_inplace(
                 logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=masked
             )
             # where the grammar allows only the end and min_tokens banned it, the grammar wins:
-            # no token could continue the output validly
-            dead = ~torch.isfinite(logits[masked]).any(dim=-1)
-            for j in torch.nonzero(dead).flatten().tolist():
-                self._only_end(logits, masked[j], rows[masked[j]])
+            # no token could continue the output validly (the max over every row reads the
+            # logits once; indexing the masked rows first would copy them)
+            dead = (logits.amax(dim=-1) == float("-inf")).tolist()
+            for i in masked:
+                if dead[i]:
+                    self._only_end(logits, i, rows[i])
+
+    def _token_tensor(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """``ids`` as a long tensor, built once per list (the grammars' shared ban lists)."""
+        hit = self._token_tensors.get(id(ids))
+        if hit is None or hit[0] is not ids:
+            hit = (ids, torch.tensor(ids, dtype=torch.long, device=device))
+            self._token_tensors[id(ids)] = hit
+        return hit[1]
 
     @staticmethod
     def _only_end(logits: torch.Tensor, i: int, r: SampleSpec) -> None:

@@ -18,6 +18,11 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 #: lower and configurable): samples per request and stop token ids per request.
 MAX_N = 1024
 MAX_STOP_TOKEN_IDS = 1024
+#: logit_bias entries and allowed_token_ids per request: above any vocabulary in use (the
+#: engine also checks every id against its model's vocabulary, EngineCore.add_request)
+MAX_TOKEN_ID_SET = 1 << 18
+#: OpenAI's range for a logit_bias value (it refuses values outside it)
+MAX_LOGIT_BIAS = 100.0
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs
 
 
@@ -37,6 +42,11 @@ def _is_int(v: object) -> bool:
 
 def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _summary(v: object) -> object:
+    """A value for an error message: a collection by its size, not its items."""
+    return f"<{len(v)} entries>" if isinstance(v, (dict, list, tuple, set)) else v
 
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema / regex / grammar larger than this is refused
@@ -105,6 +115,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = sampled token only)
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> value added to its logit before sampling; vLLM's
+    # allowed_token_ids: only these ids may be sampled (see shared/engine/sampler.py)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # the sampler's device tensors of the two above, built on first use (per request: never
+    # copied by clone() / for_sample(), compared or shown)
+    sampler_cache: dict[str, object] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -192,6 +211,39 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "a boolean")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_TOKEN_ID_SET:
+                raise bad(
+                    "logit_bias",
+                    _summary(self.logit_bias),
+                    f"a map of at most {MAX_TOKEN_ID_SET} token ids to numbers",
+                )
+            for t, v in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise SamplingParamsError(
+                        f"logit_bias keys must be non-negative token ids, got {t!r}",
+                        param="logit_bias",
+                    )
+                if not _is_real(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    raise SamplingParamsError(
+                        f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, "
+                        f"{MAX_LOGIT_BIAS:g}], got {v!r} for token {t}",
+                        param="logit_bias",
+                    )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_TOKEN_ID_SET:
+                raise bad(
+                    "allowed_token_ids",
+                    _summary(ids),
+                    f"a non-empty list of at most {MAX_TOKEN_ID_SET} token ids",
+                )
+            for t in ids:
+                if not _is_int(t) or t < 0:
+                    raise SamplingParamsError(
+                        f"allowed_token_ids must hold non-negative token ids, got {t!r}",
+                        param="allowed_token_ids",
+                    )
 
     @property
     def greedy(self) -> bool:
@@ -200,6 +252,11 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         return self.structured_outputs is not None
+
+    @property
+    def biased(self) -> bool:
+        """A logit_bias or an allowed_token_ids list applies (the sampler's row rules)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def needs_penalties(self) -> bool:
@@ -213,7 +270,16 @@ class SamplingParams:
         """Parameters of sample ``index`` of an ``n > 1`` request (seed + index, as vLLM).
         ``validate()`` guarantees that ``seed + index`` fits in a signed 64-bit integer."""
         seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
+        # replace() on a fresh clone: the copy shares no list or map with this one
+        return dataclasses.replace(self.clone(), n=1, seed=seed)
 
     def clone(self) -> SamplingParams:
-        return dataclasses.replace(self, stop_token_ids=list(self.stop_token_ids))
+        """A copy that shares no mutable state with this one (its sampler cache starts empty)."""
+        return dataclasses.replace(
+            self,
+            stop_token_ids=list(self.stop_token_ids),
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            allowed_token_ids=None
+            if self.allowed_token_ids is None
+            else list(self.allowed_token_ids),
+        )

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/proto/pdserve.proto\x12\npdserve.v1\"\xa4\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"R\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xac\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x15\n\rfirst_token_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x1a\n\x12\x62locks_transferred\x18\x08 \x01(\r\"\xf7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\rB\x02\x10\x01\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12(\n\x06resume\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.ResumeTokens\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\"F\n\x0cResumeTokens\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"B\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\r\n\x05whole\x18\x03 \x01(\x08\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\xa1\x01\n\x08SeqDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb7\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07outputs\x18\x02 \x03(\x0b\x32\x14.pdserve.v1.SeqDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x11\n\tworker_id\x18\x06 \x01(\t\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xfd\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x14\n\x0cintegrity_ok\x18\x07 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x08 \x01(\t\x12\x13\n\x0bused_blocks\x18\t \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04\x12\x1a\n\x12kv_transfer_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x0c \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x15\n\rpending_sends\x18\x10 \x01(\r\"\x84\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\rB\x02\x10\x01\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x05 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x07 \x01(\r\x12\x19\n\rdst_block_ids\x18\x08 \x03(\rB\x02\x10\x01\x12\x13\n\x0btransfer_id\x18\t \x01(\t\"X\n\nFirstToken\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xfd\x01\n\rPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0c\x66irst_tokens\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.FirstToken\x12\x17\n\x0f\x62lock_checksums\x18\x03 \x03(\x04\x12\x17\n\x0fnum_blocks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x12\n\ntransfer_s\x18\t \x01(\x01\x12\x11\n\tworker_id\x18\n \x01(\t2\xcb\x01\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x8d\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResult\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/proto/pdserve.proto\x12\npdserve.v1\"\xb0\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1b\n\nChoiceList\x12\r\n\x05items\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"R\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xac\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x15\n\rfirst_token_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x1a\n\x12\x62locks_transferred\x18\x08 \x01(\r\"\xf7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\rB\x02\x10\x01\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12(\n\x06resume\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.ResumeTokens\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\"F\n\x0cResumeTokens\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"B\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\r\n\x05whole\x18\x03 \x01(\x08\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\xa1\x01\n\x08SeqDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb7\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07outputs\x18\x02 \x03(\x0b\x32\x14.pdserve.v1.SeqDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x11\n\tworker_id\x18\x06 \x01(\t\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xfd\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x14\n\x0cintegrity_ok\x18\x07 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x08 \x01(\t\x12\x13\n\x0bused_blocks\x18\t \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04\x12\x1a\n\x12kv_transfer_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x0c \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x15\n\rpending_sends\x18\x10 \x01(\r\"\x84\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\rB\x02\x10\x01\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x05 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x07 \x01(\r\x12\x19\n\rdst_block_ids\x18\x08 \x03(\rB\x02\x10\x01\x12\x13\n\x0btransfer_id\x18\t \x01(\t\"X\n\nFirstToken\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xfd\x01\n\rPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0c\x66irst_tokens\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.FirstToken\x12\x17\n\x0f\x62lock_checksums\x18\x03 \x03(\x04\x12\x17\n\x0fnum_blocks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x12\n\ntransfer_s\x18\t \x01(\x01\x12\x11\n\tworker_id\x18\n \x01(\t2\xcb\x01\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x8d\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResult\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.proto.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._loaded_options = None
   _globals['_GENERATEREQUEST'].fields_by_name['prompt_token_ids']._serialized_options = b'\020\001'
   _globals['_RESUMETOKENS'].fields_by_name['token_ids']._loaded_options = None
@@ -42,43 +44,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST'].fields_by_name['dst_block_ids']._loaded_options = None
   _globals['_PREFILLREQUEST'].fields_by_name['dst_block_ids']._serialized_options = b'\020\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=43
-  _globals['_SAMPLINGPARAMS']._serialized_end=591
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=594
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=738
-  _globals['_CHOICELIST']._serialized_start=740
-  _globals['_CHOICELIST']._serialized_end=767
-  _globals['_TOPLOGPROB']._serialized_start=769
-  _globals['_TOPLOGPROB']._serialized_end=816
-  _globals['_TOKENLOGPROB']._serialized_start=818
-  _globals['_TOKENLOGPROB']._serialized_end=900
-  _globals['_TIMINGS']._serialized_start=903
-  _globals['_TIMINGS']._serialized_end=1075
-  _globals['_GENERATEREQUEST']._serialized_start=1078
-  _globals['_GENERATEREQUEST']._serialized_end=1325
-  _globals['_RESUMETOKENS']._serialized_start=1327
-  _globals['_RESUMETOKENS']._serialized_end=1397
-  _globals['_ABORTREQUEST']._serialized_start=1399
-  _globals['_ABORTREQUEST']._serialized_end=1465
-  _globals['_ABORTREPLY']._serialized_start=1467
-  _globals['_ABORTREPLY']._serialized_end=1496
-  _globals['_SEQDELTA']._serialized_start=1499
-  _globals['_SEQDELTA']._serialized_end=1660
-  _globals['_USAGE']._serialized_start=1662
-  _globals['_USAGE']._serialized_end=1742
-  _globals['_GENERATECHUNK']._serialized_start=1745
-  _globals['_GENERATECHUNK']._serialized_end=1928
-  _globals['_STATSREQUEST']._serialized_start=1930
-  _globals['_STATSREQUEST']._serialized_end=1969
-  _globals['_WORKERSTATS']._serialized_start=1972
-  _globals['_WORKERSTATS']._serialized_end=2353
-  _globals['_PREFILLREQUEST']._serialized_start=2356
-  _globals['_PREFILLREQUEST']._serialized_end=2616
-  _globals['_FIRSTTOKEN']._serialized_start=2618
-  _globals['_FIRSTTOKEN']._serialized_end=2706
-  _globals['_PREFILLRESULT']._serialized_start=2709
-  _globals['_PREFILLRESULT']._serialized_end=2962
-  _globals['_DECODEWORKER']._serialized_start=2965
-  _globals['_DECODEWORKER']._serialized_end=3168
-  _globals['_PREFILLWORKER']._serialized_start=3171
-  _globals['_PREFILLWORKER']._serialized_end=3312
+  _globals['_SAMPLINGPARAMS']._serialized_end=731
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=534
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=582
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=734
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=878
+  _globals['_CHOICELIST']._serialized_start=880
+  _globals['_CHOICELIST']._serialized_end=907
+  _globals['_TOPLOGPROB']._serialized_start=909
+  _globals['_TOPLOGPROB']._serialized_end=956
+  _globals['_TOKENLOGPROB']._serialized_start=958
+  _globals['_TOKENLOGPROB']._serialized_end=1040
+  _globals['_TIMINGS']._serialized_start=1043
+  _globals['_TIMINGS']._serialized_end=1215
+  _globals['_GENERATEREQUEST']._serialized_start=1218
+  _globals['_GENERATEREQUEST']._serialized_end=1465
+  _globals['_RESUMETOKENS']._serialized_start=1467
+  _globals['_RESUMETOKENS']._serialized_end=1537
+  _globals['_ABORTREQUEST']._serialized_start=1539
+  _globals['_ABORTREQUEST']._serialized_end=1605
+  _globals['_ABORTREPLY']._serialized_start=1607
+  _globals['_ABORTREPLY']._serialized_end=1636
+  _globals['_SEQDELTA']._serialized_start=1639
+  _globals['_SEQDELTA']._serialized_end=1800
+  _globals['_USAGE']._serialized_start=1802
+  _globals['_USAGE']._serialized_end=1882
+  _globals['_GENERATECHUNK']._serialized_start=1885
+  _globals['_GENERATECHUNK']._serialized_end=2068
+  _globals['_STATSREQUEST']._serialized_start=2070
+  _globals['_STATSREQUEST']._serialized_end=2109
+  _globals['_WORKERSTATS']._serialized_start=2112
+  _globals['_WORKERSTATS']._serialized_end=2493
+  _globals['_PREFILLREQUEST']._serialized_start=2496
+  _globals['_PREFILLREQUEST']._serialized_end=2756
+  _globals['_FIRSTTOKEN']._serialized_start=2758
+  _globals['_FIRSTTOKEN']._serialized_end=2846
+  _globals['_PREFILLRESULT']._serialized_start=2849
+  _globals['_PREFILLRESULT']._serialized_end=3102
+  _globals['_DECODEWORKER']._serialized_start=3105
+  _globals['_DECODEWORKER']._serialized_end=3308
+  _globals['_PREFILLWORKER']._serialized_start=3311
+  _globals['_PREFILLWORKER']._serialized_end=3452
 # @@protoc_insertion_point(module_scope)

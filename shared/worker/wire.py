@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from shared.engine.request import Logprob
 from shared.engine.sampling_params import (
     MAX_N,
+    MAX_TOKEN_ID_SET,
     SamplingParams,
     SamplingParamsError,
     StructuredOutputsParams,
@@ -55,9 +56,16 @@ def check_deadline(value: float) -> float:
 
 
 def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -> SamplingParams:
-    """Raises ``SamplingParamsError`` for out-of-range values (NaN / infinite floats included)."""
+    """Raises ``SamplingParamsError`` for out-of-range values (NaN / infinite floats included).
+    An empty ``logit_bias`` / ``allowed_token_ids`` is none (proto3 cannot tell them apart)."""
     if m.n > MAX_N:  # before anything is built from it
         raise SamplingParamsError(f"n must be an integer in [1, {MAX_N}], got {m.n}", param="n")
+    for name in ("logit_bias", "allowed_token_ids"):
+        if len(getattr(m, name)) > MAX_TOKEN_ID_SET:
+            raise SamplingParamsError(
+                f"{name} has {len(getattr(m, name))} entries; at most {MAX_TOKEN_ID_SET} allowed",
+                param=name,
+            )
     kw: dict = {
         "n": m.n or 1,
         "min_tokens": m.min_tokens,
@@ -82,6 +90,10 @@ def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -
         kw["max_tokens"] = None  # until max_model_len, as in the OpenAI server
     if m.HasField("structured_outputs"):
         kw["structured_outputs"] = structured_from_proto(m.structured_outputs)
+    if m.logit_bias:
+        kw["logit_bias"] = dict(m.logit_bias)
+    if m.allowed_token_ids:
+        kw["allowed_token_ids"] = list(m.allowed_token_ids)
     params = SamplingParams(**kw)
     if max_logprobs is not None:
         params.validate(max_logprobs)
@@ -155,6 +167,10 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         m.logprobs = p.logprobs
     if p.structured_outputs is not None:
         m.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
+    if p.logit_bias:
+        m.logit_bias.update(p.logit_bias)
+    if p.allowed_token_ids:
+        m.allowed_token_ids.extend(p.allowed_token_ids)
     return m
 
 

@@ -93,6 +93,7 @@ def test_long_fuzz_keeps_every_worker_alive(fuzz_cluster, tiny_llama):
 _OPERATIONS = [
     ("/v1/completions", "POST"),
     ("/v1/chat/completions", "POST"),
+    ("/v1/responses", "POST"),
     ("/tokenize", "POST"),
     ("/detokenize", "POST"),
 ]

@@ -484,6 +484,10 @@ POSTS = {
         {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         lambda b: b["object"] == "chat.completion" and b["usage"]["completion_tokens"] == 2,
     ),
+    "/v1/responses": (
+        {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2},
+        lambda b: b["object"] == "response" and b["usage"]["output_tokens"] == 2,
+    ),
     "/tokenize": ({"model": MODEL_NAME, "prompt": "hi"}, lambda b: b["count"] == len(b["tokens"])),
     "/detokenize": (
         {"model": MODEL_NAME, "tokens": [1, 2]},

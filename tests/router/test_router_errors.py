@@ -51,7 +51,11 @@ def post(r, path="/v1/completions", **body):
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
         ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [5, -1]}, "allowed_token_ids"),
         ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ({"prompt": "x", "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
         ({"prompt": [999999]}, "prompt"),
@@ -71,17 +75,31 @@ def test_chat_specific_400s(router):
         400,
         param="top_logprobs",
     )
-    assert_error(
-        post(
-            router,
-            "/v1/chat/completions",
-            messages=msgs,
-            tool_choice="required",
-            tools=[{"type": "function", "function": {"name": "f"}}],
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    # tools default tool_choice to "auto", which needs --enable-auto-tool-choice (vLLM's rule)
+    for choice in ({}, {"tool_choice": "auto"}):
+        assert_error(
+            post(router, "/v1/chat/completions", messages=msgs, tools=tools, **choice),
+            400,
+            param="tool_choice",
+            contains="--enable-auto-tool-choice",
+        )
+    for bad, param in (
+        ({"tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required", "tools": None}, "tool_choice"),
+        ({"tool_choice": "none", "tools": [{"type": "retrieval"}]}, "tools.0"),
+        ({"tool_choice": "none", "tools": tools * 2}, "tools.1"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
         ),
-        400,
-        param="tool_choice",
-    )
+    ):
+        assert_error(
+            post(router, "/v1/chat/completions", **{"messages": msgs, "tools": tools, **bad}),
+            400,
+            param=param,
+        )
     assert_error(
         post(
             router,
