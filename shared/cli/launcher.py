@@ -89,6 +89,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "to 30 s; resets after a minute up)",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="the router parses tool calls for tool_choice 'auto' (vLLM's flag; needs "
+        "--tool-call-parser)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the model's tool-call format: hermes (the test models, Qwen2.5, Hermes) or "
+        "llama3_json; the router checks it",
+    )
+    g.add_argument("--chat-template", default=None, help="the router's chat template override")
+    g.add_argument(
         "--router-arg",
         action="append",
         default=[],
@@ -334,6 +347,9 @@ class Cluster:
             str(a.port),
             *(["--max-logprobs", str(a.max_logprobs)] if a.max_logprobs != 20 else []),
             *(["--max-model-len", str(a.max_model_len)] if a.max_model_len else []),
+            *(["--enable-auto-tool-choice"] if a.enable_auto_tool_choice else []),
+            *(["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []),
+            *(["--chat-template", a.chat_template] if a.chat_template else []),
             *a.router_arg,
             *(extra or []),
         ]

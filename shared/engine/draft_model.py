@@ -125,7 +125,18 @@ class DraftModelProposer:
                 (spec,) = s.samples
                 d = drafts[s.seq_id]
                 pspec = position_spec(spec, d, len(d))
-                if spec.params.greedy and sampler.needs_rules(pspec):
+                if spec.grammar is not None:
+                    # proposals under the grammar (else nearly every draft is refused); q is
+                    # what they were drawn from
+                    lg = sampler.processed_logits(logits[row : row + 1], [pspec])
+                    sampler.mask_after(lg, spec, d)
+                    if spec.params.greedy:
+                        tok = int(lg.argmax())
+                    else:
+                        q = sampler._probs(lg, [pspec])
+                        tok = int(sampler._race(q, [pspec], salt=3)[0])
+                        qs[s.seq_id].append(q[0] / q[0].sum())
+                elif spec.params.greedy and sampler.needs_rules(pspec):
                     # the argmax the target's verification takes: after the row's rules
                     # (logit_bias, allowed_token_ids, min_tokens, penalties)
                     tok = int(sampler.processed_logits(logits[row : row + 1], [pspec]).argmax())

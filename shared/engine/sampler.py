@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import xxhash
@@ -103,7 +103,12 @@ class Sampler:
         logger.error("sampling failed for request %s: %r", row.seq_id, e, exc_info=e)
         return SampleError(f"sampling failed: {type(e).__name__}: {e}")
 
-    def _sample_batch(self, logits: torch.Tensor, rows: list[SampleSpec]) -> list[SampledToken]:
+    def _sample_batch(
+        self, logits: torch.Tensor, rows: list[SampleSpec], drafts: Sequence[int] | None = None
+    ) -> list[SampledToken]:
+        """``drafts``: ``rows`` are the verified positions of one constrained sequence (see
+        :meth:`_apply_grammar_walk`); its matcher then advances in :meth:`verify`, by the
+        tokens kept, not here."""
         n = len(rows)
         want_lp = [r.params.logprobs is not None for r in rows]
         if not any(want_lp) and all(
@@ -115,7 +120,10 @@ class Sampler:
         logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
         self._apply_row_rules(logits, rows)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if constrained:
+        if constrained and drafts is not None:
+            self._apply_grammar_walk(logits, rows, drafts)
+            constrained = []
+        elif constrained:
             self._apply_grammars(logits, rows, constrained)
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -201,16 +209,23 @@ class Sampler:
             cached = p.sampler_cache[key] = (allowed, ids, values)
         return cached  # type: ignore[return-value]
 
-    def processed_logits(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
-        """fp32 copy of ``logits`` with each row's rules applied (no grammar, no temperature)."""
+    def processed_logits(
+        self, logits: torch.Tensor, rows: list[SampleSpec], drafts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """fp32 copy of ``logits`` with each row's rules applied (no temperature; the grammar
+        only with ``drafts``, the verified positions of one constrained sequence)."""
         logits = logits.float().clone()
         self._apply_row_rules(logits, rows)
+        if drafts is not None and rows and rows[0].grammar is not None:
+            self._apply_grammar_walk(logits, rows, drafts)
         return logits
 
-    def processed_probs(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
+    def processed_probs(
+        self, logits: torch.Tensor, rows: list[SampleSpec], drafts: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """The distribution each row samples from: its rules, then temperature, top-k, top-p
         and min-p (rows not normalised where top-p / min-p cut)."""
-        return self._probs(self.processed_logits(logits, rows), rows)
+        return self._probs(self.processed_logits(logits, rows, drafts), rows)
 
     def _apply_grammars(
         self, logits: torch.Tensor, rows: list[SampleSpec], constrained: list[int]
@@ -236,6 +251,89 @@ class Sampler:
                 bans.setdefault(id(g.banned), (g.banned, []))[1].append(i)  # type: ignore[attr-defined]
             if r.output_token_ids and r.output_token_ids[-1] in g.ends_ed:  # type: ignore[attr-defined]
                 bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(i)  # type: ignore[attr-defined]
+        self._mask_rows(logits, rows, bitmask, masked, bans)
+
+    def _apply_grammar_walk(
+        self, logits: torch.Tensor, rows: list[SampleSpec], drafts: Sequence[int]
+    ) -> None:
+        """The masks of a constrained sequence's verified positions: position ``j`` gets its
+        grammar's mask as if ``drafts[:j]`` were accepted. The sequence's matcher walks the
+        drafts and rolls back; after a draft the grammar refuses (or after its end) the
+        positions can only end (the draft there is rejected whatever comes after)."""
+        import xgrammar as xgr
+
+        r0 = rows[0]
+        m = self.matchers.get(r0.seq_id, r0.grammar, r0.output_token_ids)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        masked: list[int] = []
+        bans: dict[int, tuple[list[int], list[int]]] = {}
+        g = r0.grammar
+        walked = 0
+        try:
+            for j in range(len(rows)):
+                if m.is_terminated():  # type: ignore[attr-defined]
+                    break
+                m.fill_next_token_bitmask(bitmask, j)  # type: ignore[attr-defined]
+                masked.append(j)
+                if g.banned:  # type: ignore[attr-defined]
+                    bans.setdefault(id(g.banned), (g.banned, []))[1].append(j)  # type: ignore[attr-defined]
+                last = drafts[j - 1] if j else (r0.output_token_ids or (None,))[-1]
+                if last is not None and last in g.ends_ed:  # type: ignore[attr-defined]
+                    bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(j)  # type: ignore[attr-defined]
+                if j == len(drafts) or not m.accept_token(int(drafts[j])):  # type: ignore[attr-defined]
+                    break
+                walked += 1
+        finally:
+            if walked:
+                m.rollback(walked)  # type: ignore[attr-defined]
+        for jj in range(len(rows)):
+            if jj not in masked:
+                self._only_end(logits, jj, rows[jj])
+        self._mask_rows(logits, rows, bitmask, masked, bans)
+
+    def mask_after(self, logits: torch.Tensor, spec: SampleSpec, drafts: Sequence[int]) -> None:
+        """Mask the one row of ``logits`` (fp32, in place) to what ``spec``'s grammar allows
+        after ``drafts`` (the draft model proposing under a grammar: its q is then the
+        distribution its drafts were drawn from, as rejection sampling needs)."""
+        import xgrammar as xgr
+
+        m = self.matchers.get(spec.seq_id, spec.grammar, spec.output_token_ids)
+        g = spec.grammar
+        walked = 0
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        try:
+            for t in drafts:
+                if m.is_terminated() or not m.accept_token(int(t)):  # type: ignore[attr-defined]
+                    self._only_end(logits, 0, spec)
+                    return
+                walked += 1
+            if m.is_terminated():  # type: ignore[attr-defined]
+                self._only_end(logits, 0, spec)
+                return
+            m.fill_next_token_bitmask(bitmask, 0)  # type: ignore[attr-defined]
+        finally:
+            if walked:
+                m.rollback(walked)  # type: ignore[attr-defined]
+        bans: dict[int, tuple[list[int], list[int]]] = {}
+        if g.banned:  # type: ignore[attr-defined]
+            bans[id(g.banned)] = (g.banned, [0])  # type: ignore[attr-defined]
+        last = drafts[-1] if drafts else (spec.output_token_ids or (None,))[-1]
+        if last is not None and last in g.ends_ed:  # type: ignore[attr-defined]
+            bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(0)  # type: ignore[attr-defined]
+        self._mask_rows(logits, [spec], bitmask, [0], bans)
+
+    def _mask_rows(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleSpec],
+        bitmask: torch.Tensor,
+        masked: list[int],
+        bans: dict[int, tuple[list[int], list[int]]],
+    ) -> None:
+        """Apply the grammar bitmask to the ``masked`` rows and the JSON bans (one write per
+        ban list); a row left without any token may only end."""
+        import xgrammar as xgr
+
         for banned, at in bans.values():
             cols = self._token_tensor(banned, logits.device)
             logits[torch.tensor(at, device=logits.device)[:, None], cols[None, :]] = float("-inf")
@@ -355,6 +453,11 @@ class Sampler:
         a bonus draw from the last position when every draft is accepted."""
         k = len(drafts)
         params = rows[0].params
+        if rows[0].grammar is not None:
+            try:
+                return self._verify_constrained(logits, rows, drafts, draft_probs)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                return self._row_error(rows[0], e)
         if draft_probs is None or params.greedy:
             draws = self(logits, rows)
             for d in draws:
@@ -370,13 +473,40 @@ class Sampler:
         except Exception as e:  # noqa: BLE001 - this request fails alone
             return self._row_error(rows[0], e)
 
+    def _verify_constrained(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleSpec],
+        drafts: list[int],
+        draft_probs: torch.Tensor | None,
+    ) -> SpecSample:
+        """:meth:`verify` for a sequence under a grammar: each position drawn under the mask
+        it would have had in plain decoding; the matcher then advances by the tokens kept."""
+        k = len(drafts)
+        if draft_probs is None or rows[0].params.greedy:
+            toks = self._sample_batch(logits, rows, drafts=drafts)
+            a = 0
+            while a < k and toks[a].token_id == drafts[a]:
+                a += 1
+            result = SpecSample(toks[: a + 1], k, a)
+        else:
+            result = self._rejection(logits, rows, drafts, draft_probs, constrained=True)
+        for t in result.tokens:
+            self.matchers.accepted(rows[0].seq_id, t.token_id)
+        return result
+
     def _rejection(
-        self, logits: torch.Tensor, rows: list[SampleSpec], drafts: list[int], q: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleSpec],
+        drafts: list[int],
+        q: torch.Tensor,
+        constrained: bool = False,
     ) -> SpecSample:
         k = len(drafts)
         want_lp = rows[0].params.logprobs is not None
         raw = torch.log_softmax(logits.float(), dim=-1) if want_lp else None
-        probs = self.processed_probs(logits, rows)
+        probs = self.processed_probs(logits, rows, drafts if constrained else None)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         q = q.float()
         out: list[SampledToken] = []

@@ -185,8 +185,8 @@ class Scheduler:
         """(n-gram drafts, draft-model lookahead) for a decoding request, within ``room``
         budget tokens. None for a request's first token or pending ``n > 1`` siblings."""
         assert self.spec is not None
-        if req.siblings or req.num_output_tokens == req.num_resumed_tokens or req.grammar:
-            return [], 0  # no drafts at the first token, for pending siblings, or a grammar
+        if req.siblings or req.num_output_tokens == req.num_resumed_tokens:
+            return [], 0  # no drafts at the first token or for pending siblings
         if not self.spec.allow(req.request_id):
             return [], 0
         k = min(

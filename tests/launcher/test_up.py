@@ -34,6 +34,9 @@ def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
             "64MiB",
             "--run-dir",
             str(tmp_path / "run"),
+            "--enable-auto-tool-choice",  # passed on to the router (else tools below are a 400)
+            "--tool-call-parser",
+            "hermes",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -66,6 +69,11 @@ def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
         assert resp.choices[0].finish_reason in ("length", "stop")
         assert isinstance(resp.choices[0].message.content, str)
         assert 1 <= resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 5
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        auto = client.chat.completions.create(  # tool_choice "auto": the router's parser
+            model=model, messages=[{"role": "user", "content": "hi"}], tools=tools, max_tokens=4
+        )
+        assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
