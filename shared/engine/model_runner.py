@@ -98,6 +98,27 @@ def pack_chunks(
     return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta
 
 
+SMALL_STEP_TOKENS = 4
+
+
+def small_step_tokens(device: torch.device, threads: int) -> int:
+    """Steps of at most this many tokens run on one thread (0: never). On a CPU whose every
+    core the worker's threads take (the router and the clients then share them), a decode step
+    of a few sequences loses more waiting for its second thread's core than it gains from it:
+    vLLM's c=1 workload ran 0.71x vLLM's throughput with 2 threads and 0.99x like this
+    (docs/benchmarks.md, "Topology"). ``PDSERVE_SMALL_STEP_TOKENS`` overrides (0: off)."""
+    env = os.environ.get("PDSERVE_SMALL_STEP_TOKENS")
+    if env is not None:
+        return max(0, int(env))
+    if device.type != "cpu" or threads < 2:
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return SMALL_STEP_TOKENS if threads >= cores else 0
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -116,6 +137,8 @@ class ModelRunner:
             threads = os.environ.get("PDSERVE_NUM_THREADS")
             if threads:
                 torch.set_num_threads(int(threads))
+        self._threads = self._threads_now = torch.get_num_threads()
+        self._small_step_tokens = small_step_tokens(self.device, self._threads)
         self.backend_name = attention_backend or default_backend(device)
         self.backend = get_backend(self.backend_name)
         self.dtype = getattr(torch, model_config.dtype)
@@ -131,6 +154,13 @@ class ModelRunner:
             weight_bytes(self.model) / (1 << 20),
             q.describe() if q is not None else f"{model_config.dtype}, not quantized",
         )
+        if self._small_step_tokens:
+            logger.info(
+                "torch threads: %d; steps of at most %d tokens on 1 (the worker's threads "
+                "take every core; PDSERVE_SMALL_STEP_TOKENS=0 turns this off)",
+                self._threads,
+                self._small_step_tokens,
+            )
         self.sampler = Sampler(
             model_config.vocab_size, self.device, seed, argmax_rows=self.backend.argmax_rows
         )
@@ -272,6 +302,11 @@ class ModelRunner:
         input_ids, positions, meta = pack_chunks(
             chunks, self.block_size, self.device, self.k_scale, self.v_scale
         )
+        if self._small_step_tokens and self._threads > 1:
+            want = 1 if t <= self._small_step_tokens else self._threads
+            if want != self._threads_now:
+                torch.set_num_threads(want)
+                self._threads_now = want
         dev = self.device
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not rows:

@@ -34,6 +34,8 @@ def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
             "64MiB",
             "--run-dir",
             str(tmp_path / "run"),
+            "--prefill",  # disaggregated (on 2 cores the default is one colocated worker)
+            "1",
             "--enable-auto-tool-choice",  # passed on to the router (else tools below are a 400)
             "--tool-call-parser",
             "hermes",
