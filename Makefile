@@ -1,8 +1,9 @@
 # The two commands of the README (make up, make test) set up ./.venv on first use.
 .PHONY: up test test-unit test-more test-fuzz lint setup setup-test
 
+# the whole disaggregated cluster (bare `pdserve up` picks one colocated worker on <= 2 cores)
 up: setup
-	.venv/bin/pdserve up
+	.venv/bin/pdserve up --prefill 1 --decode 1
 
 test: setup-test lint
 	.venv/bin/python -m pytest -q -m "not slow and not fuzz and not browser"

@@ -134,6 +134,13 @@ class ResponsesRequest(OpenAIModel):
     top_logprobs: int | None = None
     background: bool | None = None
     service_tier: str | None = None
+    # vLLM's sampling extras on its Responses endpoint
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class TokenizeRequest(OpenAIModel):

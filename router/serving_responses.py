@@ -198,10 +198,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "response_format": _response_format(req.text),
         "user": req.user,
     }
-    extra = req.model_extra or {}
     for k in _SAMPLING_EXTRAS:
-        if k in extra:
-            fields[k] = extra[k]
+        fields[k] = getattr(req, k)
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
