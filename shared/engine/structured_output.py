@@ -18,6 +18,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 from shared.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
@@ -63,7 +64,9 @@ class GrammarCompiler:
         self._control: list[int] = []
         self._ends_ed: frozenset[int] = frozenset()
         self._after_ed: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the compiles in progress
+        self._setup_lock = threading.Lock()  # the one-time tokenizer info and compiler
+        self._pending: dict[tuple[str, str], Future[Compiled]] = {}
 
     def _ensure_compiler(self) -> None:
         """Build xgrammar's tokenizer info and compiler on first use (not at start-up)."""
@@ -93,47 +96,66 @@ class GrammarCompiler:
             self._after_ed = [i for i, b in enumerate(vocab) if b and 0xA0 <= b[0] <= 0xBF]
 
     def compile(self, so: StructuredOutputsParams) -> Compiled:
-        """The compiled grammar of ``so`` (cached); ``StructuredOutputError`` if it fails."""
+        """The compiled grammar of ``so`` (cached); ``StructuredOutputError`` if it fails.
+
+        The lock covers only the cache: a cold compile (milliseconds to seconds for a large
+        schema) runs outside it, so other specs' cache hits and compiles never wait behind it;
+        callers asking for a spec being compiled wait for that one compile."""
         key = so.kind()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            self._ensure_compiler()
-            kind, spec = key
-            try:
-                # compact JSON (no free whitespace between tokens): a model cannot drift into
-                # unbounded whitespace before max_tokens (vLLM's disable_any_whitespace)
-                if kind == "json":
-                    json.loads(spec)  # a clear error for text that is not JSON
-                    cg = self._compiler.compile_json_schema(spec, any_whitespace=False)  # type: ignore[attr-defined]
-                elif kind == "json_object":
-                    cg = self._compiler.compile_json_schema(
-                        '{"type": "object"}', any_whitespace=False
-                    )  # type: ignore[attr-defined]
-                elif kind == "regex":
-                    cg = self._compiler.compile_regex(spec)  # type: ignore[attr-defined]
-                elif kind == "choice":
-                    alts = " | ".join(json.dumps(c) for c in so.choice or ())
-                    cg = self._compiler.compile_grammar(f"root ::= {alts}")  # type: ignore[attr-defined]
-                else:
-                    cg = self._compiler.compile_grammar(spec)  # type: ignore[attr-defined]
-            except Exception as e:  # xgrammar raises RuntimeError / ValueError
-                # drop xgrammar's "[12:00:00] /project/cpp/file.cc:123: " prefix
-                why = re.sub(r"^\[[0-9:]+\] \S+?:\d+: ", "", str(e).splitlines()[0])
-                raise StructuredOutputError(
-                    f"structured_outputs {kind} does not compile: {why[:300]}",
-                    param="structured_outputs",
-                ) from e
-            if kind in ("json", "json_object"):
-                compiled = Compiled(cg, self._control, self._ends_ed, self._after_ed)
-            else:
-                compiled = Compiled(cg, [])
+            pending = self._pending.get(key)
+            if pending is None:
+                self._pending[key] = mine = Future()
+        if pending is not None:
+            return pending.result()
+        try:
+            compiled = self._build(key, so)
+        except BaseException as e:
+            with self._lock:
+                del self._pending[key]
+            mine.set_exception(e)
+            raise
+        with self._lock:
+            del self._pending[key]
             self._cache[key] = compiled
             while len(self._cache) > _CACHE:
                 self._cache.popitem(last=False)
-            return compiled
+        mine.set_result(compiled)
+        return compiled
+
+    def _build(self, key: tuple[str, str], so: StructuredOutputsParams) -> Compiled:
+        with self._setup_lock:
+            self._ensure_compiler()
+        kind, spec = key
+        try:
+            # compact JSON (no free whitespace between tokens): a model cannot drift into
+            # unbounded whitespace before max_tokens (vLLM's disable_any_whitespace)
+            if kind == "json":
+                json.loads(spec)  # a clear error for text that is not JSON
+                cg = self._compiler.compile_json_schema(spec, any_whitespace=False)  # type: ignore[attr-defined]
+            elif kind == "json_object":
+                cg = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)  # type: ignore[attr-defined]
+            elif kind == "regex":
+                cg = self._compiler.compile_regex(spec)  # type: ignore[attr-defined]
+            elif kind == "choice":
+                alts = " | ".join(json.dumps(c) for c in so.choice or ())
+                cg = self._compiler.compile_grammar(f"root ::= {alts}")  # type: ignore[attr-defined]
+            else:
+                cg = self._compiler.compile_grammar(spec)  # type: ignore[attr-defined]
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError
+            # drop xgrammar's "[12:00:00] /project/cpp/file.cc:123: " prefix
+            why = re.sub(r"^\[[0-9:]+\] \S+?:\d+: ", "", str(e).splitlines()[0])
+            raise StructuredOutputError(
+                f"structured_outputs {kind} does not compile: {why[:300]}",
+                param="structured_outputs",
+            ) from e
+        if kind in ("json", "json_object"):
+            return Compiled(cg, self._control, self._ends_ed, self._after_ed)
+        return Compiled(cg, [])
 
 
 class Matchers:
@@ -156,11 +178,21 @@ class Matchers:
         self._m[seq_id] = (m, len(outputs))
         return m
 
-    def accepted(self, seq_id: str, token: int) -> None:
+    def accepted(self, seq_id: str, token: int, ends: Sequence[int] = ()) -> bool:
+        """Advance ``seq_id``'s matcher by ``token``. True when the sequence must end with it
+        although its stop rules may not say so (``ignore_eos``): the grammar refused it and it
+        is one of ``ends``, i.e. the sampler forced the end of a row that the grammar and the
+        request's other rules (``allowed_token_ids``) left without a token. After a complete
+        grammar the row's ends follow as before (``ignore_eos`` keeps them until max_tokens)."""
         m, n = self._m[seq_id]
-        if not m.is_terminated() and not m.accept_token(int(token)):  # type: ignore[attr-defined]
-            raise RuntimeError(f"token {token} violates the grammar of {seq_id}")
         self._m[seq_id] = (m, n + 1)
+        if m.is_terminated():  # type: ignore[attr-defined]
+            return False
+        if not m.accept_token(int(token)):  # type: ignore[attr-defined]
+            if token in ends:
+                return True
+            raise RuntimeError(f"token {token} violates the grammar of {seq_id}")
+        return False
 
     def drop(self, seq_ids) -> None:  # type: ignore[no-untyped-def]
         for s in seq_ids:
