@@ -178,7 +178,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
                 cached = max(cached, out.num_cached_tokens)
                 if out.new_token_ids:
-                    ft = pb.FirstToken(index=out.index, token_id=out.new_token_ids[0])
+                    ft = pb.FirstToken(
+                        index=out.index,
+                        token_id=out.new_token_ids[0],
+                        # a stop the decode worker's rules alone would not see (a grammar's end)
+                        end=out.finished and out.finish_reason == "stop",
+                    )
                     if out.new_logprobs:
                         ft.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
                     firsts[out.index] = ft

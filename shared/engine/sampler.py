@@ -138,15 +138,18 @@ class Sampler:
                 logits[rand], [rows[i] for i in rand]
             )
         token_list = tokens.tolist()
-        for i in constrained:
-            self.matchers.accepted(rows[i].seq_id, token_list[i])
+        ended = {i for i in constrained if self._advance(rows[i], token_list[i])}
         out = []
         for i, r in enumerate(rows):
             lp = None
             if want_lp[i]:
                 lp = self._logprob(raw_logprobs[i], token_list[i], r.params.logprobs)
-            out.append(SampledToken(token_list[i], lp))
+            out.append(SampledToken(token_list[i], lp, i in ended))
         return out
+
+    def _advance(self, r: SampleSpec, token: int) -> bool:
+        """Advance ``r``'s grammar matcher; True when the sequence ends with ``token``."""
+        return self.matchers.accepted(r.seq_id, token, (*r.eos_token_ids, *r.params.stop_token_ids))
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         # logits: [N, V] model dtype -> [N] ids; exact (an upcast changes no comparison)
@@ -491,8 +494,12 @@ class Sampler:
             result = SpecSample(toks[: a + 1], k, a)
         else:
             result = self._rejection(logits, rows, drafts, draft_probs, constrained=True)
+        kept: list[SampledToken] = []
         for t in result.tokens:
-            self.matchers.accepted(rows[0].seq_id, t.token_id)
+            if self._advance(rows[0], t.token_id):  # a forced end: the row ends here
+                kept.append(SampledToken(t.token_id, t.logprob, True))
+                return SpecSample(kept, result.num_drafts, min(result.num_accepted, len(kept) - 1))
+            kept.append(t)
         return result
 
     def _rejection(

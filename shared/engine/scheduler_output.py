@@ -104,6 +104,9 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprob: Logprob | None = None
+    # the sequence ends with this token whatever its stop rules say: its grammar is complete,
+    # or no token satisfies both the grammar and the request's other rules (allowed_token_ids)
+    end: bool = False
 
 
 @dataclass(frozen=True, slots=True)

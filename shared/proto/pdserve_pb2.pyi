@@ -260,14 +260,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[bytes] = ..., decode_worker_id: _Optional[str] = ..., first_block_index: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("index", "token_id", "logprob")
+    __slots__ = ("index", "token_id", "logprob", "end")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_id: int
     logprob: TokenLogprob
-    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
+    end: bool
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("request_id", "first_tokens", "block_checksums", "num_blocks_sent", "bytes_sent", "num_cached_tokens", "queue_s", "prefill_s", "transfer_s", "worker_id")

@@ -188,5 +188,5 @@ def logprob_from_proto(m: pb.TokenLogprob) -> Logprob:
 
 def first_token_from_proto(m: pb.FirstToken) -> SampledToken:
     return SampledToken(
-        m.token_id, logprob_from_proto(m.logprob) if m.HasField("logprob") else None
+        m.token_id, logprob_from_proto(m.logprob) if m.HasField("logprob") else None, m.end
     )

@@ -248,3 +248,99 @@ def test_the_grammar_end_wins_over_min_tokens(llm):
     out = llm.generate([{"prompt_token_ids": prompts[0]}], sp)[0].outputs[0]
     assert len(out.token_ids) == 8
     assert llm.tokenizer.decode(out.token_ids, skip_special_tokens=True).isdigit()
+
+
+# ---- the compile cache under concurrent requests -------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_cold_compile_blocks_neither_cache_hits_nor_other_specs():
+    """A schema that takes long to compile (seconds, for a large one) must not stall other
+    requests' cache hits or compiles on the worker's other gRPC threads; two requests for the
+    spec being compiled share the one compile."""
+    import threading
+
+    from shared.engine.structured_output import GrammarCompiler
+
+    gc = GrammarCompiler("unused", 100, (2,))
+    entered, release = threading.Event(), threading.Event()
+    builds: list[str] = []
+
+    def build(key, so):
+        builds.append(key[1])
+        if key[1] == "slow":
+            entered.set()
+            assert release.wait(10)
+        return f"compiled {key[1]}"
+
+    gc._build = build  # the xgrammar part: not what this test is about
+    slow = StructuredOutputsParams(regex="slow")
+    results: list[object] = []
+    first = threading.Thread(target=lambda: results.append(gc.compile(slow)))
+    second = threading.Thread(target=lambda: results.append(gc.compile(slow)))
+    first.start()
+    assert entered.wait(10)
+    second.start()  # waits for the same compile
+    done = threading.Event()
+
+    def others():
+        gc.compile(StructuredOutputsParams(regex="fast"))  # cold, another spec
+        gc.compile(StructuredOutputsParams(regex="fast"))  # a hit
+        done.set()
+
+    threading.Thread(target=others).start()
+    try:
+        assert done.wait(10), "another spec waited behind the cold compile"
+    finally:
+        release.set()
+    first.join(10)
+    second.join(10)
+    assert results == ["compiled slow", "compiled slow"]
+    assert sorted(builds) == ["fast", "slow"]  # one build per spec
+
+
+@pytest.mark.unit
+def test_a_failed_compile_fails_its_waiters_and_is_retried():
+    from shared.engine.structured_output import GrammarCompiler, StructuredOutputError
+
+    gc = GrammarCompiler("unused", 100, (2,))
+    calls = []
+
+    def build(key, so):
+        calls.append(key)
+        raise StructuredOutputError("bad", param="structured_outputs")
+
+    gc._build = build
+    so = StructuredOutputsParams(regex="x")
+    for _ in range(2):  # not cached: each request gets the error from its own compile
+        with pytest.raises(StructuredOutputError):
+            gc.compile(so)
+    assert len(calls) == 2 and not gc._pending
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_no_allowed_token_satisfies_ends_the_sequence(tiny_llama, ignore_eos):
+    """allowed_token_ids (or logit_bias) that leave the grammar no token: the sequence ends
+    there ("stop"), alone, instead of failing with a grammar violation (found by the fuzzer:
+    a 500 from the decode worker); under ignore_eos too."""
+    llm = LLM(str(tiny_llama), device="cpu", kv_cache_memory="64MiB")
+    tok = llm.tokenizer
+    word = tok.encode("the", add_special_tokens=False).ids[0]  # cannot start a JSON value
+    so = StructuredOutputsParams(json=json.dumps({"type": "object"}))
+    params = [
+        SamplingParams(
+            temperature=t,
+            seed=1,
+            max_tokens=8,
+            structured_outputs=so,
+            ignore_eos=ignore_eos,
+            allowed_token_ids=[word],
+        )
+        for t in (0.0, 0.8)
+    ] + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]  # undisturbed
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * len(params), params)
+    for o in outs[:2]:
+        assert o.outputs[0].finish_reason == "stop"
+        assert len(o.outputs[0].token_ids) == 1  # the forced end
+    assert len(outs[2].outputs[0].token_ids) == 8

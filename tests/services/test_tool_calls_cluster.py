@@ -430,3 +430,31 @@ def test_logit_bias_and_allowed_token_ids_reach_both_workers(cluster):
     assert set(tokens(allowed_token_ids=[the, cat])) <= {the, cat}
     banned = tokens(logit_bias={str(plain[0]): -100})
     assert banned[0] != plain[0]
+
+
+def test_a_grammar_left_without_tokens_ends_the_choice_on_either_worker(cluster):
+    """tool_choice required with allowed_token_ids that cannot start the call: the first token
+    (sampled on the prefill worker) is a forced end, and the decode worker ends the choice
+    there too, under ignore_eos as well: a 200, not a 500 (the fuzzer's case)."""
+    import httpx
+
+    c, url = cluster
+    word = httpx.post(f"{url}/tokenize", json={"prompt": "the", "add_special_tokens": False})
+    for ignore_eos in (False, True):
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": c.served_model_name,
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "allowed_token_ids": word.json()["tokens"][:1],
+                "ignore_eos": ignore_eos,
+                "max_tokens": 8,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] == []
+        assert r.json()["usage"]["completion_tokens"] == 1
