@@ -415,20 +415,21 @@ class Scheduler:
             req.logprobs.append(tok.logprob)
         if req.first_token_time is None:
             req.first_token_time = now
-        finished = self._check_stop(req, tok.token_id, tok.end)
+        finished = self._check_stop(req, tok.token_id)
+        if not finished and tok.end:  # the sampler ended the row (its grammar left no token)
+            req.status = RequestStatus.FINISHED_STOPPED
+            finished = True
         if finished:
             self._finish(req, now)
         return SeqUpdate(req, [tok.token_id], [tok.logprob] if tok.logprob else [], finished)
 
-    def _check_stop(self, req: Request, token: int, end: bool = False) -> bool:
+    def _check_stop(self, req: Request, token: int) -> bool:
         p = req.sampling_params
         if not p.ignore_eos and token in req.eos_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_token_id = token
-        elif end:  # the sampler ended the row (its grammar left no token: see Matchers)
-            req.status = RequestStatus.FINISHED_STOPPED
         elif (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or (
             req.num_tokens >= self.config.max_model_len
         ):
