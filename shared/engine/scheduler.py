@@ -415,10 +415,13 @@ class Scheduler:
             req.logprobs.append(tok.logprob)
         if req.first_token_time is None:
             req.first_token_time = now
-        finished = self._check_stop(req, tok.token_id)
-        if not finished and tok.end:  # the sampler ended the row (its grammar left no token)
+        if tok.end and tok.token_id not in req.sampling_params.stop_token_ids:
+            # the sampler ended the row (its grammar left no token): a stop, also at
+            # max_tokens (a prefill worker runs with max_tokens 1 and must say "stop")
             req.status = RequestStatus.FINISHED_STOPPED
             finished = True
+        else:
+            finished = self._check_stop(req, tok.token_id)
         if finished:
             self._finish(req, now)
         return SeqUpdate(req, [tok.token_id], [tok.logprob] if tok.logprob else [], finished)

@@ -328,19 +328,33 @@ def test_a_grammar_no_allowed_token_satisfies_ends_the_sequence(tiny_llama, igno
     tok = llm.tokenizer
     word = tok.encode("the", add_special_tokens=False).ids[0]  # cannot start a JSON value
     so = StructuredOutputsParams(json=json.dumps({"type": "object"}))
-    params = [
-        SamplingParams(
-            temperature=t,
-            seed=1,
-            max_tokens=8,
-            structured_outputs=so,
-            ignore_eos=ignore_eos,
-            allowed_token_ids=[word],
-        )
-        for t in (0.0, 0.8)
-    ] + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]  # undisturbed
+    params = (
+        [
+            SamplingParams(
+                temperature=t,
+                seed=1,
+                max_tokens=8,
+                structured_outputs=so,
+                ignore_eos=ignore_eos,
+                allowed_token_ids=[word],
+            )
+            for t in (0.0, 0.8)
+        ]
+        + [
+            # what a prefill worker runs: one token; the forced end must still read "stop" (the
+            # decode worker learns from it that the row ended)
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=1,
+                structured_outputs=so,
+                ignore_eos=ignore_eos,
+                allowed_token_ids=[word],
+            )
+        ]
+        + [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
+    )  # undisturbed
     outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * len(params), params)
-    for o in outs[:2]:
+    for o in outs[:3]:
         assert o.outputs[0].finish_reason == "stop"
         assert len(o.outputs[0].token_ids) == 1  # the forced end
-    assert len(outs[2].outputs[0].token_ids) == 8
+    assert len(outs[3].outputs[0].token_ids) == 8
