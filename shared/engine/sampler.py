@@ -58,6 +58,35 @@ def _row_generator(
     return torch.Generator(device=device).manual_seed(key)
 
 
+def _keep_matching(toks: list[SampledToken], drafts: Sequence[int]) -> SpecSample:
+    """The drafts the target's own draws confirm, then its draw at the first that differs
+    (or the bonus after the last)."""
+    a = 0
+    while a < len(drafts) and toks[a].token_id == drafts[a]:
+        a += 1
+    return SpecSample(toks[: a + 1], len(drafts), a)
+
+
+def _last(spec: SampleSpec, drafts: Sequence[int]) -> int | None:
+    """The token before the draw after ``drafts``: the last draft, else the last output."""
+    if drafts:
+        return int(drafts[-1])
+    return int(spec.output_token_ids[-1]) if spec.output_token_ids else None
+
+
+def _note_bans(
+    bans: dict[int, tuple[list[int], list[int]]], grammar: object, row: int, last: int | None
+) -> None:
+    """Add ``row`` to the ban lists its grammar needs (JSON kinds): the control-byte and
+    surrogate tokens, and after a token ending in 0xED the tokens that would complete a UTF-8
+    surrogate. ``bans``: id(list) -> (list, rows), so each list is one indexed write."""
+    g = grammar
+    if g.banned:  # type: ignore[attr-defined]
+        bans.setdefault(id(g.banned), (g.banned, []))[1].append(row)  # type: ignore[attr-defined]
+    if last is not None and last in g.ends_ed:  # type: ignore[attr-defined]
+        bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(row)  # type: ignore[attr-defined]
+
+
 class Sampler:
     """``argmax_rows`` is the attention backend's greedy argmax (``kernels`` contract); the
     sampler uses nothing else of the backend."""
@@ -249,11 +278,7 @@ class Sampler:
                 continue
             m.fill_next_token_bitmask(bitmask, i)  # type: ignore[attr-defined]
             masked.append(i)
-            g = r.grammar
-            if g.banned:  # type: ignore[attr-defined]
-                bans.setdefault(id(g.banned), (g.banned, []))[1].append(i)  # type: ignore[attr-defined]
-            if r.output_token_ids and r.output_token_ids[-1] in g.ends_ed:  # type: ignore[attr-defined]
-                bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(i)  # type: ignore[attr-defined]
+            _note_bans(bans, r.grammar, i, r.output_token_ids[-1] if r.output_token_ids else None)
         self._mask_rows(logits, rows, bitmask, masked, bans)
 
     def _apply_grammar_walk(
@@ -270,7 +295,6 @@ class Sampler:
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         masked: list[int] = []
         bans: dict[int, tuple[list[int], list[int]]] = {}
-        g = r0.grammar
         walked = 0
         try:
             for j in range(len(rows)):
@@ -278,11 +302,7 @@ class Sampler:
                     break
                 m.fill_next_token_bitmask(bitmask, j)  # type: ignore[attr-defined]
                 masked.append(j)
-                if g.banned:  # type: ignore[attr-defined]
-                    bans.setdefault(id(g.banned), (g.banned, []))[1].append(j)  # type: ignore[attr-defined]
-                last = drafts[j - 1] if j else (r0.output_token_ids or (None,))[-1]
-                if last is not None and last in g.ends_ed:  # type: ignore[attr-defined]
-                    bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(j)  # type: ignore[attr-defined]
+                _note_bans(bans, r0.grammar, j, _last(r0, drafts[:j]))
                 if j == len(drafts) or not m.accept_token(int(drafts[j])):  # type: ignore[attr-defined]
                     break
                 walked += 1
@@ -301,7 +321,6 @@ class Sampler:
         import xgrammar as xgr
 
         m = self.matchers.get(spec.seq_id, spec.grammar, spec.output_token_ids)
-        g = spec.grammar
         walked = 0
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         try:
@@ -318,11 +337,7 @@ class Sampler:
             if walked:
                 m.rollback(walked)  # type: ignore[attr-defined]
         bans: dict[int, tuple[list[int], list[int]]] = {}
-        if g.banned:  # type: ignore[attr-defined]
-            bans[id(g.banned)] = (g.banned, [0])  # type: ignore[attr-defined]
-        last = drafts[-1] if drafts else (spec.output_token_ids or (None,))[-1]
-        if last is not None and last in g.ends_ed:  # type: ignore[attr-defined]
-            bans.setdefault(id(g.after_ed), (g.after_ed, []))[1].append(0)  # type: ignore[attr-defined]
+        _note_bans(bans, spec.grammar, 0, _last(spec, drafts))
         self._mask_rows(logits, [spec], bitmask, [0], bans)
 
     def _mask_rows(
@@ -454,7 +469,6 @@ class Sampler:
         Sampled rows with a draft model's distributions ``draft_probs`` ``[k, V]``: rejection
         sampling, accept ``d`` with ``min(1, p(d) / q(d))``, else draw from ``max(p - q, 0)``;
         a bonus draw from the last position when every draft is accepted."""
-        k = len(drafts)
         params = rows[0].params
         if rows[0].grammar is not None:
             try:
@@ -466,11 +480,7 @@ class Sampler:
             for d in draws:
                 if isinstance(d, SampleError):
                     return d
-            toks = [d for d in draws if isinstance(d, SampledToken)]
-            a = 0
-            while a < k and toks[a].token_id == drafts[a]:
-                a += 1
-            return SpecSample(toks[: a + 1], k, a)
+            return _keep_matching([d for d in draws if isinstance(d, SampledToken)], drafts)
         try:
             return self._rejection(logits, rows, drafts, draft_probs)
         except Exception as e:  # noqa: BLE001 - this request fails alone
@@ -485,13 +495,8 @@ class Sampler:
     ) -> SpecSample:
         """:meth:`verify` for a sequence under a grammar: each position drawn under the mask
         it would have had in plain decoding; the matcher then advances by the tokens kept."""
-        k = len(drafts)
         if draft_probs is None or rows[0].params.greedy:
-            toks = self._sample_batch(logits, rows, drafts=drafts)
-            a = 0
-            while a < k and toks[a].token_id == drafts[a]:
-                a += 1
-            result = SpecSample(toks[: a + 1], k, a)
+            result = _keep_matching(self._sample_batch(logits, rows, drafts=drafts), drafts)
         else:
             result = self._rejection(logits, rows, drafts, draft_probs, constrained=True)
         kept: list[SampledToken] = []
