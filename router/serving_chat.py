@@ -267,11 +267,8 @@ def _stream(
         delta: dict[str, Any]
         if tool_streams is not None:
             tools = tool_streams[d.index]
-            out = tools.feed(d.text)
+            out = tools.feed(d.text, last=finish is not None)
             if finish is not None:
-                end = tools.finish()
-                out.content += end.content
-                out.tool_calls += end.tool_calls
                 finish = tool_finish_reason(plan, tools, finish)
             if not out and finish is None and not (want_lp and d.tokens):
                 return None  # held back (a tag or a call being written)

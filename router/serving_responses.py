@@ -473,11 +473,7 @@ async def _stream(
                 if tools is None:
                     parts.append(text_delta(d.text))
                 else:
-                    out = tools.feed(d.text)
-                    if d.finish_reason is not None:
-                        end = tools.finish()
-                        out.content += end.content
-                        out.tool_calls += end.tool_calls
+                    out = tools.feed(d.text, last=d.finish_reason is not None)
                     parts.append(text_delta(out.content) + call_deltas(out.tool_calls))
                 if d.finish_reason is not None:
                     finish = d.finish_reason

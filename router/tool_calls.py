@@ -417,13 +417,20 @@ class ToolStream:
     def called(self) -> bool:
         return any(c.header_sent for c in self.calls)
 
-    def feed(self, piece: str) -> ToolDeltas:
+    def feed(self, piece: str, last: bool = False) -> ToolDeltas:
+        """The deltas ``piece`` completes; ``last``: the text ends with it (what was held
+        back is flushed, as :meth:`finish` does)."""
         self.text += piece
         self._run(final=False)
+        if last:
+            self._flush()
         return self._take()
 
     def finish(self) -> ToolDeltas:
         """The text is complete: flush what was held back."""
+        return self.feed("", last=True)
+
+    def _flush(self) -> None:
         self._run(final=True)
         if self._state in ("detect", "content") and self.pos < len(self.text):
             self._content(self.text[self.pos :])
@@ -432,7 +439,6 @@ class ToolStream:
             self._out.content += self._held
             self.content.append(self._held)
         self._held = ""
-        return self._take()
 
     def message(self) -> tuple[str | None, list[dict[str, Any]]]:
         """The non-streaming message's content (None when empty) and tool calls."""
@@ -630,8 +636,6 @@ class ToolStream:
             self._args(call, "{}")
         self.pos = scan.end
         self._state = "after_call" if self.plan.parser == HERMES else "separator"
-        if self.plan.mode == "required":
-            self._state = "separator"
         return True
 
     def _args(self, call: _Call, piece: str) -> None:
@@ -667,7 +671,6 @@ def parse_all(plan: ToolPlan, texts: Sequence[str]) -> list[ToolStream]:
     out = []
     for t in texts:
         s = plan.stream()
-        s.feed(t)
-        s.finish()
+        s.feed(t, last=True)
         out.append(s)
     return out
