@@ -40,6 +40,15 @@ def parse_bytes(text: str | int | float) -> int:
         raise ConfigError(f"cannot parse a byte size from {text!r}") from e
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; the whole machine's count
+    where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about the checkpoint (read from config.json)."""

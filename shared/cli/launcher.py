@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import EngineArgs
+from shared.config import EngineArgs, usable_cores
 from shared.security import SECRET_ENV, SECRET_FILE_ENV, ClusterSecurity
 
 logger = logging.getLogger(__name__)
@@ -125,13 +125,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 # clients, and measured no faster on vLLM's suite while copying every prompt's KV
 # (docs/benchmarks.md, "Topology")
 COLOCATED_MAX_CORES = 2
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def resolve_topology(args: argparse.Namespace) -> str | None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kernels import default_backend, get_backend
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig
+from shared.config import CacheConfig, ModelConfig, SchedulerConfig, usable_cores
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
     SampleResult,
@@ -105,18 +105,14 @@ def small_step_tokens(device: torch.device, threads: int) -> int:
     """Steps of at most this many tokens run on one thread (0: never). On a CPU whose every
     core the worker's threads take (the router and the clients then share them), a decode step
     of a few sequences loses more waiting for its second thread's core than it gains from it:
-    vLLM's c=1 workload ran 0.71x vLLM's throughput with 2 threads and 0.99x like this
+    vLLM's c=1 workload ran 0.71x vLLM's throughput with 2 threads and 0.96x like this
     (docs/benchmarks.md, "Topology"). ``PDSERVE_SMALL_STEP_TOKENS`` overrides (0: off)."""
     env = os.environ.get("PDSERVE_SMALL_STEP_TOKENS")
     if env is not None:
         return max(0, int(env))
     if device.type != "cpu" or threads < 2:
         return 0
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return SMALL_STEP_TOKENS if threads >= cores else 0
+    return SMALL_STEP_TOKENS if threads >= usable_cores() else 0
 
 
 class ModelRunner:

@@ -537,23 +537,14 @@ class Scheduler:
 
 def _sample_spec(req: Request) -> SampleSpec:
     p = req.sampling_params
-    if req.grammar is not None:
-        return SampleSpec(
-            req.request_id,
-            p,
-            req.num_output_tokens,
-            req.eos_token_ids,
-            req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
-            tuple(req.output_token_ids),
-            req.grammar,
-        )
-    if not p.needs_penalties:
+    if req.grammar is None and not p.needs_penalties:
         return SampleSpec(req.request_id, p, req.num_output_tokens, req.eos_token_ids)
-    return SampleSpec(
+    return SampleSpec(  # the token lists the penalties or the grammar's matcher need
         req.request_id,
         p,
         req.num_output_tokens,
         req.eos_token_ids,
         req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
         tuple(req.output_token_ids),
+        req.grammar,
     )
