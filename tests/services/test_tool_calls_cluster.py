@@ -77,6 +77,20 @@ def client(cluster):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def ask(cluster, client):
+    """``chat.completions.create`` on the served model, with MESSAGES and TOOLS unless the
+    test gives its own."""
+    c, _ = cluster
+
+    def create(**kw):
+        return client.chat.completions.create(
+            **{"model": c.served_model_name, "messages": MESSAGES, "tools": TOOLS, **kw}
+        )
+
+    return create
+
+
 def _check_calls(calls, allowed=SCHEMAS) -> None:
     assert calls
     for call in calls:
@@ -104,13 +118,9 @@ def _accumulate(stream):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_required_always_parses(cluster, client, temperature):
-    c, _ = cluster
+def test_required_always_parses(ask, temperature):
     for seed in range(6):
-        r = client.chat.completions.create(
-            model=c.served_model_name,
-            messages=MESSAGES,
-            tools=TOOLS,
+        r = ask(
             tool_choice="required",
             temperature=temperature,
             seed=seed,
@@ -129,13 +139,9 @@ def test_required_always_parses(cluster, client, temperature):
         _check_calls(calls)
 
 
-def test_required_single_call_without_parallel(cluster, client):
-    c, _ = cluster
+def test_required_single_call_without_parallel(ask):
     for seed in range(4):
-        r = client.chat.completions.create(
-            model=c.served_model_name,
-            messages=MESSAGES,
-            tools=TOOLS,
+        r = ask(
             tool_choice="required",
             parallel_tool_calls=False,
             temperature=1.0,
@@ -147,13 +153,9 @@ def test_required_single_call_without_parallel(cluster, client):
         _check_calls(calls)
 
 
-def test_named_function(cluster, client):
-    c, _ = cluster
+def test_named_function(ask):
     for seed in range(4):
-        r = client.chat.completions.create(
-            model=c.served_model_name,
-            messages=MESSAGES,
-            tools=TOOLS,
+        r = ask(
             tool_choice={"type": "function", "function": {"name": "search"}},
             temperature=1.0,
             seed=seed,
@@ -168,20 +170,16 @@ def test_named_function(cluster, client):
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
-def test_streamed_tool_calls_add_up_to_the_message(cluster, client, tool_choice):
-    c, _ = cluster
+def test_streamed_tool_calls_add_up_to_the_message(ask, tool_choice):
     for seed in range(3):
         args = dict(
-            model=c.served_model_name,
-            messages=MESSAGES,
-            tools=TOOLS,
             tool_choice=tool_choice,
             temperature=1.0,
             seed=seed,
             max_tokens=200,
         )
-        whole = client.chat.completions.create(**args).choices[0]
-        content, calls, finish = _accumulate(client.chat.completions.create(stream=True, **args))
+        whole = ask(**args).choices[0]
+        content, calls, finish = _accumulate(ask(stream=True, **args))
         assert content == (whole.message.content or "")
         assert finish == whole.finish_reason
         assert [(x["name"], x["arguments"]) for x in calls] == [
@@ -199,22 +197,18 @@ HERMES_REGEX = (
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_parses_hermes_tool_calls(cluster, client, stream):
-    c, _ = cluster
+def test_auto_parses_hermes_tool_calls(ask, stream):
     args = dict(
-        model=c.served_model_name,
-        messages=MESSAGES,
-        tools=TOOLS,
         temperature=1.0,
         seed=3,
         max_tokens=120,
         extra_body={"structured_outputs": {"regex": HERMES_REGEX}},
     )
     if stream:
-        content, calls, finish = _accumulate(client.chat.completions.create(stream=True, **args))
+        content, calls, finish = _accumulate(ask(stream=True, **args))
         names_args = [(x["name"], x["arguments"]) for x in calls]
     else:
-        choice = client.chat.completions.create(**args).choices[0]
+        choice = ask(**args).choices[0]
         content, finish = choice.message.content, choice.finish_reason
         names_args = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
     assert content == "Checking."
@@ -223,12 +217,8 @@ def test_auto_parses_hermes_tool_calls(cluster, client, stream):
     jsonschema.validate(json.loads(names_args[0][1]), WEATHER)
 
 
-def test_auto_without_a_call_is_content(cluster, client):
-    c, _ = cluster
-    r = client.chat.completions.create(
-        model=c.served_model_name,
-        messages=MESSAGES,
-        tools=TOOLS,
+def test_auto_without_a_call_is_content(ask):
+    r = ask(
         temperature=0.0,
         max_tokens=24,
         extra_body={"structured_outputs": {"regex": "no tools needed, (yes|no)"}},
@@ -239,13 +229,9 @@ def test_auto_without_a_call_is_content(cluster, client):
     assert choice.finish_reason == "stop"
 
 
-def test_tool_results_round_trip(cluster, client):
+def test_tool_results_round_trip(ask):
     """The assistant's tool calls and the tool's answer go back into the prompt."""
-    c, _ = cluster
-    first = client.chat.completions.create(
-        model=c.served_model_name,
-        messages=MESSAGES,
-        tools=TOOLS,
+    first = ask(
         tool_choice="required",
         temperature=0.0,
         max_tokens=200,
@@ -259,10 +245,8 @@ def test_tool_results_round_trip(cluster, client):
             for t in msg.tool_calls
         ),
     ]
-    second = client.chat.completions.create(
-        model=c.served_model_name,
+    second = ask(
         messages=history,
-        tools=TOOLS,
         tool_choice="none",
         temperature=0.0,
         max_tokens=8,
@@ -306,7 +290,7 @@ def test_responses_text_streamed_and_not(cluster, client):
 
 def test_responses_function_calls_and_their_outputs(cluster, client):
     c, _ = cluster
-    r = client.responses.create(
+    args = dict(
         model=c.served_model_name,
         input=[{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}],
         tools=RESPONSES_TOOLS,
@@ -316,26 +300,17 @@ def test_responses_function_calls_and_their_outputs(cluster, client):
         max_output_tokens=200,
         extra_body={"seed": 5},
     )
+    r = client.responses.create(**args)
     assert r.status == "completed"
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name in SCHEMAS
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
     # streamed: the same call (same seed), argument deltas adding up
-    events = list(
-        client.responses.create(
-            model=c.served_model_name,
-            input=[{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}],
-            tools=RESPONSES_TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=1.0,
-            max_output_tokens=200,
-            stream=True,
-            extra_body={"seed": 5},
-        )
+    events = list(client.responses.create(stream=True, **args))
+    streamed = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
     )
-    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    assert args == calls[0].arguments
+    assert streamed == calls[0].arguments
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(i.type, i.name, i.arguments) for i in done] == [
         ("function_call", calls[0].name, calls[0].arguments)
