@@ -132,6 +132,24 @@ async def create_chat_completion(
     arrival = time.monotonic()
     warn_unknown_fields(req)
     ctx.check_model(req.model)
+    plan, prompts = await prepare_chat(ctx, req)
+    return await serve(
+        ctx,
+        req,
+        raw,
+        prompts,
+        arrival,
+        "chatcmpl",
+        functools.partial(_stream, plan=plan),
+        lambda *a: _body(ctx, plan, *a),
+    )
+
+
+async def prepare_chat(
+    ctx: ServingContext, req: ChatCompletionRequest
+) -> tuple[ToolPlan, list[list[int]]]:
+    """A chat request's checks, tool plan and rendered prompt (also the chat form of a
+    ``/v1/responses`` request)."""
     check_unsupported(req)
     validate_common(req, ctx.limits)
     plan = chat_tool_plan(ctx, req)
@@ -145,17 +163,7 @@ async def create_chat_completion(
         documents=req.documents,
         kwargs=req.chat_template_kwargs,
     )
-    prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
-    return await serve(
-        ctx,
-        req,
-        raw,
-        prompts,
-        arrival,
-        "chatcmpl",
-        functools.partial(_stream, plan=plan),
-        lambda *a: _body(ctx, plan, *a),
-    )
+    return plan, [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
 
 
 def chat_tool_plan(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:

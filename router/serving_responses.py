@@ -34,9 +34,8 @@ from router.errors import InvalidRequestError, RouterError
 from router.generation import Generation
 from router.output import OutputParams, TokenEntry
 from router.protocol import ChatCompletionRequest, ResponsesRequest
-from router.sampling import check_unsupported, validate_common
-from router.serving import serve, truncate_prompt, warn_unknown_fields
-from router.serving_chat import chat_tool_plan, render_chat_prompt
+from router.serving import serve, warn_unknown_fields
+from router.serving_chat import prepare_chat
 from router.tool_calls import ToolPlan, ToolStream, parse_all
 
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "seed", "priority", "cache_salt")
@@ -213,18 +212,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     warn_unknown_fields(req)
     ctx.check_model(req.model)
     chat = to_chat_request(req)
-    check_unsupported(chat)
-    validate_common(chat, ctx.limits)
-    plan = chat_tool_plan(ctx, chat)
-    ids = await render_chat_prompt(
-        ctx,
-        chat.messages,
-        add_generation_prompt=True,
-        continue_final_message=False,
-        add_special_tokens=False,
-        tools=plan.tools,
-    )
-    prompts = [truncate_prompt(ids, None, ctx.limits.max_model_len)]
+    plan, prompts = await prepare_chat(ctx, chat)
     echo = _echo(req)
     return await serve(
         ctx,
