@@ -395,7 +395,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             first = [first_token_from_proto(f) for f in tokens]
             loop = self.rt.loop
             await asyncio.wrap_future(
-                loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, first)))
+                loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, first, block_ids)))
             )
         except asyncio.CancelledError:
             if handle is not None:
@@ -522,7 +522,7 @@ async def _main(args: argparse.Namespace) -> int:
     rt = WorkerRuntime(ROLE, args)
     receiver = create_receiver(
         "ucx",
-        rt.engine.runner.kv_cache,
+        rt.engine.runner.transfer_pool,
         rt.kv_geometry(),
         host=args.advertise_host or args.host,
         port=args.kv_port,

@@ -247,7 +247,7 @@ async def _main(args: argparse.Namespace) -> int:
     rt = WorkerRuntime(ROLE, args)
     sender = create_sender(
         "ucx",
-        rt.engine.runner.kv_cache,
+        rt.engine.runner.transfer_pool,
         rt.kv_geometry(),
         checksums=args.kv_checksums,
         secret=rt.security.secret,

@@ -240,6 +240,90 @@ class SchedulerConfig:
     long_prefill_token_threshold: int
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's parallelism flags. One worker is ``tensor_parallel_size x
+    pipeline_parallel_size`` processes (ranks) on ``torch.distributed``; global rank
+    ``pp_rank * tp + tp_rank``; rank 0 owns the scheduler and the service. With ``nnodes > 1``
+    each node runs ``world_size / nnodes`` consecutive ranks (node 0 holds rank 0)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: any free port (single node only)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def first_local_rank(self) -> int:
+        return self.node_rank * self.local_world_size
+
+    def check(self, model: ModelConfig) -> None:
+        """Refuse layouts the model cannot be sharded into (ConfigError naming the flag)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise ConfigError(
+                f"--distributed-executor-backend {self.distributed_executor_backend!r} is not "
+                f"supported; choose from {', '.join(DISTRIBUTED_BACKENDS)}"
+            )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ConfigError("--distributed-executor-backend uni runs one process: use mp")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is not in [0, --nnodes {self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                f"{self.world_size} ranks (TP {tp} x PP {pp}) do not split evenly over "
+                f"--nnodes {self.nnodes}"
+            )
+        if self.nnodes > 1 and not self.master_port:
+            raise ConfigError("--nnodes > 1 needs --master-addr and --master-port")
+        if model.num_heads % tp:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp} does not divide the model's "
+                f"{model.num_heads} attention heads"
+            )
+        kv = model.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp} and the model's {kv} KV heads: one must divide "
+                "the other (KV heads are partitioned, or replicated when fewer than TP)"
+            )
+        inter = int(model.hf_config.get("intermediate_size", 0))
+        if inter % tp:
+            raise ConfigError(
+                f"--tensor-parallel-size {tp} does not divide intermediate_size {inter}"
+            )
+        if pp > model.num_layers:
+            raise ConfigError(
+                f"--pipeline-parallel-size {pp} exceeds the model's {model.num_layers} layers"
+            )
+        if self.world_size > 1 and model.quantization is not None:
+            raise ConfigError(
+                f"--quantization {model.quantization.method} with TP/PP > 1 is not supported "
+                "yet: serve it with --tensor-parallel-size 1 --pipeline-parallel-size 1"
+            )
+
+    def layer_range(self, pp_rank: int, num_layers: int) -> tuple[int, int]:
+        """Layers ``[start, end)`` of pipeline stage ``pp_rank``: contiguous, as even as the
+        count allows (the earlier stages take one more, the last holds the LM head)."""
+        pp = self.pipeline_parallel_size
+        base, extra = divmod(num_layers, pp)
+        start = pp_rank * base + min(pp_rank, extra)
+        return start, start + base + (1 if pp_rank < extra else 0)
+
+
+DISTRIBUTED_BACKENDS = ("mp", "uni")
 SPEC_METHODS = ("ngram", "draft_model")
 
 
@@ -358,6 +442,13 @@ class EngineArgs:
     max_logprobs: int = 20  # vLLM's: most logprobs a request may ask for
     quantization: str | None = None  # vLLM's --quantization; None: from the checkpoint
     speculative_config: str | dict | None = None  # vLLM's JSON (SpeculativeConfig)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     # ---- CLI ---------------------------------------------------------------------------
     @staticmethod
@@ -432,6 +523,38 @@ class EngineArgs:
             '"model": DIR, "num_speculative_tokens": 3}; "disable_by_batch_size": N pauses it '
             "while N or more sequences run",
         )
+        p = parser.add_argument_group("parallelism (vLLM flag names)")
+        p.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="shard every layer over this many ranks (heads, MLP columns, vocabulary)",
+        )
+        p.add_argument(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=1,
+            help="split the layers into this many contiguous stages",
+        )
+        p.add_argument(
+            "--distributed-executor-backend",
+            default="mp",
+            choices=DISTRIBUTED_BACKENDS,
+            help="mp: one process per rank on torch.distributed (gloo on CPU, NCCL on CUDA)",
+        )
+        p.add_argument("--nnodes", type=int, default=1, help="hosts one worker spans")
+        p.add_argument(
+            "--node-rank",
+            type=int,
+            default=0,
+            help="this host's index; 0 runs the service, others only their ranks",
+        )
+        p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+        p.add_argument(
+            "--master-port", type=int, default=0, help="node 0's rendezvous port (0: any free)"
+        )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -459,6 +582,17 @@ class EngineArgs:
         return out
 
     # ---- resolution --------------------------------------------------------------------
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+        )
+
     def create_speculative_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
 

@@ -120,6 +120,17 @@ class EngineCore:
         self.model_config = args.create_model_config()
         self.cache_config = args.create_cache_config()
         self.scheduler_config = args.create_scheduler_config(self.model_config, self.device)
+        self.parallel_config = args.create_parallel_config()
+        self.parallel_config.check(self.model_config)
+        self.spec_config = args.create_speculative_config()
+        if (
+            self.spec_config is not None
+            and self.spec_config.method == "draft_model"
+            and self.parallel_config.world_size > 1
+        ):
+            raise ConfigError(
+                "a draft model with TP/PP > 1 is not supported yet; the ngram method is"
+            )
         if runner is None:
             from shared.engine.model_runner import ModelRunner
 
@@ -130,8 +141,22 @@ class EngineCore:
                 self.device,
                 args.attention_backend,
                 args.seed,
+                parallel=self.parallel_config,
             )
         self.runner: Runner = runner
+        # TP/PP ranks: the runner's liveness check, and the KV it must gather before a send
+        # and scatter after a receive (shared/engine/distributed.py)
+        self._check_ranks = getattr(runner, "check_alive", None)
+        self._export = getattr(runner, "export_blocks", None)
+        self._import = getattr(runner, "import_blocks", None)
+        try:
+            self._set_up(connector)
+        except BaseException:
+            self.shutdown()  # a TP/PP runner's other ranks
+            raise
+
+    def _set_up(self, connector: KVConnector | None) -> None:
+        """The KV pool, the scheduler and speculation, once the runner exists."""
         cc = self.cache_config
         if cc.num_gpu_blocks_override:
             num_blocks = cc.num_gpu_blocks_override
@@ -151,7 +176,6 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks, num_host)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_host)
         self.connector = connector or KVConnector()
-        self.spec_config = args.create_speculative_config()
         spec = None
         if self.spec_config is not None:
             from shared.engine.spec_decode import SpecDecoder
@@ -184,9 +208,16 @@ class EngineCore:
         tokens = num_blocks * bs
         gib = num_blocks * self.runner.block_bytes / GiB
         max_len = self.model_config.max_model_len
+        pc = self.parallel_config
+        where = (
+            f"{gib:.2f} GiB"
+            if pc.world_size == 1
+            else f"{gib:.2f} GiB on each of {pc.world_size} ranks, TP {pc.tensor_parallel_size} "
+            f"x PP {pc.pipeline_parallel_size}"
+        )
         line = (
             f"KV cache: {num_blocks:,} blocks x {bs} tokens = {tokens:,} tokens "
-            f"({gib:.2f} GiB, {self.cache_config.kv_cache_dtype if self.cache_config.kv_cache_dtype != 'auto' else self.model_config.dtype}); "
+            f"({where}, {self.cache_config.kv_cache_dtype if self.cache_config.kv_cache_dtype != 'auto' else self.model_config.dtype}); "
             f"maximum concurrency for {max_len:,} tokens per request: {tokens / max_len:.1f}x"
         )
         if num_host:
@@ -389,15 +420,34 @@ class EngineCore:
         return pin_id is not None and self.kv.unpin(pin_id)
 
     def finish_remote_prefill(
-        self, request_id: str, first_tokens: list[SampledToken] | None
+        self,
+        request_id: str,
+        first_tokens: list[SampledToken] | None,
+        received_block_ids: Sequence[int] = (),
     ) -> list[EngineCoreOutput]:
+        """The remote prefill of ``request_id`` ended: its KV arrived in ``received_block_ids``
+        (of the runner's transfer pool) with ``first_tokens``, or failed (``None``)."""
         seqs = self.parents.get(request_id)
         if not seqs:
             return []
+        if first_tokens is not None and self._import is not None:
+            self._import(list(received_block_ids))
         updates = self.scheduler.finish_remote_prefill(seqs[0].request_id, first_tokens)
         return self._outputs(updates)
 
     # ---- stepping ----------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Raise when part of the engine is gone (a TP/PP rank's process): the engine loop
+        calls this every turn, busy or idle, so a lost rank ends the worker in bounded time."""
+        if self._check_ranks is not None:
+            self._check_ranks()
+
+    def shutdown(self) -> None:
+        """Stop the runner's other ranks (no-op with one)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -408,6 +458,10 @@ class EngineCore:
             return []
         sampled = self.runner.execute(out)
         updates, failures = self.scheduler.update_from_output(out, sampled)
+        if self._export is not None:
+            ready = [b for u in updates for _, b in u.kv_blocks_ready]
+            if ready:
+                self._export(ready)
         outs = self._outputs(updates)
         if failures:
             outs += self._fail(failures)

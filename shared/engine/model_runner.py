@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from kernels import default_backend, get_backend
-from shared.config import CacheConfig, ModelConfig, SchedulerConfig, usable_cores
+from shared.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    usable_cores,
+)
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
     SampleResult,
@@ -28,6 +35,7 @@ from shared.engine.scheduler_output import (
 from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
 from shared.models.quantization import weight_bytes
+from shared.models.sharding import Shard
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -116,6 +124,11 @@ def small_step_tokens(device: torch.device, threads: int) -> int:
 
 
 class ModelRunner:
+    """One rank's model, KV pool and (on rank 0) sampler. With ``parallel`` of more than one
+    rank, rank 0 (the serving process) starts the others (shared/engine/distributed.py) and
+    broadcasts each step to them; every rank holds its ``Shard`` of the weights and a pool of
+    the same block count holding its layers and KV heads."""
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -124,15 +137,60 @@ class ModelRunner:
         device: str,
         attention_backend: str | None,
         seed: int | None,
+        parallel: ParallelConfig | None = None,
+        rank: int = 0,
+        groups: list | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        self.parallel = pc = parallel or ParallelConfig()
+        self.rank = rank
+        self.world_size = pc.world_size
+        self.executor = None  # rank 0 of several: the MultiprocExecutor
+        if self.world_size > 1 and rank == 0:
+            from shared.engine.distributed import MultiprocExecutor
+
+            pc.check(model_config)
+            self.executor = MultiprocExecutor(
+                model_config,
+                cache_config,
+                scheduler_config,
+                device,
+                attention_backend,
+                seed,
+                pc,
+            )
+            groups = self.executor.groups
+        try:
+            self._build(groups, device, attention_backend, seed)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(
+        self, groups: list | None, device: str, attention_backend: str | None, seed: int | None
+    ) -> None:
+        pc, model_config, cache_config = self.parallel, self.model_config, self.cache_config
+        tp = pc.tensor_parallel_size
+        self.tp_rank, self.pp_rank = self.rank % tp, self.rank // tp
+        start, end = pc.layer_range(self.pp_rank, model_config.num_layers)
+        self.shard = Shard(
+            tp_size=tp,
+            tp_rank=self.tp_rank,
+            pp_size=pc.pipeline_parallel_size,
+            pp_rank=self.pp_rank,
+            layer_start=start,
+            layer_end=end,
+            group=groups[self.pp_rank] if groups else None,
+        )
         self.device = torch.device(device)
         if self.device.type == "cpu":
             threads = os.environ.get("PDSERVE_NUM_THREADS")
             if threads:
                 torch.set_num_threads(int(threads))
+            elif self.world_size > 1:  # the node's cores split between its ranks
+                torch.set_num_threads(max(1, usable_cores() // pc.local_world_size))
         self._threads = self._threads_now = torch.get_num_threads()
         self._small_step_tokens = small_step_tokens(self.device, self._threads)
         self.backend_name = attention_backend or default_backend(device)
@@ -143,12 +201,13 @@ class ModelRunner:
         )
         if seed is not None:
             torch.manual_seed(seed)
-        self.model = load_model(model_config, device, self.backend)
+        self.model = load_model(model_config, device, self.backend, self.shard)
         q = model_config.quantization
         logger.info(
-            "model weights: %.1f MiB read per decode step (%s)",
+            "model weights: %.1f MiB read per decode step (%s)%s",
             weight_bytes(self.model) / (1 << 20),
             q.describe() if q is not None else f"{model_config.dtype}, not quantized",
+            self._rank_note(),
         )
         if self._small_step_tokens:
             logger.info(
@@ -166,22 +225,75 @@ class ModelRunner:
         self.host_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None  # rank 0 of several: canonical transfer pool
+
+    def _rank_note(self) -> str:
+        if self.world_size == 1:
+            return ""
+        sh, m = self.shard, self.model_config
+        return (
+            f" on rank {self.rank} (TP {sh.tp_rank}/{sh.tp_size}: {sh.heads(m.num_heads)[1]} of "
+            f"{m.num_heads} heads, {sh.kv_heads(m.num_kv_heads)[1]} of {m.num_kv_heads} KV heads; "
+            f"PP {sh.pp_rank}/{sh.pp_size}: layers {sh.layer_start}-{sh.layer_end - 1})"
+        )
+
+    def check_alive(self) -> None:
+        """Raise ``RankDiedError`` if another rank of this worker has exited."""
+        if self.executor is not None:
+            self.executor.check_alive()
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def attach_draft_model(self, spec, num_blocks: int) -> None:  # type: ignore[no-untyped-def]
         """Load the speculative draft model with a KV twin pool of ``num_blocks`` blocks."""
         from shared.engine.draft_model import DraftModelProposer
 
+        if self.world_size > 1:
+            raise ConfigError(
+                "a draft model with TP/PP > 1 is not supported yet; the ngram method is"
+            )
         self.drafter = DraftModelProposer(self, spec, num_blocks)
 
     # ---- KV pool -----------------------------------------------------------------------
     @property
     def block_shape(self) -> tuple[int, ...]:
+        """One block of this rank's pool: its stage's layers and its KV heads."""
+        m = self.model_config
+        layers = len(self.shard.layers(m.num_layers))
+        return (layers, 2, self.block_size, self.shard.kv_heads(m.num_kv_heads)[1], m.head_dim)
+
+    @property
+    def canonical_block_shape(self) -> tuple[int, ...]:
+        """One block of the whole model (every layer and KV head): what KV transfer moves."""
         m = self.model_config
         return (m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
 
     @property
     def block_bytes(self) -> int:
         return int(np.prod(self.block_shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
+
+    @property
+    def transfer_block_bytes(self) -> int:
+        n = int(np.prod(self.canonical_block_shape))
+        return n * torch.empty((), dtype=self.kv_dtype).element_size()
+
+    @property
+    def transfer_pool(self) -> torch.Tensor:
+        """The tensor KV transfer reads and writes, in the canonical layout: the pool itself
+        with one rank; with several, a host pool of the same block count (pages committed as
+        blocks pass through it) that :meth:`export_blocks` fills from every rank's shard and
+        :meth:`import_blocks` scatters back."""
+        assert self.kv_cache is not None, "allocate_kv_cache() first"
+        if self.world_size == 1:
+            return self.kv_cache
+        if self._staging is None:
+            with torch.inference_mode(False):  # written by transfers and tests, not only steps
+                self._staging = zeroed_host_tensor(
+                    (self.kv_cache.shape[0], *self.canonical_block_shape), self.kv_dtype
+                )
+        return self._staging
 
     def kv_cache_budget(self) -> int:
         """Bytes available for the KV pool (``--kv-cache-memory`` or by memory sizing)."""
@@ -190,11 +302,21 @@ class ModelRunner:
             return cc.kv_cache_memory
         if self.device.type == "cuda":
             return self._profile_cuda_budget()
-        # CPU: vLLM's default KV space is 4 GiB; never more than a fifth of the machine.
+        # CPU: vLLM's default KV space is 4 GiB (per rank); never more than a fifth of the
+        # machine over this node's ranks.
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(min(4 * GiB, 0.2 * total))
+        return int(min(4 * GiB, 0.2 * total / self.parallel.local_world_size))
 
     def _profile_cuda_budget(self) -> int:
+        if self.world_size > 1:  # a profiling pass would need every rank: weights only
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - self.cache_config.gpu_memory_utilization))
+            logger.warning(
+                "TP/PP: the KV budget (%.2f GiB) is free memory less (1 - "
+                "--gpu-memory-utilization); activations were not profiled",
+                budget / GiB,
+            )
+            return max(0, budget)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.scheduler_config.max_num_batched_tokens, self.model_config.max_model_len)
@@ -240,6 +362,8 @@ class ModelRunner:
         return max(0, budget // self.block_bytes)
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        if self.executor is not None:
+            self.executor.broadcast(("alloc", num_blocks, num_host_blocks))
         shape = (num_blocks, *self.block_shape)
         if self.device.type == "cpu":
             self.kv_cache = zeroed_host_tensor(shape, self.kv_dtype)
@@ -261,12 +385,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Copies / swaps, one forward pass over every scheduled chunk, and one draw per
-        ``SampleSpec``; returns the draws by ``seq_id``."""
+        ``SampleSpec``; returns the draws by ``seq_id`` (rank 0)."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         if out.finished_seq_ids:
             self.sampler.matchers.drop(out.finished_seq_ids)
-        self._move_blocks(out)
+        moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
+            self.run_step(moves, [], [])
             return {}
         drafted: dict[str, list[int]] = {}  # draft-model drafts, by seq id
         draft_probs: dict[str, torch.Tensor] = {}
@@ -295,19 +420,10 @@ class ModelRunner:
             for spec in s.samples:
                 logit_rows.append(t - 1)
                 rows.append(spec)
-        input_ids, positions, meta = pack_chunks(
-            chunks, self.block_size, self.device, self.k_scale, self.v_scale
-        )
-        if self._small_step_tokens and self._threads > 1:
-            want = 1 if t <= self._small_step_tokens else self._threads
-            if want != self._threads_now:
-                torch.set_num_threads(want)
-                self._threads_now = want
-        dev = self.device
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        if not rows:
+        logits = self.run_step(moves, chunks, logit_rows)
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        dev = self.device
         if not verify:
             sampled = self.sampler(logits, rows)
             return {r.seq_id: tok for r, tok in zip(rows, sampled)}
@@ -328,16 +444,142 @@ class ModelRunner:
             )
         return result
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    @torch.inference_mode()
+    def run_step(
+        self,
+        moves: tuple[Sequence[tuple[int, int]], ...],
+        chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        logit_rows: Sequence[int],
+    ) -> torch.Tensor | None:
+        """Every rank's part of a step: the block ``moves`` (swap out, swap in, copy), one
+        forward pass over ``chunks`` (block table, first position, tokens) and the logits of
+        the packed ``logit_rows``, returned on rank 0 (``None`` elsewhere, or without rows).
+        Rank 0 broadcasts the arguments first; a later pipeline stage receives its input
+        hidden states from the previous stage and the last stage sends the logits to rank 0."""
+        if self.executor is not None and (chunks or any(moves)):
+            self.executor.broadcast(("step", moves, chunks, logit_rows))
+        self._move_blocks(*moves)
+        if not chunks:
+            return None
+        input_ids, positions, meta = pack_chunks(
+            chunks, self.block_size, self.device, self.k_scale, self.v_scale
+        )
+        t = int(input_ids.shape[0])
+        if self._small_step_tokens and self._threads > 1:
+            want = 1 if t <= self._small_step_tokens else self._threads
+            if want != self._threads_now:
+                torch.set_num_threads(want)
+                self._threads_now = want
+        dev, sh, tp = self.device, self.shard, self.shard.tp_size
+        hidden_in = None
+        if not sh.first_stage:
+            import torch.distributed as dist
+
+            hidden_in = torch.empty(
+                (t, self.model_config.hidden_size), dtype=self.dtype, device=dev
+            )
+            dist.recv(hidden_in, src=self.rank - tp)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, hidden_in)
+        if not sh.last_stage:
+            import torch.distributed as dist
+
+            dist.send(hidden.contiguous(), dst=self.rank + tp)
+            if self.rank != 0 or not logit_rows:
+                return None
+            logits = torch.empty(
+                (len(logit_rows), self.model_config.vocab_size), dtype=self.dtype, device=dev
+            )
+            dist.recv(logits, src=(sh.pp_size - 1) * tp)
+            return logits
+        if not logit_rows:
+            return None
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        if sh.pp_size > 1 and sh.tp_rank == 0:
+            import torch.distributed as dist
+
+            dist.send(logits.contiguous(), dst=0)
+        return logits if self.rank == 0 else None
+
+    def _move_blocks(
+        self,
+        swap_out: Sequence[tuple[int, int]],
+        swap_in: Sequence[tuple[int, int]],
+        copy: Sequence[tuple[int, int]],
+    ) -> None:
         # Byte views: index_put is not implemented for every dtype (fp8), bytes always are.
+        assert self.kv_cache is not None
         kv = self.kv_cache.view(torch.uint8)
         host = self.host_cache.view(torch.uint8) if self.host_cache is not None else None
-        if out.blocks_to_swap_out:
-            d, h = zip(*out.blocks_to_swap_out)
+        if swap_out:
+            assert host is not None
+            d, h = zip(*swap_out)
             host[list(h)] = kv[list(d)].to(host.device)
-        if out.blocks_to_swap_in:
-            h, d = zip(*out.blocks_to_swap_in)
+        if swap_in:
+            assert host is not None
+            h, d = zip(*swap_in)
             kv[list(d)] = host[list(h)].to(kv.device)
-        if out.blocks_to_copy:
-            s, d = zip(*out.blocks_to_copy)
+        if copy:
+            s, d = zip(*copy)
             kv[list(d)] = kv[list(s)]
+
+    # ---- KV transfer across layouts ---------------------------------------------------
+    def _shard_box(self, rank: int) -> tuple[slice, slice]:
+        """Where rank ``rank``'s shard sits in a canonical block: (layers, KV heads)."""
+        m, pc = self.model_config, self.parallel
+        tp = pc.tensor_parallel_size
+        start, end = pc.layer_range(rank // tp, m.num_layers)
+        probe = Shard(tp_size=tp, tp_rank=rank % tp)
+        first, n = probe.kv_heads(m.num_kv_heads)
+        return slice(start, end), slice(first, first + n)
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: Sequence[int]) -> None:
+        """Rank 0 of several: copy blocks ``block_ids`` from every rank's shard into the same
+        ids of :attr:`transfer_pool` (before a prefill worker sends them). No-op on one rank."""
+        if self.world_size == 1 or not block_ids:
+            return
+        import torch.distributed as dist
+
+        if self.executor is not None:
+            self.executor.broadcast(("export", list(block_ids)))
+        assert self.kv_cache is not None
+        ids = torch.tensor(list(block_ids), device=self.device)
+        mine = self.kv_cache.view(torch.uint8)[ids].contiguous()
+        if self.rank != 0:
+            dist.gather(mine, None, dst=0)
+            return
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.gather(mine, parts, dst=0)
+        pool = self.transfer_pool.view(torch.uint8)
+        host_ids = ids.to(pool.device)
+        for r, part in enumerate(parts):
+            layers, heads = self._shard_box(r)
+            full = pool[host_ids]
+            full[:, layers, :, :, heads] = part.to(pool.device)
+            pool[host_ids] = full
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: Sequence[int]) -> None:
+        """Rank 0 of several: scatter blocks ``block_ids`` of :attr:`transfer_pool` (just
+        received) into every rank's shard. No-op on one rank."""
+        if self.world_size == 1 or not block_ids:
+            return
+        import torch.distributed as dist
+
+        if self.executor is not None:
+            self.executor.broadcast(("import", list(block_ids)))
+        assert self.kv_cache is not None
+        kv = self.kv_cache.view(torch.uint8)
+        ids = torch.tensor(list(block_ids), device=self.device)
+        mine = torch.empty((len(block_ids), *kv.shape[1:]), dtype=torch.uint8, device=self.device)
+        if self.rank != 0:
+            dist.scatter(mine, None, src=0)
+        else:
+            pool = self.transfer_pool.view(torch.uint8)
+            full = pool[ids.to(pool.device)]
+            pieces = []
+            for r in range(self.world_size):
+                layers, heads = self._shard_box(r)
+                pieces.append(full[:, layers, :, :, heads].contiguous().to(self.device))
+            dist.scatter(mine, pieces, src=0)
+        kv[ids] = mine

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.config import ModelConfig
+from shared.models.sharding import WHOLE, Shard
 
 
 class Linear(nn.Linear):
@@ -116,17 +117,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary, bias: bool
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        backend: ModuleType,
+        rotary: Rotary,
+        bias: bool,
+        shard: Shard = WHOLE,
     ) -> None:
         super().__init__()
-        self.layer = layer
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.layer = layer  # index into this rank's KV pool (its stage's layers)
+        self.shard = shard
+        self.num_heads = shard.heads(cfg.num_heads)[1]
+        self.num_kv_heads = shard.kv_heads(cfg.num_kv_heads)[1]
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)  # row-parallel
         self.scale = self.head_dim**-0.5
         self.backend = backend
         self.rotary = rotary
@@ -171,32 +179,39 @@ class Attention(nn.Module):
                 meta.k_scale,
                 meta.v_scale,
             )
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.shard.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, shard: Shard = WHOLE) -> None:
         super().__init__()
-        self.inter = inter
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
+        self.shard = shard
+        self.inter = shard.columns(inter)[1]
+        self.gate_up_proj = Linear(hidden, 2 * self.inter, bias=False)  # column-parallel
+        self.down_proj = Linear(self.inter, hidden, bias=False)  # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, backend: ModuleType, rotary: Rotary, bias: bool
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        backend: ModuleType,
+        rotary: Rotary,
+        bias: bool,
+        shard: Shard = WHOLE,
     ) -> None:
         super().__init__()
         hf = cfg.hf_config
         eps = float(hf.get("rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, layer, backend, rotary, bias)
+        self.self_attn = Attention(cfg, layer, backend, rotary, bias, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg.hidden_size, int(hf["intermediate_size"]))
+        self.mlp = MLP(cfg.hidden_size, int(hf["intermediate_size"]), shard)
 
     def forward(self, positions, x, kv_cache, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
@@ -204,31 +219,44 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Qwen2ForCausalLM (q/k/v bias) and MistralForCausalLM."""
+    """Also serves Qwen2ForCausalLM (q/k/v bias) and MistralForCausalLM.
 
-    def __init__(self, cfg: ModelConfig, backend: ModuleType) -> None:
+    Built for one rank's ``shard`` (shared/models/sharding.py): its heads and columns of its
+    stage's layers; the embedding on the first stage (and on the last when the LM head is tied
+    to it), the LM head on the last."""
+
+    def __init__(self, cfg: ModelConfig, backend: ModuleType, shard: Shard = WHOLE) -> None:
         super().__init__()
         hf = cfg.hf_config
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
         bias = cfg.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
         self.config = cfg
+        self.shard = shard
+        self.layer_ids = shard.layers(cfg.num_layers)
+        self.vocab_start, self.vocab_rows = shard.vocab(cfg.vocab_size)
         rotary = Rotary(
             cfg.head_dim,
             int(hf.get("max_position_embeddings", cfg.max_model_len)),
             float(hf.get("rope_theta", 10000.0)),
             hf.get("rope_scaling"),
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, rotary, bias) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, float(hf.get("rms_norm_eps", 1e-6)))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        needs_embed = shard.first_stage or (shard.last_stage and self.tie_word_embeddings)
+        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size) if needs_embed else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i - self.layer_ids.start, backend, rotary, bias, shard)
+            for i in self.layer_ids
+        )
+        self.norm = (
+            RMSNorm(cfg.hidden_size, float(hf.get("rms_norm_eps", 1e-6)))
+            if shard.last_stage
+            else None
+        )
         self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
+            if shard.last_stage and not self.tie_word_embeddings
+            else None
         )
         self.rotary = rotary
         self.small_linear = getattr(backend, "small_linear", None)
@@ -242,17 +270,75 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden states [T, H]
-        x = self.embed_tokens(input_ids)
+        # input_ids, positions: [T] -> hidden states [T, H]: normalised on the last stage; a
+        # later stage starts from the previous stage's ``hidden``
+        x = self.embed(input_ids) if hidden is None else hidden
         for layer in self.layers:
             x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None
+        if self.shard.tp_size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(~mine, 0)) * mine.unsqueeze(-1).to(
+            self.embed_tokens.weight.dtype
+        )
+        return self.shard.all_reduce(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return _linear(hidden, weight, None, self.small_linear)
+        logits = _linear(hidden, weight, None, self.small_linear)
+        if self.shard.tp_size == 1:
+            return logits
+        return self.shard.all_gather_last(logits)[:, : self.config.vocab_size]
+
+    # ---- loading one rank's share ----------------------------------------------------
+    def local_name(self, name: str) -> str | None:
+        """Our parameter name for checkpoint name ``name`` (``layers.<i>`` renumbered within
+        the stage), or ``None`` when this rank does not hold it."""
+        if name.startswith("layers."):
+            i, rest = name[len("layers.") :].split(".", 1)
+            if int(i) not in self.layer_ids:
+                return None
+            return f"layers.{int(i) - self.layer_ids.start}.{rest}"
+        if name.startswith("embed_tokens.") and self.embed_tokens is None:
+            return None
+        if name.startswith("lm_head.") and self.lm_head is None:
+            return None
+        if name.startswith("norm.") and not self.shard.last_stage:
+            return None
+        return name
+
+    def shard_tensor(self, name: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor ``tensor`` for parameter ``name`` (``part``:
+        q/k/v or gate/up within a fused weight)."""
+        sh, cfg = self.shard, self.config
+        if sh.tp_size == 1:
+            return tensor
+        d = cfg.head_dim
+        if "qkv_proj" in name:
+            first, n = sh.heads(cfg.num_heads) if part == 0 else sh.kv_heads(cfg.num_kv_heads)
+            return tensor.narrow(0, first * d, n * d)
+        if "gate_up_proj" in name:
+            return tensor.narrow(0, *sh.columns(tensor.shape[0]))
+        if name.endswith("o_proj.weight"):
+            first, n = sh.heads(cfg.num_heads)
+            return tensor.narrow(1, first * d, n * d)
+        if name.endswith("down_proj.weight"):
+            return tensor.narrow(1, *sh.columns(tensor.shape[1]))
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            rows = tensor[self.vocab_start : self.vocab_start + self.vocab_rows]
+            if rows.shape[0] < self.vocab_rows:  # the last rank's padding
+                pad = rows.new_zeros(self.vocab_rows - rows.shape[0], rows.shape[1])
+                rows = torch.cat([rows, pad])
+            return rows
+        return tensor
 
 
 def fused_param_name(hf_name: str) -> tuple[str, int | None]:

@@ -22,6 +22,7 @@ from shared.models.quantization import (
     skipped,
     weight_bytes,
 )
+from shared.models.sharding import WHOLE, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,11 @@ class ModelLoadError(RuntimeError):
     """The checkpoint cannot be loaded: missing, corrupt or mismatched weight files."""
 
 
-def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCausalLM:
-    """Build the model for ``cfg`` on ``device`` in ``cfg.dtype`` and load its weights."""
+def load_model(
+    cfg: ModelConfig, device: str, backend: ModuleType, shard: Shard = WHOLE
+) -> LlamaForCausalLM:
+    """Build the model for ``cfg`` on ``device`` in ``cfg.dtype`` and load its weights (this
+    rank's ``shard`` of them: shared/models/sharding.py)."""
     from safetensors import SafetensorError, safe_open
 
     cls = MODEL_CLASSES.get(cfg.architecture)
@@ -48,7 +52,7 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
     if not files:
         raise ModelLoadError(f"no *.safetensors weight files in {cfg.path}")
     with torch.device("meta"):
-        model = cls(cfg, backend)
+        model = cls(cfg, backend, shard)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) were on meta: rebuild them on the device in fp32.
     from shared.models.llama import Rotary
@@ -69,7 +73,7 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
     paths: Counter[str] = Counter()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    shard_sizes = _shard_sizes(cfg)
+    shard_sizes = _shard_sizes(cfg, shard)
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -84,15 +88,20 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
                             )
                         collected.setdefault(lin[0], {})[lin[1]] = f.get_tensor(hf_name)
                         continue
-                    name, shard = fused_param_name(hf_name)
-                    if name == "lm_head.weight" and model.lm_head is None:
+                    full_name, part = fused_param_name(hf_name)
+                    if full_name == "lm_head.weight" and model.tie_word_embeddings:
                         continue  # tied
+                    if not _known(full_name, cfg):
+                        raise ModelLoadError(f"unexpected weight {hf_name!r} in {path.name}")
+                    name = model.local_name(full_name)
+                    if name is None:
+                        continue  # another pipeline stage's
                     param = params.get(name)
                     if param is None:
                         raise ModelLoadError(f"unexpected weight {hf_name!r} in {path.name}")
-                    tensor = f.get_tensor(hf_name)
-                    _copy_into(param, tensor, shard, shard_sizes, hf_name)
-                    loaded.add(name if shard is None else f"{name}#{shard}")
+                    tensor = model.shard_tensor(name, part, f.get_tensor(hf_name))
+                    _copy_into(param, tensor, part, shard_sizes, hf_name)
+                    loaded.add(name if part is None else f"{name}#{part}")
             if qc is not None:  # a linear's tensors live in one file: finish what is complete
                 paths += _finish_quantized(model, qc, collected, device, dtype)
         except SafetensorError as e:
@@ -135,10 +144,20 @@ def load_model(cfg: ModelConfig, device: str, backend: ModuleType) -> LlamaForCa
     return model
 
 
-def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    inter = int(cfg.hf_config["intermediate_size"])
+def _known(name: str, cfg: ModelConfig) -> bool:
+    """Whether ``name`` (ours, global layer numbering) is a weight of this architecture (a
+    stage that does not hold it still refuses a name no stage would take)."""
+    if name.startswith("layers."):
+        i = name[len("layers.") :].split(".", 1)[0]
+        return i.isdigit() and int(i) < cfg.num_layers
+    return name.split(".", 1)[0] in ("embed_tokens", "lm_head", "norm")
+
+
+def _shard_sizes(cfg: ModelConfig, shard: Shard) -> dict[str, list[int]]:
+    """The parts of this rank's fused weights: q/k/v and gate/up rows."""
+    q = shard.heads(cfg.num_heads)[1] * cfg.head_dim
+    kv = shard.kv_heads(cfg.num_kv_heads)[1] * cfg.head_dim
+    inter = shard.columns(int(cfg.hf_config["intermediate_size"]))[1]
     return {"qkv_proj": [q, kv, kv], "gate_up_proj": [inter, inter]}
 
 

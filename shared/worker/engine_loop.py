@@ -146,6 +146,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
+                engine.check_alive()
                 self._run_commands()
                 if engine.has_unfinished_requests():
                     t0 = time.perf_counter()

@@ -113,10 +113,33 @@ def run_worker(
     not a traceback."""
     configure_logging(args.log_level)
     try:
+        if getattr(args, "node_rank", 0) > 0:
+            return run_follower(EngineArgs.from_cli_args(args))
         return asyncio.run(main(args))
     except (ConfigError, SecurityConfigError) as e:
         print(f"pdserve {role}: error: {e}", file=sys.stderr)
         return 2
+
+
+def run_follower(engine_args: EngineArgs) -> int:
+    """``--node-rank k > 0``: this host runs only its ranks of a worker whose rank 0 (and
+    service) is on node 0; exits when they do."""
+    from shared.engine.device import resolve_device
+    from shared.engine.distributed import run_follower_node
+
+    model_config = engine_args.create_model_config()
+    pc = engine_args.create_parallel_config()
+    pc.check(model_config)
+    device = resolve_device(engine_args.device)
+    return run_follower_node(
+        model_config,
+        engine_args.create_cache_config(),
+        engine_args.create_scheduler_config(model_config, device),
+        device,
+        engine_args.attention_backend,
+        engine_args.seed,
+        pc,
+    )
 
 
 def configure_logging(level: str) -> None:
@@ -212,7 +235,7 @@ class WorkerRuntime:
         from kvtransfer.geometry import KVGeometry
 
         mc = self.engine.model_config
-        kv = self.engine.runner.kv_cache
+        kv = self.engine.runner.transfer_pool
         return KVGeometry(
             model=self.model_name,
             dtype=str(kv.dtype).replace("torch.", ""),
@@ -413,6 +436,7 @@ async def serve_worker(
     await server.stop(grace=0.5 if died else 2.0)
     httpd.shutdown()
     runtime.loop.stop()
+    runtime.engine.shutdown()
     logger.info("worker %s stopped", runtime.worker_id)
     return 1 if died else 0
 
@@ -549,6 +573,8 @@ async def worker_stats(
     )
     if transfer is not None:  # kvtransfer TransferCounters
         out.kv_transfer_bytes = int(transfer.bytes_total)
-        out.kv_transfer_blocks = int(transfer.bytes_total // max(1, rt.engine.runner.block_bytes))
+        out.kv_transfer_blocks = int(
+            transfer.bytes_total // max(1, rt.engine.runner.transfer_block_bytes)
+        )
         out.kv_transfer_failures = int(transfer.failures_total)
     return out

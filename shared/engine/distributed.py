@@ -1,0 +1,319 @@
+"""The multi-process executor: one worker = ``TP x PP`` ranks on ``torch.distributed``.
+
+Rank 0 is the process that serves (scheduler, gRPC, KV transfer); it spawns the other ranks of
+its node (``multiprocessing`` spawn, ``--distributed-executor-backend mp``, as vLLM's
+``MultiprocExecutor``) and every rank joins one process group (gloo on CPU; NCCL for the
+tensors on CUDA, with a gloo group for the control messages). Ranks on other nodes are started
+by ``pdserve <role> --nnodes N --node-rank k ...`` there (:func:`run_follower_node`).
+
+Each step rank 0 broadcasts one control message of plain data (the packed chunks' block
+tables, positions and tokens, the block moves; never a ``Request``), then every rank runs the
+same forward pass over its share of the model; only rank 0 samples. Messages:
+
+* ``("alloc", num_blocks, num_host_blocks)``: size the KV pool (the same block count on every
+  rank; each rank's blocks hold its layers and KV heads only);
+* ``("step", moves, chunks, logit_rows)``: one forward pass (:meth:`ModelRunner.run_step`);
+* ``("export", block_ids)`` / ``("import", block_ids)``: gather the blocks' shards into rank
+  0's canonical transfer pool / scatter them from it (KV transfer across layouts);
+* ``("stop",)``.
+
+Failure rules: a rank that exits is seen by rank 0's sentinel watch (:meth:`check_alive`, each
+engine-loop turn) or by the next collective failing, either way the engine loop dies and the
+worker turns NOT_SERVING and exits (its supervisor restarts it); a rank whose rank 0 is gone
+exits within a second (parent watch) or at its next collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+#: Bound on one collective (a step's all-reduce, a broadcast while busy). Idle ranks wait on
+#: the control broadcast; a lost peer fails it at once (its sockets close).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDSERVE_DIST_TIMEOUT_S", 7 * 24 * 3600))
+RANK_START_TIMEOUT_S = 300.0
+
+
+class RankDiedError(RuntimeError):
+    """A rank process of this worker exited; the worker cannot step any more."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(pc: ParallelConfig, rank: int, device_type: str, port: int) -> Any:
+    """Join the worker's process group; returns the control group (gloo)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{pc.master_addr}:{port}",
+        rank=rank,
+        world_size=pc.world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    if backend == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
+def stage_groups(pc: ParallelConfig) -> list[Any]:
+    """Every stage's TP group (``new_group`` is collective: every rank builds all of them)."""
+    tp = pc.tensor_parallel_size
+    if tp == 1:
+        return [None] * pc.pipeline_parallel_size
+    if pc.pipeline_parallel_size == 1:
+        return [dist.group.WORLD]
+    return [
+        dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pc.pipeline_parallel_size)
+    ]
+
+
+class RankProcess:
+    """One rank's process: ``python -c`` of :func:`_child_main`, its arguments pickled on
+    stdin (a fresh interpreter that never re-imports the caller's ``__main__``, unlike
+    ``multiprocessing`` spawn). It exits when this process does (its parent watch)."""
+
+    def __init__(self, rank: int, args: tuple) -> None:
+        self.rank = rank
+        self.name = f"rank{rank}"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from shared.engine.distributed import _child_main; _child_main()",
+            ],
+            stdin=subprocess.PIPE,
+            env=env,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(pickle.dumps((*args, os.getpid())))
+        self.proc.stdin.close()
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def join(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _child_main() -> None:
+    rank_main(*pickle.load(sys.stdin.buffer))
+
+
+class MultiprocExecutor:
+    """Rank 0's side: spawns this node's other ranks, broadcasts control messages, watches
+    the ranks' processes."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: str,
+        attention_backend: str | None,
+        seed: int | None,
+        parallel: ParallelConfig,
+    ) -> None:
+        self.parallel = parallel
+        self.port = parallel.master_port or free_port(parallel.master_addr)
+        rank_args = (model_config, cache_config, scheduler_config, device, attention_backend, seed)
+        self.procs = [
+            RankProcess(rank, (*rank_args, parallel, rank, self.port))
+            for rank in range(1, parallel.local_world_size)
+        ]
+        logger.info(
+            "TP %d x PP %d: rank 0 (pid %d) and ranks %s of this node (pids %s); rendezvous "
+            "tcp://%s:%d",
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            os.getpid(),
+            list(range(1, parallel.local_world_size)),
+            [p.pid for p in self.procs],
+            parallel.master_addr,
+            self.port,
+        )
+        self.control = init_process_group(
+            parallel, 0, torch.device(device).type if device != "auto" else "cpu", self.port
+        )
+        self.groups = stage_groups(parallel)
+        self._closed = False
+        self._died: str | None = None
+
+    def broadcast(self, msg: tuple) -> None:
+        self.check_alive()
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+
+    def check_alive(self) -> None:
+        """Raise :class:`RankDiedError` if a rank process of this node has exited."""
+        if self._died is None:
+            gone = [p for p in self.procs if not p.is_alive()]
+            if gone:
+                self._died = ", ".join(f"{p.name} (pid {p.pid}, exit {p.exitcode})" for p in gone)
+        if self._died is not None:
+            raise RankDiedError(f"rank process exited: {self._died}")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._died is None and all(p.is_alive() for p in self.procs):
+            try:
+                dist.broadcast_object_list([("stop",)], src=0, group=self.control)
+            except Exception:
+                logger.debug("stop broadcast failed", exc_info=True)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            p.kill()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when rank 0's process is gone (its collectives would fail too, but an idle rank
+    waits on the control broadcast)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def rank_main(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    device: str,
+    attention_backend: str | None,
+    seed: int | None,
+    parallel: ParallelConfig,
+    rank: int,
+    port: int,
+    parent_pid: int | None,
+) -> None:
+    """A non-zero rank: join the group, load its share of the model, follow rank 0."""
+    logging.basicConfig(
+        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+    )
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
+    from shared.engine.model_runner import ModelRunner
+
+    dev = device
+    if torch.device(device).type == "cuda":
+        dev = f"cuda:{rank % max(1, torch.cuda.device_count())}"
+        torch.cuda.set_device(dev)
+    control = init_process_group(parallel, rank, torch.device(dev).type, port)
+    groups = stage_groups(parallel)
+    runner = ModelRunner(
+        model_config,
+        cache_config,
+        scheduler_config,
+        dev,
+        attention_backend,
+        seed,
+        parallel=parallel,
+        rank=rank,
+        groups=groups,
+    )
+    try:
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            msg = box[0]
+            op = msg[0]
+            if op == "step":
+                runner.run_step(*msg[1:])
+            elif op == "alloc":
+                runner.allocate_kv_cache(msg[1], msg[2])
+            elif op == "export":
+                runner.export_blocks(msg[1])
+            elif op == "import":
+                runner.import_blocks(msg[1])
+            elif op == "stop":
+                break
+            else:
+                raise RuntimeError(f"unknown control message {op!r}")
+    except Exception:
+        logger.exception("rank %d failed; exiting", rank)
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_follower_node(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    device: str,
+    attention_backend: str | None,
+    seed: int | None,
+    parallel: ParallelConfig,
+) -> int:
+    """``--node-rank k > 0``: run this node's ranks (no service) until rank 0 stops them or
+    one exits; returns the exit status (0 after a stop)."""
+    rank_args = (model_config, cache_config, scheduler_config, device, attention_backend, seed)
+    first = parallel.first_local_rank
+    procs = [
+        RankProcess(rank, (*rank_args, parallel, rank, parallel.master_port))
+        for rank in range(first, first + parallel.local_world_size)
+    ]
+    logger.info(
+        "node %d of %d: ranks %s (pids %s) following tcp://%s:%d",
+        parallel.node_rank,
+        parallel.nnodes,
+        [p.rank for p in procs],
+        [p.pid for p in procs],
+        parallel.master_addr,
+        parallel.master_port,
+    )
+    try:
+        while all(p.is_alive() for p in procs):
+            time.sleep(0.2)
+    finally:
+        for p in procs:  # one ended: the others fail at their next collective, or are killed
+            p.join(10)
+            p.kill()
+    return 1 if any(p.exitcode for p in procs) else 0
