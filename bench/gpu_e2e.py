@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(0)
         prompts = [[rng.randrange(10, 2000) for _ in range(prompt_len)] for _ in range(batch)]
         backends = [("triton", "auto"), ("triton", "fp8"), ("torch", "auto")]
+        reference: list[list[int]] = []  # TP 1's greedy tokens (triton, auto) for the TP 2 row
         for backend, kv_dtype in backends:
             if deadline - time.monotonic() < 25:
                 emit(f"{backend} kv={kv_dtype}", "skipped: deadline")
@@ -65,8 +66,65 @@ def run(args: argparse.Namespace) -> int:
                 f"{max_tokens} tokens; {batch * max_tokens / t_full:,.0f} tok/s overall; "
                 f"load+warm-up {time.monotonic() - t0 - t_full - t_prefill:.0f} s)",
             )
+            if backend == "triton" and kv_dtype == "auto":
+                reference = [
+                    list(o.outputs[0].token_ids)
+                    for o in llm.generate(
+                        [{"prompt_token_ids": p} for p in prompts[:8]],
+                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                    )
+                ]
+            llm.engine.shutdown()
             del llm
+        tp2(args, model_dir, prompts, reference, deadline)
     return 0
+
+
+def tp2(args, model_dir, prompts, reference, deadline) -> None:
+    """TP 2 when there are two GPUs (on a CPU dry run: two gloo ranks): decode tok/s and the
+    first 8 prompts' greedy tokens against TP 1's."""
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus < 2:
+        emit("tp2", f"skipped: {gpus} GPU(s), TP 2 needs 2")
+        return
+    if deadline - time.monotonic() < 40:
+        emit("tp2", "skipped: deadline")
+        return
+    t0 = time.monotonic()
+    llm = LLM(
+        str(model_dir),
+        device=args.device,
+        attention_backend="triton",
+        kv_cache_memory="1GiB" if args.dry_run else "8GiB",
+        max_num_seqs=len(prompts),
+        enable_prefix_caching=False,
+        seed=0,
+        tensor_parallel_size=2,
+    )
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        got = [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], sp)
+        ]
+        same = sum(a == b for a, b in zip(got, reference))
+        n = args.tokens
+        start = time.monotonic()
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        )
+        took = time.monotonic() - start
+        emit(
+            "tp2 (2 ranks), triton kv=auto",
+            f"{len(prompts) * n / took:,.0f} tok/s overall (batch {len(prompts)}, {n} tokens); "
+            f"greedy equal to TP 1 on {same}/{len(reference)} prompts; "
+            f"load {start - t0:.0f} s",
+        )
+    finally:
+        llm.engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,7 +82,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--threads-per-worker",
         type=int,
         default=None,
-        help="torch threads per worker (default: cores / workers, at least 1)",
+        help="torch threads per worker rank (default: cores / (workers x TP x PP), at least 1)",
     )
     g.add_argument("--run-dir", default=None, help="logs and ready files (default: a temp dir)")
     g.add_argument("--startup-timeout", type=float, default=300.0)
@@ -117,6 +117,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="extra flag passed to every worker (repeatable)",
+    )
+    g.add_argument(
+        "--prefill-arg",
+        action="append",
+        default=[],
+        help="extra flag for the prefill workers only (repeatable), e.g. "
+        "--prefill-arg=--tensor-parallel-size=2 (P and D may use different TP sizes)",
+    )
+    g.add_argument(
+        "--decode-arg",
+        action="append",
+        default=[],
+        help="extra flag for the decode (or colocated) workers only (repeatable)",
     )
 
 
@@ -341,8 +354,8 @@ class Cluster:
         engine = EngineArgs.from_cli_args(a)
         engine.model = self.model
         engine.served_model_name = self.served_model_name
-        n_workers = max(1, a.prefill + a.decode)
-        threads = a.threads_per_worker or max(1, usable_cores() // n_workers)
+        role_args = a.prefill_arg if role == "prefill" else a.decode_arg
+        threads = a.threads_per_worker or max(1, usable_cores() // self.num_ranks())
         name = name or f"{role}-{index}"
         argv = [
             role,
@@ -354,9 +367,29 @@ class Cluster:
             "--worker-id",
             name,
             *a.worker_arg,
+            *role_args,
             *(extra or []),
         ]
         return self._spawn(name, argv, threads)
+
+    def num_ranks(self) -> int:
+        """Every worker's rank processes together (TP x PP each, the per-role flags too)."""
+        a = self.args
+
+        def world(flags: list[str]) -> int:
+            ns = argparse.ArgumentParser(add_help=False)
+            ns.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+            ns.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+            got, _ = ns.parse_known_args(flags)
+            tp = got.tensor_parallel_size or a.tensor_parallel_size
+            pp = got.pipeline_parallel_size or a.pipeline_parallel_size
+            return int(tp * pp)
+
+        common = list(a.worker_arg)
+        return max(
+            1,
+            a.prefill * world(common + a.prefill_arg) + a.decode * world(common + a.decode_arg),
+        )
 
     def start_router(self, extra: list[str] | None = None) -> str:
         a = self.args

@@ -276,11 +276,12 @@ def rank_main(
                 raise RuntimeError(f"unknown control message {op!r}")
     except Exception:
         logger.exception("rank %d failed; exiting", rank)
+        logging.shutdown()
         os._exit(1)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    # rank 0 said stop: leave without tearing gloo down underneath its threads (their
+    # destructors at interpreter exit can abort the process)
+    logging.shutdown()
+    os._exit(0)
 
 
 def run_follower_node(

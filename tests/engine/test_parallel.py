@@ -250,3 +250,38 @@ def test_heads_partition_or_replicate():
         (6, 3),
         (9, 3),
     ]
+
+
+def test_a_second_node_runs_its_ranks_with_the_same_flags(tiny_llama):
+    """``--nnodes 2``: node 1 is ``pdserve decode ... --node-rank 1`` (no service, only its
+    ranks), node 0 the engine with rank 0; here both nodes are this machine."""
+    import subprocess
+    import sys
+
+    from tests.cluster_utils import free_port
+
+    port = free_port()
+    flags = ["--model", str(tiny_llama), "--max-num-seqs", "8", "--tensor-parallel-size", "2"]
+    node = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "decode", *flags, *node, "--node-rank", "1"],
+        env=dict(os.environ, PYTHONPATH=os.getcwd(), PDSERVE_NUM_THREADS="1"),
+    )
+    try:
+        llm = LLM(
+            str(tiny_llama),
+            max_num_seqs=8,
+            tensor_parallel_size=2,
+            nnodes=2,
+            node_rank=0,
+            master_port=port,
+        )
+        assert llm.engine.runner.executor.procs == []  # node 0 holds rank 0 only
+        prompts = random_prompts(seed=16)[:8]
+        ours = _generate(llm, prompts)
+        assert not mismatches(ours, hf_greedy(tiny_llama, prompts, MAX_NEW))
+        llm.engine.shutdown()
+        assert follower.wait(timeout=30) == 0, "node 1 exits cleanly when rank 0 stops it"
+    finally:
+        if follower.poll() is None:
+            follower.kill()

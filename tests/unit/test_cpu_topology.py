@@ -47,3 +47,35 @@ def test_small_steps_run_on_one_thread_only_when_the_worker_takes_every_core(mon
     assert small_step_tokens(cpu, 2) == 0
     monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "16")
     assert small_step_tokens(cpu, 8) == 16
+
+
+@pytest.mark.parametrize(
+    "argv,ranks,threads",
+    [
+        (["--prefill", "1", "--decode", "1"], 2, 4),
+        (["--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2"], 4, 2),
+        (["--prefill", "1", "--decode", "2", "--decode-arg=--tensor-parallel-size=2"], 5, 1),
+        (["--prefill", "2", "--decode", "1", "--prefill-arg=-tp=2", "--worker-arg=-pp=2"], 10, 1),
+        (["--prefill", "0", "--decode", "1", "-tp", "4"], 4, 2),
+    ],
+)
+def test_worker_threads_split_the_cores_over_every_rank(monkeypatch, argv, ranks, threads):
+    """`pdserve up` gives each rank process of each worker its share of the cores, counting
+    TP x PP from the common and the per-role flags."""
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 8)
+    cluster = launcher.Cluster.__new__(launcher.Cluster)
+    cluster.args = cluster_args(["--model", "m", *argv])
+    spawned = {}
+    monkeypatch.setattr(cluster, "start_redis", lambda: "redis://127.0.0.1:1")
+    monkeypatch.setattr(
+        cluster, "_spawn", lambda name, argv, threads: spawned.setdefault(name, (argv, threads))
+    )
+    assert cluster.num_ranks() == ranks
+    cluster.spawn_worker("prefill", 0)
+    cluster.spawn_worker("decode", 0)
+    assert spawned["prefill-0"][1] == spawned["decode-0"][1] == threads
+    prefill_argv, decode_argv = spawned["prefill-0"][0], spawned["decode-0"][0]
+    for flag in cluster.args.prefill_arg:
+        assert flag in prefill_argv and flag not in decode_argv
+    for flag in cluster.args.decode_arg:
+        assert flag in decode_argv and flag not in prefill_argv
