@@ -86,6 +86,27 @@ def stage_groups(pc: ParallelConfig) -> list[Any]:
     ]
 
 
+def stage_comm(
+    pc: ParallelConfig, rank: int, device_type: str, groups: list[Any], port: int
+) -> Any:
+    """This rank's shared-memory TP collectives (shared/engine/shm_comm.py) when its stage's
+    ranks share one CPU node; ``None``: the group's own backend. ``PDSERVE_SHM_COMM=0`` turns
+    it off."""
+    from shared.engine.shm_comm import ShmComm, shm_supported
+
+    tp = pc.tensor_parallel_size
+    if (
+        tp == 1
+        or device_type != "cpu"
+        or pc.nnodes != 1
+        or not shm_supported()
+        or os.environ.get("PDSERVE_SHM_COMM", "1") == "0"
+    ):
+        return None
+    stage = rank // tp
+    return ShmComm(f"pdserve-{port}-tp{stage}", rank % tp, tp, groups[stage])
+
+
 class RankProcess:
     """One rank's process: ``python -c`` of :func:`_child_main`, its arguments pickled on
     stdin (a fresh interpreter that never re-imports the caller's ``__main__``, unlike
@@ -165,10 +186,10 @@ class MultiprocExecutor:
             parallel.master_addr,
             self.port,
         )
-        self.control = init_process_group(
-            parallel, 0, torch.device(device).type if device != "auto" else "cpu", self.port
-        )
+        self.device_type = torch.device(device).type
+        self.control = init_process_group(parallel, 0, self.device_type, self.port)
         self.groups = stage_groups(parallel)
+        self.comm = stage_comm(parallel, 0, self.device_type, self.groups, self.port)
         self._closed = False
         self._died: str | None = None
 
@@ -245,6 +266,7 @@ def rank_main(
         torch.cuda.set_device(dev)
     control = init_process_group(parallel, rank, torch.device(dev).type, port)
     groups = stage_groups(parallel)
+    comm = stage_comm(parallel, rank, torch.device(dev).type, groups, port)
     runner = ModelRunner(
         model_config,
         cache_config,
@@ -255,6 +277,7 @@ def rank_main(
         parallel=parallel,
         rank=rank,
         groups=groups,
+        comm=comm,
     )
     try:
         while True:

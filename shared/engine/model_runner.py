@@ -140,6 +140,7 @@ class ModelRunner:
         parallel: ParallelConfig | None = None,
         rank: int = 0,
         groups: list | None = None,
+        comm: object = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -161,15 +162,20 @@ class ModelRunner:
                 seed,
                 pc,
             )
-            groups = self.executor.groups
+            groups, comm = self.executor.groups, self.executor.comm
         try:
-            self._build(groups, device, attention_backend, seed)
+            self._build(groups, comm, device, attention_backend, seed)
         except BaseException:
             self.shutdown()
             raise
 
     def _build(
-        self, groups: list | None, device: str, attention_backend: str | None, seed: int | None
+        self,
+        groups: list | None,
+        comm: object,
+        device: str,
+        attention_backend: str | None,
+        seed: int | None,
     ) -> None:
         pc, model_config, cache_config = self.parallel, self.model_config, self.cache_config
         tp = pc.tensor_parallel_size
@@ -183,6 +189,7 @@ class ModelRunner:
             layer_start=start,
             layer_end=end,
             group=groups[self.pp_rank] if groups else None,
+            comm=comm,
         )
         self.device = torch.device(device)
         if self.device.type == "cpu":
