@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -89,7 +90,7 @@ def _rank_pids(worker_pid: int) -> list[int]:
     pids = []
     for pid in _children(worker_pid):
         try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if b"_child_main" in cmdline:
