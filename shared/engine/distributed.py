@@ -86,6 +86,16 @@ def stage_groups(pc: ParallelConfig) -> list[Any]:
     ]
 
 
+def control_channel(pc: ParallelConfig, rank: int, control: Any, port: int) -> Any:
+    """Shared-memory control messages (shared/engine/shm_comm.py::ShmBroadcast) when every
+    rank is on this node; ``None``: gloo broadcasts. ``PDSERVE_SHM_COMM=0`` turns it off."""
+    from shared.engine.shm_comm import ShmBroadcast, shm_supported
+
+    if pc.nnodes != 1 or not shm_supported() or os.environ.get("PDSERVE_SHM_COMM", "1") == "0":
+        return None
+    return ShmBroadcast(f"pdserve-{port}-ctl", rank, pc.world_size, control)
+
+
 def stage_comm(
     pc: ParallelConfig, rank: int, device_type: str, groups: list[Any], port: int
 ) -> Any:
@@ -190,11 +200,15 @@ class MultiprocExecutor:
         self.control = init_process_group(parallel, 0, self.device_type, self.port)
         self.groups = stage_groups(parallel)
         self.comm = stage_comm(parallel, 0, self.device_type, self.groups, self.port)
+        self.channel = control_channel(parallel, 0, self.control, self.port)
         self._closed = False
         self._died: str | None = None
 
     def broadcast(self, msg: tuple) -> None:
         self.check_alive()
+        if self.channel is not None:
+            self.channel.send(msg, alive=self.check_alive)
+            return
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=self.control)
 
@@ -213,7 +227,7 @@ class MultiprocExecutor:
         self._closed = True
         if self._died is None and all(p.is_alive() for p in self.procs):
             try:
-                dist.broadcast_object_list([("stop",)], src=0, group=self.control)
+                self.broadcast(("stop",))
             except Exception:
                 logger.debug("stop broadcast failed", exc_info=True)
         deadline = time.monotonic() + timeout_s
@@ -267,6 +281,7 @@ def rank_main(
     control = init_process_group(parallel, rank, torch.device(dev).type, port)
     groups = stage_groups(parallel)
     comm = stage_comm(parallel, rank, torch.device(dev).type, groups, port)
+    channel = control_channel(parallel, rank, control, port)
     runner = ModelRunner(
         model_config,
         cache_config,
@@ -281,9 +296,12 @@ def rank_main(
     )
     try:
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            msg = box[0]
+            if channel is not None:
+                msg = channel.recv()
+            else:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, src=0, group=control)
+                msg = box[0]
             op = msg[0]
             if op == "step":
                 runner.run_step(*msg[1:])

@@ -18,15 +18,16 @@ vLLM's CPU backend does (its C++ ``shm_allreduce``). Here:
 
 Tensors larger than a slot go through the gloo group instead (same results up to summation
 order, which is then gloo's). The segment is unlinked by the rank that created it as soon as
-every rank has opened it, so nothing is left in ``/dev/shm`` whatever happens later.
+every rank has opened it, so nothing is left in ``/dev/shm`` whatever happens later (a crash
+between the create and the unlink, at start-up, is the only window).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import time
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -41,20 +42,75 @@ class CommTimeoutError(RuntimeError):
     """A TP peer did not reach the collective in time."""
 
 
+class PeerDiedError(RuntimeError):
+    """A rank this one waits for in shared memory has exited."""
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not published yet
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not reaped) is gone too
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def _check_peers(counters: np.ndarray, seq: int, col: int = 0) -> None:
+    """Raise PeerDiedError if a rank that has not reached ``seq`` has exited (its pid is in
+    column 1 of its header row)."""
+    for r in range(counters.shape[0]):
+        if counters[r, col] < seq and not _pid_alive(int(counters[r, 1])):
+            raise PeerDiedError(f"rank process {int(counters[r, 1])} exited")
+
+
 def shm_supported() -> bool:
     """Ordered stores/loads are assumed (x86-64); elsewhere use gloo."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """An opener is not the owner: keep Python's resource tracker from unlinking (and warning
-    about) the creator's segment when this process exits (Python < 3.13 tracks openers too)."""
-    try:
-        from multiprocessing import resource_tracker
+class _Segment:
+    """A named shared-memory file in /dev/shm, mapped; the name goes once every rank has it
+    open (``unlink``), the mapping with the process. (Not ``multiprocessing.shared_memory``:
+    its ``__del__`` fails at exit while tensors still view the buffer, and it starts a
+    resource-tracker process per rank.)"""
 
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - only a warning at exit is at stake
-        pass
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        self.path = f"/dev/shm/{name}"
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.buf = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _open_segment(name: str, size: int, rank: int, group: Any) -> _Segment:
+    """Rank 0 creates, the others open, then the name is removed (two barriers on group)."""
+    import torch.distributed as dist
+
+    seg = _Segment(name, size, create=True) if rank == 0 else None
+    dist.barrier(group=group)
+    if seg is None:
+        seg = _Segment(name, size, create=False)
+    dist.barrier(group=group)
+    if rank == 0:
+        seg.unlink()
+    return seg
 
 
 class ShmComm:
@@ -62,21 +118,12 @@ class ShmComm:
     time (it uses ``group`` for the rendezvous and for tensors larger than a slot)."""
 
     def __init__(self, name: str, rank: int, size: int, group: Any) -> None:
-        import torch.distributed as dist
-
         self.rank, self.size, self.group = rank, size, group
         total = size * HEADER + 2 * size * SLOT_BYTES
-        if rank == 0:
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=total)
-        dist.barrier(group=group)
-        if rank != 0:
-            self._shm = shared_memory.SharedMemory(name=name)
-            _untrack(self._shm)
-        dist.barrier(group=group)
-        if rank == 0:
-            self._shm.unlink()  # every rank has it open: the mapping outlives the name
-        buf = self._shm.buf
+        self._seg = _open_segment(name, total, rank, group)
+        buf = self._seg.buf
         self._counters = np.ndarray((size, HEADER // 8), dtype=np.int64, buffer=buf)
+        self._counters[rank, 1] = os.getpid()
         self._data = torch.frombuffer(buf, dtype=torch.uint8, offset=size * HEADER)
         self._data = self._data.view(2, size, SLOT_BYTES)
         self._seq = 0
@@ -86,14 +133,19 @@ class ShmComm:
         counters[self.rank, 0] = seq
         spins = 0
         deadline = None
+        checked = 0.0
         while True:
             if int(counters[:, 0].min()) >= seq:
                 return
             spins += 1
             if spins > 200:
+                now = time.monotonic()
+                if now - checked > 0.05:
+                    _check_peers(counters, seq)
+                    checked = now
                 if deadline is None:
-                    deadline = time.monotonic() + WAIT_TIMEOUT_S
-                elif time.monotonic() > deadline:
+                    deadline = now + WAIT_TIMEOUT_S
+                elif now > deadline:
                     raise CommTimeoutError(
                         f"TP peer missed collective {seq} for {WAIT_TIMEOUT_S:.0f} s: "
                         f"counters {counters[:, 0].tolist()}"
@@ -139,10 +191,97 @@ class ShmComm:
         slots, _ = got
         return torch.cat(slots, dim=-1)  # a copy: the slots are reused two collectives on
 
-    def close(self) -> None:
-        self._counters = None  # type: ignore[assignment]
-        self._data = None  # type: ignore[assignment]
-        try:
-            self._shm.close()
-        except BufferError:
-            pass  # a view still alive: the mapping goes with the process
+
+CONTROL_BYTES = int(float(os.environ.get("PDSERVE_SHM_CONTROL_MB", "16")) * (1 << 20))
+IDLE_SLEEP_S = 0.0005  # a waiting rank's nap once no message came for BUSY_WAIT_S
+BUSY_WAIT_S = 0.02
+
+
+class ShmBroadcast:
+    """Rank 0's control messages to the other ranks of its node through shared memory (the
+    step's plain data, pickled), instead of gloo's two loopback broadcasts per message.
+
+    One buffer: message ``k`` is written only after every reader acknowledged ``k - 1`` (a
+    reader acknowledges as soon as it has unpickled its copy), then its sequence number is
+    published. A reader spins, then yields the core for up to ``BUSY_WAIT_S`` (the gap between
+    two steps), then naps ``IDLE_SLEEP_S`` at a time: an idle worker costs its ranks a wake-up
+    per half millisecond, not a core. A message larger than the
+    buffer is announced with length -1 and goes through ``group`` (gloo) instead.
+    ``alive`` (rank 0) is called while it waits for a slow reader, so a dead rank raises
+    instead of hanging the writer."""
+
+    def __init__(self, name: str, rank: int, size: int, group: Any) -> None:
+        self.rank, self.size, self.group = rank, size, group
+        header = HEADER * (size + 1)
+        # row 0: (sequence number, length, writer pid); row r: reader r's acknowledged
+        # sequence number and pid
+        self._seg = _open_segment(name, header + CONTROL_BYTES, rank, group)
+        buf = self._seg.buf
+        self._head = np.ndarray((size + 1, HEADER // 8), dtype=np.int64, buffer=buf)
+        if rank == 0:
+            self._head[0, 2] = os.getpid()
+        else:
+            self._head[rank, 1] = os.getpid()
+        self._data = memoryview(buf)[header:]
+        self._seq = 0
+
+    def send(self, msg: object, alive: Any = None) -> None:
+        import pickle
+
+        import torch.distributed as dist
+
+        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        seq, head = self._seq + 1, self._head
+        spins, start = 0, time.monotonic()
+        last_check = start
+        while int(head[1 : self.size, 0].min()) < seq - 1:  # a reader is on the last message
+            spins += 1
+            if spins > 200:
+                now = time.monotonic()
+                if now - last_check > 0.05:
+                    if alive is not None:
+                        alive()
+                    _check_peers(head[1 : self.size], seq - 1)
+                    last_check = now
+                if now - start > WAIT_TIMEOUT_S:
+                    raise CommTimeoutError(
+                        f"a rank has not taken control message {seq - 1} for "
+                        f"{WAIT_TIMEOUT_S:.0f} s: {head[1 : self.size, 0].tolist()}"
+                    )
+                time.sleep(IDLE_SLEEP_S)
+        big = len(payload) > CONTROL_BYTES
+        if not big:
+            self._data[: len(payload)] = payload
+        head[0, 1] = -1 if big else len(payload)
+        head[0, 0] = seq
+        self._seq = seq
+        if big:
+            dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def recv(self) -> object:
+        import pickle
+
+        import torch.distributed as dist
+
+        self._seq += 1
+        seq, head = self._seq, self._head
+        spins, start = 0, 0.0
+        while int(head[0, 0]) < seq:
+            spins += 1
+            if spins < 200:
+                continue
+            if spins == 200:
+                start = time.monotonic()
+            if time.monotonic() - start < BUSY_WAIT_S:  # between steps: yield, stay awake
+                os.sched_yield()
+            else:  # idle: nap
+                time.sleep(IDLE_SLEEP_S)
+        n = int(head[0, 1])
+        if n < 0:
+            head[self.rank, 0] = seq
+            box: list[object] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            return box[0]
+        msg = pickle.loads(bytes(self._data[:n]))
+        head[self.rank, 0] = seq
+        return msg

@@ -19,8 +19,36 @@ import json, os, sys
 import torch, torch.distributed as dist
 rank, size, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-from shared.engine.shm_comm import ShmComm, CommTimeoutError
+from shared.engine.shm_comm import ShmBroadcast, ShmComm, CommTimeoutError
 comm = ShmComm(f"pdserve-test-{port}", rank, size, dist.group.WORLD)
+if mode == "peer_dies":
+    if rank == 1:
+        os._exit(0)  # gone before the collective
+    import time
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4))
+        res = {"raised": None}
+    except Exception as e:
+        res = {"raised": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0}
+    json.dump(res, open(out, "w"))
+    os._exit(0)  # the gloo group has lost rank 1: no clean teardown
+if mode == "broadcast":
+    import time
+    chan = ShmBroadcast(f"pdserve-test-{port}-ctl", rank, size, dist.group.WORLD)
+    got = []
+    for i in range(500):
+        big = i % 97 == 5  # 3 MB: over the 1 MiB buffer, through gloo
+        msg = ("step", i, list(range(i % 50)), "x" * (3_000_000 if big else i))
+        if rank == 0:
+            chan.send(msg)
+        else:
+            if i % 50 == 0:
+                time.sleep(0.05)  # a slow reader: the writer must wait, not overwrite
+            m = chan.recv()
+            got.append([m[1], m[2] == list(range(i % 50)), len(m[3])])
+    json.dump(got, open(out, "w"))
+    sys.exit(0)
 if mode == "timeout":
     if rank == 0:
         try:
@@ -100,3 +128,18 @@ def test_nothing_is_left_in_dev_shm(tmp_path):
     before = set(os.listdir("/dev/shm"))
     _run(2, tmp_path)
     assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("pdserve")}
+
+
+def test_control_messages_arrive_in_order_whole_and_once(tmp_path):
+    """ShmBroadcast: 500 messages to 2 readers, one slow now and then, a few larger than the
+    buffer (through gloo): each reader sees every message once, in order, intact."""
+    writer, *readers = _run(3, tmp_path, "broadcast", {"PDSERVE_SHM_CONTROL_MB": "1"})
+    want = [[i, True, 3_000_000 if i % 97 == 5 else i] for i in range(500)]
+    assert writer == [] and readers == [want, want]
+
+
+def test_a_peer_that_exited_fails_the_wait_at_once(tmp_path):
+    """A dead peer is noticed by its pid, long before the wait's timeout (60 s here)."""
+    (rank0,) = _run(2, tmp_path, "peer_dies", {"PDSERVE_SHM_TIMEOUT_S": "60"})
+    assert rank0["raised"].startswith("PeerDiedError: rank process")
+    assert rank0["after_s"] < 5
