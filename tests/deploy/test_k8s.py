@@ -42,7 +42,7 @@ PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
 DOCS = ROOT / "docs" / "deploy.md"
 
-OVERLAYS = ("cpu", "gpu", "monitoring", "autoscaling")
+OVERLAYS = ("cpu", "gpu", "monitoring", "autoscaling", "multinode")
 ROLE_LABEL = "pdserve.ai/role"
 WORKER_ROLES = ("prefill", "decode")
 # kubernetes-validate>=1.30 (pyproject's test extra) bundles 1.30; the newest it has too
@@ -371,6 +371,7 @@ def test_vendored_schemas_cover_the_custom_resources():
         ("monitoring.coreos.com/v1", "ServiceMonitor"),
         ("monitoring.coreos.com/v1", "PodMonitor"),
         ("keda.sh/v1alpha1", "ScaledObject"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
     }
 
 
@@ -1060,3 +1061,120 @@ def test_docs_have_a_kubernetes_section():
     for so in by_kind(objects("overlays/autoscaling"), "ScaledObject"):
         for trigger in so["spec"]["triggers"]:
             assert f"`{trigger['metadata']['query']}`" in k8s, trigger["name"]
+
+
+# ---- multinode: LeaderWorkerSet groups -----------------------------------------------------------
+
+MULTINODE = "overlays/multinode"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+
+
+def _lws_pod(objs: list[dict], lws: dict, index: int) -> tuple[dict, dict, dict, list[str], object]:
+    """(template, container, env, argv, parsed) of pod ``index`` of a group (0: the leader),
+    with the variables LeaderWorkerSet injects into every container."""
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    template = lwt["leaderTemplate"] if index == 0 else lwt["workerTemplate"]
+    [c] = template["spec"]["containers"]
+    env = resolved_env(objs, lws, c)
+    name = lws["metadata"]["name"]
+    env.update(
+        LWS_LEADER_ADDRESS=f"{name}-0.{name}.pdserve",
+        LWS_GROUP_SIZE=str(lwt["size"]),
+        LWS_WORKER_INDEX=str(index),
+    )
+    args = [expand(str(a), env) for a in c["args"]]
+    argv = entrypoint_argv(args, env)
+    return template, c, env, argv, parse(argv)
+
+
+@unit
+def test_multinode_groups_run_one_worker_over_their_pods():
+    objs = objects(MULTINODE)
+    router = parsed(MULTINODE)["router"][4]
+    groups = {role_of_lws(g): g for g in by_kind(objs, "LeaderWorkerSet")}
+    assert set(groups) == set(WORKER_ROLES)
+    for role, lws in groups.items():
+        lwt = lws["spec"]["leaderWorkerTemplate"]
+        size = lwt["size"]
+        assert size >= 2
+        # a lost rank ends the worker: LWS recreates the whole group, as a supervisor would
+        assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+        # rank 0 waits for every rank before its gRPC port opens: the followers must start
+        # with the leader, not once it is ready
+        assert lws["spec"].get("startupPolicy", "LeaderCreated") == "LeaderCreated"
+        pods = [_lws_pod(objs, lws, i) for i in range(size)]
+        layouts = set()
+        for i, (template, c, _env, argv, ns) in enumerate(pods):
+            assert not any("$(" in a for a in argv), argv
+            assert argv[1] == role == template["metadata"]["labels"][ROLE_LABEL]
+            assert ns.node_rank == i and ns.nnodes == size
+            assert (
+                ns.master_addr == f"{lws['metadata']['name']}-0.{lws['metadata']['name']}.pdserve"
+            )
+            # one model, one name, one Redis with the router (the ConfigMaps are separate)
+            assert (ns.model, ns.served_model_name, ns.redis_url) == (
+                router.model,
+                router.served_model_name,
+                router.redis_url,
+            )
+            assert ns.device == "cuda"
+            world = ns.tensor_parallel_size * ns.pipeline_parallel_size
+            assert world % size == 0, (world, size)
+            for kind in ("requests", "limits"):
+                assert c["resources"][kind]["nvidia.com/gpu"] == world // size, (role, i)
+            layouts.add((ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.master_port))
+        assert len(layouts) == 1, layouts  # every pod of the group agrees
+        # only the leader serves: it is probed on its gRPC port and declares the rendezvous
+        leader_c, leader_ns = pods[0][1], pods[0][4]
+        declared = {p["containerPort"] for p in leader_c["ports"]}
+        assert leader_ns.master_port in declared and leader_ns.port in declared
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert _probe_port(leader_c[kind], leader_c) == leader_ns.port
+        for _t, c, *_ in pods[1:]:
+            assert not any(k in c for k in ("startupProbe", "readinessProbe", "livenessProbe"))
+
+
+def role_of_lws(lws: dict) -> str:
+    return lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"][ROLE_LABEL]
+
+
+@unit
+def test_multinode_pods_are_the_gpu_overlays_worker_pods():
+    """The groups' pods are overlays/gpu's worker pods but for the multi-node flags, the GPU
+    count, the probes and ports of the followers and the spread constraint (LWS places a
+    group's pods itself): a change to one that the other misses fails here."""
+    gpu = {role_of(w): pod_spec(w) for w in workloads(objects("overlays/gpu"))}
+    for lws in by_kind(objects(MULTINODE), "LeaderWorkerSet"):
+        role = role_of_lws(lws)
+        want = copy.deepcopy(gpu[role])
+        want.pop("topologySpreadConstraints", None)
+        lwt = lws["spec"]["leaderWorkerTemplate"]
+        for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
+            got = copy.deepcopy(template["spec"])
+            [gc], [wc] = got.pop("containers"), copy.deepcopy(want["containers"])
+            assert got == {k: v for k, v in want.items() if k != "containers"}, role
+            same = ("image", "imagePullPolicy", "volumeMounts", "securityContext", "name")
+            assert {k: gc.get(k) for k in same} == {k: wc.get(k) for k in same}, role
+            assert gc["args"][: len(wc["args"])] == wc["args"], role
+            wanted_env = {e["name"] for e in wc["env"]} - {"PDSERVE_NUM_THREADS"}
+            assert wanted_env <= {e["name"] for e in gc["env"]}, role
+
+
+@unit
+def test_multinode_groups_talk_among_themselves_only():
+    objs = objects(MULTINODE)
+    peers = _peers(MULTINODE)
+    for lws in by_kind(objs, "LeaderWorkerSet"):
+        name = lws["metadata"]["name"]
+        labels = {**lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]}
+        labels[LWS_NAME_LABEL] = name  # LeaderWorkerSet adds it to every pod of the set
+        member = {"ns": "pdserve", "labels": labels, "ports": {}}
+        other = {**member, "labels": {**labels, LWS_NAME_LABEL: "someone-else"}}
+        for port in (29500, 41234, 61000):  # the rendezvous, then ports gloo / NCCL pick
+            assert _allowed(objs, member, member, port), (name, port)
+            assert not _allowed(objs, other, member, port), (name, port)
+            assert not _allowed(objs, peers["router"], member, port), (name, port)
+            assert not _allowed(objs, peers["outside"], member, port), (name, port)
+    # the single-node pools are there to scale, at 0
+    for role in WORKER_ROLES:
+        assert one(objs, "Deployment", f"pdserve-{role}")["spec"]["replicas"] == 0

@@ -15,7 +15,7 @@ import pytest
 from tests.cluster_utils import free_port
 
 WORKER = r"""
-import json, os, sys
+import hashlib, json, os, sys
 import torch, torch.distributed as dist
 rank, size, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
@@ -48,7 +48,7 @@ if mode == "broadcast":
             m = chan.recv()
             got.append([m[1], m[2] == list(range(i % 50)), len(m[3])])
     json.dump(got, open(out, "w"))
-    sys.exit(0)
+    os._exit(0)  # no gloo teardown at interpreter exit (it can abort the process)
 if mode == "timeout":
     if rank == 0:
         try:
@@ -58,7 +58,7 @@ if mode == "timeout":
             res = {"raised": str(e)}
         json.dump(res, open(out, "w"))
     dist.barrier()  # rank 1 never joins the collective: it waits for rank 0 here
-    sys.exit(0)
+    os._exit(0)
 results = []
 for i in range(300):
     g = torch.Generator().manual_seed(1000 * i + rank)
@@ -69,9 +69,19 @@ for i in range(300):
         y = comm.all_gather_last(x)
     else:
         y = comm.all_reduce(x.clone())
-    results.append([i, y.float().sum().item(), y.float().abs().sum().item(), list(y.shape)])
+    digest = hashlib.sha256(y.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    results.append([i, digest, y.float().abs().sum().item(), list(y.shape)])
 json.dump(results, open(out, "w"))
+os._exit(0)
 """
+
+
+def _digest(t) -> str:
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _run(size: int, tmp_path, mode: str = "ops", env_extra: dict | None = None) -> list:
@@ -98,7 +108,7 @@ def test_sums_and_gathers_match_torch_on_every_rank(tmp_path, size):
     per_rank = _run(size, tmp_path)
     assert len(per_rank) == size
     assert all(r == per_rank[0] for r in per_rank[1:]), "ranks disagree"
-    for i, total, abs_total, shape in per_rank[0]:
+    for i, digest, abs_total, shape in per_rank[0]:
         n = [1, 7, 256, 4096, 70000][i % 5]
         dtype = [torch.float32, torch.bfloat16][i % 2]
         xs = [
@@ -112,9 +122,8 @@ def test_sums_and_gathers_match_torch_on_every_rank(tmp_path, size):
             for x in xs[2:]:
                 want = want + x
         assert shape == list(want.shape)
-        if n <= 4096 or i % 3 == 2:  # through the slots: exactly torch's rank-order sum
-            assert total == want.float().sum().item(), i
-            assert abs_total == want.float().abs().sum().item(), i
+        if n <= 4096 or i % 3 == 2:  # the slots (or a gather): exactly torch's rank-order sum
+            assert digest == _digest(want), i
         else:  # gloo's own summation order
             assert abs(abs_total - want.float().abs().sum().item()) <= 1e-2 * abs_total
 
