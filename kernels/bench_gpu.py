@@ -21,7 +21,8 @@ Phases (each prints progress; later phases are skipped, and say so, when the dea
 3. **End to end**: decode tokens/s of the project's ``small`` test model through the engine
    with the Triton backend (and the torch backend for comparison), run by ``bench/gpu_e2e.py``
    in a child process (kernels import nothing from the project); skipped with a message when
-   the engine cannot run.
+   the engine cannot run. With two or more GPUs it also runs the engine with
+   ``--tensor-parallel-size 2`` (NCCL): tok/s, and the greedy tokens of 8 prompts against TP 1.
 
 Exit status 1 if any correctness check fails. Needs only torch and triton for phases 1-2.
 """

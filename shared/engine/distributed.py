@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,19 @@ logger = logging.getLogger(__name__)
 #: the control broadcast; a lost peer fails it at once (its sockets close).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDSERVE_DIST_TIMEOUT_S", 7 * 24 * 3600))
 RANK_START_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank of a worker builds its ModelRunner from (pickled to each rank)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str
+    attention_backend: str | None
+    seed: int | None
+    parallel: ParallelConfig
 
 
 class RankDiedError(RuntimeError):
@@ -164,27 +178,18 @@ def _child_main() -> None:
     rank_main(*pickle.load(sys.stdin.buffer))
 
 
+def spawn_ranks(spec: WorkerSpec, ranks: range, port: int) -> list[RankProcess]:
+    return [RankProcess(rank, (spec, rank, port)) for rank in ranks]
+
+
 class MultiprocExecutor:
     """Rank 0's side: spawns this node's other ranks, broadcasts control messages, watches
     the ranks' processes."""
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        device: str,
-        attention_backend: str | None,
-        seed: int | None,
-        parallel: ParallelConfig,
-    ) -> None:
-        self.parallel = parallel
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.parallel = parallel = spec.parallel
         self.port = parallel.master_port or free_port(parallel.master_addr)
-        rank_args = (model_config, cache_config, scheduler_config, device, attention_backend, seed)
-        self.procs = [
-            RankProcess(rank, (*rank_args, parallel, rank, self.port))
-            for rank in range(1, parallel.local_world_size)
-        ]
+        self.procs = spawn_ranks(spec, range(1, parallel.local_world_size), self.port)
         logger.info(
             "TP %d x PP %d: rank 0 (pid %d) and ranks %s of this node (pids %s); rendezvous "
             "tcp://%s:%d",
@@ -196,7 +201,7 @@ class MultiprocExecutor:
             parallel.master_addr,
             self.port,
         )
-        self.device_type = torch.device(device).type
+        self.device_type = torch.device(spec.device).type
         self.control = init_process_group(parallel, 0, self.device_type, self.port)
         self.groups = stage_groups(parallel)
         self.comm = stage_comm(parallel, 0, self.device_type, self.groups, self.port)
@@ -253,18 +258,7 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def rank_main(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    scheduler_config: SchedulerConfig,
-    device: str,
-    attention_backend: str | None,
-    seed: int | None,
-    parallel: ParallelConfig,
-    rank: int,
-    port: int,
-    parent_pid: int | None,
-) -> None:
+def rank_main(spec: WorkerSpec, rank: int, port: int, parent_pid: int | None) -> None:
     """A non-zero rank: join the group, load its share of the model, follow rank 0."""
     logging.basicConfig(
         level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
@@ -274,8 +268,8 @@ def rank_main(
         _watch_parent(parent_pid)
     from shared.engine.model_runner import ModelRunner
 
-    dev = device
-    if torch.device(device).type == "cuda":
+    parallel, dev = spec.parallel, spec.device
+    if torch.device(dev).type == "cuda":
         dev = f"cuda:{rank % max(1, torch.cuda.device_count())}"
         torch.cuda.set_device(dev)
     control = init_process_group(parallel, rank, torch.device(dev).type, port)
@@ -283,12 +277,12 @@ def rank_main(
     comm = stage_comm(parallel, rank, torch.device(dev).type, groups, port)
     channel = control_channel(parallel, rank, control, port)
     runner = ModelRunner(
-        model_config,
-        cache_config,
-        scheduler_config,
+        spec.model_config,
+        spec.cache_config,
+        spec.scheduler_config,
         dev,
-        attention_backend,
-        seed,
+        spec.attention_backend,
+        spec.seed,
         parallel=parallel,
         rank=rank,
         groups=groups,
@@ -325,23 +319,12 @@ def rank_main(
     os._exit(0)
 
 
-def run_follower_node(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    scheduler_config: SchedulerConfig,
-    device: str,
-    attention_backend: str | None,
-    seed: int | None,
-    parallel: ParallelConfig,
-) -> int:
+def run_follower_node(spec: WorkerSpec) -> int:
     """``--node-rank k > 0``: run this node's ranks (no service) until rank 0 stops them or
     one exits; returns the exit status (0 after a stop)."""
-    rank_args = (model_config, cache_config, scheduler_config, device, attention_backend, seed)
+    parallel = spec.parallel
     first = parallel.first_local_rank
-    procs = [
-        RankProcess(rank, (*rank_args, parallel, rank, parallel.master_port))
-        for rank in range(first, first + parallel.local_world_size)
-    ]
+    procs = spawn_ranks(spec, range(first, first + parallel.local_world_size), parallel.master_port)
     logger.info(
         "node %d of %d: ranks %s (pids %s) following tcp://%s:%d",
         parallel.node_rank,

@@ -150,17 +150,19 @@ class ModelRunner:
         self.world_size = pc.world_size
         self.executor = None  # rank 0 of several: the MultiprocExecutor
         if self.world_size > 1 and rank == 0:
-            from shared.engine.distributed import MultiprocExecutor
+            from shared.engine.distributed import MultiprocExecutor, WorkerSpec
 
             pc.check(model_config)
             self.executor = MultiprocExecutor(
-                model_config,
-                cache_config,
-                scheduler_config,
-                device,
-                attention_backend,
-                seed,
-                pc,
+                WorkerSpec(
+                    model_config,
+                    cache_config,
+                    scheduler_config,
+                    device,
+                    attention_backend,
+                    seed,
+                    pc,
+                )
             )
             groups, comm = self.executor.groups, self.executor.comm
         try:

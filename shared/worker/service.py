@@ -125,20 +125,22 @@ def run_follower(engine_args: EngineArgs) -> int:
     """``--node-rank k > 0``: this host runs only its ranks of a worker whose rank 0 (and
     service) is on node 0; exits when they do."""
     from shared.engine.device import resolve_device
-    from shared.engine.distributed import run_follower_node
+    from shared.engine.distributed import WorkerSpec, run_follower_node
 
     model_config = engine_args.create_model_config()
     pc = engine_args.create_parallel_config()
     pc.check(model_config)
     device = resolve_device(engine_args.device)
     return run_follower_node(
-        model_config,
-        engine_args.create_cache_config(),
-        engine_args.create_scheduler_config(model_config, device),
-        device,
-        engine_args.attention_backend,
-        engine_args.seed,
-        pc,
+        WorkerSpec(
+            model_config,
+            engine_args.create_cache_config(),
+            engine_args.create_scheduler_config(model_config, device),
+            device,
+            engine_args.attention_backend,
+            engine_args.seed,
+            pc,
+        )
     )
 
 

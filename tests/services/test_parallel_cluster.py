@@ -24,17 +24,19 @@ pytestmark = pytest.mark.integration
 
 MAX_NEW = 10
 TP2 = ["--tensor-parallel-size", "2"]
+TP4 = ["--tensor-parallel-size", "4"]  # the tiny model's 2 KV heads: replicated on 4 ranks
 # the tiny model's canonical block: 2 layers x (K, V) x 16 slots x 2 KV heads x 32 dims x fp32
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 32 * 4
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("tp"), prefill=2, decode=2)
+    c = make_cluster(tiny_llama, tmp_path_factory.mktemp("tp"), prefill=3, decode=2)
     c.start_redis()
     workers = [
         c.spawn_worker("prefill", 0),
         c.spawn_worker("prefill", 1, TP2),
+        c.spawn_worker("prefill", 2, TP4),
         c.spawn_worker("decode", 0),
         c.spawn_worker("decode", 1, TP2),
     ]
@@ -52,8 +54,15 @@ def _reference(model_dir, prompts):
 
 @pytest.mark.parametrize(
     ("prefill", "decode"),
-    [(0, 1), (1, 0), (1, 1), (0, 0)],
-    ids=["P-tp1_to_D-tp2", "P-tp2_to_D-tp1", "P-tp2_to_D-tp2", "P-tp1_to_D-tp1"],
+    [(0, 1), (1, 0), (1, 1), (0, 0), (2, 1), (2, 0)],
+    ids=[
+        "P-tp1_to_D-tp2",
+        "P-tp2_to_D-tp1",
+        "P-tp2_to_D-tp2",
+        "P-tp1_to_D-tp1",
+        "P-tp4_to_D-tp2",
+        "P-tp4_to_D-tp1",
+    ],
 )
 def test_disaggregated_across_tp_sizes_matches_one_rank(cluster, tiny_llama, prefill, decode):
     # prompts of their own per pairing: nothing in any pool's prefix cache yet
