@@ -45,25 +45,36 @@ def _add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
         )
 
 
+def _tokens(outs) -> int:
+    return sum(len(o.new_token_ids) for o in outs)
+
+
 def decode_ms(engine, batch: int, prompt_len: int, steps: int) -> float:
-    _add(engine, batch, prompt_len, steps + 8, f"d{batch}-")
-    for _ in range(4):  # the prefill, then warm decode steps
-        engine.step()
+    """ms per round of one new token for every sequence, once all decode (with pipeline
+    parallelism an engine step dispatches or collects a micro-batch: rounds compare, calls
+    do not)."""
+    _add(engine, batch, prompt_len, steps + 16, f"d{batch}-")
+    made = 0
+    while made < 4 * batch:  # the prefill, then warm decode rounds
+        made += _tokens(engine.step())
     t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    made = 0
+    while made < steps * batch:
+        made += _tokens(engine.step())
+    ms = (time.perf_counter() - t0) / (made / batch) * 1e3
     while engine.has_unfinished_requests():
         engine.step()
     return ms
 
 
 def prefill_ms(engine, tokens: int, repeats: int) -> float:
+    """ms from admitting a ``tokens``-token prompt to its first token (best of ``repeats``)."""
     best = float("inf")
     for r in range(repeats):
         _add(engine, 1, tokens, 1, f"p{r}-")
         t0 = time.perf_counter()
-        engine.step()
+        while not _tokens(engine.step()):
+            pass
         best = min(best, (time.perf_counter() - t0) * 1e3)
         while engine.has_unfinished_requests():
             engine.step()
@@ -101,7 +112,7 @@ def main() -> int:
             row: dict[str, float] = {}
             for b in batches:
                 row[f"decode_b{b}"] = decode_ms(llm.engine, b, a.prompt_len, a.steps)
-                print(f"  decode batch {b:3d}: {row[f'decode_b{b}']:8.2f} ms/step", flush=True)
+                print(f"  decode batch {b:3d}: {row[f'decode_b{b}']:8.2f} ms/round", flush=True)
             row["prefill"] = prefill_ms(llm.engine, a.prefill_tokens, 3)
             print(f"  prefill {a.prefill_tokens} tokens: {row['prefill']:8.1f} ms", flush=True)
             results[name] = row
@@ -132,7 +143,7 @@ def main() -> int:
                 [j + i * width for j in range(len(keys))], [row[k] for k in keys], width, label=name
             )
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys)
-        ax.set_ylabel("ms / step")
+        ax.set_ylabel("ms per token round (decode) / to the first token (prefill)")
         ax.set_yscale("log")
         ax.set_title(f"step time by layout, {a.threads} threads in all")
         ax.legend()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -149,6 +150,10 @@ class EngineCore:
         self._check_ranks = getattr(runner, "check_alive", None)
         self._export = getattr(runner, "export_blocks", None)
         self._import = getattr(runner, "import_blocks", None)
+        # pipeline parallelism: steps in flight at once (dispatched, not collected yet)
+        self._depth = int(getattr(runner, "pipeline_depth", 1))
+        self._inflight: deque[tuple[SchedulerOutput, object]] = deque()
+        self.max_inflight_steps = 0  # the most steps in flight at once so far
         try:
             self._set_up(connector)
         except BaseException:
@@ -449,14 +454,41 @@ class EngineCore:
             stop()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._inflight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run one forward pass, sample; returns this step's per-sequence deltas."""
+        """Schedule, run one forward pass, sample; returns this step's per-sequence deltas.
+
+        With pipeline parallelism up to ``pipeline_depth`` steps are in flight: a step is
+        dispatched (stage 0 runs it and hands it on), the next one is scheduled from the
+        sequences not in flight and dispatched, and the oldest is collected (its draws) once
+        the pipeline is full or nothing else can be scheduled."""
+        if self._depth > 1:
+            return self._step_pipelined()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
+        return self._finish_step(out, self.runner.execute(out))
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        if len(self._inflight) < self._depth:
+            busy = {s.seq_id for out, _ in self._inflight for s in out.scheduled}
+            # an equal share of the running sequences per step in flight: the micro-batches
+            share = max(1, -(-len(self.scheduler.running) // self._depth))
+            out = self.scheduler.schedule(skip=busy, max_running=share)
+            if not out.is_empty:
+                self._inflight.append((out, self.runner.dispatch(out)))  # type: ignore[attr-defined]
+                self.max_inflight_steps = max(self.max_inflight_steps, len(self._inflight))
+                if len(self._inflight) < self._depth:
+                    return []
+        if not self._inflight:
+            return []
+        out, dispatched = self._inflight.popleft()
+        return self._finish_step(out, self.runner.collect(dispatched))  # type: ignore[attr-defined]
+
+    def _finish_step(
+        self, out: SchedulerOutput, sampled: dict[str, SampleResult]
+    ) -> list[EngineCoreOutput]:
         updates, failures = self.scheduler.update_from_output(out, sampled)
         if self._export is not None:
             ready = [b for u in updates for _, b in u.kv_blocks_ready]

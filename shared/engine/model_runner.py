@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -104,6 +105,29 @@ def pack_chunks(
         v_scale=v_scale,
     )
     return torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta
+
+
+@dataclass
+class PendingLogits:
+    """Rank 0 of a pipeline: the last stage's logits of a dispatched step, on their way."""
+
+    logits: torch.Tensor
+    work: object  # the irecv
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()  # type: ignore[attr-defined]
+        return self.logits
+
+
+@dataclass
+class _Dispatched:
+    """A step between ``dispatch`` and ``collect``: its logits (or their pending receive)
+    and what the draws need."""
+
+    logits: torch.Tensor | PendingLogits | None
+    rows: list[SampleSpec]
+    verify: list[tuple[str, list[int], int]]
+    draft_probs: dict[str, torch.Tensor]
 
 
 SMALL_STEP_TOKENS = 4
@@ -235,6 +259,7 @@ class ModelRunner:
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # rank 0 of several: canonical transfer pool
+        self._sends: list = []  # pipeline hand-offs in flight (isend works)
 
     def _rank_note(self) -> str:
         if self.world_size == 1:
@@ -391,17 +416,27 @@ class ModelRunner:
             self.v_scale = torch.ones(1, dtype=torch.float32, device=self.device)
 
     # ---- one step ----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Copies / swaps, one forward pass over every scheduled chunk, and one draw per
         ``SampleSpec``; returns the draws by ``seq_id`` (rank 0)."""
+        return self.collect(self.dispatch(out))
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps that may be in flight at once: the pipeline stages (``dispatch`` returns
+        once stage 0 has its share of a step; ``collect`` waits for the logits)."""
+        return self.shard.pp_size
+
+    @torch.inference_mode()
+    def dispatch(self, out: SchedulerOutput) -> _Dispatched:
+        """Start a step: everything but the draws (see :meth:`collect`)."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         if out.finished_seq_ids:
             self.sampler.matchers.drop(out.finished_seq_ids)
         moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
             self.run_step(moves, [], [])
-            return {}
+            return _Dispatched(None, [], [], {})
         drafted: dict[str, list[int]] = {}  # draft-model drafts, by seq id
         draft_probs: dict[str, torch.Tensor] = {}
         if self.drafter is not None and any(s.num_lookahead for s in out.scheduled):
@@ -429,9 +464,15 @@ class ModelRunner:
             for spec in s.samples:
                 logit_rows.append(t - 1)
                 rows.append(spec)
-        logits = self.run_step(moves, chunks, logit_rows)
+        return _Dispatched(self.run_step(moves, chunks, logit_rows), rows, verify, draft_probs)
+
+    @torch.inference_mode()
+    def collect(self, d: _Dispatched) -> dict[str, SampleResult]:
+        """Finish a dispatched step: wait for its logits, draw; the draws by ``seq_id``."""
+        logits = d.logits.wait() if isinstance(d.logits, PendingLogits) else d.logits
         if logits is None:
             return {}
+        rows, verify, draft_probs = d.rows, d.verify, d.draft_probs
         dev = self.device
         if not verify:
             sampled = self.sampler(logits, rows)
@@ -459,7 +500,7 @@ class ModelRunner:
         moves: tuple[Sequence[tuple[int, int]], ...],
         chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
         logit_rows: Sequence[int],
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | PendingLogits | None:
         """Every rank's part of a step: the block ``moves`` (swap out, swap in, copy), one
         forward pass over ``chunks`` (block table, first position, tokens) and the logits of
         the packed ``logit_rows``, returned on rank 0 (``None`` elsewhere, or without rows).
@@ -467,6 +508,9 @@ class ModelRunner:
         hidden states from the previous stage and the last stage sends the logits to rank 0."""
         if self.executor is not None and (chunks or any(moves)):
             self.executor.broadcast(("step", moves, chunks, logit_rows))
+        for work in self._sends:  # the last step's hand-offs (buffers live until done)
+            work.wait()
+        self._sends.clear()
         self._move_blocks(*moves)
         if not chunks:
             return None
@@ -492,21 +536,21 @@ class ModelRunner:
         if not sh.last_stage:
             import torch.distributed as dist
 
-            dist.send(hidden.contiguous(), dst=self.rank + tp)
+            # non-blocking hand-offs: stage 0 starts the next step while later stages work
+            self._sends.append(dist.isend(hidden.contiguous(), dst=self.rank + tp))
             if self.rank != 0 or not logit_rows:
                 return None
             logits = torch.empty(
                 (len(logit_rows), self.model_config.vocab_size), dtype=self.dtype, device=dev
             )
-            dist.recv(logits, src=(sh.pp_size - 1) * tp)
-            return logits
+            return PendingLogits(logits, dist.irecv(logits, src=(sh.pp_size - 1) * tp))
         if not logit_rows:
             return None
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
         if sh.pp_size > 1 and sh.tp_rank == 0:
             import torch.distributed as dist
 
-            dist.send(logits.contiguous(), dst=0)
+            self._sends.append(dist.isend(logits.contiguous(), dst=0))
         return logits if self.rank == 0 else None
 
     def _move_blocks(

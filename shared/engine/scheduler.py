@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import cast
 
 from shared.config import SchedulerConfig
@@ -98,7 +98,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped or self.pending_copies)
 
     # ---- scheduling --------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, skip: Collection[str] = (), max_running: int | None = None
+    ) -> SchedulerOutput:
+        """The next step's work. ``skip``: running sequences whose previous step is still in
+        flight (pipeline parallelism: their tokens are not known yet), left out;
+        ``max_running``: schedule at most this many running sequences (a pipeline's
+        micro-batch, so the sequences split over the steps in flight)."""
         out = SchedulerOutput(blocks_to_copy=self.pending_copies)
         self.pending_copies = []
         out.finished_seq_ids, self.finished_since = self.finished_since, []
@@ -111,6 +117,11 @@ class Scheduler:
         speculate = self.spec is not None and self.spec.active(len(self.running))
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in skip:
+                i += 1
+                continue
+            if max_running is not None and len(scheduled) >= max_running:
+                break
             num_new = self._num_new_tokens(req, budget)
             if num_new <= 0:
                 i += 1
@@ -157,6 +168,9 @@ class Scheduler:
 
         out.scheduled = list(scheduled.values())
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if out.is_empty:  # nothing runs: the finished ids go with the next step that does
+            self.finished_since[:0] = out.finished_seq_ids
+            out.finished_seq_ids = []
         now = time.monotonic()
         for s in out.scheduled:
             req = self.requests[s.seq_id]

@@ -221,3 +221,34 @@ def test_the_preemption_victim_is_the_latest_request_without_a_pin():
     assert s.requests["long"].status == RequestStatus.PREEMPTED
     assert s.requests["exp"].status == RequestStatus.RUNNING
     assert out.num_preempted == 1
+
+
+def test_pipeline_micro_batches_skip_sequences_in_flight_and_take_a_share():
+    """Pipeline parallelism: a step scheduled while another is in flight leaves that step's
+    sequences out (their tokens are not known yet) and takes at most ``max_running``."""
+    s = make_scheduler(budget=64)
+    for rid in "abcd":
+        s.add(make_request(rid, 3))
+    step(s)  # every prompt computed: four decoding sequences
+    first = s.schedule(max_running=2)
+    assert list(new_tokens(first)) == ["a", "b"]
+    second = s.schedule(skip={"a", "b"}, max_running=2)
+    assert list(new_tokens(second)) == ["c", "d"]
+    third = s.schedule(skip={"a", "b", "c", "d"}, max_running=2)
+    assert third.is_empty  # everything in flight
+    s.update_from_output(first, {"a": SampledToken(7), "b": SampledToken(7)})
+    assert list(new_tokens(s.schedule(skip={"c", "d"}, max_running=2))) == ["a", "b"]
+
+
+def test_finished_ids_wait_for_a_step_that_runs():
+    """An empty schedule (everything in flight, or idle) keeps the ids of sequences that ended
+    for the next step the runner sees (its sampler drops their grammar state then)."""
+    s = make_scheduler(budget=64)
+    a = make_request("a", 3, max_tokens=1)
+    a.grammar = object()  # a constrained sequence: the sampler holds state for it
+    s.add(a)
+    s.add(make_request("b", 3))
+    out, _ = step(s)  # a finishes on its first token
+    empty = s.schedule(skip={"b"})
+    assert empty.is_empty and empty.finished_seq_ids == []
+    assert "a" in s.schedule().finished_seq_ids
