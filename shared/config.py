@@ -583,15 +583,10 @@ class EngineArgs:
 
     # ---- resolution --------------------------------------------------------------------
     def create_parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-            nnodes=self.nnodes,
-            node_rank=self.node_rank,
-            master_addr=self.master_addr,
-            master_port=self.master_port,
-        )
+        """The parallelism flags (``EngineArgs`` carries each ``ParallelConfig`` field under
+        the same name, as vLLM's does)."""
+        names = [f.name for f in dataclasses.fields(ParallelConfig)]
+        return ParallelConfig(**{n: getattr(self, n) for n in names})
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

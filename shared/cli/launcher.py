@@ -377,13 +377,12 @@ class Cluster:
         a = self.args
 
         def world(flags: list[str]) -> int:
-            ns = argparse.ArgumentParser(add_help=False)
-            ns.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-            ns.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
-            got, _ = ns.parse_known_args(flags)
-            tp = got.tensor_parallel_size or a.tensor_parallel_size
-            pp = got.pipeline_parallel_size or a.pipeline_parallel_size
-            return int(tp * pp)
+            # the engine flags' own parser over the role's extra flags, starting from the
+            # cluster's values (argparse keeps a namespace's attributes as its defaults)
+            parser = argparse.ArgumentParser(add_help=False)
+            EngineArgs.add_cli_args(parser, model_required=False)
+            got, _ = parser.parse_known_args(flags, namespace=argparse.Namespace(**vars(a)))
+            return int(got.tensor_parallel_size * got.pipeline_parallel_size)
 
         common = list(a.worker_arg)
         return max(

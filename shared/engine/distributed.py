@@ -1,9 +1,10 @@
 """The multi-process executor: one worker = ``TP x PP`` ranks on ``torch.distributed``.
 
-Rank 0 is the process that serves (scheduler, gRPC, KV transfer); it spawns the other ranks of
-its node (``multiprocessing`` spawn, ``--distributed-executor-backend mp``, as vLLM's
-``MultiprocExecutor``) and every rank joins one process group (gloo on CPU; NCCL for the
-tensors on CUDA, with a gloo group for the control messages). Ranks on other nodes are started
+Rank 0 is the process that serves (scheduler, gRPC, KV transfer); it starts the other ranks of
+its node (``--distributed-executor-backend mp``, as vLLM's ``MultiprocExecutor``; each a
+:class:`RankProcess`) and every rank joins one process group (gloo on CPU; NCCL for the
+tensors on CUDA, with a gloo group for the control messages). On one CPU node the TP
+collectives and the control messages go through shared memory (shared/engine/shm_comm.py). Ranks on other nodes are started
 by ``pdserve <role> --nnodes N --node-rank k ...`` there (:func:`run_follower_node`).
 
 Each step rank 0 broadcasts one control message of plain data (the packed chunks' block
@@ -17,7 +18,7 @@ same forward pass over its share of the model; only rank 0 samples. Messages:
   0's canonical transfer pool / scatter them from it (KV transfer across layouts);
 * ``("stop",)``.
 
-Failure rules: a rank that exits is seen by rank 0's sentinel watch (:meth:`check_alive`, each
+Failure rules: a rank that exits is seen by rank 0's process watch (:meth:`check_alive`, each
 engine-loop turn) or by the next collective failing, either way the engine loop dies and the
 worker turns NOT_SERVING and exits (its supervisor restarts it); a rank whose rank 0 is gone
 exits within a second (parent watch) or at its next collective.
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 #: Bound on one collective (a step's all-reduce, a broadcast while busy). Idle ranks wait on
 #: the control broadcast; a lost peer fails it at once (its sockets close).
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDSERVE_DIST_TIMEOUT_S", 7 * 24 * 3600))
-RANK_START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,20 @@ def stage_groups(pc: ParallelConfig) -> list[Any]:
     ]
 
 
-def control_channel(pc: ParallelConfig, rank: int, control: Any, port: int) -> Any:
-    """Shared-memory control messages (shared/engine/shm_comm.py::ShmBroadcast) when every
-    rank is on this node; ``None``: gloo broadcasts. ``PDSERVE_SHM_COMM=0`` turns it off."""
-    from shared.engine.shm_comm import ShmBroadcast, shm_supported
+def _shm_enabled(pc: ParallelConfig) -> bool:
+    """Every rank on this node, a platform shm_comm supports, not turned off
+    (``PDSERVE_SHM_COMM=0``)."""
+    from shared.engine.shm_comm import shm_supported
 
-    if pc.nnodes != 1 or not shm_supported() or os.environ.get("PDSERVE_SHM_COMM", "1") == "0":
+    return pc.nnodes == 1 and shm_supported() and os.environ.get("PDSERVE_SHM_COMM", "1") != "0"
+
+
+def control_channel(pc: ParallelConfig, rank: int, control: Any, port: int) -> Any:
+    """Shared-memory control messages (shared/engine/shm_comm.py::ShmBroadcast) when
+    ``_shm_enabled``; ``None``: gloo broadcasts."""
+    from shared.engine.shm_comm import ShmBroadcast
+
+    if not _shm_enabled(pc):
         return None
     return ShmBroadcast(f"pdserve-{port}-ctl", rank, pc.world_size, control)
 
@@ -113,19 +121,12 @@ def control_channel(pc: ParallelConfig, rank: int, control: Any, port: int) -> A
 def stage_comm(
     pc: ParallelConfig, rank: int, device_type: str, groups: list[Any], port: int
 ) -> Any:
-    """This rank's shared-memory TP collectives (shared/engine/shm_comm.py) when its stage's
-    ranks share one CPU node; ``None``: the group's own backend. ``PDSERVE_SHM_COMM=0`` turns
-    it off."""
-    from shared.engine.shm_comm import ShmComm, shm_supported
+    """This rank's shared-memory TP collectives (shared/engine/shm_comm.py) for a CPU stage
+    when ``_shm_enabled``; ``None``: the group's own backend."""
+    from shared.engine.shm_comm import ShmComm
 
     tp = pc.tensor_parallel_size
-    if (
-        tp == 1
-        or device_type != "cpu"
-        or pc.nnodes != 1
-        or not shm_supported()
-        or os.environ.get("PDSERVE_SHM_COMM", "1") == "0"
-    ):
+    if tp == 1 or device_type != "cpu" or not _shm_enabled(pc):
         return None
     stage = rank // tp
     return ShmComm(f"pdserve-{port}-tp{stage}", rank % tp, tp, groups[stage])
@@ -272,9 +273,10 @@ def rank_main(spec: WorkerSpec, rank: int, port: int, parent_pid: int | None) ->
     if torch.device(dev).type == "cuda":
         dev = f"cuda:{rank % max(1, torch.cuda.device_count())}"
         torch.cuda.set_device(dev)
-    control = init_process_group(parallel, rank, torch.device(dev).type, port)
+    device_type = torch.device(dev).type
+    control = init_process_group(parallel, rank, device_type, port)
     groups = stage_groups(parallel)
-    comm = stage_comm(parallel, rank, torch.device(dev).type, groups, port)
+    comm = stage_comm(parallel, rank, device_type, groups, port)
     channel = control_channel(parallel, rank, control, port)
     runner = ModelRunner(
         spec.model_config,

@@ -20,7 +20,6 @@ import torch
 from kernels import default_backend, get_backend
 from shared.config import (
     CacheConfig,
-    ConfigError,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -176,7 +175,6 @@ class ModelRunner:
         if self.world_size > 1 and rank == 0:
             from shared.engine.distributed import MultiprocExecutor, WorkerSpec
 
-            pc.check(model_config)
             self.executor = MultiprocExecutor(
                 WorkerSpec(
                     model_config,
@@ -204,19 +202,8 @@ class ModelRunner:
         seed: int | None,
     ) -> None:
         pc, model_config, cache_config = self.parallel, self.model_config, self.cache_config
-        tp = pc.tensor_parallel_size
-        self.tp_rank, self.pp_rank = self.rank % tp, self.rank // tp
-        start, end = pc.layer_range(self.pp_rank, model_config.num_layers)
-        self.shard = Shard(
-            tp_size=tp,
-            tp_rank=self.tp_rank,
-            pp_size=pc.pipeline_parallel_size,
-            pp_rank=self.pp_rank,
-            layer_start=start,
-            layer_end=end,
-            group=groups[self.pp_rank] if groups else None,
-            comm=comm,
-        )
+        stage = self.rank // pc.tensor_parallel_size
+        self.shard = self._shard_of(self.rank, groups[stage] if groups else None, comm)
         self.device = torch.device(device)
         if self.device.type == "cpu":
             threads = os.environ.get("PDSERVE_NUM_THREADS")
@@ -261,6 +248,22 @@ class ModelRunner:
         self._staging: torch.Tensor | None = None  # rank 0 of several: canonical transfer pool
         self._sends: list = []  # pipeline hand-offs in flight (isend works)
 
+    def _shard_of(self, rank: int, group: object = None, comm: object = None) -> Shard:
+        """What rank ``rank`` of this worker holds (global rank ``pp_rank * TP + tp_rank``)."""
+        pc = self.parallel
+        tp = pc.tensor_parallel_size
+        start, end = pc.layer_range(rank // tp, self.model_config.num_layers)
+        return Shard(
+            tp_size=tp,
+            tp_rank=rank % tp,
+            pp_size=pc.pipeline_parallel_size,
+            pp_rank=rank // tp,
+            layer_start=start,
+            layer_end=end,
+            group=group,
+            comm=comm,
+        )
+
     def _rank_note(self) -> str:
         if self.world_size == 1:
             return ""
@@ -284,10 +287,6 @@ class ModelRunner:
         """Load the speculative draft model with a KV twin pool of ``num_blocks`` blocks."""
         from shared.engine.draft_model import DraftModelProposer
 
-        if self.world_size > 1:
-            raise ConfigError(
-                "a draft model with TP/PP > 1 is not supported yet; the ngram method is"
-            )
         self.drafter = DraftModelProposer(self, spec, num_blocks)
 
     # ---- KV pool -----------------------------------------------------------------------
@@ -304,14 +303,16 @@ class ModelRunner:
         m = self.model_config
         return (m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
 
+    def _nbytes(self, shape: tuple[int, ...]) -> int:
+        return int(np.prod(shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
+
     @property
     def block_bytes(self) -> int:
-        return int(np.prod(self.block_shape)) * torch.empty((), dtype=self.kv_dtype).element_size()
+        return self._nbytes(self.block_shape)
 
     @property
     def transfer_block_bytes(self) -> int:
-        n = int(np.prod(self.canonical_block_shape))
-        return n * torch.empty((), dtype=self.kv_dtype).element_size()
+        return self._nbytes(self.canonical_block_shape)
 
     @property
     def transfer_pool(self) -> torch.Tensor:
@@ -578,12 +579,10 @@ class ModelRunner:
     # ---- KV transfer across layouts ---------------------------------------------------
     def _shard_box(self, rank: int) -> tuple[slice, slice]:
         """Where rank ``rank``'s shard sits in a canonical block: (layers, KV heads)."""
-        m, pc = self.model_config, self.parallel
-        tp = pc.tensor_parallel_size
-        start, end = pc.layer_range(rank // tp, m.num_layers)
-        probe = Shard(tp_size=tp, tp_rank=rank % tp)
-        first, n = probe.kv_heads(m.num_kv_heads)
-        return slice(start, end), slice(first, first + n)
+        m, shard = self.model_config, self._shard_of(rank)
+        layers = shard.layers(m.num_layers)
+        first, n = shard.kv_heads(m.num_kv_heads)
+        return slice(layers.start, layers.stop), slice(first, first + n)
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: Sequence[int]) -> None:
@@ -605,11 +604,11 @@ class ModelRunner:
         dist.gather(mine, parts, dst=0)
         pool = self.transfer_pool.view(torch.uint8)
         host_ids = ids.to(pool.device)
-        for r, part in enumerate(parts):
+        full = torch.empty((len(block_ids), *pool.shape[1:]), dtype=torch.uint8)
+        for r, part in enumerate(parts):  # every byte of a canonical block is some rank's
             layers, heads = self._shard_box(r)
-            full = pool[host_ids]
-            full[:, layers, :, :, heads] = part.to(pool.device)
-            pool[host_ids] = full
+            full[:, layers, :, :, heads] = part.to(full.device)
+        pool[host_ids] = full
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int]) -> None:

@@ -16,8 +16,8 @@ vLLM's CPU backend does (its C++ ``shm_allreduce``). Here:
   clients on small machines), and gives up after a bound, raising :class:`CommTimeoutError`
   (a peer stuck or gone; rank 0's process watch normally notices first).
 
-Tensors larger than a slot go through the gloo group instead (same results up to summation
-order, which is then gloo's). The segment is unlinked by the rank that created it as soon as
+For a tensor larger than a slot the methods return ``None`` and the caller (``Shard``) uses the
+group's own collective (same results up to summation order, which is then gloo's). The segment is unlinked by the rank that created it as soon as
 every rank has opened it, so nothing is left in ``/dev/shm`` whatever happens later (a crash
 between the create and the unlink, at start-up, is the only window).
 """
@@ -62,11 +62,11 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _check_peers(counters: np.ndarray, seq: int, col: int = 0) -> None:
-    """Raise PeerDiedError if a rank that has not reached ``seq`` has exited (its pid is in
-    column 1 of its header row)."""
+def _check_peers(counters: np.ndarray, seq: int) -> None:
+    """Raise PeerDiedError if a rank that has not reached ``seq`` (column 0 of its header
+    row) has exited (its pid is in column 1)."""
     for r in range(counters.shape[0]):
-        if counters[r, col] < seq and not _pid_alive(int(counters[r, 1])):
+        if counters[r, 0] < seq and not _pid_alive(int(counters[r, 1])):
             raise PeerDiedError(f"rank process {int(counters[r, 1])} exited")
 
 
@@ -152,43 +152,35 @@ class ShmComm:
                     )
                 os.sched_yield()
 
-    def _slots(self, x: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
+    def _slots(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's copy of ``x`` for this collective (``None`` when ``x`` does not fit a
+        slot: the caller uses its group's own collective)."""
         nbytes = x.numel() * x.element_size()
         if nbytes > SLOT_BYTES or not x.is_contiguous():
             return None
         self._seq += 1
-        seq = self._seq
-        parity = self._data[seq % 2]
-        mine = parity[self.rank, :nbytes].view(x.dtype).view(x.shape)
-        mine.copy_(x)
-        self._publish_and_wait(seq)
-        return [parity[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)], seq
+        parity = self._data[self._seq % 2]
+        parity[self.rank, :nbytes].view(x.dtype).view(x.shape).copy_(x)
+        self._publish_and_wait(self._seq)
+        return [parity[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place (rank order: the same bits on every rank)."""
-        got = self._slots(x)
-        if got is None:
-            import torch.distributed as dist
-
-            dist.all_reduce(x, group=self.group)
-            return x
-        slots, _ = got
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Sum ``x`` over the group into ``x`` (rank order: the same bits on every rank), or
+        ``None`` (``x`` unchanged) when it does not fit a slot."""
+        slots = self._slots(x)
+        if slots is None:
+            return None
         torch.add(slots[0], slots[1], out=x)
         for s in slots[2:]:
             x += s
         return x
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dimension, in rank order."""
-        x = x.contiguous()
-        got = self._slots(x)
-        if got is None:
-            import torch.distributed as dist
-
-            parts = [torch.empty_like(x) for _ in range(self.size)]
-            dist.all_gather(parts, x, group=self.group)
-            return torch.cat(parts, dim=-1)
-        slots, _ = got
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``x`` concatenated along the last dimension in rank order, or
+        ``None`` when it does not fit a slot."""
+        slots = self._slots(x.contiguous())
+        if slots is None:
+            return None
         return torch.cat(slots, dim=-1)  # a copy: the slots are reused two collectives on
 
 

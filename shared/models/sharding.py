@@ -33,7 +33,7 @@ class Shard:
     layer_start: int = 0
     layer_end: int = -1  # -1: every layer
     group: Any = None  # the torch.distributed group of this stage's TP ranks
-    comm: Any = None  # ShmComm for this group when its ranks share a CPU node (else gloo/NCCL)
+    comm: Any = None  # ShmComm when this group's ranks share a CPU node (else group's backend)
 
     # ---- what this rank holds ----------------------------------------------------------
     @property
@@ -76,8 +76,8 @@ class Shard:
         """Sum ``x`` over this stage's TP ranks (in place; identity without TP)."""
         if self.tp_size == 1:
             return x
-        if self.comm is not None:
-            return self.comm.all_reduce(x)  # type: ignore[no-any-return]
+        if self.comm is not None and self.comm.all_reduce(x) is not None:
+            return x
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)
@@ -88,7 +88,9 @@ class Shard:
         if self.tp_size == 1:
             return x
         if self.comm is not None:
-            return self.comm.all_gather_last(x)  # type: ignore[no-any-return]
+            y = self.comm.all_gather_last(x)
+            if y is not None:
+                return y  # type: ignore[no-any-return]
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]

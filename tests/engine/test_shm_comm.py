@@ -1,7 +1,7 @@
 """The shared-memory TP collectives (shared/engine/shm_comm.py) between real processes: sums and
-gathers equal torch's in rank order on every rank, bitwise the same on all ranks, over many
-back-to-back calls (the double-buffered slots are reused), tensors larger than a slot through
-gloo, and a bounded wait when a peer never comes."""
+gathers (through ``Shard``, as the model calls them) equal torch's in rank order on every rank,
+bitwise the same on all ranks, over many back-to-back calls (the double-buffered slots are
+reused), tensors larger than a slot through gloo, and a bounded wait when a peer never comes."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ if mode == "timeout":
         json.dump(res, open(out, "w"))
     dist.barrier()  # rank 1 never joins the collective: it waits for rank 0 here
     os._exit(0)
+from shared.models.sharding import Shard
+shard = Shard(tp_size=size, tp_rank=rank, group=dist.group.WORLD, comm=comm)  # as the model uses it
 results = []
 for i in range(300):
     g = torch.Generator().manual_seed(1000 * i + rank)
@@ -66,9 +68,9 @@ for i in range(300):
     dtype = [torch.float32, torch.bfloat16][i % 2]
     x = torch.randn(3, n, generator=g).to(dtype)
     if i % 3 == 2:
-        y = comm.all_gather_last(x)
+        y = shard.all_gather_last(x)
     else:
-        y = comm.all_reduce(x.clone())
+        y = shard.all_reduce(x.clone())
     digest = hashlib.sha256(y.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
     results.append([i, digest, y.float().abs().sum().item(), list(y.shape)])
 json.dump(results, open(out, "w"))
