@@ -1,15 +1,22 @@
-"""Decode-step time of the engine at given batch sizes, with the CPU small-batch bf16 linear
-(``kernels/cpu_paged.py::small_linear``) on and off, interleaved in one run.
+"""Decode-step time of the engine at given batch sizes for each linear-layer path, interleaved in
+one run, with the weight bandwidth each achieves against the machine's measured memory
+bandwidth.
 
-Each measurement builds a fresh engine, admits ``B`` prompts of ``--prompt-len`` random tokens,
-runs until all are decoding, then times ``--steps`` engine steps (one token per sequence each).
+Paths: ``plain`` (``F.linear`` on the plain weight), ``small`` (the C++ AVX512-BF16 small-batch
+kernel for steps of at most 16 rows, ``F.linear`` above: the default before prepacking),
+``onednn`` (weights reordered once at load, ``kernels/cpu_linear.py``: the default on a CPU with
+AVX512-BF16 or AMX). Each measurement builds a fresh engine, admits ``B`` prompts of
+``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps`` engine steps
+(one token per sequence each).
 
-    python bench/decode_step.py --model DIR [--batches 1,6,16,64] [--threads 1] [--rounds 2]
+    python bench/decode_step.py --model DIR [--batches 1,16,64] [--threads 1] [--rounds 2]
+        [--paths plain,small,onednn]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -20,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_paged
+from kernels import cpu_linear, cpu_paged
 from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.models.quantization import weight_bytes
 
 
 def time_decode_steps(
@@ -46,36 +54,74 @@ def time_decode_steps(
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def step_ms(model: str, batch: int, prompt_len: int, steps: int, small: bool) -> float:
+PATHS = ("plain", "small", "onednn")
+
+
+def step_ms(model: str, batch: int, prompt_len: int, steps: int, path: str) -> tuple[float, int]:
+    """(ms per decode step, weight bytes a step reads) for linear path ``path``."""
     default = cpu_paged._SMALL_M
-    cpu_paged._SMALL_M = default if small else 0
+    cpu_paged._SMALL_M = 0 if path == "plain" else default
+    os.environ[cpu_linear.PATH_ENV] = "onednn" if path == "onednn" else "torch"
     try:
         engine = LLM(model, kv_cache_memory="512MiB").engine
-        return time_decode_steps(engine, batch, prompt_len, steps)
+        ms = time_decode_steps(engine, batch, prompt_len, steps)
+        return ms, weight_bytes(engine.runner.model)
     finally:
         cpu_paged._SMALL_M = default
+        os.environ.pop(cpu_linear.PATH_ENV, None)
+
+
+def memory_bandwidth_gbs(mib: int = 512, rounds: int = 5) -> float:
+    """GB/s of a large tensor copy (bytes read + written) on the current thread count."""
+    src = torch.ones(mib << 18)  # fp32: mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--batches", default="1,6,16,64")
+    ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated of {PATHS}")
     args = ap.parse_args()
+    paths = args.paths.split(",")
+    if unknown := set(paths) - set(PATHS):
+        ap.error(f"unknown paths {sorted(unknown)}")
     torch.set_num_threads(args.threads)
-    print("| batch | small-batch linear off, ms/step | on, ms/step | on / off |")
-    print("|---:|---:|---:|---:|")
+    os.environ["PDSERVE_NUM_THREADS"] = str(args.threads)
+    bw = memory_bandwidth_gbs()
+    feats = cpu_linear.CpuFeatures.detect()
+    print(f"CPU: {feats.describe()}; {args.threads} thread(s); memory bandwidth {bw:.1f} GB/s")
+    print(f"auto plan for bf16: {cpu_linear.plan_for(torch.bfloat16, torch.device('cpu')).reason}")
+    head = " | ".join(f"{p} ms/step (weights GB/s, % of memory)" for p in paths)
+    ratio = " | ".join(f"{p} / {paths[0]}" for p in paths[1:])
+    print(f"| batch | {head} | {ratio} |")
+    print("|---:|" + "---:|" * (2 * len(paths) - 1))
     for b in (int(x) for x in args.batches.split(",")):
-        off, on = [], []
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        nbytes: dict[str, int] = {}
         for r in range(args.rounds):
-            print(f"[decode_step] batch {b} round {r + 1}/{args.rounds}", file=sys.stderr)
-            off.append(step_ms(args.model, b, args.prompt_len, args.steps, small=False))
-            on.append(step_ms(args.model, b, args.prompt_len, args.steps, small=True))
-        a, c = statistics.median(off), statistics.median(on)
-        print(f"| {b} | {a:.2f} | {c:.2f} | {c / a:.2f} |")
+            for p in paths:
+                print(f"[decode_step] batch {b} round {r + 1}/{args.rounds} {p}", file=sys.stderr)
+                ms, nbytes[p] = step_ms(args.model, b, args.prompt_len, args.steps, p)
+                times[p].append(ms)
+        med = {p: statistics.median(t) for p, t in times.items()}
+        cells = []
+        for p in paths:
+            gbs = nbytes[p] / (med[p] / 1e3) / 1e9
+            cells.append(f"{med[p]:.2f} ({gbs:.1f}, {100 * gbs / bw:.0f} %)")
+        ratios = [f"{med[p] / med[paths[0]]:.2f}" for p in paths[1:]]
+        print(f"| {b} | " + " | ".join(cells + ratios) + " |")
     return 0
 
 

@@ -19,29 +19,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from shared.config import ModelConfig
 from shared.models.sharding import WHOLE, Shard
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that first offers its input to the attention backend's small-batch kernel
-    (``small_linear``: bf16 on an AVX512-BF16 CPU, a few rows, i.e. decode steps), which
-    returns ``None`` where it does not apply."""
+    """``nn.Linear`` whose weight may be prepacked for the CPU's matrix units at load
+    (``kernels/cpu_linear.py``: ``packed`` replaces ``weight``); an unpacked weight is first
+    offered to the attention backend's small-batch kernel (``small_linear``: bf16 on an
+    AVX512-BF16 CPU, a few rows), which returns ``None`` where it does not apply."""
 
     small: object = None  # the backend's small_linear, set by the model
+    packed: torch.Tensor | None = None  # set by prepack_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias, self.small)
-
-
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small
-) -> torch.Tensor:
-    if small is not None:
-        y = small(x, weight)
-        if y is not None:
-            return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed, self.small)
 
 
 @dataclass
@@ -254,11 +247,12 @@ class LlamaForCausalLM(nn.Module):
             else None
         )
         self.lm_head = (
-            nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
+            Linear(cfg.hidden_size, self.vocab_rows, bias=False)
             if shard.last_stage and not self.tie_word_embeddings
             else None
         )
         self.rotary = rotary
+        self.tied_packed: torch.Tensor | None = None  # a packed copy of a tied LM head
         self.small_linear = getattr(backend, "small_linear", None)
         for m in self.modules():
             if isinstance(m, Linear):
@@ -292,11 +286,34 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = _linear(hidden, weight, None, self.small_linear)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            assert self.embed_tokens is not None
+            logits = cpu_linear.linear(
+                hidden, self.embed_tokens.weight, None, self.tied_packed, self.small_linear
+            )
         if self.shard.tp_size == 1:
             return logits
         return self.shard.all_gather_last(logits)[:, : self.config.vocab_size]
+
+    def prepack_linears(self, plan: cpu_linear.LinearPlan) -> int:
+        """Reorder every dense projection's weight (and the LM head's) for ``plan``'s kernel;
+        the packed weight replaces the plain one. Returns the bytes packed."""
+        if not plan.packed:
+            return 0
+        total = 0
+        for m in self.modules():
+            if isinstance(m, Linear) and m.packed is None and m.weight is not None:
+                m.packed = cpu_linear.pack(m.weight)
+                total += m.weight.numel() * m.weight.element_size()
+                del m.weight
+                m.register_parameter("weight", None)
+        if self.lm_head is None and self.embed_tokens is not None and self.shard.last_stage:
+            w = self.embed_tokens.weight  # the lookup still reads the plain table: a copy
+            self.tied_packed = cpu_linear.pack(w)
+            total += w.numel() * w.element_size()
+        return total
 
     # ---- loading one rank's share ----------------------------------------------------
     def local_name(self, name: str) -> str | None:

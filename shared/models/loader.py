@@ -9,9 +9,10 @@ from types import ModuleType
 
 import torch
 
+from kernels import cpu_linear
 from kernels.quant import QuantFormatError
 from shared.config import ModelConfig, QuantizationConfig
-from shared.models.llama import LlamaForCausalLM, fused_param_name
+from shared.models.llama import Linear, LlamaForCausalLM, fused_param_name
 from shared.models.quantization import (
     FUSED,
     QuantLinear,
@@ -141,7 +142,29 @@ def load_model(
             + (" ..." if len(missing) > 5 else "")
         )
     model.eval()
+    _prepack(model, dtype, device)
     return model
+
+
+def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
+    """Reorder the dense projections' weights for the CPU's matrix units when the plan says so
+    (``kernels/cpu_linear.py``), and log the path every kind of linear takes."""
+    plan = cpu_linear.plan_for(dtype, torch.device(device))
+    packed = model.prepack_linears(plan)
+    kinds: Counter[str] = Counter()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            kinds[f"{name.rpartition('.')[2]}: quantized"] += 1
+        elif isinstance(m, Linear):
+            kinds[f"{name.rpartition('.')[2]}: {plan.path}"] += 1
+    if model.lm_head is None and model.shard.last_stage:
+        kinds[f"lm_head (tied): {plan.path}"] += 1
+    logger.info(
+        "linear layers: %s; %s%s",
+        plan.reason,
+        ", ".join(f"{k} x {n}" if n > 1 else k for k, n in kinds.items()),
+        f"; {packed / (1 << 20):.1f} MiB reordered once" if packed else "",
+    )
 
 
 def _known(name: str, cfg: ModelConfig) -> bool:

@@ -172,4 +172,12 @@ def weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.prepared is not None:
             total += m.prepared.nbytes
+        packed = getattr(m, "packed", None)
+        if packed is not None:  # a dense weight reordered for the CPU (kernels/cpu_linear.py)
+            total += packed.numel() * packed.element_size()
+    tied = getattr(model, "tied_packed", None)
+    if tied is not None and embed is not None:  # the LM head reads the packed copy, not the table
+        total += (
+            tied.numel() * tied.element_size() - embed.weight.numel() * embed.weight.element_size()
+        )
     return total

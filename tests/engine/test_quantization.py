@@ -20,6 +20,7 @@ import torch
 from kernels import quant, quant_cpu
 from shared.cli.quantize import quantize_checkpoint
 from shared.config import ConfigError, resolve_quantization
+from tests.engine.helpers import teacher_forced_argmax
 
 # ---- references from the tools' own loops --------------------------------------------------
 
@@ -481,30 +482,6 @@ def test_bad_quantized_checkpoints_fail_with_the_scheme_named(quantized_tiny, tm
 # ---- teacher-forced agreement on the small model (bf16) -------------------------------------
 
 
-def _teacher_forced_argmax(model_dir: Path, tokens: list[int], **kw) -> torch.Tensor:
-    """Argmax of the next-token logits at every position of ``tokens`` (one prefill)."""
-    from shared.config import EngineArgs
-    from shared.engine.core import EngineCore
-    from shared.models.llama import AttentionMetadata
-
-    core = EngineCore(EngineArgs(model=str(model_dir), device="cpu", kv_cache_memory="32MiB", **kw))
-    runner = core.runner
-    n = len(tokens)
-    bs = runner.block_size
-    nb = -(-n // bs)
-    kv = torch.zeros((nb, *runner.block_shape), dtype=runner.kv_dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(nb, dtype=torch.int32).unsqueeze(0),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        decode_only=False,
-    )
-    with torch.inference_mode():
-        h = runner.model(torch.tensor(tokens), torch.arange(n), kv, meta)
-        return runner.model.compute_logits(h).float().argmax(-1)
-
-
 def teacher_forced_agreement(
     dense: Path, variants: dict[str, tuple[Path, dict]], n_prompts: int = 4, new: int = 128
 ) -> dict[str, float]:
@@ -520,7 +497,7 @@ def teacher_forced_agreement(
         seq = p + c
         target = torch.tensor(c)
         for name, (path, kw) in variants.items():
-            pred = _teacher_forced_argmax(path, seq, **kw)[len(p) - 1 : -1]
+            pred = teacher_forced_argmax(path, seq, **kw)[len(p) - 1 : -1]
             hits[name] += int((pred == target).sum())
         total += len(c)
     return {k: v / total for k, v in hits.items()}

@@ -1,0 +1,155 @@
+"""Linear layers on the CPU's matrix units: weights repacked once at load, chosen at run time.
+
+torch's ``F.linear`` in bf16 reorders the plain ``[N, K]`` weight into oneDNN's blocked layout
+on every call; for the few rows of a decode step that reorder is most of the call (the LM head
+of the ``small`` model at batch 1: 0.49 ms plain, 0.22 ms prepacked, one core of an AVX512-BF16
+EPYC). So, as vLLM's CPU backend does with its oneDNN handlers, every bf16 projection's weight
+is reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``) and each call goes
+straight to the packed primitive (``torch.ops.mkldnn._linear_pointwise``); oneDNN itself picks
+AMX tiles or AVX512-BF16 dot products for the machine. The packed weight replaces the plain one
+(no second copy), except for an LM head tied to the embedding, whose table the lookup still
+reads.
+
+The plan is made at start-up from what the CPU has (``CpuFeatures.detect``): bf16 weights on a
+CPU with AMX-BF16 or AVX512-BF16 take oneDNN's packed path; anything else (fp32, which must stay
+token-exact with ``transformers``, CPUs without bf16 dot products, where oneDNN would emulate
+them, CUDA) keeps ``F.linear``. ``PDSERVE_CPU_LINEAR=onednn|torch`` overrides the choice (for
+benchmarks and for ruling the packed path out). The projections of a decode step with at most
+``small_rows`` rows still go to the C++ AVX512-BF16 kernel (``cpu_paged.small_linear``) where
+it reads the plain weight faster than the primitive; with packed weights that kernel is not
+used (it needs the plain layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+PATH_ENV = "PDSERVE_CPU_LINEAR"
+PATHS = ("auto", "onednn", "torch")
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What the CPU offers a bf16 matmul, read once at start-up (torch's own cpuinfo checks)."""
+
+    name: str
+    amx_bf16: bool
+    avx512_bf16: bool
+    avx512: bool
+    avx2: bool
+
+    @classmethod
+    def detect(cls) -> CpuFeatures:
+        cpu = torch.cpu
+        return cls(
+            name=_cpu_name(),
+            amx_bf16=bool(cpu._is_amx_tile_supported()),
+            avx512_bf16=bool(cpu._is_avx512_bf16_supported()),
+            avx512=bool(cpu._is_avx512_supported()),
+            avx2=bool(cpu._is_avx2_supported()),
+        )
+
+    def describe(self) -> str:
+        isa = [
+            n
+            for n, on in (
+                ("AMX-BF16", self.amx_bf16),
+                ("AVX512-BF16", self.avx512_bf16),
+                ("AVX512", self.avx512),
+                ("AVX2", self.avx2),
+            )
+            if on
+        ]
+        return f"{self.name} ({', '.join(isa) or 'no AVX2'})"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How a model's projections run: ``path`` ``"onednn"`` (prepacked weights) or ``"torch"``
+    (``F.linear`` on the plain weight), and why."""
+
+    path: str
+    reason: str
+
+    @property
+    def packed(self) -> bool:
+        return self.path == "onednn"
+
+
+def plan_for(
+    dtype: torch.dtype,
+    device: torch.device,
+    requested: str | None = None,
+    features: CpuFeatures | None = None,
+) -> LinearPlan:
+    """The plan for weights of ``dtype`` on ``device``; ``requested`` (default: the
+    ``PDSERVE_CPU_LINEAR`` environment variable, else ``auto``) forces a path where it can run."""
+    requested = (requested or os.environ.get(PATH_ENV) or "auto").lower()
+    if requested not in PATHS:
+        raise ValueError(f"{PATH_ENV}={requested!r}: expected one of {', '.join(PATHS)}")
+    if device.type != "cpu":
+        return LinearPlan("torch", f"{device.type} device")
+    if requested == "torch":
+        return LinearPlan("torch", f"{PATH_ENV}=torch")
+    if dtype not in (torch.bfloat16,):
+        return LinearPlan("torch", f"{str(dtype).removeprefix('torch.')} weights (MKL sgemm)")
+    if not torch.backends.mkldnn.is_available():
+        return LinearPlan("torch", "torch built without oneDNN")
+    f = features or CpuFeatures.detect()
+    if requested == "onednn":
+        return LinearPlan("onednn", f"{PATH_ENV}=onednn on {f.describe()}")
+    if f.amx_bf16:
+        return LinearPlan("onednn", f"oneDNN AMX-BF16 tiles, prepacked ({f.describe()})")
+    if f.avx512_bf16:
+        return LinearPlan("onednn", f"oneDNN AVX512-BF16, prepacked ({f.describe()})")
+    return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` in oneDNN's blocked layout for any row count (an opaque
+    ``torch._mkldnn`` tensor of the same shape and dtype)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for a weight from ``pack``; ``x`` is ``[M, K]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    small=None,
+) -> torch.Tensor:
+    """One projection: the packed primitive when the weight is packed, else the small-batch
+    kernel where it applies (``small`` returns ``None`` where it does not), else ``F.linear``."""
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    assert weight is not None
+    if small is not None:
+        y = small(x, weight)
+        if y is not None:
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)

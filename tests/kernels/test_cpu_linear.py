@@ -1,0 +1,123 @@
+"""Prepacked linear layers (kernels/cpu_linear.py): the plan made from the CPU's features, the
+packed primitive against the exact product, and a model whose projections were packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_linear
+from kernels.cpu_linear import CpuFeatures, plan_for
+
+CPU = torch.device("cpu")
+AMX = CpuFeatures("Xeon", amx_bf16=True, avx512_bf16=True, avx512=True, avx2=True)
+ZEN4 = CpuFeatures("EPYC", amx_bf16=False, avx512_bf16=True, avx512=True, avx2=True)
+SKYLAKE = CpuFeatures("Xeon", amx_bf16=False, avx512_bf16=False, avx512=True, avx2=True)
+HASWELL = CpuFeatures("Core", amx_bf16=False, avx512_bf16=False, avx512=False, avx2=True)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "feats,path,words",
+    [
+        (AMX, "onednn", "AMX-BF16"),
+        (ZEN4, "onednn", "AVX512-BF16"),
+        (SKYLAKE, "torch", "no bf16 dot products"),
+        (HASWELL, "torch", "no bf16 dot products"),
+    ],
+)
+def test_the_plan_follows_the_cpus_bf16_units(monkeypatch, feats, path, words):
+    monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    plan = plan_for(torch.bfloat16, CPU, features=feats)
+    assert plan.path == path and words in plan.reason
+    assert plan.packed == (path == "onednn")
+
+
+@pytest.mark.unit
+def test_fp32_cuda_and_the_override_keep_f_linear(monkeypatch):
+    monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    # fp32 stays on MKL's sgemm: the tests pin it token for token to transformers
+    assert plan_for(torch.float32, CPU, features=AMX).path == "torch"
+    assert plan_for(torch.bfloat16, torch.device("cuda"), features=AMX).path == "torch"
+    assert plan_for(torch.bfloat16, CPU, "torch", features=AMX).path == "torch"
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
+    assert plan_for(torch.bfloat16, CPU, features=AMX).path == "torch"
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "onednn")  # forced, even without bf16 units
+    assert plan_for(torch.bfloat16, CPU, features=HASWELL).path == "onednn"
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "mkl")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_LINEAR='mkl'"):
+        plan_for(torch.bfloat16, CPU, features=AMX)
+
+
+@pytest.mark.unit
+def test_detect_reads_this_cpu():
+    f = CpuFeatures.detect()
+    assert f.avx512_bf16 == torch.cpu._is_avx512_bf16_supported()
+    assert f.name and f.name in f.describe()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("n,k,bias", [(32000, 256, False), (768, 256, True), (256, 688, False)])
+def test_packed_linear_is_the_product_within_bf16_rounding(m, n, k, bias):
+    """fp32 accumulation and one bf16 rounding, like torch's bf16 matmul: every output within
+    half a bf16 ulp (plus summation-order noise) of the exact product."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_linear.pack(w)
+    assert packed.is_mkldnn and packed.shape == w.shape
+    got = cpu_linear.packed_linear(x, packed, b)
+    exact = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    bound = exact.abs() * 2.0**-8 + 2e-3 * exact.abs().max()
+    assert ((got.float() - exact).abs() <= bound).all()
+    ref = torch.nn.functional.linear(x, w, b).float()
+    assert (got.float() - exact).abs().max() <= 1.5 * (ref - exact).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
+def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
+    monkeypatch, make_model, arch
+):
+    from kernels import get_backend
+    from shared.config import EngineArgs
+    from shared.models.llama import AttentionMetadata, Linear
+    from shared.models.loader import load_model
+    from shared.models.quantization import weight_bytes
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    cfg = EngineArgs(model=str(make_model("tiny", arch)), dtype="bfloat16").create_model_config()
+    backend = get_backend("torch")
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
+    plain = load_model(cfg, "cpu", backend)
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "onednn")
+    packed = load_model(cfg, "cpu", backend)
+    plain_linears = [m for m in plain.modules() if isinstance(m, Linear)]
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert all(m.weight is not None and m.packed is None for m in plain_linears)
+    assert linears and all(m.weight is None and m.packed is not None for m in linears)
+    tied = arch == "qwen2"
+    assert (packed.lm_head is None) == tied and (packed.tied_packed is not None) == tied
+    assert packed.embed_tokens.weight is not None  # the lookup's table stays
+    assert weight_bytes(packed) == weight_bytes(plain)  # the same bytes a step reads
+
+    n = 40
+    shape = (4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(shape, dtype=torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        decode_only=False,
+    )
+    ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a = plain.compute_logits(plain(ids, torch.arange(n), kv.clone(), meta)).float()
+        b = packed.compute_logits(packed(ids, torch.arange(n), kv.clone(), meta)).float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()
