@@ -99,7 +99,6 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     ``_SMALL_M`` rows, K % 32 == 0, N % 16 == 0), else ``None`` (the caller uses F.linear).
     torch's bf16 matmul reads a 32000 x 256 LM head at ~10 GB/s for one row; this streams it
     at several times that."""
-    global _bf16_gemm
     if (
         x.dtype != torch.bfloat16
         or weight.dtype != torch.bfloat16
@@ -110,14 +109,21 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         or weight.shape[0] % 16
     ):
         return None
+    ext = _bf16_ext()
+    if ext is None:
+        return None
+    return ext.linear_bf16(x.contiguous(), weight.contiguous())
+
+
+def _bf16_ext():
+    """The extension when it was built with AVX512-BF16 (its bf16 kernels), else ``None``."""
+    global _bf16_gemm
     ext = _load()
     if ext is None:
         return None
     if _bf16_gemm is None:
         _bf16_gemm = bool(ext.bf16_gemm_supported())
-    if not _bf16_gemm:
-        return None
-    return ext.linear_bf16(x.contiguous(), weight.contiguous())
+    return ext if _bf16_gemm else None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -127,6 +133,25 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if ext is None or logits.device.type != "cpu" or logits.dim() != 2:
         return logits.float().argmax(dim=-1)
     return ext.argmax_rows(logits.contiguous())
+
+
+def attend_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
+) -> torch.Tensor:
+    """One sequence's causal prefill chunk (``reference._attend``'s contract: q ``[Tq, Hq, D]``,
+    k / v ``[Tk, Hkv, D]``, row i sees keys ``<= offset + i``): the AVX512-BF16 kernel for bf16
+    with a head size that is a multiple of 32 (at most 256), else torch's SDPA."""
+    ext = _bf16_ext()
+    if (
+        ext is None
+        or q.dtype != torch.bfloat16
+        or k.dtype != torch.bfloat16
+        or q.device.type != "cpu"
+        or q.shape[-1] % 32
+        or q.shape[-1] > 256
+    ):
+        return reference._attend(q, k, v, scale, offset)
+    return ext.prefill_bf16(q.contiguous(), k.contiguous(), v.contiguous(), int(offset), scale)
 
 
 def paged_attention(
@@ -140,7 +165,8 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Prefill chunks through the reference; single-token rows through the C++ decode kernel."""
+    """Prefill chunks through the reference's loop with the bf16 prefill kernel
+    (``attend_prefill``); single-token rows through the C++ decode kernel."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     if bool((q_lens == 1).all()):
         return paged_decode_attention(
@@ -149,7 +175,16 @@ def paged_attention(
     decode = torch.nonzero(q_lens == 1).flatten()
     if decode.numel() == 0:
         return reference.paged_attention(
-            query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+            query,
+            kv_cache,
+            layer,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            k_scale,
+            v_scale,
+            attend=attend_prefill,
         )
     multi = torch.nonzero(q_lens != 1).flatten()
     out = torch.empty_like(query)
@@ -179,5 +214,6 @@ def paged_attention(
         scale,
         k_scale,
         v_scale,
+        attend=attend_prefill,
     )
     return out

@@ -113,14 +113,18 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    attend=None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's query chunk over its whole paged context.
 
     The query rows of sequence ``s`` are its last ``q_len`` positions
     (``seq_lens[s] - q_len .. seq_lens[s] - 1``); row ``i`` attends to context positions
     ``<= seq_lens[s] - q_len + i``. Covers prefill, chunked prefill and prefix-cache hits
-    (context written in earlier steps) and decode (``q_len == 1``).
+    (context written in earlier steps) and decode (``q_len == 1``). ``attend`` (default
+    ``_attend``, torch's SDPA) runs one sequence's chunk over its gathered K/V (a backend may
+    pass a faster kernel with the same contract).
     """
+    attend = attend or _attend
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -138,7 +142,7 @@ def paged_attention(
         k, v = gather_kv(
             kv_cache, layer, block_tables[s, :n_blocks], ctx, query.dtype, k_scale, v_scale
         )
-        out[q0:q1] = _attend(query[q0:q1], k, v, scale, ctx - q_len)
+        out[q0:q1] = attend(query[q0:q1], k, v, scale, ctx - q_len)
     if decode_rows:
         rows = torch.tensor(decode_rows, device=query.device)
         idx = query_start_loc[rows].long()

@@ -334,6 +334,144 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
 #endif
 }
 
+// Causal attention of one sequence's prefill chunk, bf16, on AVX512-BF16 dot products.
+// q [Tq, Hq, D], k / v [Tk, Hkv, D] (the sequence's whole context, contiguous), query row i
+// sees keys <= offset + i. K is repacked per KV head into 16-key x 2-dim pairs (one vdpbf16ps
+// gives 16 keys' partial scores), V into 2-key x 16-dim pairs (one gives 16 output dims over 2
+// keys); scores and the online softmax in fp32, P rounded to bf16 for P @ V (as torch's flash
+// SDPA does for bf16), one bf16 rounding of the output. Rows in tiles of 8 that share every K/V
+// load; keys in chunks of 64, one running-max update per chunk; chunks past a tile's last
+// visible key are skipped. D a multiple of 32, at most 256.
+static constexpr int PF_ROWS = 8, PF_KEYS = 64, PF_MAXD = 256;
+
+at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        int64_t offset, double scale) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [Tq,Hq,D], k/v [Tk,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "prefill_bf16 takes bf16 tensors");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
+  const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2), Tk = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(k.size(2) == D && D % 32 == 0 && D <= PF_MAXD, "head size a multiple of 32, <= 256");
+  TORCH_CHECK(Hq % Hkv == 0 && offset >= 0 && offset + Tq <= Tk, "bad heads or offset");
+  const int64_t G = Hq / Hkv, P2 = D / 2, C16 = D / 16;
+  const int64_t nch = (Tk + PF_KEYS - 1) / PF_KEYS, Tp = nch * PF_KEYS;
+  // kp[h][key block of 16][pair][16 keys] and vp[h][key pair][16-dim chunk][16 dims], uint32
+  // (two bf16) each, zero-padded to whole chunks.
+  std::vector<uint32_t> kp(Hkv * Tp * P2), vp(Hkv * (Tp / 2) * C16 * 16);
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      uint32_t* kh = kp.data() + h * Tp * P2;
+      uint32_t* vh = vp.data() + h * (Tp / 2) * C16 * 16;
+      for (int64_t t = 0; t < Tp; ++t) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(kb + (t * Hkv + h) * D);
+        uint32_t* dst = kh + (t / 16) * P2 * 16 + (t % 16);
+        for (int64_t p = 0; p < P2; ++p) dst[p * 16] = t < Tk ? row[p] : 0u;
+      }
+      for (int64_t t2 = 0; t2 < Tp / 2; ++t2) {
+        const int64_t a = 2 * t2, b = 2 * t2 + 1;
+        const uint16_t* ra = vb + (a * Hkv + h) * D;
+        const uint16_t* rb = vb + (b * Hkv + h) * D;
+        uint32_t* dst = vh + t2 * C16 * 16;
+        for (int64_t d = 0; d < D; ++d)
+          dst[d] = (a < Tk ? uint32_t(ra[d]) : 0u) | (b < Tk ? uint32_t(rb[d]) << 16 : 0u);
+      }
+    }
+  });
+  auto out = at::empty_like(q);
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t ntiles = (Tq + PF_ROWS - 1) / PF_ROWS;
+  const float sc = float(scale);
+  at::parallel_for(0, Hq * ntiles, 1, [&](int64_t w0, int64_t w1) {
+    alignas(64) uint32_t pb[PF_ROWS][PF_KEYS / 2];
+    __m512 acc[PF_ROWS][PF_MAXD / 16];
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t hq = w / ntiles, r0 = (w % ntiles) * PF_ROWS;
+      const int64_t h = hq / G, nr = std::min<int64_t>(PF_ROWS, Tq - r0);
+      const uint32_t* kh = kp.data() + h * Tp * P2;
+      const uint32_t* vh = vp.data() + h * (Tp / 2) * C16 * 16;
+      const uint32_t* qr[PF_ROWS];
+      float m[PF_ROWS];
+      __m512 l[PF_ROWS];
+      for (int i = 0; i < PF_ROWS; ++i) {
+        qr[i] = reinterpret_cast<const uint32_t*>(qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D);
+        m[i] = -INFINITY;
+        l[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_setzero_ps();
+      }
+      const int64_t last = offset + r0 + nr - 1;  // the tile's last visible key
+      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
+        const int64_t j0 = ch * PF_KEYS;
+        const bool edge = j0 + PF_KEYS - 1 > offset + r0;  // some key of it hidden from row 0
+        for (int i = 0; i < nr; ++i) {
+          __m512 s[4];
+          for (int b = 0; b < 4; ++b) s[b] = _mm512_setzero_ps();
+          const uint32_t* kc = kh + (j0 / 16) * P2 * 16;
+          for (int64_t p = 0; p < P2; ++p) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qr[i][p]));
+            for (int b = 0; b < 4; ++b)
+              s[b] = _mm512_dpbf16_ps(s[b], qv,
+                                      (__m512bh)_mm512_loadu_si512(kc + (b * P2 + p) * 16));
+          }
+          const int64_t lim = offset + r0 + i;  // keys <= lim are visible
+          __m512 mx = _mm512_set1_ps(-INFINITY);
+          __mmask16 vis[4];
+          for (int b = 0; b < 4; ++b) {
+            s[b] = _mm512_mul_ps(s[b], _mm512_set1_ps(sc));
+            vis[b] = edge ? _mm512_cmple_epi32_mask(
+                                _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
+                                _mm512_set1_epi32(int(lim)))
+                          : __mmask16(0xFFFF);
+            mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
+          }
+          const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
+          const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
+          m[i] = mnew;
+          const __m512 mv = _mm512_set1_ps(mnew);
+          __m512 psum = _mm512_setzero_ps();
+          __m512 pr[4];
+          for (int b = 0; b < 4; ++b) {
+            pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
+            psum = _mm512_add_ps(psum, pr[b]);
+          }
+          const __m512 av = _mm512_set1_ps(alpha);
+          l[i] = _mm512_fmadd_ps(l[i], av, psum);
+          for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], av);
+          // P as bf16 pairs: lane j of cvtne2ps(b, a) is a[j] for j < 16, b[j - 16] above
+          _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+          _mm512_store_si512(pb[i] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+        }
+        const uint32_t* vc = vh + (j0 / 2) * C16 * 16;
+        for (int64_t t2 = 0; t2 < PF_KEYS / 2; ++t2) {
+          if (j0 + 2 * t2 > last) break;
+          const uint32_t* vrow = vc + t2 * C16 * 16;
+          for (int64_t c = 0; c < C16; ++c) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512(vrow + c * 16);
+            for (int i = 0; i < nr; ++i)
+              acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_set1_epi32(int(pb[i][t2])), vv);
+          }
+        }
+      }
+      for (int i = 0; i < nr; ++i) {
+        const float inv = 1.f / _mm512_reduce_add_ps(l[i]);
+        uint16_t* orow = ob + ((r0 + i) * Hq + hq) * D;
+        for (int64_t c = 0; c < C16; ++c) {
+          const __m256bh o16 = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16), (__m256i)o16);
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "prefill_bf16 needs AVX512-BF16");
+#endif
+}
+
 // Row-wise argmax (first index of the maximum, as torch.argmax), for greedy sampling straight
 // from the model-dtype logits. x: [N, V] contiguous -> [N] int64.
 template <typename T>
@@ -394,5 +532,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
+  m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
 }

@@ -144,3 +144,51 @@ def test_small_linear_declines_what_it_does_not_cover():
     )  # too many rows
     assert cpu_paged.small_linear(x[:, :250], torch.randn(32, 250).bfloat16()) is None  # K % 32
     assert cpu_paged.small_linear(x, torch.randn(40, 256).bfloat16()) is None  # N % 16
+
+
+@pytest.mark.parametrize(
+    "tq,offset,hq,hkv,d",
+    [
+        (256, 0, 8, 4, 32),  # a whole 256-token prompt, the small model's heads
+        (1088, 0, 8, 4, 32),
+        (100, 37, 8, 4, 32),  # a chunk after cached context: keys not a multiple of 64
+        (300, 700, 16, 8, 64),
+        (13, 0, 4, 4, 128),  # fewer rows than a tile, no GQA
+        (1, 50, 8, 2, 32),  # one row
+        (70, 0, 12, 2, 256),
+    ],
+)
+def test_prefill_kernel_matches_fp32_attention_within_bf16_rounding(tq, offset, hq, hkv, d):
+    """The AVX512-BF16 prefill kernel: scores and softmax in fp32, P in bf16 for P @ V, as
+    torch's flash SDPA does in bf16, so its error against fp32 attention is SDPA's."""
+    ext = cpu_paged._bf16_ext()
+    if ext is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = torch.Generator().manual_seed(tq * 7 + offset)
+    tk = tq + offset
+    q = torch.randn(tq, hq, d, generator=g).bfloat16()
+    k = torch.randn(tk, hkv, d, generator=g).bfloat16()
+    v = torch.randn(tk, hkv, d, generator=g).bfloat16()
+    scale = d**-0.5
+    exact = reference._attend(q.float(), k.float(), v.float(), scale, offset)
+    sdpa = reference._attend(q, k, v, scale, offset).float()
+    got = cpu_paged.attend_prefill(q, k, v, scale, offset)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    err, sdpa_err = (got.float() - exact).abs().max(), (sdpa - exact).abs().max()
+    assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
+    # a visible key changes the row and a hidden one does not: move the first hidden key
+    k2 = k.clone()
+    if tq > 1:
+        k2[offset + 1] += 5  # hidden from row 0 only
+        again = cpu_paged.attend_prefill(q, k2, v, scale, offset)
+        assert torch.equal(again[0], got[0]) and not torch.equal(again[1:], got[1:])
+
+
+def test_prefill_kernel_declines_what_it_does_not_cover():
+    q, k = torch.randn(8, 4, 48), torch.randn(8, 4, 48)
+    ref = reference._attend(q, k, k, 0.1, 0)
+    assert torch.equal(cpu_paged.attend_prefill(q, k, k, 0.1, 0), ref)  # fp32: SDPA
+    qb, kb = q.bfloat16(), k.bfloat16()  # head size 48: not a multiple of 32
+    assert torch.equal(
+        cpu_paged.attend_prefill(qb, kb, kb, 0.1, 0), reference._attend(qb, kb, kb, 0.1, 0)
+    )
