@@ -4,8 +4,9 @@ bandwidth.
 
 Paths: ``plain`` (``F.linear`` on the plain weight), ``small`` (the C++ AVX512-BF16 small-batch
 kernel for steps of at most 16 rows, ``F.linear`` above: the default before prepacking),
-``onednn`` (weights reordered once at load, ``kernels/cpu_linear.py``: the default on a CPU with
-AVX512-BF16 or AMX). Each measurement builds a fresh engine, admits ``B`` prompts of
+``onednn`` (weights reordered once at load, ``kernels/cpu_linear.py``), each with torch's
+element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE and SiLU x mul:
+the default on a CPU with AVX512-BF16). Each measurement builds a fresh engine, admits ``B`` prompts of
 ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps`` engine steps
 (one token per sequence each).
 
@@ -54,19 +55,26 @@ def time_decode_steps(
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-PATHS = ("plain", "small", "onednn")
+PATHS = ("plain", "small", "onednn", "fused")
+FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 
 
 def step_ms(model: str, batch: int, prompt_len: int, steps: int, path: str) -> tuple[float, int]:
     """(ms per decode step, weight bytes a step reads) for linear path ``path``."""
     default = cpu_paged._SMALL_M
     cpu_paged._SMALL_M = 0 if path == "plain" else default
-    os.environ[cpu_linear.PATH_ENV] = "onednn" if path == "onednn" else "torch"
+    os.environ[cpu_linear.PATH_ENV] = "onednn" if path in ("onednn", "fused") else "torch"
+    ops = {name: getattr(cpu_paged, name) for name in FUSED}
+    if path != "fused":
+        for name in FUSED:
+            setattr(cpu_paged, name, None)
     try:
         engine = LLM(model, kv_cache_memory="512MiB").engine
         ms = time_decode_steps(engine, batch, prompt_len, steps)
         return ms, weight_bytes(engine.runner.model)
     finally:
+        for name, op in ops.items():
+            setattr(cpu_paged, name, op)
         cpu_paged._SMALL_M = default
         os.environ.pop(cpu_linear.PATH_ENV, None)
 

@@ -126,6 +126,52 @@ def _bf16_ext():
     return ext if _bf16_gemm else None
 
 
+# ---- the element-wise parts of a bf16 layer, fused (each returns None where it does not apply)
+
+
+def _fusable(x: torch.Tensor, multiple: int) -> object:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % multiple:
+        return None
+    return _bf16_ext()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(RMSNorm(x + residual), x + residual)`` for a bf16 ``[T, H]`` ``x`` in one pass (the
+    sum rounded to bf16 first, as ``x + residual`` would be), else ``None``."""
+    ext = _fusable(x, 16)
+    if ext is None or x.dim() != 2 or weight.dtype != torch.bfloat16:
+        return None
+    r = None if residual is None else residual.contiguous()
+    out, total = ext.rms_norm_bf16(x.contiguous(), r, weight, float(eps))
+    return out, total
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rotate-half RoPE of bf16 ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` from fp32 tables, else
+    ``None``."""
+    ext = _fusable(q, 32)
+    if ext is None or k.dtype != torch.bfloat16 or cos.dtype != torch.float32:
+        return None
+    qo, ko = ext.rope_bf16(q, k, cos, sin, positions.long().contiguous())
+    return qo, ko
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` for a bf16 ``[T, 2I]`` (gate columns first), else ``None``."""
+    ext = _fusable(gate_up, 32)
+    if ext is None or gate_up.dim() != 2:
+        return None
+    return ext.silu_mul_bf16(gate_up.contiguous())
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` for a CPU ``[N, V]`` tensor without an fp32 copy (bf16 argmax in
     torch is ~4x slower than upcast + argmax; this reads the bf16 values in place)."""
@@ -174,7 +220,8 @@ def paged_attention(
         )
     decode = torch.nonzero(q_lens == 1).flatten()
     if decode.numel() == 0:
-        return reference.paged_attention(
+        return reference.paged_attention_with(
+            attend_prefill,
             query,
             kv_cache,
             layer,
@@ -184,7 +231,6 @@ def paged_attention(
             scale,
             k_scale,
             v_scale,
-            attend=attend_prefill,
         )
     multi = torch.nonzero(q_lens != 1).flatten()
     out = torch.empty_like(query)
@@ -204,7 +250,8 @@ def paged_attention(
     idx = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(starts.tolist(), ends.tolist())])
     qsl = torch.zeros(multi.numel() + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(ends - starts, 0)
-    out[idx] = reference.paged_attention(
+    out[idx] = reference.paged_attention_with(
+        attend_prefill,
         query[idx],
         kv_cache,
         layer,
@@ -214,6 +261,5 @@ def paged_attention(
         scale,
         k_scale,
         v_scale,
-        attend=attend_prefill,
     )
     return out

@@ -113,18 +113,42 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    attend=None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's query chunk over its whole paged context.
 
     The query rows of sequence ``s`` are its last ``q_len`` positions
     (``seq_lens[s] - q_len .. seq_lens[s] - 1``); row ``i`` attends to context positions
     ``<= seq_lens[s] - q_len + i``. Covers prefill, chunked prefill and prefix-cache hits
-    (context written in earlier steps) and decode (``q_len == 1``). ``attend`` (default
-    ``_attend``, torch's SDPA) runs one sequence's chunk over its gathered K/V (a backend may
-    pass a faster kernel with the same contract).
+    (context written in earlier steps) and decode (``q_len == 1``).
     """
-    attend = attend or _attend
+    return paged_attention_with(
+        _attend,
+        query,
+        kv_cache,
+        layer,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        k_scale,
+        v_scale,
+    )
+
+
+def paged_attention_with(
+    attend,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` with ``attend`` (``_attend``'s contract) running each sequence's
+    chunk over its gathered K/V: a backend's faster prefill kernel."""
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     qsl = query_start_loc.tolist()

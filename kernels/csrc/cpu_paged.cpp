@@ -472,6 +472,161 @@ at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tens
 #endif
 }
 
+// Element-wise parts of a bf16 layer, each one pass instead of torch's 3-10 ops (the decode
+// step of a small batch is mostly their dispatch). Every intermediate is rounded to bf16 where
+// the Hugging Face reference's bf16 ops round it, so results match torch's but for the order
+// of fp32 sums and the exp polynomial.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static inline __m512 ld_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+static inline __m512 rnd_bf16(__m512 x) {  // x rounded to bf16 precision, back in fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+static inline void st_bf16(uint16_t* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, to_bf16(x)); }
+static const uint16_t* u16(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+static uint16_t* u16m(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+#endif
+
+// RMSNorm of x [T, H] (after x += residual, rounded to bf16, when residual is given):
+// w * bf16(x * rsqrt(mean(x^2) + eps)). Returns (normed, the sum) (the sum is x itself
+// without a residual). H a multiple of 16.
+std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                      const at::Tensor& w, double eps) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x [T,H] bf16");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(H % 16 == 0 && w.numel() == H && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "w [H] bf16, H % 16 == 0");
+  const bool add = residual.has_value();
+  if (add)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kBFloat16 &&
+                    residual->is_contiguous(), "residual like x");
+  auto out = at::empty_like(x);
+  auto sum = add ? at::empty_like(x) : x;
+  const uint16_t* xp = u16(x);
+  const uint16_t* rp = add ? u16(*residual) : nullptr;
+  const uint16_t* wp = u16(w);
+  uint16_t* op = u16m(out);
+  uint16_t* sp = add ? u16m(sum) : nullptr;
+  const float fe = float(eps), invh = 1.f / float(H);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* xr = xp + t * H;
+      uint16_t* orow = op + t * H;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        __m512 v = ld_bf16(xr + i);
+        if (add) {
+          v = rnd_bf16(_mm512_add_ps(v, ld_bf16(rp + t * H + i)));
+          st_bf16(sp + t * H + i, v);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) * invh + fe);
+      const __m512 iv = _mm512_set1_ps(inv);
+      const uint16_t* src = add ? sp + t * H : xr;
+      for (int64_t i = 0; i < H; i += 16)
+        st_bf16(orow + i, _mm512_mul_ps(ld_bf16(wp + i), rnd_bf16(_mm512_mul_ps(ld_bf16(src + i), iv))));
+    }
+  });
+  return {out, sum};
+#else
+  TORCH_CHECK(false, "rms_norm_bf16 needs AVX512-BF16");
+#endif
+}
+
+// Rotate-half RoPE of q [T, Hq, D] and k [T, Hkv, D] at positions [T] with fp32 cos / sin
+// tables [P, D] (cast to bf16 first, as the reference does): x * c + rotate_half(x) * s, each
+// product and the sum rounded to bf16. Returns new (q, k). D a multiple of 32.
+std::vector<at::Tensor> rope_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                  const at::Tensor& sin, const at::Tensor& positions) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "q [T,Hq,D], k [T,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16, "bf16 q, k");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
+              "fp32 cos/sin [P, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "int64 positions");
+  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2), half = D / 2;
+  TORCH_CHECK(D % 32 == 0, "head size a multiple of 32");
+  auto qc = q.contiguous(), kc = k.contiguous();
+  auto qo = at::empty_like(qc), ko = at::empty_like(kc);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  const uint16_t* qi = u16(qc);
+  const uint16_t* ki = u16(kc);
+  uint16_t* qw = u16m(qo);
+  uint16_t* kw = u16m(ko);
+  const int64_t P = cos.size(0);
+  const __m512 neg = _mm512_set1_ps(-1.f);
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = pos[t];
+      TORCH_CHECK(p >= 0 && p < P, "position out of the rotary table");
+      for (int which = 0; which < 2; ++which) {
+        const int64_t H = which ? Hk : Hq;
+        const uint16_t* src = (which ? ki : qi) + t * H * D;
+        uint16_t* dst = (which ? kw : qw) + t * H * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const uint16_t* x = src + h * D;
+          uint16_t* y = dst + h * D;
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 lo = ld_bf16(x + i), hi = ld_bf16(x + half + i);
+            const __m512 c0 = rnd_bf16(_mm512_loadu_ps(cp + p * D + i));
+            const __m512 c1 = rnd_bf16(_mm512_loadu_ps(cp + p * D + half + i));
+            const __m512 s0 = rnd_bf16(_mm512_loadu_ps(snp + p * D + i));
+            const __m512 s1 = rnd_bf16(_mm512_loadu_ps(snp + p * D + half + i));
+            // first half: x*c - x_hi*s; second half: x_hi*c + x_lo*s
+            const __m512 a0 = rnd_bf16(_mm512_mul_ps(lo, c0));
+            const __m512 b0 = rnd_bf16(_mm512_mul_ps(_mm512_mul_ps(hi, neg), s0));
+            const __m512 a1 = rnd_bf16(_mm512_mul_ps(hi, c1));
+            const __m512 b1 = rnd_bf16(_mm512_mul_ps(lo, s1));
+            st_bf16(y + i, _mm512_add_ps(a0, b0));
+            st_bf16(y + half + i, _mm512_add_ps(a1, b1));
+          }
+        }
+      }
+    }
+  });
+  return {qo, ko};
+#else
+  TORCH_CHECK(false, "rope_bf16 needs AVX512-BF16");
+#endif
+}
+
+// silu(gate) * up for gu [T, 2I] (gate columns first, as gate_up_proj lays them out):
+// bf16(bf16(silu(g)) * u). I a multiple of 16.
+at::Tensor silu_mul_bf16(const at::Tensor& gu) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kBFloat16 && gu.is_contiguous() &&
+                  gu.size(1) % 32 == 0, "gu [T, 2I] bf16, I % 16 == 0");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto out = at::empty({T, I}, gu.options());
+  const uint16_t* g = u16(gu);
+  uint16_t* o = u16m(out);
+  const __m512 one = _mm512_set1_ps(1.f);
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 x = ld_bf16(g + t * 2 * I + i), u = ld_bf16(g + t * 2 * I + I + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 sl = rnd_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+        st_bf16(o + t * I + i, _mm512_mul_ps(sl, u));
+      }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "silu_mul_bf16 needs AVX512-BF16");
+#endif
+}
+
 // Row-wise argmax (first index of the maximum, as torch.argmax), for greedy sampling straight
 // from the model-dtype logits. x: [N, V] contiguous -> [N] int64.
 template <typename T>
@@ -533,5 +688,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
   m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (after a residual add), bf16 (AVX512-BF16)");
+  m.def("rope_bf16", &rope_bf16, "rotate-half RoPE of q and k, bf16 (AVX512-BF16)");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, bf16 (AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
 }

@@ -51,12 +51,32 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    fused: object = None  # the backend's rms_norm (bf16, one pass), set by the model
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
+        if self.fused is not None:
+            y = self.fused(x, self.weight, self.eps)
+            if y is not None:
+                return y[0]
+        return self._norm(x)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``."""
+        if self.fused is not None:
+            y = self.fused(x, self.weight, self.eps, residual)
+            if y is not None:
+                return y
+        total = x + residual
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -88,6 +108,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class Rotary(nn.Module):
+    fused: object = None  # the backend's rope (bf16, one pass), set by the model
+
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         inv = rope_inv_freq(head_dim, theta, scaling)
@@ -98,6 +120,10 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        if self.fused is not None:
+            y = self.fused(q, k, self.cos, self.sin, positions)
+            if y is not None:
+                return y
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -176,6 +202,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused: object = None  # the backend's silu_mul (bf16, one pass), set by the model
+
     def __init__(self, hidden: int, inter: int, shard: Shard = WHOLE) -> None:
         super().__init__()
         self.shard = shard
@@ -184,8 +212,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, hidden, bias=False)  # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))
+        gu = self.gate_up_proj(x)
+        h = self.fused(gu) if self.fused is not None else None
+        if h is None:
+            gate, up = gu.split(self.inter, dim=-1)
+            h = F.silu(gate) * up
+        return self.shard.all_reduce(self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -207,8 +239,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, int(hf["intermediate_size"]), shard)
 
     def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(
+            self.self_attn(positions, self.input_layernorm(x), kv_cache, meta), x
+        )
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -254,9 +288,16 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.tied_packed: torch.Tensor | None = None  # a packed copy of a tied LM head
         self.small_linear = getattr(backend, "small_linear", None)
+        fused = {
+            RMSNorm: getattr(backend, "rms_norm", None),
+            Rotary: getattr(backend, "rope", None),
+            MLP: getattr(backend, "silu_mul", None),
+        }
         for m in self.modules():
             if isinstance(m, Linear):
                 m.small = self.small_linear
+            elif type(m) in fused:
+                m.fused = fused[type(m)]
 
     def forward(
         self,

@@ -192,3 +192,82 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
     assert torch.equal(
         cpu_paged.attend_prefill(qb, kb, kb, 0.1, 0), reference._attend(qb, kb, kb, 0.1, 0)
     )
+
+
+# ---- the fused element-wise ops against the torch ops they replace (bf16) ------------------
+
+
+def _needs_bf16_ext():
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+
+
+def _bf16_share_equal(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a == b).float().mean())
+
+
+@pytest.mark.parametrize("t,h", [(1, 256), (37, 1024), (5, 896)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_rms_norm_is_the_torch_norm(t, h, residual):
+    """Rounded where the torch ops round; only the fp32 sum's order differs, so at most the
+    rare element one bf16 step apart."""
+    from shared.models.llama import RMSNorm
+
+    _needs_bf16_ext()
+    g = torch.Generator().manual_seed(t * h)
+    x = (torch.randn(t, h, generator=g) * 3).bfloat16()
+    r = (torch.randn(t, h, generator=g) * 3).bfloat16() if residual else None
+    norm = RMSNorm(h, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h, generator=g))
+    norm = norm.bfloat16()
+    total = x + r if residual else x
+    want = norm._norm(total)
+    got, got_total = cpu_paged.rms_norm(x, norm.weight, 1e-5, r)
+    assert torch.equal(got_total, total)
+    assert _bf16_share_equal(got, want) >= 0.99
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 8, 4, 32), (50, 14, 2, 64), (3, 32, 8, 128)])
+def test_fused_rope_is_the_torch_rope(t, hq, hkv, d):
+    from shared.models.llama import Rotary
+
+    _needs_bf16_ext()
+    g = torch.Generator().manual_seed(t + d)
+    rot = Rotary(d, 4096, 10000.0, None)
+    q = torch.randn(t, hq, d, generator=g).bfloat16()
+    k = torch.randn(t, hkv, d, generator=g).bfloat16()
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    want_q, want_k = rot(pos, q, k)  # no fused op set: the torch path
+    got_q, got_k = cpu_paged.rope(q, k, rot.cos, rot.sin, pos)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    # views, as the model hands them (split of the fused qkv projection)
+    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1)], 1)
+    qv, kv = qkv.split([hq * d, hkv * d], 1)
+    got_q2, got_k2 = cpu_paged.rope(qv.view(t, hq, d), kv.view(t, hkv, d), rot.cos, rot.sin, pos)
+    assert torch.equal(got_q2, want_q) and torch.equal(got_k2, want_k)
+
+
+@pytest.mark.parametrize("t,i", [(1, 688), (64, 2816), (3, 4864)])
+def test_fused_silu_mul_is_the_torch_ops(t, i):
+    _needs_bf16_ext()
+    g = torch.Generator().manual_seed(t * i)
+    gu = (torch.randn(t, 2 * i, generator=g) * 4).bfloat16()
+    gate, up = gu.split(i, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = cpu_paged.silu_mul(gu)
+    assert got.shape == want.shape
+    # torch's bf16 silu is not always correctly rounded (silu(5.9375) = 5.92189, above the
+    # midpoint 5.921875 of bf16's 5.90625 and 5.9375, gives 5.90625): one step of silu, so at
+    # most two of the product
+    assert _bf16_share_equal(got, want) >= 0.99
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-6 + 1e-6).all()
+
+
+def test_fused_ops_decline_fp32():
+    x = torch.randn(4, 256)
+    assert cpu_paged.rms_norm(x, torch.ones(256), 1e-6) is None
+    assert cpu_paged.silu_mul(torch.randn(4, 64)) is None
+    q = torch.randn(2, 4, 32)
+    assert cpu_paged.rope(q, q, torch.ones(8, 32), torch.ones(8, 32), torch.arange(2)) is None
