@@ -51,7 +51,9 @@ def nixl_rounds(n: int, rounds: int) -> list[float]:
         dt = time.perf_counter() - t0
         a.release_xfer_handle(h)
         if state != "DONE" or not np.array_equal(src, dst):
-            raise RuntimeError(f"NIXL transfer ended {state}, bytes equal: {np.array_equal(src, dst)}")
+            raise RuntimeError(
+                f"NIXL transfer ended {state}, bytes equal: {np.array_equal(src, dst)}"
+            )
         out.append(n / dt / 1e9)
     return out
 

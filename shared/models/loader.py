@@ -128,7 +128,7 @@ def load_model(
             weight_bytes(model) / (1 << 20),
         )
     missing = []
-    for name, _param in params.items():
+    for name in params:
         parts = (
             3
             if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias")
@@ -142,6 +142,7 @@ def load_model(
             + (" ..." if len(missing) > 5 else "")
         )
     model.eval()
+    del params  # the packed weights replace the plain ones: hold no reference to them
     _prepack(model, dtype, device)
     return model
 

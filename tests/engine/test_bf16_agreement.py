@@ -18,7 +18,7 @@ from tests.engine.helpers import teacher_forced_argmax
 # Measured 2026-12-02 on the random-weight small model (docs/benchmarks.md, "Linear layers"):
 # floors sit ~6 points under. transformers' own row: its one-prefill argmax against its own
 # token-by-token generate, i.e. how much bf16 rounding alone makes.
-FLOOR = {"transformers": 0.93, "onednn": 0.93, "torch": 0.93}  # measured 0.987, 0.971, 0.971
+FLOOR = {"transformers": 0.93, "onednn": 0.93, "torch": 0.93}  # measured 0.987, 0.977, 0.977
 
 
 @pytest.mark.integration
