@@ -14,23 +14,19 @@ The plan is made at start-up from what the CPU has (``CpuFeatures.detect``): bf1
 CPU with AMX-BF16 or AVX512-BF16 take oneDNN's packed path; anything else (fp32, which must stay
 token-exact with ``transformers``, CPUs without bf16 dot products, where oneDNN would emulate
 them, CUDA) keeps ``F.linear``. ``PDSERVE_CPU_LINEAR=onednn|torch`` overrides the choice (for
-benchmarks and for ruling the packed path out). The projections of a decode step with at most
-``small_rows`` rows still go to the C++ AVX512-BF16 kernel (``cpu_paged.small_linear``) where
-it reads the plain weight faster than the primitive; with packed weights that kernel is not
-used (it needs the plain layout).
+benchmarks and for ruling the packed path out). Unpacked bf16 weights are first offered to the
+C++ small-batch kernel (``cpu_paged.small_linear``); packed ones are not: it reads only the plain
+layout, and keeping both copies would double the weights' memory for a few per cent at batch 1.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 PATH_ENV = "PDSERVE_CPU_LINEAR"
 PATHS = ("auto", "onednn", "torch")
@@ -111,8 +107,8 @@ def plan_for(
         return LinearPlan("torch", f"{PATH_ENV}=torch")
     if dtype not in (torch.bfloat16,):
         return LinearPlan("torch", f"{str(dtype).removeprefix('torch.')} weights (MKL sgemm)")
-    if not torch.backends.mkldnn.is_available():
-        return LinearPlan("torch", "torch built without oneDNN")
+    if not onednn_bf16():
+        return LinearPlan("torch", "oneDNN has no bf16 on this CPU or torch build")
     f = features or CpuFeatures.detect()
     if requested == "onednn":
         return LinearPlan("onednn", f"{PATH_ENV}=onednn on {f.describe()}")
@@ -121,6 +117,14 @@ def plan_for(
     if f.avx512_bf16:
         return LinearPlan("onednn", f"oneDNN AVX512-BF16, prepacked ({f.describe()})")
     return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
+
+
+def onednn_bf16() -> bool:
+    """Whether this torch build and CPU run oneDNN's bf16 primitives at all (AVX512 at least;
+    native bf16 dot products are what the ``auto`` plan asks for)."""
+    return bool(
+        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

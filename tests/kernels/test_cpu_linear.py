@@ -28,6 +28,7 @@ HASWELL = CpuFeatures("Core", amx_bf16=False, avx512_bf16=False, avx512=False, a
 )
 def test_the_plan_follows_the_cpus_bf16_units(monkeypatch, feats, path, words):
     monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)  # the decision, not this CPU
     plan = plan_for(torch.bfloat16, CPU, features=feats)
     assert plan.path == path and words in plan.reason
     assert plan.packed == (path == "onednn")
@@ -36,6 +37,7 @@ def test_the_plan_follows_the_cpus_bf16_units(monkeypatch, feats, path, words):
 @pytest.mark.unit
 def test_fp32_cuda_and_the_override_keep_f_linear(monkeypatch):
     monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)
     # fp32 stays on MKL's sgemm: the tests pin it token for token to transformers
     assert plan_for(torch.float32, CPU, features=AMX).path == "torch"
     assert plan_for(torch.bfloat16, torch.device("cuda"), features=AMX).path == "torch"
@@ -50,6 +52,14 @@ def test_fp32_cuda_and_the_override_keep_f_linear(monkeypatch):
 
 
 @pytest.mark.unit
+def test_no_onednn_bf16_keeps_f_linear_even_when_forced(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
+    for requested in ("auto", "onednn"):
+        plan = plan_for(torch.bfloat16, CPU, requested, features=AMX)
+        assert plan.path == "torch" and "oneDNN has no bf16" in plan.reason
+
+
+@pytest.mark.unit
 def test_detect_reads_this_cpu():
     f = CpuFeatures.detect()
     assert f.avx512_bf16 == torch.cpu._is_avx512_bf16_supported()
@@ -61,8 +71,8 @@ def test_detect_reads_this_cpu():
 def test_packed_linear_is_the_product_within_bf16_rounding(m, n, k, bias):
     """fp32 accumulation and one bf16 rounding, like torch's bf16 matmul: every output within
     half a bf16 ulp (plus summation-order noise) of the exact product."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+    if not cpu_linear.onednn_bf16():
+        pytest.skip("no oneDNN bf16 on this CPU")
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
@@ -88,8 +98,8 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
     from shared.models.loader import load_model
     from shared.models.quantization import weight_bytes
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
+    if not cpu_linear.onednn_bf16():
+        pytest.skip("no oneDNN bf16 on this CPU")
     cfg = EngineArgs(model=str(make_model("tiny", arch)), dtype="bfloat16").create_model_config()
     backend = get_backend("torch")
     monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
