@@ -99,18 +99,14 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     ``_SMALL_M`` rows, K % 32 == 0, N % 16 == 0), else ``None`` (the caller uses F.linear).
     torch's bf16 matmul reads a 32000 x 256 LM head at ~10 GB/s for one row; this streams it
     at several times that."""
+    ext = _bf16_kernels(x, 32)  # K % 32
     if (
-        x.dtype != torch.bfloat16
+        ext is None
         or weight.dtype != torch.bfloat16
         or x.dim() != 2
         or x.shape[0] > _SMALL_M
-        or x.device.type != "cpu"
-        or x.shape[1] % 32
         or weight.shape[0] % 16
     ):
-        return None
-    ext = _bf16_ext()
-    if ext is None:
         return None
     return ext.linear_bf16(x.contiguous(), weight.contiguous())
 
@@ -126,13 +122,15 @@ def _bf16_ext():
     return ext if _bf16_gemm else None
 
 
-# ---- the element-wise parts of a bf16 layer, fused (each returns None where it does not apply)
-
-
-def _fusable(x: torch.Tensor, multiple: int) -> object:
+def _bf16_kernels(x: torch.Tensor, multiple: int) -> object:
+    """The extension's bf16 kernels for a bf16 CPU tensor whose last dimension is a multiple of
+    ``multiple``, else ``None``: the gate of every bf16 kernel here."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % multiple:
         return None
     return _bf16_ext()
+
+
+# ---- the element-wise parts of a bf16 layer, fused (each returns None where it does not apply)
 
 
 def rms_norm(
@@ -140,7 +138,7 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(RMSNorm(x + residual), x + residual)`` for a bf16 ``[T, H]`` ``x`` in one pass (the
     sum rounded to bf16 first, as ``x + residual`` would be), else ``None``."""
-    ext = _fusable(x, 16)
+    ext = _bf16_kernels(x, 16)
     if ext is None or x.dim() != 2 or weight.dtype != torch.bfloat16:
         return None
     r = None if residual is None else residual.contiguous()
@@ -157,7 +155,7 @@ def rope(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Rotate-half RoPE of bf16 ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` from fp32 tables, else
     ``None``."""
-    ext = _fusable(q, 32)
+    ext = _bf16_kernels(q, 32)
     if ext is None or k.dtype != torch.bfloat16 or cos.dtype != torch.float32:
         return None
     qo, ko = ext.rope_bf16(q, k, cos, sin, positions.long().contiguous())
@@ -166,7 +164,7 @@ def rope(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` for a bf16 ``[T, 2I]`` (gate columns first), else ``None``."""
-    ext = _fusable(gate_up, 32)
+    ext = _bf16_kernels(gate_up, 32)
     if ext is None or gate_up.dim() != 2:
         return None
     return ext.silu_mul_bf16(gate_up.contiguous())
@@ -187,15 +185,8 @@ def attend_prefill(
     """One sequence's causal prefill chunk (``reference._attend``'s contract: q ``[Tq, Hq, D]``,
     k / v ``[Tk, Hkv, D]``, row i sees keys ``<= offset + i``): the AVX512-BF16 kernel for bf16
     with a head size that is a multiple of 32 (at most 256), else torch's SDPA."""
-    ext = _bf16_ext()
-    if (
-        ext is None
-        or q.dtype != torch.bfloat16
-        or k.dtype != torch.bfloat16
-        or q.device.type != "cpu"
-        or q.shape[-1] % 32
-        or q.shape[-1] > 256
-    ):
+    ext = _bf16_kernels(q, 32)
+    if ext is None or k.dtype != torch.bfloat16 or q.shape[-1] > 256:
         return reference._attend(q, k, v, scale, offset)
     return ext.prefill_bf16(q.contiguous(), k.contiguous(), v.contiguous(), int(offset), scale)
 
@@ -211,55 +202,22 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Prefill chunks through the reference's loop with the bf16 prefill kernel
-    (``attend_prefill``); single-token rows through the C++ decode kernel."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if bool((q_lens == 1).all()):
+    """Single-token rows through the C++ decode kernel, prefill chunks through the bf16 prefill
+    kernel (``attend_prefill``), both from the reference's loop over the sequences."""
+    if bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
         return paged_decode_attention(
             query, kv_cache, layer, block_tables, seq_lens, scale, k_scale, v_scale
         )
-    decode = torch.nonzero(q_lens == 1).flatten()
-    if decode.numel() == 0:
-        return reference.paged_attention_with(
-            attend_prefill,
-            query,
-            kv_cache,
-            layer,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            k_scale,
-            v_scale,
-        )
-    multi = torch.nonzero(q_lens != 1).flatten()
-    out = torch.empty_like(query)
-    rows = query_start_loc[decode].long()
-    out[rows] = paged_decode_attention(
-        query[rows],
-        kv_cache,
-        layer,
-        block_tables[decode],
-        seq_lens[decode],
-        scale,
-        k_scale,
-        v_scale,
-    )
-    # Prefill sequences: pack their rows and run the reference on them alone.
-    starts, ends = query_start_loc[multi].long(), query_start_loc[multi + 1].long()
-    idx = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(starts.tolist(), ends.tolist())])
-    qsl = torch.zeros(multi.numel() + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(ends - starts, 0)
-    out[idx] = reference.paged_attention_with(
+    return reference.paged_attention_with(
         attend_prefill,
-        query[idx],
+        paged_decode_attention,
+        query,
         kv_cache,
         layer,
-        block_tables[multi],
-        seq_lens[multi],
-        qsl,
+        block_tables,
+        seq_lens,
+        query_start_loc,
         scale,
         k_scale,
         v_scale,
     )
-    return out

@@ -123,6 +123,7 @@ def paged_attention(
     """
     return paged_attention_with(
         _attend,
+        paged_decode_attention,
         query,
         kv_cache,
         layer,
@@ -137,6 +138,7 @@ def paged_attention(
 
 def paged_attention_with(
     attend,
+    decode_attention,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     layer: int,
@@ -147,8 +149,9 @@ def paged_attention_with(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention`` with ``attend`` (``_attend``'s contract) running each sequence's
-    chunk over its gathered K/V: a backend's faster prefill kernel."""
+    """``paged_attention`` with a backend's kernels: ``attend`` (``_attend``'s contract) runs
+    each sequence's chunk over its gathered K/V, ``decode_attention``
+    (``paged_decode_attention``'s) the single-token rows, all in one call."""
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
@@ -170,7 +173,7 @@ def paged_attention_with(
     if decode_rows:
         rows = torch.tensor(decode_rows, device=query.device)
         idx = query_start_loc[rows].long()
-        out[idx] = paged_decode_attention(
+        out[idx] = decode_attention(
             query[idx], kv_cache, layer, block_tables[rows], seq_lens[rows], scale, k_scale, v_scale
         )
     return out
