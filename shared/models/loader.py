@@ -11,7 +11,7 @@ import torch
 
 from kernels import cpu_linear
 from kernels.quant import QuantFormatError
-from shared.config import ModelConfig, QuantizationConfig
+from shared.config import ConfigError, ModelConfig, QuantizationConfig
 from shared.models.llama import Linear, LlamaForCausalLM, fused_param_name
 from shared.models.quantization import (
     FUSED,
@@ -150,7 +150,10 @@ def load_model(
 def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
     """Reorder the dense projections' weights for the CPU's matrix units when the plan says so
     (``kernels/cpu_linear.py``), and log the path every kind of linear takes."""
-    plan = cpu_linear.plan_for(dtype, torch.device(device))
+    try:
+        plan = cpu_linear.plan_for(dtype, torch.device(device))
+    except ValueError as e:  # PDSERVE_CPU_LINEAR names no path
+        raise ConfigError(str(e)) from e
     packed = model.prepack_linears(plan)
     kinds: Counter[str] = Counter()
     for name, m in model.named_modules():

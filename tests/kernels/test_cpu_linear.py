@@ -131,3 +131,14 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
         b = packed.compute_logits(packed(ids, torch.arange(n), kv.clone(), meta)).float()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
+
+
+def test_a_bad_override_is_a_config_error_naming_it(monkeypatch, make_model):
+    """A worker turns ConfigError into one line on stderr and exit 2; a plain ValueError was a
+    traceback."""
+    from shared.config import ConfigError
+    from shared.engine import LLM
+
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "mkl")
+    with pytest.raises(ConfigError, match="PDSERVE_CPU_LINEAR='mkl': expected one of auto"):
+        LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB")
