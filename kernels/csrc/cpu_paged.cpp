@@ -477,9 +477,8 @@ at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // the Hugging Face reference's bf16 ops round it, so results match torch's but for the order
 // of fp32 sums and the exp polynomial.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static inline __m512 ld_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+static inline __m512 ld_bf16(const uint16_t* p) {  // load16's bf16 widening, on raw bits
+  return load16(reinterpret_cast<const at::BFloat16*>(p));
 }
 static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 static inline __m512 rnd_bf16(__m512 x) {  // x rounded to bf16 precision, back in fp32
