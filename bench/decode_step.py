@@ -6,12 +6,12 @@ Paths: ``plain`` (``F.linear`` on the plain weight), ``small`` (the C++ AVX512-B
 kernel for steps of at most 16 rows, ``F.linear`` above: the default before prepacking),
 ``onednn`` (weights reordered once at load, ``kernels/cpu_linear.py``), each with torch's
 element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE and SiLU x mul:
-the default on a CPU with AVX512-BF16). Each measurement builds a fresh engine, admits ``B`` prompts of
-``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps`` engine steps
-(one token per sequence each).
+the default on a CPU with AVX512-BF16). Each measurement builds a fresh engine, admits ``B``
+prompts of ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps``
+engine steps (one token per sequence each).
 
     python bench/decode_step.py --model DIR [--batches 1,16,64] [--threads 1] [--rounds 2]
-        [--paths plain,small,onednn]
+        [--paths plain,small,onednn,fused]
 """
 
 from __future__ import annotations
