@@ -1,9 +1,8 @@
 """Linear layers on the CPU's matrix units: weights repacked once at load, chosen at run time.
 
 torch's ``F.linear`` in bf16 reorders the plain ``[N, K]`` weight into oneDNN's blocked layout
-on every call; for the few rows of a decode step that reorder is most of the call (the LM head
-of the ``small`` model at batch 1: 0.49 ms plain, 0.22 ms prepacked, one core of an AVX512-BF16
-EPYC). So, as vLLM's CPU backend does with its oneDNN handlers, every bf16 projection's weight
+on every call; for the few rows of a decode step that reorder is most of the call
+(docs/benchmarks.md, "CPU kernels", has the decode-step figures). So, as vLLM's CPU backend does with its oneDNN handlers, every bf16 projection's weight
 is reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``) and each call goes
 straight to the packed primitive (``torch.ops.mkldnn._linear_pointwise``); oneDNN itself picks
 AMX tiles or AVX512-BF16 dot products for the machine. The packed weight replaces the plain one
