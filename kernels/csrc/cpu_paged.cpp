@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <vector>
+#include <cstring>
 
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -62,86 +63,233 @@ static inline __m512 hsum16(const __m512* v) {
   return _mm512_permutexvar_ps(perm, z);
 }
 
-// One (sequence, KV head): online softmax over its blocks, 16 tokens at a time. D a multiple
-// of 16 (<= 256); the G query heads of the group share every K/V row load.
-// V = D / 16 and G are compile-time constants so the accumulators live in registers.
+// Copies a group's K and V rows (whole rows: every KV head) into buf ([2][16][s_tok]) in
+// address order and returns buf, so the kernels read the group from L1 in whatever order they
+// need. Read straight from the cache one head at a time, every 4th line of a block's strip is
+// touched per pass and DRAM serves the strip at about half the rate of an in-order read.
+template <typename KT>
+static inline const KT* stage_group(const KT* rows, int64_t ntok, int64_t s_tok, int64_t s_kv,
+                                    KT* buf) {
+  std::memcpy(buf, rows, ntok * s_tok * sizeof(KT));
+  std::memcpy(buf + 16 * s_tok, rows + s_kv, ntok * s_tok * sizeof(KT));
+  return buf;
+}
+
+// One sequence, KV heads [h0, h0 + nh): online softmax over its blocks, 16 tokens at a time.
+// D a multiple of 16 (<= 256); the G query heads of a group share every K/V row load. Every
+// head of the range is done in one pass over the tokens: a token's K (and V) rows of all
+// heads are adjacent in the cache, so the pass reads each block's K and V strips front to
+// back, which the hardware prefetcher follows (a pass per head reads every Hkv-th line of
+// them and misses on most once the cache is larger than the L2). The arithmetic of each head
+// is the same as with one pass per head. V = D / 16 and G are compile-time constants so the
+// head's query and accumulators live in registers for a group; between groups they sit in
+// qf / acc ([nh][G][D]), m / l ([nh][G]).
 template <typename KT, int V, int G>
-static void decode_one_avx512(const float* qf, const KT* kvp, const int32_t* table, int64_t len,
+static void decode_seq_avx512(const float* qf, const KT* kvp, const int32_t* table, int64_t len,
                               int64_t BS, int64_t s_tok, int64_t s_kv, int64_t s_block,
-                              int64_t layer_off, int64_t h, float vscale, float* acc, float* m,
-                              float* l, float* sbuf) {
+                              int64_t layer_off, int64_t h0, int64_t nh, const float* vscale,
+                              float* acc, float* m, float* l, float* sbuf, KT* stage) {
   constexpr int64_t D = V * 16;
+  const int64_t s_vk = stage ? 16 * s_tok : s_kv;  // V rows' offset from the K rows
   __m512 q[G * V];
   __m512 a[G * V];
   __m512 part[G * 16];  // [g][t]: per-token partial dot products of a 16-token group
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < V; ++v) {
-      q[g * V + v] = _mm512_loadu_ps(qf + g * D + v * 16);
-      a[g * V + v] = _mm512_setzero_ps();
-    }
-  const __m512 vs = _mm512_set1_ps(vscale);
   for (int64_t base = 0; base < len; base += 16) {
     // a group of up to 16 consecutive positions (a group never straddles two blocks: the
     // block size is 8 or a multiple of 16)
     const int64_t blk_idx = base / BS, off = base % BS;
     const int64_t ntok = std::min<int64_t>({16, len - base, BS - off});
-    const KT* kb = kvp + table[blk_idx] * s_block + layer_off + h * D + off * s_tok;
-    const KT* vb = kb + s_kv;
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t < ntok) {
-        const KT* kt = kb + t * s_tok;
-        __m512 kr[V];
-        for (int64_t v = 0; v < V; ++v) kr[v] = load16(kt + v * 16);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 d = _mm512_mul_ps(q[g * V], kr[0]);
-          for (int64_t v = 1; v < V; ++v) d = _mm512_fmadd_ps(q[g * V + v], kr[v], d);
-          part[g * 16 + t] = d;
-        }
-      } else {
-        for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
-      }
-    }
+    const KT* rows = kvp + table[blk_idx] * s_block + layer_off + off * s_tok;
+    if (stage) rows = stage_group(rows, ntok, s_tok, s_kv, stage);
     const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 sc = hsum16(part + g * 16);
-      const float bmax = _mm512_mask_reduce_max_ps(valid, sc);
-      const float mnew = std::max(m[g], bmax);
-      const float corr = std::exp(m[g] - mnew);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
-      _mm512_storeu_ps(sbuf + g * 16, e);
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
-      l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
-      m[g] = mnew;
-    }
-    for (int64_t t = 0; t < ntok; ++t) {
-      const KT* vt = vb + t * s_tok;
-      __m512 vr[V];
-      for (int64_t v = 0; v < V; ++v) vr[v] = _mm512_mul_ps(load16(vt + v * 16), vs);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sbuf[g * 16 + t]);
-        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_fmadd_ps(p, vr[v], a[g * V + v]);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const KT* kb = rows + (h0 + hh) * D;
+      const KT* vb = kb + s_vk;
+      const float* qh = qf + hh * G * D;
+      float* ah = acc + hh * G * D;
+      float* mh = m + hh * G;
+      float* lh = l + hh * G;
+      for (int64_t i = 0; i < G * V; ++i) {
+        q[i] = _mm512_loadu_ps(qh + i * 16);
+        a[i] = _mm512_loadu_ps(ah + i * 16);
       }
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t < ntok) {
+          const KT* kt = kb + t * s_tok;
+          __m512 kr[V];
+          for (int64_t v = 0; v < V; ++v) kr[v] = load16(kt + v * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 d = _mm512_mul_ps(q[g * V], kr[0]);
+            for (int64_t v = 1; v < V; ++v) d = _mm512_fmadd_ps(q[g * V + v], kr[v], d);
+            part[g * 16 + t] = d;
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 sc = hsum16(part + g * 16);
+        const float bmax = _mm512_mask_reduce_max_ps(valid, sc);
+        const float mnew = std::max(mh[g], bmax);
+        const float corr = std::exp(mh[g] - mnew);
+        const __m512 e =
+            _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
+        _mm512_storeu_ps(sbuf + g * 16, e);
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
+        lh[g] = lh[g] * corr + _mm512_reduce_add_ps(e);
+        mh[g] = mnew;
+      }
+      const __m512 vs = _mm512_set1_ps(vscale[hh]);
+      for (int64_t t = 0; t < ntok; ++t) {
+        const KT* vt = vb + t * s_tok;
+        __m512 vr[V];
+        for (int64_t v = 0; v < V; ++v) vr[v] = _mm512_mul_ps(load16(vt + v * 16), vs);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(sbuf[g * 16 + t]);
+          for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_fmadd_ps(p, vr[v], a[g * V + v]);
+        }
+      }
+      for (int64_t i = 0; i < G * V; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + g * D + v * 16, a[g * V + v]);
 }
 
 template <typename KT>
-static bool decode_one_dispatch(int64_t V, int64_t G, const float* qf, const KT* kvp,
+static bool decode_seq_dispatch(int64_t V, int64_t G, const float* qf, const KT* kvp,
                                 const int32_t* table, int64_t len, int64_t BS, int64_t s_tok,
-                                int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h,
-                                float vscale, float* acc, float* m, float* l, float* sbuf) {
+                                int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h0,
+                                int64_t nh, const float* vscale, float* acc, float* m, float* l,
+                                float* sbuf, KT* stage) {
 #define PDS_CASE(VV, GG)                                                                     \
   if (V == VV && G == GG) {                                                                  \
-    decode_one_avx512<KT, VV, GG>(qf, kvp, table, len, BS, s_tok, s_kv, s_block, layer_off,  \
-                                  h, vscale, acc, m, l, sbuf);                               \
+    decode_seq_avx512<KT, VV, GG>(qf, kvp, table, len, BS, s_tok, s_kv, s_block, layer_off,  \
+                                  h0, nh, vscale, acc, m, l, sbuf, stage);                   \
     return true;                                                                             \
   }
 #define PDS_GROUPS(VV) PDS_CASE(VV, 1) PDS_CASE(VV, 2) PDS_CASE(VV, 4) PDS_CASE(VV, 5) \
                        PDS_CASE(VV, 6) PDS_CASE(VV, 7) PDS_CASE(VV, 8)
   PDS_GROUPS(2) PDS_GROUPS(4) PDS_GROUPS(8)
+#undef PDS_GROUPS
+#undef PDS_CASE
+  return false;
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The same walk for bf16 queries and a bf16 cache, on vdpbf16ps: q . k straight from the bf16
+// rows (products exact, sums in fp32, times the scale in fp32), softmax in fp32, P rounded to
+// bf16 for P @ V as torch's flash SDPA does in bf16. P @ V takes two tokens per instruction:
+// unpacklo / unpackhi of rows t and t + 1 pair each value with the next token's, and
+// (p_t, p_t+1) is one broadcast dword, so the accumulators hold dimension d of lane
+// 4k + i at 32w + 8k + i (lo) and 32w + 8k + 4 + i (hi); the end puts them back in order.
+// W = D / 32.
+template <int W, int G>
+static void decode_seq_bf16(const at::BFloat16* qh0, const at::BFloat16* kvp,
+                            const int32_t* table, int64_t len, int64_t BS, int64_t s_tok,
+                            int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h0,
+                            int64_t nh, float scale, float* acc, float* m, float* l,
+                            at::BFloat16* stage) {
+  constexpr int64_t D = W * 32;
+  const int64_t s_vk = stage ? 16 * s_tok : s_kv;  // V rows' offset from the K rows
+  __m512bh q[G * W];
+  __m512 a[G * 2 * W];  // [g][w][lo, hi]
+  __m512 part[G * 16];
+  alignas(64) uint16_t pb[G * 16];
+  const __m512 scv = _mm512_set1_ps(scale);
+  for (int64_t base = 0; base < len; base += 16) {
+    const int64_t blk_idx = base / BS, off = base % BS;
+    const int64_t ntok = std::min<int64_t>({16, len - base, BS - off});
+    const at::BFloat16* rows = kvp + table[blk_idx] * s_block + layer_off + off * s_tok;
+    if (stage) rows = stage_group(rows, ntok, s_tok, s_kv, stage);
+    const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const at::BFloat16* kb = rows + (h0 + hh) * D;
+      const at::BFloat16* vb = kb + s_vk;
+      const at::BFloat16* qh = qh0 + hh * G * D;
+      float* ah = acc + hh * G * D;
+      float* mh = m + hh * G;
+      float* lh = l + hh * G;
+      for (int64_t i = 0; i < G * W; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + i * 32);
+      for (int64_t i = 0; i < G * 2 * W; ++i) a[i] = _mm512_loadu_ps(ah + i * 16);
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t < ntok) {
+          const at::BFloat16* kt = kb + t * s_tok;
+          __m512bh kr[W];
+          for (int64_t w = 0; w < W; ++w) kr[w] = (__m512bh)_mm512_loadu_si512(kt + w * 32);
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * W], kr[0]);
+            for (int64_t w = 1; w < W; ++w) d = _mm512_dpbf16_ps(d, q[g * W + w], kr[w]);
+            part[g * 16 + t] = d;
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 sc = _mm512_mul_ps(hsum16(part + g * 16), scv);
+        const float bmax = _mm512_mask_reduce_max_ps(valid, sc);
+        const float mnew = std::max(mh[g], bmax);
+        const float corr = std::exp(mh[g] - mnew);
+        const __m512 e =
+            _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16),
+                           (__m256i)_mm512_cvtneps_pbh(e));
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
+        lh[g] = lh[g] * corr + _mm512_reduce_add_ps(e);
+        mh[g] = mnew;
+      }
+      for (int64_t t = 0; t < ntok; t += 2) {
+        const at::BFloat16* v0 = vb + t * s_tok;
+        const bool two = t + 1 < ntok;  // a row past the last token may hold anything
+        __m512i lo[W], hi[W];
+        for (int64_t w = 0; w < W; ++w) {
+          const __m512i x = _mm512_loadu_si512(v0 + w * 32);
+          const __m512i y = two ? _mm512_loadu_si512(v0 + s_tok + w * 32) : _mm512_setzero_si512();
+          lo[w] = _mm512_unpacklo_epi16(x, y);
+          hi[w] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          uint32_t pair;
+          std::memcpy(&pair, pb + g * 16 + t, 4);  // (p_t, p_t+1); p past ntok is 0
+          const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
+          for (int64_t w = 0; w < W; ++w) {
+            __m512* aw = a + (g * W + w) * 2;
+            aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)lo[w]);
+            aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)hi[w]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < G * 2 * W; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
+    }
+  }
+  for (int64_t i = 0; i < nh * G; ++i) {  // back to dimension order
+    float* ag = acc + i * D;
+    alignas(64) float tmp[D];
+    for (int64_t w = 0; w < W; ++w)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t k = 0; k < 4; ++k)
+          for (int64_t j = 0; j < 4; ++j)
+            tmp[32 * w + 8 * k + 4 * half + j] = ag[(2 * w + half) * 16 + 4 * k + j];
+    std::memcpy(ag, tmp, sizeof(tmp));
+  }
+}
+
+static bool decode_seq_bf16_dispatch(int64_t W, int64_t G, const at::BFloat16* qh0,
+                                     const at::BFloat16* kvp, const int32_t* table, int64_t len,
+                                     int64_t BS, int64_t s_tok, int64_t s_kv, int64_t s_block,
+                                     int64_t layer_off, int64_t h0, int64_t nh, float scale,
+                                     float* acc, float* m, float* l, at::BFloat16* stage) {
+#define PDS_CASE(WW, GG)                                                                     \
+  if (W == WW && G == GG) {                                                                  \
+    decode_seq_bf16<WW, GG>(qh0, kvp, table, len, BS, s_tok, s_kv, s_block, layer_off, h0,   \
+                            nh, scale, acc, m, l, stage);                                    \
+    return true;                                                                             \
+  }
+#define PDS_GROUPS(WW) PDS_CASE(WW, 1) PDS_CASE(WW, 2) PDS_CASE(WW, 4) PDS_CASE(WW, 5) \
+                       PDS_CASE(WW, 6) PDS_CASE(WW, 7) PDS_CASE(WW, 8)
+  PDS_GROUPS(1) PDS_GROUPS(2) PDS_GROUPS(4) PDS_GROUPS(8)
 #undef PDS_GROUPS
 #undef PDS_CASE
   return false;
@@ -164,87 +312,112 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   const int32_t* lp = lens.data_ptr<int32_t>();
   QT* op = out.data_ptr<QT>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sbuf(G * std::max<int64_t>(BS, 16)), row(D);
+  // Work items: (sequence, range of KV heads). A sequence's heads go together (one pass over
+  // its blocks, see decode_seq_avx512) unless there are too few sequences to keep every
+  // thread busy; then each head is an item of its own.
+  const int64_t HC = S >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t NC = Hkv / HC;
+  at::parallel_for(0, S * NC, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(HC * G * D), acc(HC * G * D), m(HC * G), l(HC * G), vsc(HC),
+        sbuf(G * std::max<int64_t>(BS, 16)), row(D);
+    // whole rows (every head of a sequence in one item) are staged per group, see stage_group
+    std::vector<KT> stage(HC == Hkv ? 2 * 16 * s_tok : 0);
+    KT* stage_p = stage.empty() ? nullptr : stage.data();
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = idx / Hkv, h = idx % Hkv;
-      const float kscale = ks ? ks[n_scale == 1 ? 0 : h] : 1.f;
-      const float vscale = vs ? vs[n_scale == 1 ? 0 : h] : 1.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const QT* qh = qp + (s * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qh[d]) * sc * kscale;
-        m[g] = -INFINITY; l[g] = 0.f;
+      const int64_t s = idx / NC, h0 = (idx % NC) * HC;
+      for (int64_t hh = 0; hh < HC; ++hh) {
+        const int64_t h = h0 + hh;
+        const float kscale = ks ? ks[n_scale == 1 ? 0 : h] : 1.f;
+        vsc[hh] = vs ? vs[n_scale == 1 ? 0 : h] : 1.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const QT* qh = qp + (s * Hq + h * G + g) * D;
+          float* qg = qf.data() + (hh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qg[d] = to_f(qh[d]) * sc * kscale;
+          m[hh * G + g] = -INFINITY; l[hh * G + g] = 0.f;
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t len = lp[s];
       const int64_t nb = (len + BS - 1) / BS;
-#ifdef __AVX512F__
-      if constexpr (HasLoad16<KT>::value) {
-        if (D % 16 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB &&
-            decode_one_dispatch<KT>(D / 16, G, qf.data(), kvp, tp + s * MB, len, BS, s_tok,
-                                    s_kv, s_block, layer * s_layer, h, vscale, acc.data(),
-                                    m.data(), l.data(), sbuf.data())) {
-          for (int64_t g = 0; g < G; ++g) {
-            QT* oh = op + (s * Hq + h * G + g) * D;
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[g * D + d] * inv);
-          }
-          continue;
-        }
+      bool done = false;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>) {
+        done = D % 32 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB && !ks &&
+               decode_seq_bf16_dispatch(D / 32, G, qp + (s * Hq + h0 * G) * D, kvp, tp + s * MB,
+                                        len, BS, s_tok, s_kv, s_block, layer * s_layer, h0, HC,
+                                        sc, acc.data(), m.data(), l.data(), stage_p);
       }
 #endif
-      for (int64_t j = 0; j < nb && j < MB; ++j) {
-        const int64_t blk = tp[s * MB + j];
-        const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
-        const KT* kb = kvp + blk * s_block + layer * s_layer + h * D;
-        const KT* vb = kb + s_kv;
-        // scores: each K row is converted once and dotted with the G query heads of the group
-        for (int64_t t = 0; t < ntok; ++t) {
-          const KT* kt = kb + t * s_tok;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = to_f(kt[d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float dot = 0.f;
-            #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-            sbuf[g * BS + t] = dot;
-          }
-        }
-        // online softmax update per query head
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = sbuf.data() + g * BS;
-          float bmax = -INFINITY;
-          for (int64_t t = 0; t < ntok; ++t) bmax = std::max(bmax, sg[t]);
-          const float mnew = std::max(m[g], bmax);
-          const float corr = std::exp(m[g] - mnew);
-          float lsum = 0.f;
-          #pragma omp simd reduction(+:lsum)
-          for (int64_t t = 0; t < ntok; ++t) { sg[t] = std::exp(sg[t] - mnew); lsum += sg[t]; }
-          float* ag = acc.data() + g * D;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-          l[g] = l[g] * corr + lsum;
-          m[g] = mnew;
-        }
-        // values: each V row converted once, accumulated into every head of the group
-        for (int64_t t = 0; t < ntok; ++t) {
-          const KT* vt = vb + t * s_tok;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = to_f(vt[d]) * vscale;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = sbuf[g * BS + t];
-            float* ag = acc.data() + g * D;
+#ifdef __AVX512F__
+      if constexpr (HasLoad16<KT>::value) {
+        done = done || D % 16 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB &&
+               decode_seq_dispatch<KT>(D / 16, G, qf.data(), kvp, tp + s * MB, len, BS, s_tok,
+                                       s_kv, s_block, layer * s_layer, h0, HC, vsc.data(),
+                                       acc.data(), m.data(), l.data(), sbuf.data(), stage_p);
+      }
+#endif
+      for (int64_t hh = 0; hh < HC && !done; ++hh) {
+        const int64_t h = h0 + hh;
+        const float vscale = vsc[hh];
+        const float* qh = qf.data() + hh * G * D;
+        float* ah = acc.data() + hh * G * D;
+        float* mh = m.data() + hh * G;
+        float* lh = l.data() + hh * G;
+        for (int64_t j = 0; j < nb && j < MB; ++j) {
+          const int64_t blk = tp[s * MB + j];
+          const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
+          const KT* kb = kvp + blk * s_block + layer * s_layer + h * D;
+          const KT* vb = kb + s_kv;
+          // scores: each K row is converted once and dotted with the G query heads of the group
+          for (int64_t t = 0; t < ntok; ++t) {
+            const KT* kt = kb + t * s_tok;
             #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+            for (int64_t d = 0; d < D; ++d) row[d] = to_f(kt[d]);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = qh + g * D;
+              float dot = 0.f;
+              #pragma omp simd reduction(+:dot)
+              for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+              sbuf[g * BS + t] = dot;
+            }
+          }
+          // online softmax update per query head
+          for (int64_t g = 0; g < G; ++g) {
+            float* sg = sbuf.data() + g * BS;
+            float bmax = -INFINITY;
+            for (int64_t t = 0; t < ntok; ++t) bmax = std::max(bmax, sg[t]);
+            const float mnew = std::max(mh[g], bmax);
+            const float corr = std::exp(mh[g] - mnew);
+            float lsum = 0.f;
+            #pragma omp simd reduction(+:lsum)
+            for (int64_t t = 0; t < ntok; ++t) { sg[t] = std::exp(sg[t] - mnew); lsum += sg[t]; }
+            float* ag = ah + g * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+            lh[g] = lh[g] * corr + lsum;
+            mh[g] = mnew;
+          }
+          // values: each V row converted once, accumulated into every head of the group
+          for (int64_t t = 0; t < ntok; ++t) {
+            const KT* vt = vb + t * s_tok;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) row[d] = to_f(vt[d]) * vscale;
+            for (int64_t g = 0; g < G; ++g) {
+              const float p = sbuf[g * BS + t];
+              float* ag = ah + g * D;
+              #pragma omp simd
+              for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+            }
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        QT* oh = op + (s * Hq + h * G + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[g * D + d] * inv);
-      }
+      for (int64_t hh = 0; hh < HC; ++hh)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = hh * G + g;
+          QT* oh = op + (s * Hq + (h0 + hh) * G + g) * D;
+          const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[i * D + d] * inv);
+        }
     }
   });
 }

@@ -59,6 +59,43 @@ def test_decode_matches_reference(dtype, kv_dtype, hq, hkv, d, bs):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs", [(8, 4, 32, 16), (16, 2, 64, 32), (8, 8, 128, 16), (12, 2, 256, 16)]
+)
+def test_bf16_decode_is_as_close_to_fp32_attention_as_torch_bf16(hq, hkv, d, bs):
+    """bf16 queries on a bf16 cache take the vdpbf16ps kernel (products exact, fp32 sums and
+    softmax, P rounded to bf16 for P @ V as torch's flash SDPA does): its error against fp32
+    attention is within torch's own bf16 attention's. Odd and partial lengths cover the
+    last token of a group paired with a row past the end."""
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    lens = [1, 2, 15, bs + 3, 333, 1025]
+    q, kv, tables, lens_t, _, _ = _case(
+        d + hq, torch.bfloat16, torch.bfloat16, hq, hkv, d, bs, lens
+    )
+    exact = reference.paged_decode_attention(q.float(), kv.float(), 1, tables, lens_t, d**-0.5)
+    torch_bf16 = reference.paged_decode_attention(q, kv, 1, tables, lens_t, d**-0.5).float()
+    # a V row past a sequence's end holding NaN must not reach its output (0 * NaN)
+    for i, n in enumerate(lens):
+        if n % bs:
+            kv[tables[i, n // bs], 1, 1, n % bs :] = float("nan")
+    got = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, d**-0.5)
+    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all())
+    err, torch_err = (got.float() - exact).abs().max(), (torch_bf16 - exact).abs().max()
+    assert err <= 1.5 * torch_err + 2e-3, (err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
+    """Few sequences are split into one work item per KV head, many into one item per
+    sequence (its rows staged group by group); both give the same bits."""
+    lens = [700] + [37 + 50 * i for i in range(15)]
+    q, kv, tables, lens_t, _, _ = _case(11, dtype, dtype, 8, 4, 32, 16, lens)
+    batch = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, 0.17)
+    alone = cpu_paged.paged_decode_attention(q[:1], kv, 1, tables[:1], lens_t[:1], 0.17)
+    assert torch.equal(batch[:1], alone)
+
+
 def test_per_head_fp8_scales():
     lens = [5, 40, 300]
     q, kv, tables, lens_t, ks, vs = _case(
