@@ -11,7 +11,11 @@ prompts of ``--prompt-len`` random tokens, runs until all are decoding, then tim
 engine steps (one token per sequence each).
 
     python bench/decode_step.py --model DIR [--batches 1,16,64] [--threads 1] [--rounds 2]
-        [--paths plain,small,onednn,fused]
+        [--paths plain,small,onednn,fused] [--baseline-source FILE]
+
+``--baseline-source FILE`` adds the path ``base``: ``fused`` with the C++ extension built from
+FILE instead of ``kernels/csrc/cpu_paged.cpp`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
+> FILE``), interleaved with the others in the same process, for a kernel's before / after.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_linear, cpu_paged
+from kernels import cpp_build, cpu_linear, cpu_paged, reference
 from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.models.quantization import weight_bytes
@@ -55,17 +59,25 @@ def time_decode_steps(
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-PATHS = ("plain", "small", "onednn", "fused")
+PATHS = ("plain", "small", "onednn", "fused", "base")
+_baseline_ext = None  # the extension built from --baseline-source (path "base")
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
+OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
 
 
 def step_ms(model: str, batch: int, prompt_len: int, steps: int, path: str) -> tuple[float, int]:
     """(ms per decode step, weight bytes a step reads) for linear path ``path``."""
-    default = cpu_paged._SMALL_M
+    default, ext = cpu_paged._SMALL_M, cpu_paged._load()
     cpu_paged._SMALL_M = 0 if path == "plain" else default
-    os.environ[cpu_linear.PATH_ENV] = "onednn" if path in ("onednn", "fused") else "torch"
+    os.environ[cpu_linear.PATH_ENV] = "onednn" if path in ("onednn", "fused", "base") else "torch"
+    wrappers = {name: getattr(cpu_paged, name) for name in OLDER}
+    if path == "base":
+        cpu_paged._ext = _baseline_ext
+        for name, fallback in OLDER.items():  # an op the baseline's build lacks: what it did
+            if not hasattr(_baseline_ext, name):
+                setattr(cpu_paged, name, fallback)
     ops = {name: getattr(cpu_paged, name) for name in FUSED}
-    if path != "fused":
+    if path not in ("fused", "base"):
         for name in FUSED:
             setattr(cpu_paged, name, None)
     try:
@@ -76,6 +88,9 @@ def step_ms(model: str, batch: int, prompt_len: int, steps: int, path: str) -> t
         for name, op in ops.items():
             setattr(cpu_paged, name, op)
         cpu_paged._SMALL_M = default
+        cpu_paged._ext = ext
+        for name, op in wrappers.items():
+            setattr(cpu_paged, name, op)
         os.environ.pop(cpu_linear.PATH_ENV, None)
 
 
@@ -100,11 +115,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated of {PATHS}")
+    ap.add_argument("--paths", default=",".join(PATHS[:4]), help=f"comma-separated of {PATHS}")
+    ap.add_argument("--baseline-source", default=None, help="cpu_paged.cpp of the path 'base'")
     args = ap.parse_args()
     paths = args.paths.split(",")
     if unknown := set(paths) - set(PATHS):
         ap.error(f"unknown paths {sorted(unknown)}")
+    if ("base" in paths) != (args.baseline_source is not None):
+        ap.error("the path 'base' and --baseline-source go together")
+    if args.baseline_source:
+        global _baseline_ext
+        src = Path(args.baseline_source).resolve()
+        _baseline_ext = cpp_build.build("pdserve_cpu_paged_base", src, cpu_paged._FLAGS)
     torch.set_num_threads(args.threads)
     os.environ["PDSERVE_NUM_THREADS"] = str(args.threads)
     bw = memory_bandwidth_gbs()

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpp_build, reference
-from kernels.reference import gather_kv, is_fp8, write_kv  # noqa: F401  (re-exported)
+from kernels.reference import gather_kv, is_fp8  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,35 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, BS, Hkv, D]
+    layer: int,
+    slot_mapping: torch.Tensor,  # [T] int64 / int32, < 0 = padding
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """The reference's ``write_kv``, as one C++ call of row copies where the pool is not fp8
+    and key / value are CPU tensors in its dtype with each token's heads contiguous."""
+    ext = _load()
+    if (
+        ext is None
+        or key.device.type != "cpu"
+        or is_fp8(kv_cache)
+        or key.dtype != kv_cache.dtype
+        or value.dtype != kv_cache.dtype
+        or not (_rows_contiguous(key) and _rows_contiguous(value))
+    ):
+        reference.write_kv(key, value, kv_cache, layer, slot_mapping, k_scale, v_scale)
+        return
+    ext.write_kv(key, value, kv_cache, layer, slot_mapping.contiguous())
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def paged_decode_attention(

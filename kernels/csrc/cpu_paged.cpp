@@ -855,8 +855,47 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// This step's K and V of one layer into their slots: key / value [T, Hkv, D] in the pool's
+// dtype, each token's heads contiguous (tokens any stride: views of the fused QKV output);
+// slots [T] int64 or int32, slot = block * BS + offset, < 0 a padding token (skipped). Every
+// slot is checked before anything is written. One row copy per token and K / V, where torch's
+// indexed assignment costs a handful of small ops per layer.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv, int64_t layer,
+              const at::Tensor& slots) {
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous(), "kv must be a contiguous [NB,L,2,BS,Hkv,D] pool");
+  const int64_t NB = kv.size(0), L = kv.size(1), BS = kv.size(3), Hkv = kv.size(4), D = kv.size(5);
+  TORCH_CHECK(0 <= layer && layer < L, "layer ", layer, " out of range for ", L, " layers");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == Hkv &&
+                  key.size(2) == D, "key and value must be [T, Hkv, D] of the pool's heads");
+  TORCH_CHECK(key.scalar_type() == kv.scalar_type() && value.scalar_type() == kv.scalar_type(),
+              "key and value must be in the pool's dtype");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == D && value.stride(2) == 1 &&
+                  value.stride(1) == D, "each token's heads must be contiguous");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == key.size(0) && slots.is_contiguous() &&
+                  (slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt),
+              "slots must be one contiguous int64 / int32 per token");
+  const int64_t T = key.size(0), row = Hkv * D, es = kv.element_size();
+  const int64_t s_kv = BS * row, s_layer = 2 * s_kv, s_block = L * s_layer;
+  std::vector<int64_t> slot(T);
+  for (int64_t i = 0; i < T; ++i) {
+    slot[i] = slots.scalar_type() == at::kLong ? slots.data_ptr<int64_t>()[i]
+                                                : slots.data_ptr<int32_t>()[i];
+    TORCH_CHECK(slot[i] < NB * BS, "slot ", slot[i], " out of range for a pool of ", NB * BS);
+  }
+  char* pool = static_cast<char*>(kv.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  for (int64_t i = 0; i < T; ++i) {
+    if (slot[i] < 0) continue;
+    char* dst = pool + ((slot[i] / BS) * s_block + layer * s_layer + (slot[i] % BS) * row) * es;
+    std::memcpy(dst, kp + i * key.stride(0) * es, row * es);
+    std::memcpy(dst + s_kv * es, vp + i * value.stride(0) * es, row * es);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("write_kv", &write_kv, "store a layer's new K / V rows into their slots (CPU)");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
   m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");

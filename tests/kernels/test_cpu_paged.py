@@ -96,6 +96,52 @@ def test_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
     assert torch.equal(batch[:1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_is_the_reference(dtype, slot_dtype):
+    """The C++ row copies store what the reference stores, from views of a fused QKV output
+    (token rows strided), padding slots skipped, other layers untouched."""
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs, nb, t = 8, 4, 32, 16, 12, 21
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    assert not k.is_contiguous()
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[[3, 17]] = -1
+    want = torch.randn(nb, 3, 2, bs, hkv, d, generator=g).to(dtype)
+    got = want.clone()
+    reference.write_kv(k, v, want, 1, slots)
+    cpu_paged.write_kv(k, v, got, 1, slots.to(slot_dtype))
+    assert torch.equal(got, want)
+
+
+def test_write_kv_refuses_a_slot_past_the_pool_and_writes_nothing():
+    pool = torch.zeros(4, 1, 2, 16, 2, 32)
+    key = torch.ones(3, 2, 32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_paged.write_kv(key, key, pool, 0, torch.tensor([0, 1, 64]))
+    assert not pool.any()
+    with pytest.raises(RuntimeError, match="layer"):
+        cpu_paged.write_kv(key, key, pool, 1, torch.tensor([0, 1, 2]))
+
+
+def test_write_kv_fp8_and_other_dtypes_take_the_reference():
+    """An fp8 pool quantizes with its scales, key / value in another dtype are cast: both the
+    reference's work, so the results are the reference's."""
+    g = torch.Generator().manual_seed(6)
+    key, value = torch.randn(5, 2, 32, generator=g), torch.randn(5, 2, 32, generator=g)
+    slots = torch.tensor([0, 7, 16, -1, 40])
+    for pool, scales in (
+        (torch.zeros(4, 1, 2, 16, 2, 32, dtype=torch.float8_e4m3fn), (torch.tensor([0.5]),) * 2),
+        (torch.zeros(4, 1, 2, 16, 2, 32, dtype=torch.bfloat16), (None, None)),
+    ):
+        want, got = pool.clone(), pool.clone()
+        reference.write_kv(key, value, want, 0, slots, *scales)
+        cpu_paged.write_kv(key, value, got, 0, slots, *scales)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_per_head_fp8_scales():
     lens = [5, 40, 300]
     q, kv, tables, lens_t, ks, vs = _case(
