@@ -5,10 +5,12 @@ contiguous tensor each layer and step; on a CPU that copy dominates a decode ste
 compiles ``kernels/csrc/cpu_paged.cpp`` (once per source, torch version and CPU model, with
 ``torch.utils.cpp_extension``, cached under ``~/.cache/torch_extensions``) into a decode
 kernel that walks the block table and runs an online softmax over each block where it lies,
-parallel over (sequence, KV head) with ``at::parallel_for``. Multi-token prefill chunks go
-through the reference's loop (gathered K/V, whose cost is the attention math itself): bf16 ones
-to the AVX512-BF16 prefill kernel (``attend_prefill``), others to SDPA; the KV write is the
-reference's. Also here, for bf16 on an AVX512-BF16 CPU: ``small_linear`` (a matmul for a decode
+parallel over sequences (every KV head of one in a pass, each 16-token group's rows staged in
+address order; over (sequence, KV head) when sequences are fewer than twice the threads) with
+``at::parallel_for``, on ``vdpbf16ps`` for bf16. Multi-token prefill chunks go through the
+reference's loop (gathered K/V, whose cost is the attention math itself): bf16 ones to the
+AVX512-BF16 prefill kernel (``attend_prefill``), others to SDPA. ``write_kv`` stores a layer's
+new K/V rows in one C++ call (the reference's for fp8 pools). Also here, for bf16 on an AVX512-BF16 CPU: ``small_linear`` (a matmul for a decode
 step's few rows, which unpacked projections offer their input to), the fused element-wise ops
 a layer offers its tensors to (``rms_norm``, ``rope``, ``silu_mul``); and a row argmax for
 greedy sampling.
