@@ -11,7 +11,7 @@ prompts of ``--prompt-len`` random tokens, runs until all are decoding, then tim
 engine steps (one token per sequence each).
 
     python bench/decode_step.py --model DIR [--batches 1,16,64] [--threads 1] [--rounds 2]
-        [--paths plain,small,onednn,fused] [--baseline-source FILE]
+        [--paths plain,small,onednn,fused] [--baseline-source FILE] [--profile STEPS]
 
 ``--baseline-source FILE`` adds the path ``base``: ``fused`` with the C++ extension built from
 FILE instead of ``kernels/csrc/cpu_paged.cpp`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
@@ -39,15 +39,26 @@ from shared.models.quantization import weight_bytes
 
 
 def time_decode_steps(
-    engine, batch: int, prompt_len: int, steps: int, max_token: int = 1000
+    engine, batch: int, prompt_len: int, steps: int, max_token: int = 1000, profile: int = 0
 ) -> float:
-    """ms per engine step once ``batch`` random prompts (ids in [100, max_token)) all decode."""
+    """ms per engine step once ``batch`` random prompts (ids in [100, max_token)) all decode.
+
+    ``profile`` > 0: then that many more steps under torch's profiler, whose table (torch ops
+    by input shape) is printed with the steps' wall time; what the ops do not cover is the
+    C++ kernels called through pybind (decode attention, ``write_kv``, the fused ops) and
+    Python."""
     rng = random.Random(batch)
     for i in range(batch):
         engine.add_request(
             f"r{i}",
             [rng.randrange(100, max_token) for _ in range(prompt_len)],
-            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
+            # room for the steps a chunked prefill of the batch takes, during which the first
+            # prompts already decode: no sequence finishes inside the timed (or profiled) steps
+            SamplingParams(
+                temperature=0,
+                max_tokens=steps + profile + 8 + batch * prompt_len // 128,
+                ignore_eos=True,
+            ),
         )
     for _ in range(4):  # prefill, then a few warm decode steps
         engine.step()
@@ -56,7 +67,23 @@ def time_decode_steps(
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return (time.perf_counter() - t0) / steps * 1e3
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            t0 = time.perf_counter()
+            for _ in range(profile):
+                engine.step()
+            wall = (time.perf_counter() - t0) / profile * 1e3
+        ops = prof.key_averages(group_by_input_shape=True)
+        in_ops = sum(e.self_cpu_time_total for e in ops) / profile / 1e3
+        print(
+            f"profile, batch {batch}: {profile} steps, {wall:.2f} ms/step wall, {in_ops:.2f} in torch ops"
+        )
+        print(ops.table(sort_by="self_cpu_time_total", row_limit=12))
+    return ms
 
 
 PATHS = ("plain", "small", "onednn", "fused", "base")
@@ -65,7 +92,9 @@ FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
 
 
-def step_ms(model: str, batch: int, prompt_len: int, steps: int, path: str) -> tuple[float, int]:
+def step_ms(
+    model: str, batch: int, prompt_len: int, steps: int, path: str, profile: int = 0
+) -> tuple[float, int]:
     """(ms per decode step, weight bytes a step reads) for linear path ``path``."""
     default, ext = cpu_paged._SMALL_M, cpu_paged._load()
     cpu_paged._SMALL_M = 0 if path == "plain" else default
@@ -82,7 +111,7 @@ def step_ms(model: str, batch: int, prompt_len: int, steps: int, path: str) -> t
             setattr(cpu_paged, name, None)
     try:
         engine = LLM(model, kv_cache_memory="512MiB").engine
-        ms = time_decode_steps(engine, batch, prompt_len, steps)
+        ms = time_decode_steps(engine, batch, prompt_len, steps, profile=profile)
         return ms, weight_bytes(engine.runner.model)
     finally:
         for name, op in ops.items():
@@ -117,6 +146,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--paths", default=",".join(PATHS[:4]), help=f"comma-separated of {PATHS}")
     ap.add_argument("--baseline-source", default=None, help="cpu_paged.cpp of the path 'base'")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="in the last round, profile this many more steps"
+    )
     args = ap.parse_args()
     paths = args.paths.split(",")
     if unknown := set(paths) - set(PATHS):
@@ -143,7 +175,8 @@ def main() -> int:
         for r in range(args.rounds):
             for p in paths:
                 print(f"[decode_step] batch {b} round {r + 1}/{args.rounds} {p}", file=sys.stderr)
-                ms, nbytes[p] = step_ms(args.model, b, args.prompt_len, args.steps, p)
+                prof = args.profile if r == args.rounds - 1 else 0
+                ms, nbytes[p] = step_ms(args.model, b, args.prompt_len, args.steps, p, prof)
                 times[p].append(ms)
         med = {p: statistics.median(t) for p, t in times.items()}
         cells = []
