@@ -96,30 +96,26 @@ def step_ms(
     model: str, batch: int, prompt_len: int, steps: int, path: str, profile: int = 0
 ) -> tuple[float, int]:
     """(ms per decode step, weight bytes a step reads) for linear path ``path``."""
-    default, ext = cpu_paged._SMALL_M, cpu_paged._load()
-    cpu_paged._SMALL_M = 0 if path == "plain" else default
-    os.environ[cpu_linear.PATH_ENV] = "onednn" if path in ("onednn", "fused", "base") else "torch"
-    wrappers = {name: getattr(cpu_paged, name) for name in OLDER}
+    cpu_paged._load()
+    saved = {name: getattr(cpu_paged, name) for name in ("_SMALL_M", "_ext", *FUSED, *OLDER)}
+    if path == "plain":
+        cpu_paged._SMALL_M = 0
     if path == "base":
         cpu_paged._ext = _baseline_ext
         for name, fallback in OLDER.items():  # an op the baseline's build lacks: what it did
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
-    ops = {name: getattr(cpu_paged, name) for name in FUSED}
     if path not in ("fused", "base"):
         for name in FUSED:
             setattr(cpu_paged, name, None)
+    os.environ[cpu_linear.PATH_ENV] = "onednn" if path in ("onednn", "fused", "base") else "torch"
     try:
         engine = LLM(model, kv_cache_memory="512MiB").engine
         ms = time_decode_steps(engine, batch, prompt_len, steps, profile=profile)
         return ms, weight_bytes(engine.runner.model)
     finally:
-        for name, op in ops.items():
-            setattr(cpu_paged, name, op)
-        cpu_paged._SMALL_M = default
-        cpu_paged._ext = ext
-        for name, op in wrappers.items():
-            setattr(cpu_paged, name, op)
+        for name, value in saved.items():
+            setattr(cpu_paged, name, value)
         os.environ.pop(cpu_linear.PATH_ENV, None)
 
 

@@ -2,8 +2,8 @@
 
 torch's ``F.linear`` in bf16 reorders the plain ``[N, K]`` weight into oneDNN's blocked layout
 on every call; for the few rows of a decode step that reorder is most of the call
-(docs/benchmarks.md, "CPU kernels", has the decode-step figures). So, as vLLM's CPU backend does with its oneDNN handlers, every bf16 projection's weight
-is reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``) and each call goes
+(docs/benchmarks.md, "CPU kernels", has the decode-step figures). So, as vLLM's CPU backend
+does with its oneDNN handlers, every bf16 projection's weight is reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``) and each call goes
 straight to the packed primitive (``torch.ops.mkldnn._linear_pointwise``); oneDNN itself picks
 AMX tiles or AVX512-BF16 dot products for the machine. The packed weight replaces the plain one
 (no second copy), except for an LM head tied to the embedding, whose table the lookup still

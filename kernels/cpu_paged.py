@@ -10,10 +10,10 @@ address order; over (sequence, KV head) when sequences are fewer than twice the 
 ``at::parallel_for``, on ``vdpbf16ps`` for bf16. Multi-token prefill chunks go through the
 reference's loop (gathered K/V, whose cost is the attention math itself): bf16 ones to the
 AVX512-BF16 prefill kernel (``attend_prefill``), others to SDPA. ``write_kv`` stores a layer's
-new K/V rows in one C++ call (the reference's for fp8 pools). Also here, for bf16 on an AVX512-BF16 CPU: ``small_linear`` (a matmul for a decode
-step's few rows, which unpacked projections offer their input to), the fused element-wise ops
-a layer offers its tensors to (``rms_norm``, ``rope``, ``silu_mul``); and a row argmax for
-greedy sampling.
+new K/V rows in one C++ call (the reference's for fp8 pools). Also here, for bf16 on an
+AVX512-BF16 CPU: ``small_linear`` (a matmul for a decode step's few rows, which unpacked
+projections offer their input to), the fused element-wise ops a layer offers its tensors to
+(``rms_norm``, ``rope``, ``silu_mul``); and a row argmax for greedy sampling.
 
 Same signatures and contracts as ``kernels/reference.py``. ``available()`` says whether the
 extension built; ``get_backend("cpp")`` falls back to the reference with a warning if not.

@@ -63,6 +63,18 @@ static inline __m512 hsum16(const __m512* v) {
   return _mm512_permutexvar_ps(perm, z);
 }
 
+// One query head's online-softmax step over a 16-token group: scores sc (lanes past the
+// group's tokens masked off by valid) update the running max m and sum l; returns the group's
+// probabilities (0 where masked) and sets corr, the factor that rescales the accumulators.
+static inline __m512 softmax_step(__m512 sc, __mmask16 valid, float& m, float& l, float& corr) {
+  const float mnew = std::max(m, _mm512_mask_reduce_max_ps(valid, sc));
+  corr = std::exp(m - mnew);
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
+  l = l * corr + _mm512_reduce_add_ps(e);
+  m = mnew;
+  return e;
+}
+
 // Copies a group's K and V rows (whole rows: every KV head) into buf ([2][16][s_tok]) in
 // address order and returns buf, so the kernels read the group from L1 in whatever order they
 // need. Read straight from the cache one head at a time, every 4th line of a block's strip is
@@ -128,17 +140,11 @@ static void decode_seq_avx512(const float* qf, const KT* kvp, const int32_t* tab
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 sc = hsum16(part + g * 16);
-        const float bmax = _mm512_mask_reduce_max_ps(valid, sc);
-        const float mnew = std::max(mh[g], bmax);
-        const float corr = std::exp(mh[g] - mnew);
-        const __m512 e =
-            _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
+        float corr;
+        const __m512 e = softmax_step(hsum16(part + g * 16), valid, mh[g], lh[g], corr);
         _mm512_storeu_ps(sbuf + g * 16, e);
         const __m512 c = _mm512_set1_ps(corr);
         for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
-        lh[g] = lh[g] * corr + _mm512_reduce_add_ps(e);
-        mh[g] = mnew;
       }
       const __m512 vs = _mm512_set1_ps(vscale[hh]);
       for (int64_t t = 0; t < ntok; ++t) {
@@ -227,18 +233,13 @@ static void decode_seq_bf16(const at::BFloat16* qh0, const at::BFloat16* kvp,
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 sc = _mm512_mul_ps(hsum16(part + g * 16), scv);
-        const float bmax = _mm512_mask_reduce_max_ps(valid, sc);
-        const float mnew = std::max(mh[g], bmax);
-        const float corr = std::exp(mh[g] - mnew);
+        float corr;
         const __m512 e =
-            _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
+            softmax_step(_mm512_mul_ps(hsum16(part + g * 16), scv), valid, mh[g], lh[g], corr);
         _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16),
                            (__m256i)_mm512_cvtneps_pbh(e));
         const __m512 c = _mm512_set1_ps(corr);
         for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
-        lh[g] = lh[g] * corr + _mm512_reduce_add_ps(e);
-        mh[g] = mnew;
       }
       for (int64_t t = 0; t < ntok; t += 2) {
         const at::BFloat16* v0 = vb + t * s_tok;
@@ -325,17 +326,8 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
     KT* stage_p = stage.empty() ? nullptr : stage.data();
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t s = idx / NC, h0 = (idx % NC) * HC;
-      for (int64_t hh = 0; hh < HC; ++hh) {
-        const int64_t h = h0 + hh;
-        const float kscale = ks ? ks[n_scale == 1 ? 0 : h] : 1.f;
-        vsc[hh] = vs ? vs[n_scale == 1 ? 0 : h] : 1.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const QT* qh = qp + (s * Hq + h * G + g) * D;
-          float* qg = qf.data() + (hh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) qg[d] = to_f(qh[d]) * sc * kscale;
-          m[hh * G + g] = -INFINITY; l[hh * G + g] = 0.f;
-        }
-      }
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(l.begin(), l.end(), 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t len = lp[s];
       const int64_t nb = (len + BS - 1) / BS;
@@ -348,6 +340,17 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
                                         sc, acc.data(), m.data(), l.data(), stage_p);
       }
 #endif
+      // the other kernels read the queries in fp32, scaled (and by the fp8 K scale)
+      for (int64_t hh = 0; hh < HC && !done; ++hh) {
+        const int64_t h = h0 + hh;
+        const float kscale = ks ? ks[n_scale == 1 ? 0 : h] : 1.f;
+        vsc[hh] = vs ? vs[n_scale == 1 ? 0 : h] : 1.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const QT* qh = qp + (s * Hq + h * G + g) * D;
+          float* qg = qf.data() + (hh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qg[d] = to_f(qh[d]) * sc * kscale;
+        }
+      }
 #ifdef __AVX512F__
       if constexpr (HasLoad16<KT>::value) {
         done = done || D % 16 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB &&
@@ -863,6 +866,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv, int64_t layer,
               const at::Tensor& slots) {
   TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous(), "kv must be a contiguous [NB,L,2,BS,Hkv,D] pool");
+  TORCH_CHECK(kv.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() &&
+                  slots.device().is_cpu(), "write_kv here is for CPU tensors");
   const int64_t NB = kv.size(0), L = kv.size(1), BS = kv.size(3), Hkv = kv.size(4), D = kv.size(5);
   TORCH_CHECK(0 <= layer && layer < L, "layer ", layer, " out of range for ", L, " layers");
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == Hkv &&

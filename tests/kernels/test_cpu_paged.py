@@ -124,6 +124,10 @@ def test_write_kv_refuses_a_slot_past_the_pool_and_writes_nothing():
     assert not pool.any()
     with pytest.raises(RuntimeError, match="layer"):
         cpu_paged.write_kv(key, key, pool, 1, torch.tensor([0, 1, 2]))
+    ext = cpu_paged._load()
+    if ext is not None:  # called directly with a tensor off the CPU: refused, not read
+        with pytest.raises(RuntimeError, match="CPU tensors"):
+            ext.write_kv(key, key.to("meta"), pool, 0, torch.tensor([0, 1, 2]))
 
 
 def test_write_kv_fp8_and_other_dtypes_take_the_reference():
