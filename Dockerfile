@@ -48,7 +48,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch${TORCH_VERSION:+==${TORC
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-RUN pip install -e '.[engine]' \
+RUN pip install -e '.[engine,nixl]' \
  && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 COPY . .

@@ -1,4 +1,4 @@
-"""KV block transfer between prefill and decode workers (UCX, or in-process loopback).
+"""KV block transfer between prefill and decode workers (UCX, NIXL, or in-process loopback).
 
 Typical use (decode worker D, prefill worker P)::
 
@@ -17,7 +17,8 @@ Typical use (decode worker D, prefill worker P)::
     sh.finish()                                                  # after the last block
 
 The protocol is documented in ``docs/notes/kvtransfer.md``. Only :mod:`kvtransfer.ucx`
-imports ``ucxx``, and only when a UCX sender or receiver is created.
+imports ``ucxx`` and only :mod:`kvtransfer.nixl` imports NIXL, each only when a sender or
+receiver of its kind is created.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def _make_transport(kind: str, opts: dict[str, Any], role: str) -> Transport:
             options=opts.pop("ucx_options", None),
             spin_us=opts.pop("progress_spin_us", 0.0),
         )
+    if kind == "nixl":
+        opts.pop("network", None)
+        from kvtransfer.nixl import DEFAULT_PROGRESS_US, NixlTransport  # the only NIXL import
+
+        return NixlTransport(
+            name=name,
+            options=opts.pop("ucx_options", None),
+            spin_us=opts.pop("progress_spin_us", 0.0),
+            progress_us=opts.pop("nixl_progress_us", DEFAULT_PROGRESS_US),
+        )
     if kind == "loopback":
         network = opts.pop("network", None)
         if network is None:
@@ -77,18 +88,21 @@ def _make_transport(kind: str, opts: dict[str, Any], role: str) -> Transport:
             )
         opts.pop("ucx_options", None)
         opts.pop("progress_spin_us", None)
+        opts.pop("nixl_progress_us", None)
         from kvtransfer.loopback import LoopbackTransport
 
         return LoopbackTransport(network, name=name)
-    raise ValueError(f"unknown transport kind {kind!r}; use 'ucx' or 'loopback'")
+    raise ValueError(f"unknown transport kind {kind!r}; use 'ucx', 'nixl' or 'loopback'")
 
 
 def create_sender(kind: str, pool: Any, geometry: KVGeometry, **opts: Any) -> Sender:
-    """Build a sender over ``kind`` ("ucx" | "loopback") for ``pool`` (the prefill KV pool).
+    """Build a sender over ``kind`` ("ucx" | "nixl" | "loopback") for ``pool`` (the prefill KV
+    pool).
 
     Transport options: ``ucx_options`` (dict of UCX settings without the ``UCX_`` prefix;
     ``UCX_*`` environment variables win), ``progress_spin_us`` (busy-poll window of the I/O
-    thread), ``network`` (loopback only, required), ``name``. Every other option goes to
+    thread), ``nixl_progress_us`` (nixl only: period of NIXL's progress thread, 0 = none),
+    ``network`` (loopback only, required), ``name``. Every other option goes to
     :class:`~kvtransfer.sender.Sender` (``checksums``, ``max_active_transfers``,
     ``max_inflight_messages``, ``max_message_bytes``, ``connect_timeout_s``,
     ``settle_timeout_s``, ``checksum_threads``, ``inline_checksum_bytes``, ``metrics``,

@@ -6,8 +6,10 @@ Two layers:
   :mod:`kvtransfer.handles`): what the prefill and decode services use. Built by
   :func:`kvtransfer.create_sender` / :func:`kvtransfer.create_receiver`.
 * **Transport SPI** (:class:`Transport`, :class:`Link`): connections, control messages and
-  tagged data messages. Two implementations: UCX (:mod:`kvtransfer.ucx`, the only module
-  that imports ``ucxx``) and an in-process loopback (:mod:`kvtransfer.loopback`). The
+  tagged data messages. Three implementations: UCX (:mod:`kvtransfer.ucx`, the only module
+  that imports ``ucxx``), NIXL (:mod:`kvtransfer.nixl`: control over UCX, data by one-sided
+  reads; the only module that imports NIXL) and an in-process loopback
+  (:mod:`kvtransfer.loopback`). The
   protocol state machines (:mod:`kvtransfer.sender`, :mod:`kvtransfer.receiver`) are written
   once against the SPI, so the loopback exercises exactly the code that runs over UCX.
 
@@ -127,6 +129,11 @@ class Transport(ABC):
     ) -> tuple[str, int]:
         """Accept connections at ``host:port`` (port 0 picks one) arriving on ``bind_host``
         (default ``host``; a wildcard: any address); returns the address advertised."""
+
+    def register_pool(self, region: Region) -> None:
+        """Make ``region`` (a whole KV pool) available to the transport's data path before any
+        link uses it (reactor thread). Transports that need no registration ignore it."""
+        return None
 
     @abstractmethod
     def connect(self, address: ReceiverAddress) -> Link:

@@ -412,7 +412,7 @@ class ReceiverAddress:
     host and port has a new one, so senders detect stale addresses and stale connections.
     """
 
-    kind: str  # "ucx" | "loopback"
+    kind: str  # "ucx" | "nixl" | "loopback"
     host: str
     port: int
     receiver_id: str
@@ -445,7 +445,7 @@ class ReceiverAddress:
             raise InvalidAddressError(f"unsupported receiver address {d!r}")
         kind, host, port, rid = d.get("kind"), d.get("host"), d.get("port"), d.get("receiver")
         if (
-            kind not in ("ucx", "loopback")
+            kind not in ("ucx", "nixl", "loopback")
             or not isinstance(host, str)
             or not host
             or isinstance(port, bool)

@@ -39,7 +39,8 @@ class ProgressSource(Protocol):
         """Prepare to sleep; True when it is safe to wait for :meth:`fileno` to become readable."""
 
     def fileno(self) -> int:
-        """File descriptor that becomes readable when the transport has events."""
+        """File descriptor that becomes readable when the transport has events; -1 for a
+        source that is only polled (its :meth:`arm` bounds the sleep with a timer)."""
 
 
 class TimerHandle:
@@ -141,11 +142,14 @@ class Reactor:
     def add_source(self, source: ProgressSource) -> None:
         """Drive ``source`` from this reactor (call on the reactor thread or before start)."""
         self._sources.append(source)
-        self._epoll.register(source.fileno(), select.EPOLLIN)
+        if source.fileno() >= 0:
+            self._epoll.register(source.fileno(), select.EPOLLIN)
 
     def remove_source(self, source: ProgressSource) -> None:
         if source in self._sources:
             self._sources.remove(source)
+            if source.fileno() < 0:
+                return
             try:
                 self._epoll.unregister(source.fileno())
             except (OSError, ValueError):

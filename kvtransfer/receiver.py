@@ -152,6 +152,7 @@ class Receiver(TransferEnd, KVReceiver):
         self._closing = False
         self.protocol_errors = 0
         self._finalizer = weakref.finalize(self, transport.close)
+        self._reactor.run_sync(transport.register_pool, self._pool.region(0, self._pool.num_blocks))
         bound_host, bound_port = self._reactor.run_sync(
             self._transport.listen, host, port, self._on_accept, bind_host
         )

@@ -150,6 +150,7 @@ class Sender(TransferEnd, KVSender):
         self.connections_opened = 0
         self.protocol_errors = 0
         self._finalizer = weakref.finalize(self, transport.close)
+        self._reactor.run_sync(transport.register_pool, self._pool.region(0, self._pool.num_blocks))
 
     # ---- public API (any thread) -------------------------------------------------------
 

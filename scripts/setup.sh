@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up pdserve in ./.venv on a fresh machine (idempotent; fast when already done).
-#   scripts/setup.sh          runtime: CPU torch + pdserve[engine]
+#   scripts/setup.sh          runtime: CPU torch + pdserve[engine,nixl]
 #   scripts/setup.sh --test   also the test extras and the system tools the tests drive
 #                             (Chromium + ChromeDriver for the dashboard test, docker-compose
 #                             to validate the compose file), installed with apt-get when root.
@@ -26,8 +26,8 @@ if [ ! -f "$stamp" ]; then
     echo "[setup] installing torch==$TORCH_VERSION (CPU build)"
     .venv/bin/pip install -q "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   fi
-  extras="engine"
-  [ "$WANT_TEST" = 1 ] && extras="engine,test,dev"
+  extras="engine,nixl"
+  [ "$WANT_TEST" = 1 ] && extras="engine,nixl,test,dev"
   echo "[setup] installing pdserve[$extras]"
   .venv/bin/pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -c "import torch, shared.engine, router" >/dev/null

@@ -1,7 +1,7 @@
 """A KV transfer peer in its own process, driven by JSON lines on stdin (tests only).
 
 Usage: ``python peer.py ROLE GEOMETRY_JSON NUM_BLOCKS [--port P] [--no-checksums]
-[--seed S]``, ROLE = ``receiver`` or ``sender``. The pool is a numpy uint8 array (no torch
+[--seed S] [--kind ucx|nixl] [--settle-timeout S] [--corrupt ID:INDEX]``, ROLE = ``receiver`` or ``sender``. The pool is a numpy uint8 array (no torch
 import, so the process starts fast); a sender's pool is filled from ``--seed``.
 
 Prints ``{"event": "ready", "address": <hex>}`` once listening (receiver) or started (sender),
@@ -16,6 +16,14 @@ then answers each command with one JSON line:
   "ops": [...]}``: open a bare UCX connection, send the payloads as control messages verbatim
   and report every op that comes back
 * ``{"cmd": "pool_digest"}`` -> ``{"event": "pool", "digest"}`` (whole pool, blake2b)
+* ``{"cmd": "progress", "id"}`` -> ``{"event": "progress", "state", "blocks_done"}`` (blocks
+  received, or sent)
+* ``{"cmd": "send_more", "id", "src", "first", "timeout"}`` (sender): the rest of a transfer
+  started with ``"finish": false``, then finish and wait -> ``{"event": "result", ...}``
+* ``{"cmd": "connect", "address"}`` (sender) -> ``{"event": "connected"}``
+* NIXL senders only, on their one connection: ``{"cmd": "tamper", "mode": "address" |
+  "size"}`` makes the next READY frame point outside the pool or announce one byte more;
+  ``{"cmd": "garbage"}`` sends an undecodable READY frame -> ``{"event": "ok", "alive"}``
 * ``{"cmd": "stats"}`` -> counters; ``{"cmd": "quit"}`` exits cleanly.
 """
 
@@ -29,7 +37,7 @@ import time
 
 import numpy as np
 
-from kvtransfer import KVGeometry, create_receiver, create_sender
+from kvtransfer import CorruptBlocks, KVGeometry, create_receiver, create_sender
 from kvtransfer.protocol import ReceiverAddress, decode_ops
 
 
@@ -147,6 +155,38 @@ def raw_exchange(
     return ops, closed
 
 
+def lie_on_link(sender, cmd: dict) -> bool:
+    """Make a NIXL sender's one connection misbehave (see the module docstring); returns
+    whether the link is alive afterwards (for ``garbage``: after the receiver had time to
+    answer)."""
+    (link,) = sender._transport.links
+    if cmd["cmd"] == "garbage":
+        sender._reactor.run_sync(link._inner.send_ctrl, bytes([2]) + b"\xc1garbage")
+        deadline = time.monotonic() + 10
+        while link.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return bool(link.alive)
+    original = link._send_frame
+    used = []
+
+    def send_frame(kind: int, body: list) -> None:
+        if kind == 2 and not used:
+            used.append(True)
+            tag, addr, nbytes, dev, md = body
+            body = (
+                [tag, 16, nbytes, dev, md]
+                if cmd["mode"] == "address"
+                else [tag, addr, nbytes + 1, dev, md]
+            )
+        original(kind, body)
+
+    def install() -> None:
+        link._send_frame = send_frame
+
+    sender._reactor.run_sync(install)
+    return bool(link.alive)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=("receiver", "sender"))
@@ -157,6 +197,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--secret", default="", help="cluster secret, hex (empty: none)")
     ap.add_argument("--hello-timeout", type=float, default=5.0)
+    ap.add_argument("--kind", default="ucx", choices=("ucx", "nixl"), help="transport")
+    ap.add_argument("--settle-timeout", type=float, default=5.0, help="sender settle bound")
+    ap.add_argument(
+        "--corrupt", action="append", default=[], help="TRANSFER_ID:BLOCK_INDEX to corrupt (sender)"
+    )
     args = ap.parse_args()
     geometry = KVGeometry(**json.loads(args.geometry))
     bb = geometry.block_bytes
@@ -170,7 +215,7 @@ def main() -> None:
     handles = {}
     if args.role == "receiver":
         endpoint = create_receiver(
-            "ucx",
+            args.kind,
             pool,
             geometry,
             port=args.port,
@@ -181,8 +226,15 @@ def main() -> None:
         emit({"event": "ready", "address": endpoint.address.hex()})
     else:
         fill_pool(pool, args.seed)
+        corrupt = {(c.rsplit(":", 1)[0], int(c.rsplit(":", 1)[1])) for c in args.corrupt}
         endpoint = create_sender(
-            "ucx", pool, geometry, checksums=not args.no_checksums, secret=secret
+            args.kind,
+            pool,
+            geometry,
+            checksums=not args.no_checksums,
+            secret=secret,
+            settle_timeout_s=args.settle_timeout,
+            fault_injector=CorruptBlocks(corrupt) if corrupt else None,
         )
         emit({"event": "ready", "address": None})
     try:
@@ -222,6 +274,21 @@ def main() -> None:
                     geometry,
                 )
                 emit({"event": "replies", "ops": ops, "closed": closed})
+            elif kind == "progress":
+                h = handles[cmd["id"]]
+                done = h.blocks_done if args.role == "receiver" else h.blocks_sent
+                emit({"event": "progress", "state": h.state.value, "blocks_done": done})
+            elif kind == "send_more":
+                h = handles[cmd["id"]]
+                h.send_blocks(cmd["src"], cmd["first"])
+                h.finish()
+                h.wait(cmd["timeout"])
+                emit(result_of(h))
+            elif kind == "connect":
+                endpoint.connect(bytes.fromhex(cmd["address"]))
+                emit({"event": "connected"})
+            elif kind in ("tamper", "garbage"):
+                emit({"event": "ok", "alive": lie_on_link(endpoint, cmd)})
             elif kind == "pool_digest":
                 emit(
                     {
@@ -238,6 +305,7 @@ def main() -> None:
                         "auth_failures": getattr(endpoint, "auth_failures", 0),
                         "dropped_connections": getattr(endpoint, "dropped_connections", 0),
                         "connections": getattr(endpoint, "num_connections", 0),
+                        "connections_opened": getattr(endpoint, "connections_opened", 0),
                     }
                 )
             else:
