@@ -1,21 +1,24 @@
-"""KV transfer benchmark: kvtransfer over UCX versus a plain TCP socket, same bytes, same run.
+"""KV transfer benchmark: kvtransfer (UCX or NIXL) versus a plain TCP socket, same bytes, same run.
 
 Two processes on this host: this one sends, a spawned one receives. For each transfer size
 (1, 16, 256 blocks of the small model's 32 KiB block by default) it alternates rounds of
 
-* **ucx**: ``sender.open`` -> ``send_blocks`` (one coalesced run) -> ``finish``, timed until
-  the sender's handle is DONE, i.e. the receiver has verified every block (xxh3 checksums on,
-  unless ``--no-checksums``) and acknowledged;
+* **kvtransfer** over ``--transport`` (``ucx``, the default, or ``nixl``): ``sender.open`` ->
+  ``send_blocks`` (one coalesced run) -> ``finish``, timed until the sender's handle is DONE,
+  i.e. the receiver has verified every block (xxh3 checksums on, unless ``--no-checksums``)
+  and acknowledged;
 * **socket**: ``sendall`` of the same pool bytes over one TCP connection (TCP_NODELAY),
   ``recv_into`` the receiver's pool, timed until a 1-byte acknowledgement comes back;
 
 and **raw UCX**: the same exchange as the socket mode over plain ucxx tag messages (same UCX
 settings, no kvtransfer protocol, no I/O thread), which separates UCX's own cost from the
-layer's. Each round runs the modes back to back; ``--window`` transfers are in flight (1 =
+layer's (``ucx`` only: NIXL brings its own UCX, and two UCX copies in one process are not
+safe). Each round runs the modes back to back; ``--window`` transfers are in flight (1 =
 one at a time, latency-bound). It prints median GB/s and the median per-round ratio. Usage::
 
     python -m bench.kv_transfer_bench                       # defaults: 1,16,256 blocks, window 1
     python -m bench.kv_transfer_bench --window 8 --rounds 5
+    python -m bench.kv_transfer_bench --transport nixl --rounds 7
     python -m bench.kv_transfer_bench --ucx-option TCP_TX_SEG_SIZE=64k --progress-spin-us 50
 
 This is a measurement script, not a test: it asserts only that every transfer completed.
@@ -151,7 +154,7 @@ def _receiver_main(pipe, num_blocks: int, opts: dict) -> None:
     bb = geometry.block_bytes
     pool = np.zeros(num_blocks * bb, dtype=np.uint8)
     receiver = create_receiver(
-        "ucx",
+        opts["transport"],
         pool,
         geometry,
         verify_checksums=opts["checksums"],
@@ -161,8 +164,8 @@ def _receiver_main(pipe, num_blocks: int, opts: dict) -> None:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    raw = _RawUcx(opts["ucx_options"], opts["spin_us"])
-    pipe.send((receiver.address, server.getsockname()[1], raw.listen()))
+    raw = _RawUcx(opts["ucx_options"], opts["spin_us"]) if opts["transport"] == "ucx" else None
+    pipe.send((receiver.address, server.getsockname()[1], raw.listen() if raw else None))
     conn, _ = server.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = np.ones(1, dtype=np.uint8)
@@ -190,6 +193,7 @@ def _receiver_main(pipe, num_blocks: int, opts: dict) -> None:
                 pipe.send("ok")
             elif cmd[0] == "raw":
                 _, k, n, window = cmd
+                assert raw is not None
                 if raw.ep is None:
                     raw.accept()
                 for i in range(n):
@@ -200,7 +204,8 @@ def _receiver_main(pipe, num_blocks: int, opts: dict) -> None:
             elif cmd[0] == "quit":
                 break
     finally:
-        raw.close()
+        if raw is not None:
+            raw.close()
         conn.close()
         server.close()
         receiver.close()
@@ -229,7 +234,7 @@ def _run_ucx(sender, pipe, address: bytes, k: int, n: int, window: int, prefix: 
     done, bad = pipe.recv()
     if done != n:
         raise RuntimeError(f"only {done}/{n} UCX transfers completed: {bad}")
-    return Measurement("ucx", k, n, seconds, n * k * sender.geometry.block_bytes)
+    return Measurement("kvtransfer", k, n, seconds, n * k * sender.geometry.block_bytes)
 
 
 def _run_socket(
@@ -289,6 +294,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "checksums": not args.no_checksums,
         "ucx_options": ucx_options,
         "spin_us": args.progress_spin_us,
+        "transport": args.transport,
     }
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -297,7 +303,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     pool = np.random.default_rng(0).integers(0, 256, size=num_blocks * bb, dtype=np.uint8)
     extra = {"max_message_bytes": args.max_message_bytes} if args.max_message_bytes else {}
     sender = create_sender(
-        "ucx",
+        args.transport,
         pool,
         geometry,
         checksums=opts["checksums"],
@@ -313,20 +319,23 @@ def run(args: argparse.Namespace) -> list[dict]:
         address, port, raw_port = here.recv()
         sock = socket.create_connection(("127.0.0.1", port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        raw = _RawUcx(ucx_options, args.progress_spin_us)
-        raw.connect(raw_port)
+        raw = _RawUcx(ucx_options, args.progress_spin_us) if raw_port is not None else None
+        if raw is not None:
+            raw.connect(raw_port)
         sender.connect(address)
         tag = 0
         for k in sizes:
             n = max(args.min_transfers, min(args.max_transfers, args.bytes_per_round // (k * bb)))
             _run_ucx(sender, here, address, k, min(n, 8), args.window, f"warm{k}")  # warm-up
             _run_socket(sock, here, pool, bb, k, min(n, 8), args.window)
-            _run_raw(raw, here, pool, bb, k, min(n, 8), args.window)
+            if raw is not None:
+                _run_raw(raw, here, pool, bb, k, min(n, 8), args.window)
             ucx, plain, sockets = [], [], []
             for _ in range(args.rounds):
                 tag += 1
                 ucx.append(_run_ucx(sender, here, address, k, n, args.window, f"r{tag}"))
-                plain.append(_run_raw(raw, here, pool, bb, k, n, args.window))
+                if raw is not None:
+                    plain.append(_run_raw(raw, here, pool, bb, k, n, args.window))
                 sockets.append(_run_socket(sock, here, pool, bb, k, n, args.window))
             row = {
                 "blocks": k,
@@ -336,10 +345,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "window": args.window,
                 "checksums": opts["checksums"],
                 "ucx_gbps": statistics.median(m.gbps for m in ucx),
-                "ucx_raw_gbps": statistics.median(m.gbps for m in plain),
+                "transport": args.transport,
+                "ucx_raw_gbps": statistics.median(m.gbps for m in plain) if plain else None,
                 "socket_gbps": statistics.median(m.gbps for m in sockets),
                 "ucx_us": statistics.median(m.us_per_transfer for m in ucx),
-                "ucx_raw_us": statistics.median(m.us_per_transfer for m in plain),
+                "ucx_raw_us": statistics.median(m.us_per_transfer for m in plain)
+                if plain
+                else None,
                 "socket_us": statistics.median(m.us_per_transfer for m in sockets),
                 "ucx_gbps_rounds": [round(m.gbps, 3) for m in ucx],
                 "ucx_raw_gbps_rounds": [round(m.gbps, 3) for m in plain],
@@ -348,11 +360,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             # Each round runs the three modes back to back, so a per-round ratio compares them
             # under the same background load; report the median of those ratios.
             row["ratio"] = statistics.median(u.gbps / s.gbps for u, s in zip(ucx, sockets))
-            row["raw_ratio"] = statistics.median(p.gbps / s.gbps for p, s in zip(plain, sockets))
+            row["raw_ratio"] = (
+                statistics.median(p.gbps / s.gbps for p, s in zip(plain, sockets))
+                if plain
+                else None
+            )
             results.append(row)
         here.send(("quit",))
         sock.close()
-        raw.close()
+        if raw is not None:
+            raw.close()
     finally:
         sender.close()
         proc.join(10)
@@ -363,7 +380,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(
-        f"kvtransfer UCX vs raw TCP socket, 2 processes on one host, window={args.window}, "
+        f"kvtransfer over {args.transport} vs raw TCP socket, 2 processes on one host, "
+        f"window={args.window}, "
         f"checksums={'off' if args.no_checksums else 'on'}, rounds={args.rounds} "
         f"(medians; ratios are medians of per-round ratios)"
     )
@@ -375,11 +393,16 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
         f"{'blocks':>6} {'bytes':>9} | {'kvtransfer':>10} {'raw UCX':>8} {'socket':>8} GB/s | "
         f"{'kvt/sock':>8} {'raw/sock':>8} | {'kvt us':>7} {'raw us':>7} {'sock us':>7}"
     )
+
+    def opt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     for r in results:
         print(
-            f"{r['blocks']:>6} {r['bytes_per_transfer']:>9} | {r['ucx_gbps']:>10.3f} {r['ucx_raw_gbps']:>8.3f} "
-            f"{r['socket_gbps']:>8.3f}      | {r['ratio']:>8.2f} {r['raw_ratio']:>8.2f} | "
-            f"{r['ucx_us']:>7.0f} {r['ucx_raw_us']:>7.0f} {r['socket_us']:>7.0f}"
+            f"{r['blocks']:>6} {r['bytes_per_transfer']:>9} | {r['ucx_gbps']:>10.3f} "
+            f"{opt(r['ucx_raw_gbps'], '>8.3f'):>8} {r['socket_gbps']:>8.3f}      | "
+            f"{r['ratio']:>8.2f} {opt(r['raw_ratio'], '>8.2f'):>8} | "
+            f"{r['ucx_us']:>7.0f} {opt(r['ucx_raw_us'], '>7.0f'):>7} {r['socket_us']:>7.0f}"
         )
 
 
@@ -387,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="1,16,256", help="comma-separated transfer sizes in blocks")
     ap.add_argument("--window", type=int, default=1, help="transfers in flight at once")
+    ap.add_argument("--transport", choices=("ucx", "nixl"), default="ucx")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bytes-per-round", type=int, default=64 << 20)
     ap.add_argument("--min-transfers", type=int, default=20)

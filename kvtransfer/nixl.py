@@ -45,11 +45,13 @@ path needs the target's help (TCP); the reactor polls the reads this side starte
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,7 @@ from kvtransfer.base import DataCallback, Link, Transport
 from kvtransfer.errors import KVTransferError, PeerLostError, ProtocolError
 from kvtransfer.pool import Region
 from kvtransfer.protocol import ReceiverAddress
-from kvtransfer.ucx import UcxTransport
+from kvtransfer.ucx import USER_UCX_ENV, UcxTransport
 
 logger = logging.getLogger("kvtransfer")
 
@@ -81,6 +83,22 @@ def _nixl() -> Any:
             "the 'nixl' KV transport needs NIXL: pip install 'pdserve[nixl]' (nixl-cu12)"
         ) from e
     return _bindings
+
+
+@contextlib.contextmanager
+def _user_ucx_environment() -> Iterator[None]:
+    """The environment as the user set it, while NIXL's UCX reads its configuration: importing
+    ucxx (the control link) sets UCX_* defaults of its own, and its UCX_RNDV_THRESH=8192 sends
+    NIXL's reads through a rendezvous over TCP (9.4 ms for 8 MiB instead of 0.23 ms by CMA)."""
+    injected = {
+        k: os.environ.pop(k)
+        for k in list(os.environ)
+        if k.startswith("UCX_") and k not in USER_UCX_ENV
+    }
+    try:
+        yield
+    finally:
+        os.environ.update(injected)
 
 
 def _buffer_location(region: Region) -> tuple[int, int, bool]:
@@ -112,12 +130,13 @@ class NixlAgent:
         config.pthrDelay = max(0, progress_us)
         config.captureTelemetry = False
         self.name = name
-        self.agent = nb.nixlAgent(name, config)
-        self.agent.createBackend("UCX", {})
+        with _user_ucx_environment():
+            self.agent = nb.nixlAgent(name, config)
+            self.agent.createBackend("UCX", {})
         self._ranges: list[tuple[int, int, bool, int, Any]] = []  # lo, hi, cuda, dev, reg list
         self._reads: dict[int, _Read] = {}
         self._keys = itertools.count()
-        self._wake: Any = None
+        self._wake_at = 0.0
         self.reactor: Any = None
 
     # -- memory ------------------------------------------------------------------------
@@ -246,8 +265,10 @@ class NixlAgent:
         oldest = min(r.started for r in self._reads.values())
         if time.monotonic() - oldest < _SPIN_S:
             return False  # a short read: poll again at once
-        if self._wake is None or self._wake.cancelled:
-            self._wake = self.reactor.call_later(0.001, _noop)
+        now = time.monotonic()
+        if self._wake_at <= now:  # no wake-up pending: poll again in 1 ms
+            self._wake_at = now + 0.001
+            self.reactor.call_later(0.001, _noop)
         return True
 
     def fileno(self) -> int:

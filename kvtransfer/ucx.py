@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 # Which UCX_* variables the user set: importing ucxx sets defaults of its own (RNDV_THRESH...).
-_USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
+USER_UCX_ENV = frozenset(k for k in os.environ if k.startswith("UCX_"))
 
 import numpy as np
 import ucxx._lib.libucxx as ucx_api
@@ -82,7 +82,7 @@ def _parse_size(text: str) -> int:
 def _ucx_config(options: dict[str, str] | None) -> dict[str, str]:
     cfg = dict(DEFAULT_OPTIONS)
     cfg.update({k.removeprefix("UCX_"): str(v) for k, v in (options or {}).items()})
-    return {k: v for k, v in cfg.items() if f"UCX_{k}" not in _USER_UCX_ENV}
+    return {k: v for k, v in cfg.items() if f"UCX_{k}" not in USER_UCX_ENV}
 
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
