@@ -521,7 +521,7 @@ async def _main(args: argparse.Namespace) -> int:
 
     rt = WorkerRuntime(ROLE, args)
     receiver = create_receiver(
-        "ucx",
+        args.kv_transport,
         rt.engine.runner.transfer_pool,
         rt.kv_geometry(),
         host=args.advertise_host or args.host,
@@ -531,6 +531,7 @@ async def _main(args: argparse.Namespace) -> int:
         verify_checksums=args.kv_checksums,
         metrics=TransferMetrics(rt.metrics.registry),
     )
+    logger.info("KV transfer: %s receiver at %s", args.kv_transport, receiver.address_text)
     servicer = DecodeServicer(rt, receiver, args.kv_transfer_timeout)
 
     async def shutdown() -> None:

@@ -162,6 +162,11 @@ class Receiver(TransferEnd, KVReceiver):
     # ---- public API (any thread) -------------------------------------------------------
 
     @property
+    def address_text(self) -> str:
+        """The address for people: ``kind://host:port/receiver-id``."""
+        return str(self._address)
+
+    @property
     def address(self) -> bytes:
         """Opaque address for senders (msgpack: kind, host, port, receiver instance id)."""
         return self._address_bytes

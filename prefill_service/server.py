@@ -246,13 +246,14 @@ async def _main(args: argparse.Namespace) -> int:
 
     rt = WorkerRuntime(ROLE, args)
     sender = create_sender(
-        "ucx",
+        args.kv_transport,
         rt.engine.runner.transfer_pool,
         rt.kv_geometry(),
         checksums=args.kv_checksums,
         secret=rt.security.secret,
         metrics=TransferMetrics(rt.metrics.registry),
     )
+    logger.info("KV transfer: %s sender", args.kv_transport)
     servicer = PrefillServicer(rt, sender, args.kv_transfer_timeout)
 
     async def shutdown() -> None:

@@ -84,6 +84,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per worker rank (default: cores / (workers x TP x PP), at least 1)",
     )
+    g.add_argument(
+        "--kv-transport",
+        default=None,
+        choices=("ucx", "nixl"),
+        help="KV transfer data path of every worker (default: the workers' own, ucx); nixl: "
+        "the decode worker reads the prompt's blocks with NIXL (CMA on one host)",
+    )
     g.add_argument("--run-dir", default=None, help="logs and ready files (default: a temp dir)")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument(
@@ -366,6 +373,7 @@ class Cluster:
             a.worker_host,
             "--worker-id",
             name,
+            *(["--kv-transport", a.kv_transport] if a.kv_transport else []),
             *a.worker_arg,
             *role_args,
             *(extra or []),

@@ -53,7 +53,14 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     g.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any)")
     g.add_argument("--kv-port", type=int, default=0, help="UCX listener port (decode role)")
-    g.add_argument("--kv-transport", default="ucx", choices=("ucx",))
+    g.add_argument(
+        "--kv-transport",
+        default="ucx",
+        choices=("ucx", "nixl"),
+        help="KV transfer data path: ucx (ucxx tagged messages pushed by the prefill worker) or "
+        "nixl (NIXL one-sided reads by the decode worker: CMA on one host, RDMA between hosts; "
+        "needs pdserve[nixl]); prefill and decode workers must use the same",
+    )
     g.add_argument(
         "--kv-transfer-timeout",
         type=float,
