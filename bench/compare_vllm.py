@@ -1038,13 +1038,14 @@ def failures(rec: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 
-def parse_topologies(a: argparse.Namespace) -> dict[str, tuple[int, int, int | None]]:
-    """name -> (prefill workers, decode workers, threads per worker or None); the one
-    ``pdserve`` entry of --prefill/--decode without --topologies."""
+def parse_topologies(a: argparse.Namespace) -> dict[str, tuple[int, int, int | None, str | None]]:
+    """name -> (prefill workers, decode workers, threads per worker or None, KV transport or
+    None); the one ``pdserve`` entry of --prefill/--decode without --topologies."""
     if not a.topologies:
-        return {"pdserve": (a.prefill, a.decode, a.threads_per_worker)}
-    out: dict[str, tuple[int, int, int | None]] = {}
+        return {"pdserve": (a.prefill, a.decode, a.threads_per_worker, None)}
+    out: dict[str, tuple[int, int, int | None, str | None]] = {}
     for item in a.topologies.split(","):
+        item, _, transport = item.partition("@")
         shape, _, threads = item.partition(":")
         p, _, d = shape.partition("x")
         prefill, decode = int(p), int(d)
@@ -1052,7 +1053,9 @@ def parse_topologies(a: argparse.Namespace) -> dict[str, tuple[int, int, int | N
         name = (f"pdserve-{prefill}P{decode}D" if prefill else f"pdserve-colocated-{decode}D") + (
             f"-{t}t" if threads else ""
         )
-        out[name] = (prefill, decode, t)
+        if transport:
+            name += f"-{transport}"
+        out[name] = (prefill, decode, t, transport or None)
     return out
 
 
@@ -1091,8 +1094,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--topologies",
         default=None,
         help="several pdserve topologies in one run against the same vLLM half, as "
-        "PxD[:threads] (e.g. 0x1,1x1: colocated and 1 prefill + 1 decode; threads per "
-        "worker optional); overrides --prefill/--decode; one ratio table each",
+        "PxD[:threads][@transport] (e.g. 0x1,1x1,1x1@nixl: colocated, 1 prefill + 1 decode, "
+        "the same over NIXL; threads per worker optional); overrides --prefill/--decode; one "
+        "ratio table each",
     )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve KV memory per worker")
@@ -1171,7 +1175,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra=shlex.split(a.vllm_extra),
             )
         else:
-            prefill, decode, threads = topologies[system]
+            prefill, decode, threads, transport = topologies[system]
             sub = "" if system == "pdserve" else f"_{system}"
             server = PdserveServer(
                 model,
@@ -1182,7 +1186,8 @@ def main(argv: list[str] | None = None) -> int:
                 decode=decode,
                 threads_per_worker=threads,
                 kv_cache_memory=a.kv_cache_memory,
-                extra=shlex.split(a.pdserve_extra),
+                extra=shlex.split(a.pdserve_extra)
+                + (["--kv-transport", transport] if transport else []),
             )
         try:
             rec = measure(
@@ -1233,8 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if len(topologies) > 1 or first != "pdserve":
         summary["topologies"] = {
-            name: {"prefill": p, "decode": d, "threads_per_worker": t}
-            for name, (p, d, t) in topologies.items()
+            name: {"prefill": p, "decode": d, "threads_per_worker": t, "kv_transport": kv}
+            for name, (p, d, t, kv) in topologies.items()
         }
         summary["ratios_by_topology"] = by_topology
     out = a.out_dir / f"compare_{tag}.json"
