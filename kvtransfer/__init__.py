@@ -17,8 +17,8 @@ Typical use (decode worker D, prefill worker P)::
     sh.finish()                                                  # after the last block
 
 The protocol is documented in ``docs/notes/kvtransfer.md``. Only :mod:`kvtransfer.ucx`
-imports ``ucxx`` and only :mod:`kvtransfer.nixl` imports NIXL, each only when a sender or
-receiver of its kind is created.
+imports ``ucxx`` and only :mod:`kvtransfer.nixl_agent` imports NIXL, each only when a sender
+or receiver of its kind is created.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _make_transport(kind: str, opts: dict[str, Any], role: str) -> Transport:
         )
     if kind == "nixl":
         opts.pop("network", None)
-        from kvtransfer.nixl import DEFAULT_PROGRESS_US, NixlTransport  # the only NIXL import
+        from kvtransfer.nixl import NixlTransport  # NIXL is imported only from here
+        from kvtransfer.nixl_agent import DEFAULT_PROGRESS_US
 
         return NixlTransport(
             name=name,
@@ -101,7 +102,7 @@ def create_sender(kind: str, pool: Any, geometry: KVGeometry, **opts: Any) -> Se
 
     Transport options: ``ucx_options`` (dict of UCX settings without the ``UCX_`` prefix;
     ``UCX_*`` environment variables win), ``progress_spin_us`` (busy-poll window of the I/O
-    thread), ``nixl_progress_us`` (nixl only: period of NIXL's progress thread, 0 = none),
+    thread), ``nixl_progress_us`` (nixl only: period of NIXL's progress thread, >= 1),
     ``network`` (loopback only, required), ``name``. Every other option goes to
     :class:`~kvtransfer.sender.Sender` (``checksums``, ``max_active_transfers``,
     ``max_inflight_messages``, ``max_message_bytes``, ``connect_timeout_s``,

@@ -8,10 +8,9 @@ Two layers:
 * **Transport SPI** (:class:`Transport`, :class:`Link`): connections, control messages and
   tagged data messages. Three implementations: UCX (:mod:`kvtransfer.ucx`, the only module
   that imports ``ucxx``), NIXL (:mod:`kvtransfer.nixl`: control over UCX, data by one-sided
-  reads; the only module that imports NIXL) and an in-process loopback
-  (:mod:`kvtransfer.loopback`). The
-  protocol state machines (:mod:`kvtransfer.sender`, :mod:`kvtransfer.receiver`) are written
-  once against the SPI, so the loopback exercises exactly the code that runs over UCX.
+  reads) and an in-process loopback (:mod:`kvtransfer.loopback`). The protocol state
+  machines (:mod:`kvtransfer.sender`, :mod:`kvtransfer.receiver`) are written once against
+  the SPI, so the loopback exercises exactly the code that runs over UCX and NIXL.
 
 Every SPI method is called on the transport's reactor thread and every callback it makes runs
 there too.

@@ -1,7 +1,7 @@
 """NIXL transport: control over a UCX link, block data pulled with one-sided NIXL READs.
 
-The only module of the project that imports NIXL (``nixl_cu12``, the data plane vLLM's and
-Dynamo's disaggregation use, itself built on UCX). NIXL moves bytes from the sender's pool to
+NIXL (``nixl_cu12``, the data plane vLLM's and Dynamo's disaggregation use, itself built on
+UCX; imported only by :mod:`kvtransfer.nixl_agent`). NIXL moves bytes from the sender's pool to
 the receiver's pool by the fastest path UCX finds between the two processes: cross-memory
 attach (CMA) on one host, RDMA or TCP between hosts, NVLink / GPUDirect for device pools. On
 one host that is a single ``process_vm_readv`` by the receiver, with no byte crossing a socket
@@ -45,246 +45,27 @@ path needs the target's help (TCP); the reactor polls the reads this side starte
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
 from kvtransfer.base import DataCallback, Link, Transport
 from kvtransfer.errors import KVTransferError, PeerLostError, ProtocolError
+from kvtransfer.nixl_agent import DEFAULT_PROGRESS_US, NixlAgent, buffer_location, nixl_bindings
 from kvtransfer.pool import Region
 from kvtransfer.protocol import ReceiverAddress
-from kvtransfer.ucx import USER_UCX_ENV, UcxTransport
+from kvtransfer.ucx import UcxTransport
 
 logger = logging.getLogger("kvtransfer")
 
 _CTRL, _AGENT, _READY, _TAKEN = 0, 1, 2, 3
 #: READY announcements a link holds for receives not yet posted; more is a misbehaving peer.
 MAX_UNCLAIMED = 4096
-#: How long the reactor busy-polls a read before it sleeps between polls (1 ms ticks).
-_SPIN_S = 0.005
 _TEARDOWN_S = 2.0
-DEFAULT_PROGRESS_US = 1000
-
-
-def _nixl() -> Any:
-    """NIXL's bindings (imported on first use; raises ImportError with the install hint)."""
-    try:
-        from nixl_cu12 import _bindings  # type: ignore[attr-defined]
-    except ImportError as e:
-        raise ImportError(
-            "the 'nixl' KV transport needs NIXL: pip install 'pdserve[nixl]' (nixl-cu12)"
-        ) from e
-    return _bindings
-
-
-@contextlib.contextmanager
-def _user_ucx_environment() -> Iterator[None]:
-    """The environment as the user set it, while NIXL's UCX reads its configuration: importing
-    ucxx (the control link) sets UCX_* defaults of its own, and its UCX_RNDV_THRESH=8192 sends
-    NIXL's reads through a rendezvous over TCP (9.4 ms for 8 MiB instead of 0.23 ms by CMA)."""
-    injected = {
-        k: os.environ.pop(k)
-        for k in list(os.environ)
-        if k.startswith("UCX_") and k not in USER_UCX_ENV
-    }
-    try:
-        yield
-    finally:
-        os.environ.update(injected)
-
-
-def _buffer_location(region: Region) -> tuple[int, int, bool]:
-    """(address, device id, is_cuda) of a region's buffer."""
-    buf = region.buffer
-    if region.is_cuda:
-        return int(buf.data_ptr()), int(buf.device.index or 0), True
-    return int(buf.__array_interface__["data"][0]), 0, False
-
-
-@dataclass
-class _Read:
-    handle: Any
-    callback: Callable[[BaseException | None], None]
-    started: float
-
-
-class NixlAgent:
-    """One NIXL agent with the UCX backend (reactor thread only, apart from NIXL's own
-    progress thread). Tracks the reads it started as a reactor progress source."""
-
-    def __init__(self, name: str, progress_us: int):
-        nb = _nixl()
-        self._nb = nb
-        config = nb.nixlAgentConfig()
-        config.useProgThread = progress_us > 0
-        config.useListenThread = False
-        config.syncMode = nb.NIXL_THREAD_SYNC_NONE
-        config.pthrDelay = max(0, progress_us)
-        config.captureTelemetry = False
-        self.name = name
-        with _user_ucx_environment():
-            self.agent = nb.nixlAgent(name, config)
-            self.agent.createBackend("UCX", {})
-        self._ranges: list[tuple[int, int, bool, int, Any]] = []  # lo, hi, cuda, dev, reg list
-        self._reads: dict[int, _Read] = {}
-        self._keys = itertools.count()
-        self._wake_at = 0.0
-        self.reactor: Any = None
-
-    # -- memory ------------------------------------------------------------------------
-
-    def _seg(self, cuda: bool) -> Any:
-        return self._nb.VRAM_SEG if cuda else self._nb.DRAM_SEG
-
-    def register(self, addr: int, nbytes: int, dev: int, cuda: bool) -> Any:
-        regs = self._nb.nixlRegDList(self._seg(cuda), [(addr, nbytes, dev, "")])
-        self.agent.registerMem(regs, [])
-        self._ranges.append((addr, addr + nbytes, cuda, dev, regs))
-        return regs
-
-    def deregister(self, regs: Any) -> None:
-        self._ranges = [r for r in self._ranges if r[4] is not regs]
-        try:
-            self.agent.deregisterMem(regs, [])
-        except Exception as e:  # noqa: BLE001  (NIXL raises one type per status)
-            logger.debug("kvtransfer: NIXL deregistration failed: %s", e)
-
-    def covers(self, addr: int, nbytes: int, dev: int, cuda: bool) -> bool:
-        return any(
-            lo <= addr and addr + nbytes <= hi and c == cuda and d == dev
-            for lo, hi, c, d, _ in self._ranges
-        )
-
-    def metadata(self, regs: Any = None) -> bytes:
-        """Full metadata (connection info and every registration), or the partial metadata
-        of ``regs`` alone."""
-        if regs is None:
-            return bytes(self.agent.getLocalMD())
-        return bytes(self.agent.getLocalPartialMD(regs, False, []))
-
-    def load(self, metadata: bytes) -> str:
-        name = self.agent.loadRemoteMD(metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
-
-    def forget(self, remote: str) -> None:
-        try:
-            self.agent.invalidateRemoteMD(remote)
-        except Exception as e:  # noqa: BLE001  (NIXL raises one type per status)
-            logger.debug("kvtransfer: NIXL invalidate %s: %s", remote, e)
-
-    # -- reads (a reactor progress source) ------------------------------------------------
-
-    def read(
-        self,
-        remote: str,
-        dst: tuple[int, int, int, bool],
-        src_addr: int,
-        src_dev: int,
-        callback: Callable[[BaseException | None], None],
-    ) -> None:
-        """READ ``dst[1]`` bytes at ``src_addr`` of ``remote`` into ``dst`` (addr, nbytes, dev,
-        cuda); ``callback(error)`` runs on the reactor once no byte of it can land any more."""
-        nb = self._nb
-        addr, nbytes, dev, cuda = dst
-        local = nb.nixlXferDList(self._seg(cuda), [(addr, nbytes, dev)])
-        remote_l = nb.nixlXferDList(self._seg(cuda), [(src_addr, nbytes, src_dev)])
-        handle = self.agent.createXferReq(nb.NIXL_READ, local, remote_l, remote, b"", [])
-        try:
-            status = self.agent.postXferReq(handle, b"")
-        except BaseException:
-            self._release(handle)
-            raise
-        if status == nb.NIXL_SUCCESS:
-            self._release(handle)
-            self.reactor.call_soon(callback, None)
-            return
-        self._reads[next(self._keys)] = _Read(handle, callback, time.monotonic())
-
-    def _release(self, handle: Any) -> bool:
-        """Release a request (cancelling it if in flight); False if NIXL could not."""
-        try:
-            self.agent.releaseXferReq(handle)
-            return True
-        except Exception as e:  # noqa: BLE001  (NIXL raises one type per status)
-            logger.debug("kvtransfer: NIXL release: %s", e)
-            return False
-
-    @property
-    def outstanding(self) -> int:
-        return len(self._reads)
-
-    def progress(self) -> bool:
-        if not self._reads:
-            return False
-        nb = self._nb
-        finished: list[tuple[_Read, BaseException | None]] = []
-        for key, r in list(self._reads.items()):
-            try:
-                status = self.agent.getXferStatus(r.handle)
-                if status == nb.NIXL_IN_PROG:
-                    continue
-                error: BaseException | None = None
-                if status != nb.NIXL_SUCCESS:
-                    error = PeerLostError(f"NIXL read failed: {status}")
-            except Exception as e:  # noqa: BLE001  (NIXL raises one type per status)
-                error = PeerLostError(f"NIXL read failed: {type(e).__name__}: {e}")
-            if not self._release(r.handle):
-                continue  # still active: poll again
-            del self._reads[key]
-            finished.append((r, error))
-        for r, error in finished:
-            try:
-                r.callback(error)
-            except Exception:
-                logger.exception("kvtransfer: NIXL read callback failed")
-        return bool(finished)
-
-    def cancel(self, callback: Callable[[BaseException | None], None]) -> bool:
-        """Cancel the in-flight read completing with ``callback``; True once it can no longer
-        write (its callback then runs with a cancellation error), False if NIXL refused."""
-        for key, r in self._reads.items():
-            if r.callback is callback:
-                if not self._release(r.handle):
-                    return False
-                del self._reads[key]
-                self.reactor.call_soon(callback, PeerLostError("read cancelled"))
-                return True
-        return True
-
-    def arm(self) -> bool:
-        if not self._reads:
-            return True
-        oldest = min(r.started for r in self._reads.values())
-        if time.monotonic() - oldest < _SPIN_S:
-            return False  # a short read: poll again at once
-        now = time.monotonic()
-        if self._wake_at <= now:  # no wake-up pending: poll again in 1 ms
-            self._wake_at = now + 0.001
-            self.reactor.call_later(0.001, _noop)
-        return True
-
-    def fileno(self) -> int:
-        return -1  # polled, no event fd
-
-    def close(self) -> None:
-        for r in self._reads.values():
-            self._release(r.handle)
-        self._reads.clear()
-        for *_, regs in list(self._ranges):
-            self.deregister(regs)
-        self.agent = None
-
-
-def _noop() -> None:
-    pass
 
 
 class NixlLink(Link):
@@ -340,7 +121,7 @@ class NixlLink(Link):
         if tag in self._sends:
             reactor.call_soon(done, ProtocolError(f"data tag {tag:#x} is already in flight"))
             return
-        addr, dev, cuda = _buffer_location(region)
+        addr, dev, cuda = buffer_location(region)
         agent = self._t.agent
         regs, md = None, None
         if not agent.covers(addr, region.nbytes, dev, cuda):
@@ -424,7 +205,7 @@ class NixlLink(Link):
                 self._remote = self._t.attach(self._remote_md)
             if md is not None:
                 agent.load(md)
-            addr, dev, cuda = _buffer_location(region)
+            addr, dev, cuda = buffer_location(region)
 
             def finished(error: BaseException | None) -> None:
                 self._reading.pop(tag, None)
@@ -518,7 +299,7 @@ class NixlTransport(Transport):
         spin_us: float = 0.0,
         progress_us: int = DEFAULT_PROGRESS_US,
     ):
-        _nixl()  # fail before starting threads when NIXL is missing
+        nixl_bindings()  # fail before starting threads when NIXL is missing
         self._ucx = UcxTransport(name=name, options=options, spin_us=spin_us)
         self.reactor = self._ucx.reactor
         self.links: set[NixlLink] = set()
@@ -537,7 +318,7 @@ class NixlTransport(Transport):
         return agent
 
     def register_pool(self, region: Region) -> None:
-        addr, dev, cuda = _buffer_location(region)
+        addr, dev, cuda = buffer_location(region)
         if not self.agent.covers(addr, region.nbytes, dev, cuda):
             self.agent.register(addr, region.nbytes, dev, cuda)
 
