@@ -65,6 +65,8 @@ logger = logging.getLogger("kvtransfer")
 _CTRL, _AGENT, _READY, _TAKEN = 0, 1, 2, 3
 #: READY announcements a link holds for receives not yet posted; more is a misbehaving peer.
 MAX_UNCLAIMED = 4096
+#: A peer's NIXL agent metadata (a few hundred bytes for one pool), kept until its first read.
+MAX_METADATA_BYTES = 1 << 20
 _TEARDOWN_S = 2.0
 
 
@@ -79,6 +81,8 @@ class NixlLink(Link):
         self._closed = False
         self._started = False
         self._notified = False
+        self._closing_since = 0.0
+        self._warned = False
         self._remote_md: bytes | None = None
         self._remote: str | None = None
         # sender side: tag -> (done, temporary registration or None)
@@ -231,6 +235,8 @@ class NixlLink(Link):
                 self.on_ctrl(rest)
                 return
             if kind == _AGENT and not self._connecting and self._remote_md is None:
+                if len(rest) > MAX_METADATA_BYTES:
+                    raise ProtocolError(f"{len(rest)} bytes of agent metadata")
                 self._remote_md = bytes(rest)
                 return
             if kind in (_READY, _TAKEN):
@@ -270,18 +276,29 @@ class NixlLink(Link):
                 reactor.call_soon(done, error)
             self._posted.clear()
             self._ready.clear()
-        # reads in flight end (cancelled) before the link reports closed
+        # reads in flight end (cancelled) before the link lets go of its peer and reports
+        # closed: until then a read could still write into the pool
         for finished in list(self._reading.values()):
             self._t.agent.cancel(finished)
         if self._reading:
+            if first:
+                self._closing_since = time.monotonic()
+            elif time.monotonic() - self._closing_since > _TEARDOWN_S and not self._warned:
+                self._warned = True
+                logger.warning(
+                    "kvtransfer: NIXL link to %s: %d read(s) not cancelled after %.0f s",
+                    self.peer,
+                    len(self._reading),
+                    _TEARDOWN_S,
+                )
             self._t.reactor.call_later(0.001, self._shutdown, error)
             return
+        if self._remote is not None:
+            self._t.detach(self._remote)
+            self._remote = None
+        self._t.links.discard(self)
         if self._started and not self._notified:
             self._notified = True
-            if self._remote is not None:
-                self._t.detach(self._remote)
-                self._remote = None
-            self._t.links.discard(self)
             self._t.reactor.call_soon(self.on_closed, error)
 
 
