@@ -54,7 +54,7 @@ RUN pip install -e '.[engine,nixl]' \
 COPY . .
 RUN pip install --no-deps -e . \
  && chmod 0755 deploy/docker/entrypoint.sh deploy/docker/model-init.sh \
- && python -c "import shared.engine, router, kvtransfer.ucx" \
+ && python -c "import shared.engine, router, kvtransfer.ucx, kvtransfer.nixl_agent as n; n.nixl_bindings()" \
  && pdserve router --help >/dev/null
 
 USER pdserve

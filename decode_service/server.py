@@ -35,6 +35,7 @@ from shared.worker.service import (
     add_worker_cli_args,
     cancel_transfer,
     failure_metadata,
+    kv_transport_options,
     run_worker,
     serve_worker,
     unpin_when_terminal,
@@ -530,6 +531,7 @@ async def _main(args: argparse.Namespace) -> int:
         secret=rt.security.secret,
         verify_checksums=args.kv_checksums,
         metrics=TransferMetrics(rt.metrics.registry),
+        **kv_transport_options(args),
     )
     logger.info("KV transfer: %s receiver at %s", args.kv_transport, receiver.address_text)
     servicer = DecodeServicer(rt, receiver, args.kv_transfer_timeout)

@@ -73,13 +73,14 @@ def _make_transport(kind: str, opts: dict[str, Any], role: str) -> Transport:
     if kind == "nixl":
         opts.pop("network", None)
         from kvtransfer.nixl import NixlTransport  # NIXL is imported only from here
-        from kvtransfer.nixl_agent import DEFAULT_PROGRESS_US
+        from kvtransfer.nixl_agent import progress_us_from_env
 
+        progress_us = opts.pop("nixl_progress_us", None)
         return NixlTransport(
             name=name,
             options=opts.pop("ucx_options", None),
             spin_us=opts.pop("progress_spin_us", 0.0),
-            progress_us=opts.pop("nixl_progress_us", DEFAULT_PROGRESS_US),
+            progress_us=progress_us_from_env() if progress_us is None else progress_us,
         )
     if kind == "loopback":
         network = opts.pop("network", None)
@@ -102,7 +103,8 @@ def create_sender(kind: str, pool: Any, geometry: KVGeometry, **opts: Any) -> Se
 
     Transport options: ``ucx_options`` (dict of UCX settings without the ``UCX_`` prefix;
     ``UCX_*`` environment variables win), ``progress_spin_us`` (busy-poll window of the I/O
-    thread), ``nixl_progress_us`` (nixl only: period of NIXL's progress thread, >= 1),
+    thread), ``nixl_progress_us`` (nixl only: period of NIXL's progress thread in µs, default
+    ``PDSERVE_NIXL_PROGRESS_US`` or 10,000),
     ``network`` (loopback only, required), ``name``. Every other option goes to
     :class:`~kvtransfer.sender.Sender` (``checksums``, ``max_active_transfers``,
     ``max_inflight_messages``, ``max_message_bytes``, ``connect_timeout_s``,

@@ -191,15 +191,18 @@ class NixlLink(Link):
             self._ready[tag] = body
 
     def _take(self, tag: int, region: Region | None, done: DataCallback, ready: list[Any]) -> None:
+        # ``done`` always runs from a later reactor callback, as UCX completions do: the
+        # receiver may post receives from inside its own completion handling
         _, src_addr, nbytes, src_dev, md = ready
+        reactor = self._t.reactor
         if region is None:  # discard: nothing is read
             self._send_frame(_TAKEN, [tag, None])
-            done(None)
+            reactor.call_soon(done, None)
             return
         if nbytes != region.nbytes:
             reason = f"{nbytes} bytes announced for a {region.nbytes}-byte receive"
             self._send_frame(_TAKEN, [tag, reason])
-            done(ProtocolError(f"data tag {tag:#x}: {reason}"))
+            reactor.call_soon(done, ProtocolError(f"data tag {tag:#x}: {reason}"))
             return
         agent = self._t.agent
         try:
@@ -222,7 +225,7 @@ class NixlLink(Link):
             self._reading.pop(tag, None)
             error = e if isinstance(e, KVTransferError) else PeerLostError(f"NIXL read: {e}")
             self._send_frame(_TAKEN, [tag, str(error)])
-            done(error)
+            reactor.call_soon(done, error)
 
     # -- frames and closing --------------------------------------------------------------
 

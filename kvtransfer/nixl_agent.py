@@ -27,7 +27,27 @@ logger = logging.getLogger("kvtransfer")
 
 #: How long the reactor busy-polls a read before it sleeps between polls (1 ms ticks).
 _SPIN_S = 0.005
-DEFAULT_PROGRESS_US = 1000
+#: Period of NIXL's progress thread. This side's reads are polled by the reactor, and on one
+#: host (CMA) or over RDMA a read needs nothing from the peer, so the thread mostly sets up
+#: connections; over TCP it also serves the peer's reads of this pool, one period per step.
+#: 1 ms cost the 2-core machines 10-20 % of 1P+1D throughput on long prompts (wake-ups taken
+#: from the engines), 10 ms did not (docs/benchmarks.md); PDSERVE_NIXL_PROGRESS_US overrides.
+DEFAULT_PROGRESS_US = 10000
+PROGRESS_ENV = "PDSERVE_NIXL_PROGRESS_US"
+
+
+def progress_us_from_env() -> int:
+    """``PDSERVE_NIXL_PROGRESS_US`` if set (a positive integer), else the default."""
+    raw = os.environ.get(PROGRESS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PROGRESS_US
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{PROGRESS_ENV}={raw!r}: expected a positive number of microseconds")
+    return value
 
 
 def nixl_bindings() -> Any:

@@ -31,6 +31,7 @@ from shared.worker.service import (
     add_worker_cli_args,
     cancel_transfer,
     failure_metadata,
+    kv_transport_options,
     run_worker,
     serve_worker,
     unpin_when_terminal,
@@ -252,6 +253,7 @@ async def _main(args: argparse.Namespace) -> int:
         checksums=args.kv_checksums,
         secret=rt.security.secret,
         metrics=TransferMetrics(rt.metrics.registry),
+        **kv_transport_options(args),
     )
     logger.info("KV transfer: %s sender", args.kv_transport)
     servicer = PrefillServicer(rt, sender, args.kv_transfer_timeout)

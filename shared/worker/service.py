@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -110,6 +111,21 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"))
     ClusterSecurity.add_cli_args(parser)
+
+
+def kv_transport_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The transport options of ``--kv-transport`` for ``create_sender`` / ``create_receiver``,
+    checked before the worker starts: NIXL missing, or a bad ``PDSERVE_NIXL_PROGRESS_US``, is
+    a :class:`ConfigError` (one line, exit 2), not a traceback."""
+    if args.kv_transport != "nixl":
+        return {}
+    from kvtransfer.nixl_agent import nixl_bindings, progress_us_from_env
+
+    try:
+        nixl_bindings()
+        return {"nixl_progress_us": progress_us_from_env()}
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"--kv-transport nixl: {e}") from None
 
 
 def run_worker(

@@ -417,7 +417,7 @@ def test_dockerfile_entrypoint_and_scripts_are_wired():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["/app/deploy/docker/entrypoint.sh"]' in dockerfile
     assert "WORKDIR /app" in dockerfile
-    assert "pip install -e '.[engine]'" in dockerfile
+    assert "pip install -e '.[engine,nixl]'" in dockerfile
     for script in (ENTRYPOINT, MODEL_INIT):
         assert os.access(script, os.X_OK), f"{script} is not executable"
         assert script.read_text().startswith("#!/usr/bin/env bash\n")

@@ -3,6 +3,7 @@ one line on stderr and exits with status 2, as the router does: no traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,4 +26,17 @@ def test_a_worker_that_cannot_start_says_why_and_exits_2(tiny_llama, role, flags
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
     assert f"pdserve {role}: error: " in p.stderr and message in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_bad_nixl_progress_period_says_why_and_exits_2(tiny_llama, role):
+    argv = [sys.executable, "-m", "shared.cli", role, "--model", str(tiny_llama)]
+    argv += ["--kv-transport", "nixl"]
+    env = {**os.environ, "PDSERVE_NIXL_PROGRESS_US": "soon"}
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"pdserve {role}: error: --kv-transport nixl: PDSERVE_NIXL_PROGRESS_US='soon'" in (
+        p.stderr
+    ), p.stderr[-2000:]
     assert "Traceback" not in p.stderr
