@@ -30,7 +30,6 @@ import datetime
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -67,21 +66,24 @@ class RankDiedError(RuntimeError):
     """A rank process of this worker exited; the worker cannot step any more."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def init_process_group(pc: ParallelConfig, rank: int, device_type: str, port: int) -> Any:
-    """Join the worker's process group; returns the control group (gloo)."""
+def init_process_group(
+    pc: ParallelConfig, rank: int, device_type: str, port: int, store: Any = None
+) -> Any:
+    """Join the worker's process group; returns the control group (gloo). ``store``: the
+    rendezvous server rank 0 already listens with (see ``rendezvous_store``)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
+    # the other ranks' tcp:// rendezvous prefixes its keys with "default_pg": so does this one
+    where: dict[str, Any] = (
+        {"init_method": f"tcp://{pc.master_addr}:{port}"}
+        if store is None
+        else {"store": dist.PrefixStore("default_pg", store)}
+    )
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{pc.master_addr}:{port}",
         rank=rank,
         world_size=pc.world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        **where,
     )
     if backend == "gloo":
         return dist.group.WORLD
@@ -189,7 +191,21 @@ class MultiprocExecutor:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.parallel = parallel = spec.parallel
-        self.port = parallel.master_port or free_port(parallel.master_addr)
+        store = None
+        if parallel.master_port:
+            self.port = parallel.master_port
+        else:
+            # Listen before the ranks learn the port: a port picked free, closed and bound later
+            # could be taken in between (a worker failed to start with EADDRINUSE that way).
+            store = dist.TCPStore(
+                parallel.master_addr,
+                0,
+                parallel.world_size,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                wait_for_workers=False,
+            )
+            self.port = int(store.port)
         self.procs = spawn_ranks(spec, range(1, parallel.local_world_size), self.port)
         logger.info(
             "TP %d x PP %d: rank 0 (pid %d) and ranks %s of this node (pids %s); rendezvous "
@@ -203,7 +219,7 @@ class MultiprocExecutor:
             self.port,
         )
         self.device_type = torch.device(spec.device).type
-        self.control = init_process_group(parallel, 0, self.device_type, self.port)
+        self.control = init_process_group(parallel, 0, self.device_type, self.port, store)
         self.groups = stage_groups(parallel)
         self.comm = stage_comm(parallel, 0, self.device_type, self.groups, self.port)
         self.channel = control_channel(parallel, 0, self.control, self.port)
