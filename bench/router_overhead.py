@@ -19,7 +19,13 @@ with another version of ``router/``, e.g. a copy of the previous commit's), agai
 workers and Redis, and interleaves it with the first in both phases, so that before/after
 figures come from one run under the same load.
 
+``--baseline-args`` gives the baseline router extra flags (alone: this tree's router with them).
+``--client`` picks the HTTP client of the sequential phase: httpx, aiohttp (``vllm bench
+serve``'s), or both interleaved; the direct calls use grpc's C client, so a slow Python HTTP
+client's own time shows up as "added".
+
     .venv/bin/python bench/router_overhead.py --requests 400 --max-tokens 16
+    .venv/bin/python bench/router_overhead.py --baseline-args "--directory-lookup redis" --streams 0
     .venv/bin/python bench/router_overhead.py --baseline-root /tmp/base --lookups 0
 
 Everything runs on this machine, so client, router, workers and Redis share the CPUs.
@@ -130,6 +136,30 @@ async def _via_router(client, url: str, prompt: str, max_tokens: int) -> tuple[f
     return ttft, time.perf_counter() - t0
 
 
+async def _via_router_aiohttp(
+    session, url: str, prompt: str, max_tokens: int
+) -> tuple[float, float]:
+    """:func:`_via_router` with an aiohttp client (what ``vllm bench serve`` uses)."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"router answered {r.status}: {await r.read()!r}")
+        async for raw in r.content:
+            line = raw.decode()
+            if ttft is None and line.startswith('data: {"id"') and '"choices":[{' in line:
+                ttft = time.perf_counter() - t0
+    return ttft, time.perf_counter() - t0
+
+
 async def _stream_one(session, url: str, prompt: str, max_tokens: int) -> int:
     """One streaming completion; returns the number of SSE events received."""
     body = {
@@ -214,11 +244,12 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
     ]
     ready = workers[0][1]
     roots = {"router": ROOT}
-    if args.baseline_root:
-        roots["baseline"] = Path(args.baseline_root).resolve()
+    if args.baseline_root or args.baseline_args:
+        roots["baseline"] = Path(args.baseline_root or ROOT).resolve()
     routers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         for name, root in roots.items():
+            extra = args.baseline_args.split() if name == "baseline" and args.baseline_args else []
             port = _free_port()
             proc, _ = _start(
                 [
@@ -241,6 +272,7 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                     "--disable-uvicorn-access-log",
                     "--uvicorn-log-level",
                     "warning",
+                    *extra,
                 ],
                 cwd=root,
             )
@@ -274,7 +306,19 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                 "system",
                 "prompt",
             ]
-            kinds = ["direct", *routers]
+            import aiohttp
+
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+            )
+            clients = ["httpx", "aiohttp"] if args.client == "both" else [args.client]
+            # a router measured with each client: "name" (httpx) or "name@aiohttp"
+            targets = {
+                (name if c == "httpx" else f"{name}@{c}"): (name, c)
+                for name in routers
+                for c in clients
+            }
+            kinds = ["direct", *targets]
             results = {k: ([], []) for k in kinds}
             cpu0: dict[str, float] = {}
             load0 = os.getloadavg()[0]
@@ -287,9 +331,13 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                 for kind in kinds[shift:] + kinds[:shift]:
                     if kind == "direct":
                         ttft, e2e = await _direct(stub, pb, ids, args.max_tokens)
+                    elif targets[kind][1] == "aiohttp":
+                        ttft, e2e = await _via_router_aiohttp(
+                            session, routers[targets[kind][0]][1], prompt, args.max_tokens
+                        )
                     else:
                         ttft, e2e = await _via_router(
-                            client, routers[kind][1], prompt, args.max_tokens
+                            client, routers[targets[kind][0]][1], prompt, args.max_tokens
                         )
                     if i >= args.warmup:
                         results[kind][0].append(ttft)
@@ -299,6 +347,7 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                 k: (_cpu_s(p.pid) - cpu0[k]) / n * 1e3 for k, (p, _) in routers.items() if k in cpu0
             }
             load1 = os.getloadavg()[0]
+            await session.close()
             await channel.close()
         concurrent: dict[str, list[dict]] = {k: [] for k in routers}
         if args.streams and args.stream_rounds:
@@ -325,7 +374,7 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
         "cpus": os.cpu_count(),
     }
     if args.requests:
-        for name in routers:
+        for name, (router, _client) in targets.items():
             o = {}
             for metric, k in (("ttft", 0), ("e2e", 1)):
                 for p in (50, 90, 99):
@@ -339,7 +388,8 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
                 o[f"{metric}_mean_added_ms"] = (
                     statistics.mean(results[name][k]) - statistics.mean(results["direct"][k])
                 ) * 1e3
-            o["router_cpu_ms_per_request"] = cpu_ms[name]
+            # both clients' requests when both ran: the router's CPU per request pair
+            o["router_cpu_ms_per_request"] = cpu_ms[router] / len(clients)
             out["sequential"][name] = o
     return out
 
@@ -532,6 +582,18 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline-root",
         default=None,
         help="also run a router from this tree (its own router/) for comparison",
+    )
+    p.add_argument(
+        "--baseline-args",
+        default="",
+        help="extra router flags of the baseline router (with no --baseline-root: this "
+        "tree's router with these flags, e.g. '--directory-lookup redis')",
+    )
+    p.add_argument(
+        "--client",
+        choices=("httpx", "aiohttp", "both"),
+        default="both",
+        help="HTTP client of the sequential phase; 'both' interleaves the two in one run",
     )
     p.add_argument("--lookups", type=int, default=500, help="directory lookups (0 = skip)")
     p.add_argument(

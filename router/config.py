@@ -164,6 +164,7 @@ class RouterConfig:
     worker_cooldown_s: float = 5.0
     directory_timeout_s: float = 0.1
     directory_sweep_interval_s: float = 60.0
+    directory_lookup: str = "mirror"
     max_logprobs: int = 20
     max_n: int = 128
     max_prompts_per_request: int = 256
@@ -328,6 +329,14 @@ class RouterConfig:
             type=float,
             default=0.1,
             help="seconds; past it, route on load alone",
+        )
+        g.add_argument(
+            "--directory-lookup",
+            choices=("mirror", "redis"),
+            default="mirror",
+            help="where a request's prefix lookup reads the directory: 'mirror', the router's "
+            "own copy kept current from the directory's event stream (no round trip; asks "
+            "Redis while the copy loads), or 'redis', one round trip per request",
         )
         g.add_argument(
             "--directory-sweep-interval",
@@ -524,6 +533,7 @@ class RouterConfig:
             worker_cooldown_s=ns.worker_cooldown,
             directory_timeout_s=ns.directory_timeout,
             directory_sweep_interval_s=ns.directory_sweep_interval,
+            directory_lookup=ns.directory_lookup,
             max_logprobs=ns.max_logprobs,
             max_n=ns.max_n,
             max_prompts_per_request=ns.max_prompts_per_request,

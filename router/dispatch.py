@@ -45,6 +45,7 @@ from router.metrics import RouterMetrics
 from router.policy import Candidate, PolicyConfig, RouteDecision, choose_route
 from router.workers import WorkerPool
 from shared.directory import ROLE_DECODE, ROLE_PREFILL, DirectoryReader, WorkerRecord
+from shared.directory.mirror import DirectoryMirror
 from shared.hashing import block_hashes, hash_seed
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.failure import FAILURE_KEY, FAILURE_REQUEST
@@ -171,9 +172,11 @@ class Dispatcher:
         cfg: DispatchConfig,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
+        mirror: DirectoryMirror | None = None,
     ) -> None:
         self.pool = pool
         self.reader = reader
+        self.mirror = mirror
         self.model = model
         self.cfg = cfg
         self.metrics = metrics
@@ -259,6 +262,13 @@ class Dispatcher:
             if not hashes:
                 continue
             t0 = time.perf_counter()
+            # the router's own copy when it is in sync: no round trip to Redis
+            local = self.mirror.prefix_match(hashes, live) if self.mirror is not None else None
+            if local is not None:
+                self.metrics.c_lookup_local.observe(time.perf_counter() - t0)
+                for wid, n in local.blocks.items():
+                    out[wid] = n * bs
+                continue
             try:
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     m = await self.reader.prefix_match(self.model, hashes, live)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.directory.mirror import DirectoryMirror
 from shared.prom import LoopHistogram
 
 # vLLM's buckets for the same metrics
@@ -138,6 +139,38 @@ class RouterMetrics:
             buckets=_LOOKUP_BUCKETS,
             registry=r,
         )
+        self.lookup_local = Histogram(
+            "pdserve:router_directory_mirror_lookup_seconds",
+            "Prefix-directory lookup in the router's own copy of the directory",
+            labels,
+            buckets=(0.00001, 0.000025, 0.00005, 0.0001, *_LOOKUP_BUCKETS),
+            registry=r,
+        )
+        self.mirror_synced = Gauge(
+            "pdserve:router_directory_mirror_synced",
+            "1 while the router's copy of the directory follows Redis (lookups stay local)",
+            labels,
+            registry=r,
+        )
+        self.mirror_blocks = Gauge(
+            "pdserve:router_directory_mirror_blocks",
+            "Blocks held by some worker in the router's copy of the directory",
+            labels,
+            registry=r,
+        )
+        self.mirror_loads = Gauge(
+            "pdserve:router_directory_mirror_loads",
+            "Times the router's copy of the directory was loaded from Redis (start, resyncs)",
+            labels,
+            registry=r,
+        )
+        self.mirror_event = Gauge(
+            "pdserve:router_directory_mirror_last_event",
+            "Number of the last directory event the router's copy applied (the counter "
+            "kvev:{model}:n in Redis is the last one written)",
+            labels,
+            registry=r,
+        )
         self.prefix_hit_tokens = Counter(
             "pdserve:router_prefix_hit_tokens",
             "Prompt tokens already cached on the chosen decode worker",
@@ -160,12 +193,21 @@ class RouterMetrics:
         self.c_retries = self.retries.labels(m)
         self.c_ttft, self.c_itl, self.c_e2e = self.ttft.labels(m), self.itl, self.e2e.labels(m)
         self.c_lookup = self.lookup.labels(m)
+        self.c_lookup_local = self.lookup_local.labels(m)
         self.c_hit = self.prefix_hit_tokens.labels(m)
         self.c_prompt, self.c_gen = self.prompt_tokens.labels(m), self.generation_tokens.labels(m)
         self.c_inflight = self.inflight.labels(m)
         self._model = m
         for path in ("disagg", "local", "fallback"):
             self.requests.labels(m, path)
+
+    def watch_mirror(self, mirror: DirectoryMirror) -> None:
+        """Read the mirror's state at each scrape."""
+        m = self._model
+        self.mirror_synced.labels(m).set_function(lambda: float(mirror.synced))
+        self.mirror_blocks.labels(m).set_function(lambda: float(mirror.num_blocks))
+        self.mirror_loads.labels(m).set_function(lambda: float(mirror.resyncs))
+        self.mirror_event.labels(m).set_function(lambda: float(mirror.position))
 
     def routed(self, path: str) -> None:
         self.requests.labels(self._model, path).inc()

@@ -68,7 +68,9 @@ from shared.directory import (
     DirectoryKeys,
     DirectoryReader,
     connect_async,
+    make_member,
 )
+from shared.directory.mirror import DirectoryMirror
 
 logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -78,6 +80,7 @@ _OPEN_PATHS = ("/health",)
 # prompts once and then sends the credentials itself, also with the page's own requests
 _BROWSER_PATHS = ("/dashboard", "/docs", "/redoc", "/openapi.json")
 _REALM = 'realm="pdserve"'
+_MIRROR_BLOCK_S = 1.0  # longest wait of the directory mirror's XREAD
 _CLEANUP_TIMEOUT_S = 5.0  # the lifespan clean-up after uvicorn stopped serving
 
 
@@ -172,6 +175,17 @@ def create_app(config: RouterConfig) -> FastAPI:
             if redis_client is not None
             else None
         )
+        # the router's own copy of the directory, on a connection of its own (XREAD blocks)
+        mirror = (
+            DirectoryMirror(
+                connect_async(config.redis_url, timeout_s=_MIRROR_BLOCK_S + 1, max_connections=2),
+                DirectoryKeys(config.directory_prefix),
+                config.name,
+                block_ms=int(_MIRROR_BLOCK_S * 1000),
+            )
+            if config.redis_url and config.directory_lookup == "mirror"
+            else None
+        )
         pool = WorkerPool(
             model=config.name,
             reader=reader,
@@ -194,7 +208,15 @@ def create_app(config: RouterConfig) -> FastAPI:
                 policy=config.policy,
             ),
             metrics,
+            mirror=mirror,
         )
+        mirror_task = None
+        if mirror is not None:
+            mirror.live_members = lambda: {
+                make_member(r.worker_id, r.generation) for r in pool.records() if r.generation
+            }
+            metrics.watch_mirror(mirror)
+            mirror_task = asyncio.create_task(mirror.run(), name="directory-mirror")
         eos = set(model_cfg.eos_token_ids)
         if tok.eos_token_id is not None:
             eos.add(tok.eos_token_id)
@@ -247,9 +269,12 @@ def create_app(config: RouterConfig) -> FastAPI:
         finally:
             try:  # bounded: a stuck connection must not keep the process alive after SIGTERM
                 async with asyncio.timeout(_CLEANUP_TIMEOUT_S):
-                    if sweeper is not None:
-                        sweeper.cancel()
-                        await asyncio.gather(sweeper, return_exceptions=True)
+                    for task in (sweeper, mirror_task):
+                        if task is not None:
+                            task.cancel()
+                            await asyncio.gather(task, return_exceptions=True)
+                    if mirror is not None:
+                        await mirror.client.aclose()
                     await dispatcher.close()
                     await app.state.dashboard.close()
                     await pool.close()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import redis
 
 from shared.directory.lease import WorkerLease
+from shared.directory.mirror import EMIT_LUA, EVENTS_MAXLEN, entry_fields
 from shared.directory.records import REDIS_ERRORS, ErrorLog, logger, make_member
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -25,7 +26,8 @@ class KVEventPublisher:
 
     Keeps the set of blocks the worker holds (from the events) and the changes Redis has not
     confirmed yet. ``publish`` merges a step's events, then flushes every pending change in one
-    MULTI/EXEC (split only beyond 10k commands) together with the step's sequence number.
+    MULTI/EXEC (split only beyond 10k commands) together with the step's sequence number and
+    one entry per member on the model's event stream (which routers' mirrors follow).
     SADD/SREM are idempotent, so re-sending a change after an unknown outcome is always safe.
     When Redis is down the changes stay pending (call ``publish([])`` periodically to retry);
     past ``max_pending`` changes the publisher starts a new generation and republishes the
@@ -47,6 +49,9 @@ class KVEventPublisher:
         self._generation: str | None = None
         self._seq = 0
         self._set_seq = client.register_script(_SET_SEQ_LUA)
+        self._emit = client.register_script(EMIT_LUA)
+        self._stream = self.keys.events(self.model)
+        self._counter = self.keys.events_counter(self.model)
         self._errors = ErrorLog(f"kv events {lease.info.worker_id}")
 
     @property
@@ -110,18 +115,29 @@ class KVEventPublisher:
             self._in_redis = set()
             self._generation = gen
         member = make_member(self.lease.info.worker_id, gen)
-        ops: list[tuple[str, str, str]] = []
+        ops: list[tuple[bool, bytes, str]] = []  # (add, block hash, member)
         if stale_member is not None:
-            ops += [("srem", self.keys.block(self.model, h), stale_member) for h in stale_hashes]
-        ops += [
-            ("sadd" if present else "srem", self.keys.block(self.model, h), member)
-            for h, present in self._pending.items()
-        ]
+            ops += [(False, h, stale_member) for h in stale_hashes]
+        ops += [(present, h, member) for h, present in self._pending.items()]
         try:
             for start in range(0, max(len(ops), 1), _MAX_OPS_PER_PIPELINE):
                 pipe = self.client.pipeline(transaction=True)
-                for op, key, m in ops[start : start + _MAX_OPS_PER_PIPELINE]:
-                    getattr(pipe, op)(key, m)
+                chunk = ops[start : start + _MAX_OPS_PER_PIPELINE]
+                changes: dict[str, tuple[list[bytes], list[bytes]]] = {}
+                for add, h, m in chunk:
+                    key = self.keys.block(self.model, h)
+                    if add:
+                        pipe.sadd(key, m)
+                    else:
+                        pipe.srem(key, m)
+                    changes.setdefault(m, ([], []))[0 if add else 1].append(h)
+                # the same changes, appended to the model's event stream (routers' mirrors)
+                for m, (added, removed) in changes.items():
+                    self._emit(
+                        keys=[self._stream, self._counter],
+                        args=[EVENTS_MAXLEN, *entry_fields(m, added, removed)],
+                        client=pipe,
+                    )
                 if start + _MAX_OPS_PER_PIPELINE >= len(ops):
                     self._set_seq(
                         keys=[self.keys.worker(self.lease.info.worker_id)],

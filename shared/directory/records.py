@@ -47,6 +47,14 @@ class DirectoryKeys:
     def block_pattern(self, model: str) -> str:
         return f"{self.prefix}blk:{model}:*"
 
+    def events(self, model: str) -> str:
+        """The model's stream of directory changes (``mirror.py``)."""
+        return f"{self.prefix}kvev:{model}"
+
+    def events_counter(self, model: str) -> str:
+        """The number of the stream's last entry."""
+        return f"{self.prefix}kvev:{model}:n"
+
 
 def make_member(worker_id: str, generation: str) -> str:
     """The block-set member naming one incarnation of a worker."""

@@ -44,6 +44,40 @@ def _decode_stats(c):
     return out
 
 
+def _wait_routable(c, url: str, worker: str, ids: list[int], timeout: float = 10.0) -> None:
+    """Until ``worker`` holds the last full block of ``ids`` in the directory and the router's
+    copy of the directory applied every event written so far."""
+    import redis
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shared.directory import DirectoryKeys
+    from shared.hashing import block_hashes, hash_seed
+
+    keys = DirectoryKeys()
+    model = c.served_model_name
+    last = block_hashes(ids, 16, hash_seed(model))[-1]
+    client = redis.Redis.from_url(c.redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            held = any(m.startswith(f"{worker}:") for m in client.smembers(keys.block(model, last)))
+            written = int(client.get(keys.events_counter(model)) or 0)
+            text = httpx.get(f"{url}/metrics", timeout=5).text
+            applied = {
+                s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            }
+            if (
+                held
+                and applied.get("pdserve:router_directory_mirror_synced")
+                and applied.get("pdserve:router_directory_mirror_last_event") == written
+            ):
+                return
+            assert time.monotonic() < deadline, f"{worker}'s blocks never reached the router"
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
 def test_cached_prefix_routes_to_its_decode_worker(cluster):
     """Runs before the kill test (file order): a follow-up sharing a long prefix goes to the
     decode worker that already holds it, for three different prefixes."""
@@ -63,6 +97,7 @@ def test_cached_prefix_routes_to_its_decode_worker(cluster):
         mid = _decode_stats(c)
         first = [n for n in mid if mid[n].prefix_cache_queries > before[n].prefix_cache_queries]
         assert len(first) == 1, f"trial {trial}: served by {first}"
+        _wait_routable(c, url, first[0], prefix)
         follow = prefix + [rng.randrange(3, 2000) for _ in range(40)]
         client.completions.create(
             model=c.served_model_name, prompt=follow, max_tokens=2, temperature=0

@@ -30,14 +30,25 @@ def queries(*workers) -> list[int]:
     return [w.stats().prefix_cache_queries for w in workers]
 
 
-def wait_published(redis_url: str, prefix: str, ids: list[int], timeout: float = 5.0) -> None:
-    """Until the last full block of ``ids`` is in the directory."""
+def wait_published(
+    redis_url: str, prefix: str, ids: list[int], router=None, timeout: float = 5.0
+) -> None:
+    """Until the last full block of ``ids`` is in the directory and, with ``router``, in the
+    router's own copy of it (which applied every event written so far)."""
+    keys = DirectoryKeys(prefix)
     last = block_hashes(ids, 16, hash_seed(MODEL_NAME))[-1]
-    key = DirectoryKeys(prefix).block(MODEL_NAME, last)
+    key = keys.block(MODEL_NAME, last)
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout
     while not client.exists(key):
         assert time.monotonic() < deadline, "blocks were not published"
+        time.sleep(0.02)
+    while router is not None:
+        written = int(client.get(keys.events_counter(MODEL_NAME)) or 0)
+        synced = router.metric("pdserve:router_directory_mirror_synced")
+        if synced and router.metric("pdserve:router_directory_mirror_last_event") == written:
+            break
+        assert time.monotonic() < deadline, "the router's directory copy did not catch up"
         time.sleep(0.02)
     client.close()
 
@@ -54,18 +65,44 @@ def test_cached_prefix_goes_to_the_worker_holding_it(
     d0, d1 = make_worker("d0"), make_worker("d1")
     r = make_router(router_config)
     r.wait_workers(2)
+    deadline = time.monotonic() + 5
+    while not r.metric("pdserve:router_directory_mirror_synced"):  # its first load
+        assert time.monotonic() < deadline, "the router's directory copy never loaded"
+        time.sleep(0.02)
     ids = tok.encode(LONG_PROMPT)
     assert len(ids) >= 48
     complete(r, LONG_PROMPT)
     holder, other = (d0, d1) if queries(d0, d1) == [1, 0] else (d1, d0)
     assert queries(holder, other) == [1, 0]
-    wait_published(redis_server.url, prefix, ids)
+    wait_published(redis_server.url, prefix, ids, r)
     for i in range(4):  # same prefix, different tails
         complete(r, LONG_PROMPT + f" question {i}?")
     assert queries(holder, other) == [5, 0]
     assert holder.stats().prefix_cache_hits == 4
     hit = r.metric("pdserve:router_prefix_hit_tokens_total")
     assert hit >= 4 * 16 * (len(ids) // 16)
+    # every lookup after the first load was local: none asked Redis
+    assert r.metric("pdserve:router_directory_mirror_lookup_seconds_count") == 5
+    assert r.metric("pdserve:router_directory_lookup_seconds_count") == 0
+
+
+def test_directory_lookup_redis_asks_redis_for_every_request(
+    make_worker, make_router, router_config, redis_server, prefix, tok
+):
+    """``--directory-lookup redis``: no copy in the router, one round trip per request, and
+    the same affinity."""
+    d0, d1 = make_worker("d0"), make_worker("d1")
+    r = make_router(replace(router_config, directory_lookup="redis"))
+    r.wait_workers(2)
+    complete(r, LONG_PROMPT)
+    holder, other = (d0, d1) if queries(d0, d1) == [1, 0] else (d1, d0)
+    wait_published(redis_server.url, prefix, tok.encode(LONG_PROMPT))
+    for i in range(2):
+        complete(r, LONG_PROMPT + f" question {i}?")
+    assert queries(holder, other) == [3, 0]
+    assert r.metric("pdserve:router_directory_lookup_seconds_count") == 3
+    assert r.metric("pdserve:router_directory_mirror_lookup_seconds_count") == 0
+    assert r.metric("pdserve:router_directory_mirror_synced") == 0
 
 
 def test_load_decides_when_no_worker_holds_the_prefix(make_worker, make_router, router_config):
@@ -124,7 +161,7 @@ def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_pre
         r.wait_workers(1, n_prefill=1)
         complete(r, LONG_PROMPT)  # cold everywhere: P computes, blocks move to D
         assert r.metric("pdserve:router_requests_total", path="disagg") == 1
-        wait_published(redis_server.url, prefix, tok.encode(LONG_PROMPT))
+        wait_published(redis_server.url, prefix, tok.encode(LONG_PROMPT), r)
         complete(r, LONG_PROMPT)  # D now holds the whole prompt: prefill locally
         assert r.metric("pdserve:router_requests_total", path="local") == 1
         assert d.stats().prefix_cache_hits == 1
@@ -236,7 +273,7 @@ def test_redis_outage_keeps_serving_from_the_last_snapshot_then_recovers(
         complete(r, LONG_PROMPT)
         q1 = queries(*workers)
         holder = 0 if q1[0] > q0[0] else 1
-        wait_published(url, "out:", tok.encode(LONG_PROMPT))
+        wait_published(url, "out:", tok.encode(LONG_PROMPT), r, timeout=10)
         for i in range(3):
             complete(r, LONG_PROMPT + f" again {i}")
         q2 = queries(*workers)
