@@ -398,6 +398,7 @@ async def lookups(redis_url: str, n_blocks: int, n_lookups: int, prompt_blocks: 
     """Directory lookup latency with ``n_blocks`` cached blocks spread over 4 workers."""
     from shared.directory import (
         DirectoryKeys,
+        DirectoryMirror,
         DirectoryReader,
         KVEventPublisher,
         WorkerInfo,
@@ -450,6 +451,26 @@ async def lookups(redis_url: str, n_blocks: int, n_lookups: int, prompt_blocks: 
         m = await reader.prefix_match(MODEL, miss, live)
         t_miss.append(time.perf_counter() - t0)
         assert max(m.blocks.values()) == 0
+    # the same lookups in the router's own copy (--directory-lookup mirror): its load time and
+    # the in-process lookup, hit and miss
+    mirror_client = connect_async(redis_url, timeout_s=5.0)
+    mirror = DirectoryMirror(mirror_client, keys, MODEL)
+    t0 = time.perf_counter()
+    await mirror._resync()
+    load_s = time.perf_counter() - t0
+    m_hit, m_miss = [], []
+    for _ in range(n_lookups):
+        hashes = block_hashes(rng.choice(chains), 16, seed)
+        t0 = time.perf_counter()
+        m = mirror.prefix_match(hashes, live)
+        m_hit.append(time.perf_counter() - t0)
+        assert m is not None and max(m.blocks.values()) == prompt_blocks
+        miss = block_hashes([rng.randrange(5, 2000) for _ in range(prompt_blocks * 16)], 16, seed)
+        t0 = time.perf_counter()
+        m = mirror.prefix_match(miss, live)
+        m_miss.append(time.perf_counter() - t0)
+        assert m is not None and max(m.blocks.values()) == 0
+    await mirror_client.aclose()
     await client.aclose()
     info = connect_sync(redis_url).info("memory")
     for lease, pub in leases:
@@ -463,6 +484,11 @@ async def lookups(redis_url: str, n_blocks: int, n_lookups: int, prompt_blocks: 
         "miss_p50_ms": _pct(t_miss, 50) * 1e3,
         "miss_p99_ms": _pct(t_miss, 99) * 1e3,
         "redis_used_memory_mb": info["used_memory"] / 2**20,
+        "mirror_load_s": load_s,
+        "mirror_hit_p50_us": _pct(m_hit, 50) * 1e6,
+        "mirror_hit_p99_us": _pct(m_hit, 99) * 1e6,
+        "mirror_miss_p50_us": _pct(m_miss, 50) * 1e6,
+        "mirror_miss_p99_us": _pct(m_miss, 99) * 1e6,
     }
 
 
@@ -734,6 +760,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {r['blocks']:,} | {r['hit_p50_ms']:.3f} | {r['hit_p99_ms']:.3f} | "
                 f"{r['miss_p50_ms']:.3f} | {r['miss_p99_ms']:.3f} | "
                 f"{r['redis_used_memory_mb']:.1f} |"
+            )
+        print("\nthe same lookups in the router's own copy (--directory-lookup mirror):")
+        print(
+            "| cached blocks | load (s) | hit p50 (us) | hit p99 (us) | miss p50 (us) | miss p99 (us) |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in res["lookups"]:
+            print(
+                f"| {r['blocks']:,} | {r['mirror_load_s']:.2f} | {r['mirror_hit_p50_us']:.1f} | "
+                f"{r['mirror_hit_p99_us']:.1f} | {r['mirror_miss_p50_us']:.1f} | "
+                f"{r['mirror_miss_p99_us']:.1f} |"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

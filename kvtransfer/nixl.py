@@ -382,11 +382,7 @@ class NixlTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self.reactor.running:
-            try:
-                self.reactor.run_sync(self._teardown, timeout=_TEARDOWN_S + 3.0)
-            except (TimeoutError, RuntimeError) as e:
-                logger.warning("kvtransfer: NIXL teardown: %s", e)
+        self.reactor.run_teardown(self._teardown, _TEARDOWN_S + 3.0, "NIXL")
         self._ucx.close()
 
     def _teardown(self) -> None:

@@ -243,9 +243,9 @@ class NixlAgent:
         if not self._reads:
             return True
         oldest = min(r.started for r in self._reads.values())
-        if time.monotonic() - oldest < _SPIN_S:
-            return False  # a short read: poll again at once
         now = time.monotonic()
+        if now - oldest < _SPIN_S:
+            return False  # a short read: poll again at once
         if self._wake_at <= now:  # no wake-up pending: poll again in 1 ms
             self._wake_at = now + 0.001
             self.reactor.call_later(0.001, _noop)

@@ -98,6 +98,16 @@ class Reactor:
         if self._sleeping:
             self._wake()
 
+    def run_teardown(self, fn: Callable[[], None], timeout: float, what: str) -> None:
+        """A transport's close: ``fn()`` on the reactor thread while the reactor runs, bounded
+        by ``timeout``; a teardown that times out or finds the reactor gone is logged."""
+        if not self.running:
+            return
+        try:
+            self.run_sync(fn, timeout=timeout)
+        except (TimeoutError, RuntimeError) as e:
+            logger.warning("kvtransfer: %s teardown: %s", what, e)
+
     def run_sync(self, fn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
         """Run ``fn(*args)`` on the reactor thread and return its result (or raise its error).
 

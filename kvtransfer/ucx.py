@@ -479,11 +479,7 @@ class UcxTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self.reactor.running:
-            try:
-                self.reactor.run_sync(self._teardown, timeout=_TEARDOWN_S + 3.0)
-            except (TimeoutError, RuntimeError) as e:
-                logger.warning("kvtransfer: UCX teardown: %s", e)
+        self.reactor.run_teardown(self._teardown, _TEARDOWN_S + 3.0, "UCX")
         self.reactor.stop()
 
     def _teardown(self) -> None:
