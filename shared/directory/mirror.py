@@ -34,10 +34,10 @@ import redis.asyncio as aioredis
 
 from shared.directory.reader import PrefixMatch
 from shared.directory.records import REDIS_ERRORS, DirectoryKeys, logger
+from shared.hashing import HASH_BYTES
 
 #: entries kept in a model's event stream (approximately: ``XADD MAXLEN ~``)
 EVENTS_MAXLEN = 10_000
-_HASH_HEX = 32  # chars of one block hash in an entry (16 bytes)
 
 # Append one entry to the event stream, numbered from the counter. KEYS[1] the stream, KEYS[2]
 # the counter; ARGV[1] MAXLEN, then field/value pairs. Returns {number, id}.
@@ -93,8 +93,8 @@ class DirectoryMirror:
         self.prune_interval_s = prune_interval_s
         self.retry_s = retry_s
         self._emit = client.register_script(EMIT_LUA)
-        self._blocks: dict[str, set[str]] = {}  # hash hex -> members holding it
-        self._by_member: dict[str, set[str]] = {}  # member -> hash hexes
+        self._blocks: dict[bytes, set[str]] = {}  # block hash -> members holding it
+        self._by_member: dict[str, set[bytes]] = {}  # member -> block hashes
         self._touched: dict[str, float] = {}  # member -> when last written or loaded
         self._synced = False
         self._last_id = "0-0"
@@ -130,17 +130,25 @@ class DirectoryMirror:
         counts = dict.fromkeys(live, 0)
         if not block_hashes or not live:
             return PrefixMatch(counts, [])
-        active = {f"{wid}:{gen}": wid for wid, gen in live.items()}
+        owner = {f"{wid}:{gen}": wid for wid, gen in live.items()}
+        active = list(owner)
         blocks = self._blocks
+        stop = len(block_hashes)
         for i, h in enumerate(block_hashes):
-            holders = blocks.get(h.hex())
+            holders = blocks.get(h)
             if holders is None:
+                stop = i
                 break
-            active = {m: wid for m, wid in active.items() if m in holders}
-            if not active:
-                break
-            for wid in active.values():
-                counts[wid] = i + 1
+            still = [m for m in active if m in holders]
+            if len(still) != len(active):
+                for m in active:
+                    if m not in holders:
+                        counts[owner[m]] = i
+                active = still
+                if not active:
+                    break
+        for m in active:
+            counts[owner[m]] = stop
         return PrefixMatch(counts, [])
 
     # ---- keeping current ----------------------------------------------------------------
@@ -189,7 +197,7 @@ class DirectoryMirror:
             keys=[self.stream, self.counter], args=[EVENTS_MAXLEN, "m", ""]
         )
         n0, marker = int(n0), str(marker)
-        blocks: dict[str, set[str]] = {}
+        blocks: dict[bytes, set[str]] = {}
         prefix = self.keys.block(self.model, b"")
         cursor = 0
         while True:
@@ -202,13 +210,13 @@ class DirectoryMirror:
                     pipe.smembers(k)
                 for k, members in zip(keys, await pipe.execute(), strict=True):
                     if members:
-                        blocks[str(k)[len(prefix) :]] = {str(m) for m in members}
+                        blocks[bytes.fromhex(str(k)[len(prefix) :])] = {str(m) for m in members}
             if int(cursor) == 0:
                 break
         # nothing after the marker may have been trimmed while the sets were read
         if not await self.client.xrange(self.stream, marker, marker):
             raise _Resync("the stream was trimmed past the load's start")
-        by_member: dict[str, set[str]] = {}
+        by_member: dict[str, set[bytes]] = {}
         for h, members in blocks.items():
             for m in members:
                 by_member.setdefault(m, set()).add(h)
@@ -259,18 +267,18 @@ class DirectoryMirror:
             return
         self._touched[member] = time.monotonic()
         held = self._by_member.setdefault(member, set())
-        removed = str(fields.get("r", ""))
-        for i in range(0, len(removed), _HASH_HEX):
-            h = removed[i : i + _HASH_HEX]
+        removed = bytes.fromhex(str(fields.get("r", "")))
+        for i in range(0, len(removed), HASH_BYTES):
+            h = removed[i : i + HASH_BYTES]
             holders = self._blocks.get(h)
             if holders is not None:
                 holders.discard(member)
                 if not holders:
                     del self._blocks[h]
             held.discard(h)
-        added = str(fields.get("a", ""))
-        for i in range(0, len(added), _HASH_HEX):
-            h = added[i : i + _HASH_HEX]
+        added = bytes.fromhex(str(fields.get("a", "")))
+        for i in range(0, len(added), HASH_BYTES):
+            h = added[i : i + HASH_BYTES]
             self._blocks.setdefault(h, set()).add(member)
             held.add(h)
         if not held:
