@@ -6,12 +6,14 @@ Paths: ``plain`` (``F.linear`` on the plain weight), ``small`` (the C++ AVX512-B
 kernel for steps of at most 16 rows, ``F.linear`` above: the default before prepacking),
 ``onednn`` (weights reordered once at load, ``kernels/cpu_linear.py``), each with torch's
 element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE and SiLU x mul:
-the default on a CPU with AVX512-BF16). Each measurement builds a fresh engine, admits ``B``
+the default on a CPU with AVX512-BF16 before ``onecall``); ``onecall`` (``fused`` with a decode
+step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``: the default now;
+every other path runs with ``--enforce-eager``). Each measurement builds a fresh engine, admits ``B``
 prompts of ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps``
 engine steps (one token per sequence each).
 
     python bench/decode_step.py --model DIR [--batches 1,16,64] [--threads 1] [--rounds 2]
-        [--paths plain,small,onednn,fused] [--baseline-source FILE] [--profile STEPS]
+        [--paths plain,small,onednn,fused,onecall] [--baseline-source FILE] [--profile STEPS]
 
 ``--baseline-source FILE`` adds the path ``base``: ``fused`` with the C++ extension built from
 FILE instead of ``kernels/csrc/cpu_paged.cpp`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
@@ -86,7 +88,7 @@ def time_decode_steps(
     return ms
 
 
-PATHS = ("plain", "small", "onednn", "fused", "base")
+PATHS = ("plain", "small", "onednn", "fused", "onecall", "base")
 _baseline_ext = None  # the extension built from --baseline-source (path "base")
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
@@ -105,12 +107,15 @@ def step_ms(
         for name, fallback in OLDER.items():  # an op the baseline's build lacks: what it did
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
-    if path not in ("fused", "base"):
+    if path not in ("fused", "onecall", "base"):
         for name in FUSED:
             setattr(cpu_paged, name, None)
-    os.environ[cpu_linear.PATH_ENV] = "onednn" if path in ("onednn", "fused", "base") else "torch"
+    os.environ[cpu_linear.PATH_ENV] = (
+        "onednn" if path in ("onednn", "fused", "onecall", "base") else "torch"
+    )
     try:
-        engine = LLM(model, kv_cache_memory="512MiB").engine
+        # every path but onecall runs the layers one by one in Python (--enforce-eager)
+        engine = LLM(model, kv_cache_memory="512MiB", enforce_eager=path != "onecall").engine
         ms = time_decode_steps(engine, batch, prompt_len, steps, profile=profile)
         return ms, weight_bytes(engine.runner.model)
     finally:
@@ -140,7 +145,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--paths", default=",".join(PATHS[:4]), help=f"comma-separated of {PATHS}")
+    ap.add_argument("--paths", default=",".join(PATHS[:5]), help=f"comma-separated of {PATHS}")
     ap.add_argument("--baseline-source", default=None, help="cpu_paged.cpp of the path 'base'")
     ap.add_argument(
         "--profile", type=int, default=0, help="in the last round, profile this many more steps"

@@ -204,6 +204,52 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return ext.silu_mul_bf16(gate_up.contiguous())
 
 
+def decode_layers(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: tuple[int, int, int],
+    eps: float,
+    weights: list[torch.Tensor],
+    layers: list[int],
+    qkv_bias: bool,
+) -> torch.Tensor:
+    """A decode step's decoder layers in one C++ call (``decode_layers_bf16``); the caller
+    (``LlamaForCausalLM.decode_plan``) has checked that every op it makes applies."""
+    ext = _bf16_ext()
+    assert ext is not None
+    hq, hkv, d = heads
+    return ext.decode_layers_bf16(
+        x.contiguous(),
+        positions.long().contiguous(),
+        kv_cache,
+        slot_mapping.contiguous(),
+        block_tables.contiguous(),
+        seq_lens.contiguous(),
+        float(scale),
+        cos,
+        sin,
+        hq,
+        hkv,
+        d,
+        float(eps),
+        weights,
+        layers,
+        qkv_bias,
+    )
+
+
+def decode_layers_available() -> bool:
+    """Whether :func:`decode_layers` can run here (the extension, built with AVX512-BF16)."""
+    return _bf16_ext() is not None
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` for a CPU ``[N, V]`` tensor without an fp32 copy (bf16 argmax in
     torch is ~4x slower than upcast + argmax; this reads the bf16 values in place)."""

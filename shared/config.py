@@ -67,6 +67,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf_config: dict = field(hash=False, compare=False, repr=False)
     quantization: QuantizationConfig | None = None
+    # vLLM's --enforce-eager: no captured step (here: the Python layer loop in every decode step)
+    enforce_eager: bool = False
 
 
 QUANTIZATION_METHODS = (
@@ -499,7 +501,12 @@ class EngineArgs:
             help="default: triton on CUDA; cpp (C++ paged decode kernel) on CPU, "
             "torch (the reference) if it cannot be built",
         )
-        g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="run every decode step layer by layer in Python (by default a bf16 decode "
+            "step on the CPU runs its decoder layers in one C++ call)",
+        )
         g.add_argument("--disable-log-stats", action="store_true")
         g.add_argument(
             "--max-logprobs",
@@ -644,6 +651,7 @@ class EngineArgs:
             eos_token_ids=eos_ids,
             hf_config=hf,
             quantization=resolve_quantization(self.quantization, hf),
+            enforce_eager=self.enforce_eager,
         )
 
     def create_cache_config(self) -> CacheConfig:

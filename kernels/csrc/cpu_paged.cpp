@@ -898,7 +898,61 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv, in
   }
 }
 
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): the packed projection
+// of kernels/cpu_linear.py, called through the dispatcher (boxed: no C++ signature to match).
+static at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
+                                const c10::optional<at::Tensor>& b) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(b);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The decoder layers of one decode step in one call: shared/models/llama.py's layer loop for a
+// bf16 model whose projections are all packed and whose element-wise ops are the fused bf16
+// kernels above, with the same ops in the same order (so the same bits), minus the Python
+// between them. ``w`` holds 7 tensors per layer: input-norm weight, packed qkv, qkv bias (read
+// only when ``qkv_bias``), packed o, post-attention-norm weight, packed gate_up, packed down;
+// ``layers`` the pool index of each layer. Returns the residual stream after the last layer.
+at::Tensor decode_layers_bf16(at::Tensor x, const at::Tensor& positions, at::Tensor& kv,
+                              const at::Tensor& slots, const at::Tensor& tables,
+                              const at::Tensor& lens, double scale, const at::Tensor& cos,
+                              const at::Tensor& sin, int64_t hq, int64_t hkv, int64_t d,
+                              double eps, const std::vector<at::Tensor>& w,
+                              const std::vector<int64_t>& layers, bool qkv_bias) {
+  TORCH_CHECK(w.size() == 7 * layers.size(), "7 weights per layer");
+  const int64_t t = x.size(0), qs = hq * d, ks = hkv * d;
+  const c10::optional<at::Tensor> none;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const at::Tensor* lw = &w[7 * l];
+    at::Tensor h = rms_norm_bf16(x.contiguous(), none, lw[0], eps)[0];
+    at::Tensor qkv = packed_linear(h, lw[1], qkv_bias ? c10::optional<at::Tensor>(lw[2]) : none);
+    at::Tensor q = qkv.narrow(1, 0, qs).view({t, hq, d});
+    at::Tensor k = qkv.narrow(1, qs, ks).view({t, hkv, d});
+    at::Tensor v = qkv.narrow(1, qs + ks, ks).view({t, hkv, d});
+    std::vector<at::Tensor> qk = rope_bf16(q, k, cos, sin, positions);
+    write_kv(qk[1], v, kv, layers[l], slots);
+    at::Tensor o = paged_decode(qk[0].contiguous(), kv, layers[l], tables, lens, scale, none, none);
+    at::Tensor a = packed_linear(o.reshape({t, qs}), lw[3], none);
+    std::vector<at::Tensor> nt = rms_norm_bf16(a.contiguous(), x.contiguous(), lw[4], eps);
+    at::Tensor gu = packed_linear(nt[0], lw[5], none);
+    at::Tensor m = silu_mul_bf16(gu.contiguous());
+    x = at::add(nt[1], packed_linear(m, lw[6], none));
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers_bf16", &decode_layers_bf16,
+        "a decode step's decoder layers in one call (bf16, packed projections, fused ops)");
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("write_kv", &write_kv, "store a layer's new K / V rows into their slots (CPU)");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");

@@ -11,7 +11,10 @@ and writes the paged pool through ``AttentionMetadata``.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -22,6 +25,9 @@ from torch import nn
 from kernels import cpu_linear
 from shared.config import ModelConfig
 from shared.models.sharding import WHOLE, Shard
+
+logger = logging.getLogger(__name__)
+_UNBUILT = object()  # LlamaForCausalLM._decode_plan before its first forward
 
 
 class Linear(nn.Linear):
@@ -287,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = rotary
         self.tied_packed: torch.Tensor | None = None  # a packed copy of a tied LM head
+        # the decode step's layers as one call (``_plan_decode``), built at the first forward
+        self._decode_plan: Callable[..., torch.Tensor] | None | object = _UNBUILT
         self.small_linear = getattr(backend, "small_linear", None)
         fused = {
             RMSNorm: getattr(backend, "rms_norm", None),
@@ -310,9 +318,78 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden states [T, H]: normalised on the last stage; a
         # later stage starts from the previous stage's ``hidden``
         x = self.embed(input_ids) if hidden is None else hidden
-        for layer in self.layers:
-            x = layer(positions, x, kv_cache, meta)
+        plan = self._decode_plan if self._decode_plan is not _UNBUILT else self._plan_decode()
+        if (
+            plan is not None
+            and meta.decode_only
+            and meta.k_scale is None
+            and x.dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+        ):
+            x = plan(x, positions, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        else:
+            for layer in self.layers:
+                x = layer(positions, x, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
+
+    def _plan_decode(self) -> Callable[..., torch.Tensor] | None:
+        """The decoder layers of a decode step as one C++ call (``kernels/cpu_paged.py::
+        decode_layers``), when the backend has it and every op of the Python layer loop would
+        take the path that call makes (packed projections, the fused bf16 RMSNorm, RoPE and
+        SiLU x mul, one rank); else ``None``. Built once, at the first forward (after the
+        weights were packed); ``--enforce-eager`` keeps the Python loop."""
+        self._decode_plan = None
+        cfg = self.config
+        be = self.layers[0].self_attn.backend if len(self.layers) else None
+        run = getattr(be, "decode_layers", None)
+        if (
+            cfg.enforce_eager
+            or run is None
+            or not be.decode_layers_available()  # type: ignore[union-attr]
+            or self.shard.tp_size != 1
+            or cfg.hidden_size % 16
+            or cfg.head_dim % 32
+            or self.rotary.fused is None
+            or self.rotary.cos.dtype != torch.float32
+        ):
+            return None
+        weights: list[torch.Tensor] = []
+        eps: set[float] = set()
+        biases = {layer.self_attn.qkv_proj.bias is not None for layer in self.layers}
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if (
+                any(type(lin) is not Linear or lin.packed is None for lin in lins)
+                or any(n.fused is None or n.weight.dtype != torch.bfloat16 for n in norms)
+                or m.fused is None
+                or (2 * m.inter) % 32
+            ):
+                return None
+            assert a.qkv_proj.packed is not None  # for mypy: checked above
+            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else a.qkv_proj.packed
+            weights += [norms[0].weight, a.qkv_proj.packed, bias, a.o_proj.packed]
+            weights += [norms[1].weight, m.gate_up_proj.packed, m.down_proj.packed]
+            eps.update(n.eps for n in norms)
+        if len(eps) != 1 or len(biases) != 1:
+            return None
+        a0 = self.layers[0].self_attn
+        plan = functools.partial(
+            run,
+            scale=a0.scale,
+            cos=self.rotary.cos,
+            sin=self.rotary.sin,
+            heads=(a0.num_heads, a0.num_kv_heads, a0.head_dim),
+            eps=eps.pop(),
+            weights=weights,
+            layers=[layer.self_attn.layer for layer in self.layers],
+            qkv_bias=biases.pop(),
+        )
+        self._decode_plan = plan
+        logger.info("decode steps: the %d decoder layers in one C++ call", len(self.layers))
+        return self._decode_plan
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None
