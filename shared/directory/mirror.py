@@ -59,6 +59,10 @@ class _Resync(Exception):
     """The mirror lost track of the stream; load it again."""
 
 
+class _TrimmedDuringLoad(_Resync):
+    """More entries came during a load than the stream keeps: load again after a pause."""
+
+
 class DirectoryMirror:
     """A local copy of one model's block sets, fed by the directory's event stream.
 
@@ -180,6 +184,8 @@ class DirectoryMirror:
         behind the stream."""
         if isinstance(e, _Resync):
             logger.info("directory mirror: %s; loading it again", e)
+            if isinstance(e, _TrimmedDuringLoad):
+                await asyncio.sleep(self.retry_s)
             return
         if isinstance(e, REDIS_ERRORS):
             if self.last_error is None:
@@ -215,7 +221,7 @@ class DirectoryMirror:
                 break
         # nothing after the marker may have been trimmed while the sets were read
         if not await self.client.xrange(self.stream, marker, marker):
-            raise _Resync("the stream was trimmed past the load's start")
+            raise _TrimmedDuringLoad("the stream was trimmed past the load's start")
         by_member: dict[str, set[bytes]] = {}
         for h, members in blocks.items():
             for m in members:
