@@ -116,8 +116,9 @@ async def _direct(stub, pb, prompt_ids: list[int], max_tokens: int) -> tuple[flo
     return ttft, time.perf_counter() - t0
 
 
-async def _via_router(client, url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
-    body = {
+def _completion_body(prompt: str, max_tokens: int) -> dict:
+    """The streaming ``/v1/completions`` request every phase sends."""
+    return {
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -125,13 +126,22 @@ async def _via_router(client, url: str, prompt: str, max_tokens: int) -> tuple[f
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def _has_choice(line: str) -> bool:
+    """An SSE line carrying a choice (the stream's tokens, not the usage chunk)."""
+    return line.startswith('data: {"id"') and '"choices":[{' in line
+
+
+async def _via_router(client, url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
+    body = _completion_body(prompt, max_tokens)
     t0 = time.perf_counter()
     ttft = None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"router answered {r.status_code}: {await r.aread()!r}")
         async for line in r.aiter_lines():
-            if ttft is None and line.startswith('data: {"id"') and '"choices":[{' in line:
+            if ttft is None and _has_choice(line):
                 ttft = time.perf_counter() - t0
     return ttft, time.perf_counter() - t0
 
@@ -140,14 +150,7 @@ async def _via_router_aiohttp(
     session, url: str, prompt: str, max_tokens: int
 ) -> tuple[float, float]:
     """:func:`_via_router` with an aiohttp client (what ``vllm bench serve`` uses)."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = _completion_body(prompt, max_tokens)
     t0 = time.perf_counter()
     ttft = None
     async with session.post(f"{url}/v1/completions", json=body) as r:
@@ -155,21 +158,14 @@ async def _via_router_aiohttp(
             raise RuntimeError(f"router answered {r.status}: {await r.read()!r}")
         async for raw in r.content:
             line = raw.decode()
-            if ttft is None and line.startswith('data: {"id"') and '"choices":[{' in line:
+            if ttft is None and _has_choice(line):
                 ttft = time.perf_counter() - t0
     return ttft, time.perf_counter() - t0
 
 
 async def _stream_one(session, url: str, prompt: str, max_tokens: int) -> int:
     """One streaming completion; returns the number of SSE events received."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = _completion_body(prompt, max_tokens)
     events = 0
     tail = b""
     async with session.post(f"{url}/v1/completions", json=body) as r:

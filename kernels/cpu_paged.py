@@ -221,7 +221,7 @@ def decode_layers(
     qkv_bias: bool,
 ) -> torch.Tensor:
     """A decode step's decoder layers in one C++ call (``decode_layers_bf16``); the caller
-    (``LlamaForCausalLM.decode_plan``) has checked that every op it makes applies."""
+    (``LlamaForCausalLM.plan_decode``) has checked that every op it makes applies."""
     ext = _bf16_ext()
     assert ext is not None
     hq, hkv, d = heads

@@ -263,22 +263,20 @@ class Dispatcher:
                 continue
             t0 = time.perf_counter()
             # the router's own copy when it is in sync: no round trip to Redis
-            local = self.mirror.prefix_match(hashes, live) if self.mirror is not None else None
-            if local is not None:
+            m = self.mirror.prefix_match(hashes, live) if self.mirror is not None else None
+            if m is not None:
                 self.metrics.c_lookup_local.observe(time.perf_counter() - t0)
-                for wid, n in local.blocks.items():
-                    out[wid] = n * bs
-                continue
-            try:
-                async with asyncio.timeout(self.cfg.directory_timeout_s):
-                    m = await self.reader.prefix_match(self.model, hashes, live)
-            except Exception as e:  # noqa: BLE001 - any directory failure: route on load alone
-                if not self._lookup_failing:
-                    logger.warning("prefix directory lookup failed (%r); routing on load", e)
-                self._lookup_failing = True
-                continue
-            self._lookup_failing = False
-            self.metrics.c_lookup.observe(time.perf_counter() - t0)
+            else:
+                try:
+                    async with asyncio.timeout(self.cfg.directory_timeout_s):
+                        m = await self.reader.prefix_match(self.model, hashes, live)
+                except Exception as e:  # noqa: BLE001 - any directory failure: route on load
+                    if not self._lookup_failing:
+                        logger.warning("prefix directory lookup failed (%r); routing on load", e)
+                    self._lookup_failing = True
+                    continue
+                self._lookup_failing = False
+                self.metrics.c_lookup.observe(time.perf_counter() - t0)
             for wid, n in m.blocks.items():
                 out[wid] = n * bs
             if m.stale and (self._cleanup is None or self._cleanup.done()):

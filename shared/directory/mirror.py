@@ -33,7 +33,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared.directory.reader import PrefixMatch
-from shared.directory.records import REDIS_ERRORS, DirectoryKeys, logger
+from shared.directory.records import REDIS_ERRORS, DirectoryKeys, logger, make_member
 from shared.hashing import HASH_BYTES
 
 #: entries kept in a model's event stream (approximately: ``XADD MAXLEN ~``)
@@ -134,7 +134,7 @@ class DirectoryMirror:
         counts = dict.fromkeys(live, 0)
         if not block_hashes or not live:
             return PrefixMatch(counts, [])
-        owner = {f"{wid}:{gen}": wid for wid, gen in live.items()}
+        owner = {make_member(wid, gen): wid for wid, gen in live.items()}
         active = list(owner)
         blocks = self._blocks
         stop = len(block_hashes)

@@ -12,7 +12,6 @@ and writes the paged pool through ``AttentionMetadata``.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +24,6 @@ from torch import nn
 from kernels import cpu_linear
 from shared.config import ModelConfig
 from shared.models.sharding import WHOLE, Shard
-
-logger = logging.getLogger(__name__)
-_UNBUILT = object()  # LlamaForCausalLM._decode_plan before its first forward
 
 
 class Linear(nn.Linear):
@@ -293,8 +289,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = rotary
         self.tied_packed: torch.Tensor | None = None  # a packed copy of a tied LM head
-        # the decode step's layers as one call (``_plan_decode``), built at the first forward
-        self._decode_plan: Callable[..., torch.Tensor] | None | object = _UNBUILT
+        # the decode step's layers as one call (``plan_decode``, set by the loader)
+        self._decode_plan: Callable[..., torch.Tensor] | None = None
         self.small_linear = getattr(backend, "small_linear", None)
         fused = {
             RMSNorm: getattr(backend, "rms_norm", None),
@@ -318,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden states [T, H]: normalised on the last stage; a
         # later stage starts from the previous stage's ``hidden``
         x = self.embed(input_ids) if hidden is None else hidden
-        plan = self._decode_plan if self._decode_plan is not _UNBUILT else self._plan_decode()
+        plan = self._decode_plan
         if (
             plan is not None
             and meta.decode_only
@@ -333,13 +329,16 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(positions, x, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
 
-    def _plan_decode(self) -> Callable[..., torch.Tensor] | None:
-        """The decoder layers of a decode step as one C++ call (``kernels/cpu_paged.py::
-        decode_layers``), when the backend has it and every op of the Python layer loop would
-        take the path that call makes (packed projections, the fused bf16 RMSNorm, RoPE and
-        SiLU x mul, one rank); else ``None``. Built once, at the first forward (after the
-        weights were packed); ``--enforce-eager`` keeps the Python loop."""
-        self._decode_plan = None
+    def plan_decode(self) -> bool:
+        """Run a decode step's decoder layers as one C++ call (``kernels/cpu_paged.py::
+        decode_layers``) from now on, when the backend has it and every op of the Python layer
+        loop would take the path that call makes (packed projections, the fused bf16 RMSNorm,
+        RoPE and SiLU x mul, one rank); ``--enforce-eager`` keeps the Python loop. The loader
+        calls it once, after packing the weights. Returns whether the call is used."""
+        self._decode_plan = self._build_decode_plan()
+        return self._decode_plan is not None
+
+    def _build_decode_plan(self) -> Callable[..., torch.Tensor] | None:
         cfg = self.config
         be = self.layers[0].self_attn.backend if len(self.layers) else None
         run = getattr(be, "decode_layers", None)
@@ -387,9 +386,7 @@ class LlamaForCausalLM(nn.Module):
             layers=[layer.self_attn.layer for layer in self.layers],
             qkv_bias=biases.pop(),
         )
-        self._decode_plan = plan
-        logger.info("decode steps: the %d decoder layers in one C++ call", len(self.layers))
-        return self._decode_plan
+        return plan
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None

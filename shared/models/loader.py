@@ -155,6 +155,8 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
     except ValueError as e:  # PDSERVE_CPU_LINEAR names no path
         raise ConfigError(str(e)) from e
     packed = model.prepack_linears(plan)
+    if model.plan_decode():
+        logger.info("decode steps: the %d decoder layers in one C++ call", len(model.layers))
     kinds: Counter[str] = Counter()
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):

@@ -1,5 +1,5 @@
 """The decode step's decoder layers in one C++ call (``kernels/cpu_paged.py::decode_layers``,
-``LlamaForCausalLM._plan_decode``) give the same bits as the Python layer loop it replaces
+``LlamaForCausalLM.plan_decode``) give the same bits as the Python layer loop it replaces
 (``--enforce-eager``), for Llama and Qwen2 (q/k/v biases), in a bf16 engine on the CPU."""
 
 from __future__ import annotations
