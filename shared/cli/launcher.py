@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import EngineArgs, usable_cores
+from shared.cpu_bind import BIND_ENV, CpuPlan, format_cpu_list, pin_process, plan_cpus
 from shared.security import SECRET_ENV, SECRET_FILE_ENV, ClusterSecurity
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,7 @@ class Cluster:
         env.pop(SECRET_FILE_ENV, None)
         env.update(self.secret_env)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.pop(BIND_ENV, None)  # the cluster's lists; a child gets its own below, or none
         if threads:
             env["PDSERVE_NUM_THREADS"] = str(threads)
             env["OMP_NUM_THREADS"] = str(threads)
@@ -291,6 +293,7 @@ class Cluster:
             lines.append("[pdserve] embedded Redis exited; starting it again on the same port")
             try:
                 self.redis.restart()
+                self._pin_redis()
             except Exception as e:  # noqa: BLE001 - retried at the next call
                 lines.append(f"[pdserve] embedded Redis did not restart: {e}")
         for c in self.children:
@@ -350,8 +353,48 @@ class Cluster:
 
             self.redis = EmbeddedRedis()
             self.redis_url = self.redis.start()
+            self._pin_redis()
             print(f"[pdserve] embedded Redis at {self.redis_url}", flush=True)
         return self.redis_url
+
+    def _pin_redis(self) -> None:
+        plan = self.cpu_plan
+        if self.redis is not None and self.redis.pid and plan is not None and plan.others:
+            try:
+                pin_process(self.redis.pid, plan.others)
+            except OSError as e:
+                logger.warning("could not pin the embedded Redis to CPU %s: %s", plan.others, e)
+
+    def worker_worlds(self) -> list[int]:
+        """Each worker's rank count (TP x PP), in start order: prefill workers, then decode."""
+        a = self.args
+        common = list(a.worker_arg)
+        return [self._world(common + a.prefill_arg)] * a.prefill + [
+            self._world(common + a.decode_arg)
+        ] * a.decode
+
+    @property
+    def cpu_plan(self) -> CpuPlan | None:
+        """Which CPUs each worker, the router and Redis run on (``shared/cpu_bind.py``);
+        ``None``: no binding. Made once, from the flags, at the first use."""
+        if not hasattr(self, "_cpu_plan"):
+            self._cpu_plan = plan_cpus(
+                self.worker_worlds(), threads_per_rank=self.args.threads_per_worker
+            )
+            names = [f"prefill-{i}" for i in range(self.args.prefill)]
+            names += [f"decode-{i}" for i in range(self.args.decode)]
+            print(
+                self._cpu_plan.describe(names)
+                if self._cpu_plan is not None
+                else f"[pdserve] CPU binding: none ({self._no_plan_reason()})",
+                flush=True,
+            )
+        return self._cpu_plan
+
+    def _no_plan_reason(self) -> str:
+        if os.environ.get(BIND_ENV, "").strip() == "nobind":
+            return f"{BIND_ENV}=nobind"
+        return f"{sum(self.worker_worlds())} worker rank(s) for {usable_cores()} core(s)"
 
     def spawn_worker(
         self, role: str, index: int, extra: list[str] | None = None, name: str | None = None
@@ -363,6 +406,16 @@ class Cluster:
         engine.served_model_name = self.served_model_name
         role_args = a.prefill_arg if role == "prefill" else a.decode_arg
         threads = a.threads_per_worker or max(1, usable_cores() // self.num_ranks())
+        env: dict[str, str] = {}
+        plan, slot = self.cpu_plan, index if role == "prefill" else a.prefill + index
+        world = self._world([*a.worker_arg, *role_args, *(extra or [])])
+        if plan is not None and slot < len(plan.workers) and self.worker_worlds()[slot] == world:
+            cpus = plan.workers[slot]
+            threads = plan.threads(slot, world)
+            env[BIND_ENV] = format_cpu_list(cpus)
+            if world == 1 and threads > 1:  # each OpenMP thread on a core of its own
+                env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus[:threads])
+                env["OMP_PROC_BIND"] = "close"
         name = name or f"{role}-{index}"
         argv = [
             role,
@@ -378,25 +431,20 @@ class Cluster:
             *role_args,
             *(extra or []),
         ]
-        return self._spawn(name, argv, threads)
+        return self._spawn(name, argv, threads, env=env)
+
+    def _world(self, flags: list[str]) -> int:
+        """TP x PP of a worker given ``flags`` beyond the cluster's: the engine flags' own
+        parser, starting from the cluster's values (argparse keeps a namespace's attributes as
+        its defaults)."""
+        parser = argparse.ArgumentParser(add_help=False)
+        EngineArgs.add_cli_args(parser, model_required=False)
+        got, _ = parser.parse_known_args(flags, namespace=argparse.Namespace(**vars(self.args)))
+        return int(got.tensor_parallel_size * got.pipeline_parallel_size)
 
     def num_ranks(self) -> int:
         """Every worker's rank processes together (TP x PP each, the per-role flags too)."""
-        a = self.args
-
-        def world(flags: list[str]) -> int:
-            # the engine flags' own parser over the role's extra flags, starting from the
-            # cluster's values (argparse keeps a namespace's attributes as its defaults)
-            parser = argparse.ArgumentParser(add_help=False)
-            EngineArgs.add_cli_args(parser, model_required=False)
-            got, _ = parser.parse_known_args(flags, namespace=argparse.Namespace(**vars(a)))
-            return int(got.tensor_parallel_size * got.pipeline_parallel_size)
-
-        common = list(a.worker_arg)
-        return max(
-            1,
-            a.prefill * world(common + a.prefill_arg) + a.decode * world(common + a.decode_arg),
-        )
+        return max(1, sum(self.worker_worlds()))
 
     def start_router(self, extra: list[str] | None = None) -> str:
         a = self.args
@@ -422,7 +470,10 @@ class Cluster:
         ]
         if a.api_key_file:
             argv += ["--api-key-file", a.api_key_file]
-        env = {"PDSERVE_API_KEY": a.api_key} if a.api_key else None
+        env = {"PDSERVE_API_KEY": a.api_key} if a.api_key else {}
+        plan = self.cpu_plan
+        if plan is not None and plan.others:
+            env[BIND_ENV] = format_cpu_list(plan.others)
         router = self._spawn("router", argv, ready=False, env=env)
         url = f"http://{a.host}:{a.port}"
         self._wait_http(router, f"{url}/health")

@@ -35,6 +35,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# the processes `pdserve up` may pin to CPUs of their own (shared/cpu_bind.py)
+BOUND_COMMANDS = ("router", "prefill", "decode")
+
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
@@ -54,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if chosen is None:
         parser.print_help()
         return 2
+    if chosen in BOUND_COMMANDS:  # before any thread starts: every later one inherits it
+        from shared.cpu_bind import bind_from_env
+
+        bind_from_env()
     module = importlib.import_module(SUBCOMMANDS[chosen][0])
     return int(module.run(args) or 0)
 

@@ -25,6 +25,7 @@ from shared.config import (
     SchedulerConfig,
     usable_cores,
 )
+from shared.cpu_bind import bound_cpus
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
     SampleResult,
@@ -137,11 +138,13 @@ def small_step_tokens(device: torch.device, threads: int) -> int:
     core the worker's threads take (the router and the clients then share them), a decode step
     of a few sequences loses more waiting for its second thread's core than it gains from it:
     vLLM's c=1 workload ran 0.71x vLLM's throughput with 2 threads and 0.96x like this
-    (docs/benchmarks.md, "Topology"). ``PDSERVE_SMALL_STEP_TOKENS`` overrides (0: off)."""
+    (docs/benchmarks.md, "Topology"). Not for a worker bound to cores of its own
+    (``shared/cpu_bind.py``): nothing else runs there. ``PDSERVE_SMALL_STEP_TOKENS`` overrides
+    (0: off)."""
     env = os.environ.get("PDSERVE_SMALL_STEP_TOKENS")
     if env is not None:
         return max(0, int(env))
-    if device.type != "cpu" or threads < 2:
+    if device.type != "cpu" or threads < 2 or bound_cpus() is not None:
         return 0
     return SMALL_STEP_TOKENS if threads >= usable_cores() else 0
 

@@ -13,9 +13,17 @@ import openai
 import psutil
 import pytest
 
+from shared.cpu_bind import plan_cpus
 from tests.cluster_utils import free_port, wait_until
 
 pytestmark = pytest.mark.integration
+
+
+def assert_bound(pid: int, cpus: list[int] | None) -> None:
+    """Every thread of ``pid`` may run on exactly ``cpus`` (``None``: on every CPU)."""
+    want = set(cpus) if cpus is not None else os.sched_getaffinity(0)
+    for t in psutil.Process(pid).threads():
+        assert os.sched_getaffinity(t.id) == want, (pid, t.id)
 
 
 def test_pdserve_up_serves_chat_and_stops_cleanly(tmp_path):
@@ -135,6 +143,13 @@ def test_pdserve_up_restarts_a_killed_worker_and_keeps_running(tmp_path):
         )
         model = client.models.list().data[0].id
         first = json.loads((run_dir / "decode-0.ready.json").read_text())["pid"]
+        plan = plan_cpus([1])  # colocated on this few cores: what the launcher made
+        assert_bound(first, plan.workers[0] if plan else None)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        router = next(c for c in children if "router" in c.cmdline())
+        redis = next(c for c in children if "redis-server" in c.name())
+        for other in (router, redis):
+            assert_bound(other.pid, plan.others if plan and plan.others else None)
         os.kill(first, signal.SIGKILL)
         wait_until(
             lambda: "decode-0 ready again (restart 1)" in text(),
@@ -146,6 +161,7 @@ def test_pdserve_up_restarts_a_killed_worker_and_keeps_running(tmp_path):
         assert "decode-0 exited with -9" in text()
         second = json.loads((run_dir / "decode-0.ready.json").read_text())["pid"]
         assert second != first and psutil.pid_exists(second)
+        assert_bound(second, plan.workers[0] if plan else None)  # the same cores again
 
         def served():
             try:

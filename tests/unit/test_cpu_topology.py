@@ -8,6 +8,7 @@ import torch
 
 from shared.cli import launcher
 from shared.cli.launcher import cluster_args, resolve_topology
+from shared.cpu_bind import BIND_ENV
 from shared.engine.model_runner import SMALL_STEP_TOKENS, small_step_tokens
 
 pytestmark = pytest.mark.unit
@@ -35,6 +36,7 @@ def test_the_default_topology_follows_the_core_count(monkeypatch, cores, argv, p
 
 def test_small_steps_run_on_one_thread_only_when_the_worker_takes_every_core(monkeypatch):
     monkeypatch.delenv("PDSERVE_SMALL_STEP_TOKENS", raising=False)
+    monkeypatch.delenv(BIND_ENV, raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     cpu = torch.device("cpu")
     assert small_step_tokens(cpu, 2) == SMALL_STEP_TOKENS  # 2 threads on 2 cores
@@ -42,8 +44,11 @@ def test_small_steps_run_on_one_thread_only_when_the_worker_takes_every_core(mon
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert small_step_tokens(cpu, 2) == 0  # cores to spare: both threads always
     assert small_step_tokens(torch.device("cuda"), 8) == 0
-    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "0")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv(BIND_ENV, "0-1")  # bound to cores of its own: nothing else runs there
+    assert small_step_tokens(cpu, 2) == 0
+    monkeypatch.delenv(BIND_ENV)
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "0")
     assert small_step_tokens(cpu, 2) == 0
     monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "16")
     assert small_step_tokens(cpu, 8) == 16
@@ -60,20 +65,24 @@ def test_small_steps_run_on_one_thread_only_when_the_worker_takes_every_core(mon
     ],
 )
 def test_worker_threads_split_the_cores_over_every_rank(monkeypatch, argv, ranks, threads):
-    """`pdserve up` gives each rank process of each worker its share of the cores, counting
-    TP x PP from the common and the per-role flags."""
+    """Without CPU binding, `pdserve up` gives each rank process of each worker its share of
+    the cores, counting TP x PP from the common and the per-role flags."""
+    monkeypatch.setenv(BIND_ENV, "nobind")
     monkeypatch.setattr(launcher, "usable_cores", lambda: 8)
     cluster = launcher.Cluster.__new__(launcher.Cluster)
     cluster.args = cluster_args(["--model", "m", *argv])
     spawned = {}
     monkeypatch.setattr(cluster, "start_redis", lambda: "redis://127.0.0.1:1")
     monkeypatch.setattr(
-        cluster, "_spawn", lambda name, argv, threads: spawned.setdefault(name, (argv, threads))
+        cluster,
+        "_spawn",
+        lambda name, argv, threads, env=None: spawned.setdefault(name, (argv, threads, env)),
     )
     assert cluster.num_ranks() == ranks
     cluster.spawn_worker("prefill", 0)
     cluster.spawn_worker("decode", 0)
     assert spawned["prefill-0"][1] == spawned["decode-0"][1] == threads
+    assert not spawned["prefill-0"][2] and not spawned["decode-0"][2]  # no CPU list
     prefill_argv, decode_argv = spawned["prefill-0"][0], spawned["decode-0"][0]
     for flag in cluster.args.prefill_arg:
         assert flag in prefill_argv and flag not in decode_argv
