@@ -13,6 +13,12 @@ does the same for its workers and the router, under the same names with ``PDSERV
 * ``PDSERVE_CPU_OMP_THREADS_BIND`` for one process (what ``pdserve up`` hands each child, and
   what a worker started by hand, in a container or a pod, may be given): a list such as
   ``0-3`` pins the whole process to those CPUs when it starts (:func:`bind_from_env`).
+* ``PDSERVE_CPU_SPILL_BIND`` (set by ``auto`` when one worker rank is all there is, e.g.
+  colocated on 2 cores): CPUs that worker's steps of more than ``SPILL_STEP_TOKENS`` tokens
+  (prefill chunks) also run on, one more torch thread each: the engine thread widens itself to
+  them for such a step and narrows back after (``ModelRunner``), so the threads it starts then
+  may run there; everything else in the worker stays on its own CPUs. A long prompt's prefill
+  then has both cores while the router, which shares the second, has little to stream.
 
 Why (docs/benchmarks.md, "CPU binding"): on 2 cores the router, Redis and the benchmark's
 client run beside the model; unpinned, the scheduler moves them onto the core a decode step
@@ -31,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 BIND_ENV = "PDSERVE_CPU_OMP_THREADS_BIND"
 RESERVED_ENV = "PDSERVE_CPU_NUM_OF_RESERVED_CPU"
+SPILL_ENV = "PDSERVE_CPU_SPILL_BIND"
+# a lone worker's steps of more than this many tokens (prefill chunks) also take the cores kept
+# for the router and Redis; shorter ones (decode steps) stay on the worker's own
+SPILL_STEP_TOKENS = 256
 
 
 class CpuBindError(ValueError):
@@ -114,15 +124,22 @@ class CpuPlan:
     workers: list[list[int]]
     others: list[int] = field(default_factory=list)
     source: str = "auto"
+    spill: list[int] = field(default_factory=list)  # the lone worker's cores for long steps
 
     def threads(self, index: int, world: int) -> int:
-        """Torch threads for each rank process of worker ``index``."""
-        return max(1, len(self.workers[index]) // max(1, world))
+        """Torch threads for each rank process of worker ``index`` (its long steps' count with
+        the spill cores)."""
+        return max(1, len(self.workers[index]) // max(1, world)) + len(self.spill)
 
     def describe(self, names: list[str]) -> str:
         parts = [
             f"{n} on CPU {format_cpu_list(c)}" for n, c in zip(names, self.workers, strict=True)
         ]
+        if self.spill and parts:
+            parts[0] += (
+                f" (steps of more than {SPILL_STEP_TOKENS} tokens also on CPU "
+                f"{format_cpu_list(self.spill)})"
+            )
         rest = f"CPU {format_cpu_list(self.others)}" if self.others else "any CPU"
         return (
             f"[pdserve] CPU binding ({BIND_ENV}={self.source}): {', '.join(parts)}; "
@@ -182,24 +199,26 @@ def plan_cpus(
         n = per * max(1, w)
         workers.append(cores[at : at + n])
         at += n
-    return CpuPlan(workers, sorted(cores[at:] + siblings), source="auto")
+    spill = cores[at:] if ranks == 1 else []
+    return CpuPlan(workers, sorted(cores[at:] + siblings), source="auto", spill=spill)
 
 
 def bind_from_env(environ: dict[str, str] | None = None) -> list[int] | None:
     """Pin every thread of this process to the CPU list in ``PDSERVE_CPU_OMP_THREADS_BIND``
-    (one list: what ``pdserve up`` hands each child); threads started later inherit it. Nothing
-    for ``auto``, ``nobind``, several lists or no setting. Returns the CPUs bound to."""
+    (one list: what ``pdserve up`` hands each child); threads started later inherit it (the
+    engine thread alone widens itself to ``PDSERVE_CPU_SPILL_BIND``'s CPUs for long steps).
+    Nothing for ``auto``, ``nobind``, several lists or no setting. Returns the CPUs bound to."""
     env = os.environ if environ is None else environ
-    spec = env.get(BIND_ENV, "").strip()
-    if not spec or spec in ("auto", "nobind") or "|" in spec:
+    cpus = bound_cpus(env)
+    if cpus is None:
         return None
-    cpus = parse_cpu_list(spec)
     allowed = set(allowed_cpus())
-    if not set(cpus) <= allowed:
-        raise CpuBindError(
-            f"{BIND_ENV}={spec!r} names CPUs this process may not use "
-            f"(allowed: {format_cpu_list(sorted(allowed))})"
-        )
+    for name, listed in ((BIND_ENV, cpus), (SPILL_ENV, spill_cpus(env))):
+        if not set(listed) <= allowed:
+            raise CpuBindError(
+                f"{name}={env.get(name, '')!r} names CPUs this process may not use "
+                f"(allowed: {format_cpu_list(sorted(allowed))})"
+            )
     pin_process(os.getpid(), cpus)
     return cpus
 
@@ -225,3 +244,10 @@ def bound_cpus(environ: dict[str, str] | None = None) -> list[int] | None:
     if not spec or spec in ("auto", "nobind") or "|" in spec:
         return None
     return parse_cpu_list(spec)
+
+
+def spill_cpus(environ: dict[str, str] | None = None) -> list[int]:
+    """The CPUs in ``PDSERVE_CPU_SPILL_BIND`` (a bound process's long steps' extra CPUs)."""
+    env = os.environ if environ is None else environ
+    spec = env.get(SPILL_ENV, "").strip()
+    return parse_cpu_list(spec) if spec and bound_cpus(env) is not None else []

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import EngineArgs, usable_cores
-from shared.cpu_bind import BIND_ENV, CpuPlan, format_cpu_list, pin_process, plan_cpus
+from shared.cpu_bind import (
+    BIND_ENV,
+    SPILL_ENV,
+    CpuPlan,
+    format_cpu_list,
+    pin_process,
+    plan_cpus,
+)
 from shared.security import SECRET_ENV, SECRET_FILE_ENV, ClusterSecurity
 
 logger = logging.getLogger(__name__)
@@ -231,6 +238,7 @@ class Cluster:
         env.update(self.secret_env)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.pop(BIND_ENV, None)  # the cluster's lists; a child gets its own below, or none
+        env.pop(SPILL_ENV, None)
         if threads:
             env["PDSERVE_NUM_THREADS"] = str(threads)
             env["OMP_NUM_THREADS"] = str(threads)
@@ -413,7 +421,9 @@ class Cluster:
             cpus = plan.workers[slot]
             threads = plan.threads(slot, world)
             env[BIND_ENV] = format_cpu_list(cpus)
-            if world == 1 and threads > 1:  # each OpenMP thread on a core of its own
+            if plan.spill:  # the lone worker: long steps on the router's cores too
+                env[SPILL_ENV] = format_cpu_list(plan.spill)
+            elif world == 1 and threads > 1:  # each OpenMP thread on a core of its own
                 env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus[:threads])
                 env["OMP_PROC_BIND"] = "close"
         name = name or f"{role}-{index}"

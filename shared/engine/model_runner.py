@@ -25,7 +25,7 @@ from shared.config import (
     SchedulerConfig,
     usable_cores,
 )
-from shared.cpu_bind import bound_cpus
+from shared.cpu_bind import SPILL_STEP_TOKENS, bound_cpus, format_cpu_list, spill_cpus
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
     SampleResult,
@@ -144,7 +144,11 @@ def small_step_tokens(device: torch.device, threads: int) -> int:
     env = os.environ.get("PDSERVE_SMALL_STEP_TOKENS")
     if env is not None:
         return max(0, int(env))
-    if device.type != "cpu" or threads < 2 or bound_cpus() is not None:
+    if device.type != "cpu" or threads < 2:
+        return 0
+    if spill_cpus():  # a lone worker's cores plus the router's for long steps only
+        return SPILL_STEP_TOKENS
+    if bound_cpus() is not None:
         return 0
     return SMALL_STEP_TOKENS if threads >= usable_cores() else 0
 
@@ -216,6 +220,16 @@ class ModelRunner:
                 torch.set_num_threads(max(1, usable_cores() // pc.local_world_size))
         self._threads = self._threads_now = torch.get_num_threads()
         self._small_step_tokens = small_step_tokens(self.device, self._threads)
+        # with spill CPUs (shared/cpu_bind.py) short steps run on the worker's own CPUs, one
+        # thread each, the engine thread pinned there; long steps widen it to the spill CPUs
+        # first, so the thread pool they start may run there too
+        home = bound_cpus() if self.device.type == "cpu" else None
+        spill = spill_cpus() if home else []
+        self._cpus_small = home if spill else None
+        self._cpus_large = home + [c for c in spill if c not in home] if home and spill else None
+        self._small_threads = max(1, min(self._threads, len(home))) if spill and home else 1
+        if self._cpus_small is not None:
+            self._threads_now = 0  # the first step sets both (the process is on home only)
         self.backend_name = attention_backend or default_backend(device)
         self.backend = get_backend(self.backend_name)
         self.dtype = getattr(torch, model_config.dtype)
@@ -232,7 +246,17 @@ class ModelRunner:
             q.describe() if q is not None else f"{model_config.dtype}, not quantized",
             self._rank_note(),
         )
-        if self._small_step_tokens:
+        if self._small_step_tokens and self._cpus_small is not None:
+            logger.info(
+                "torch threads: %d on CPU %s for steps of at most %d tokens, %d on CPU %s for "
+                "longer ones (PDSERVE_CPU_SPILL_BIND; PDSERVE_SMALL_STEP_TOKENS sets the size)",
+                self._small_threads,
+                format_cpu_list(self._cpus_small),
+                self._small_step_tokens,
+                self._threads,
+                format_cpu_list(self._cpus_large or []),
+            )
+        elif self._small_step_tokens:
             logger.info(
                 "torch threads: %d; steps of at most %d tokens on 1 (the worker's threads "
                 "take every core; PDSERVE_SMALL_STEP_TOKENS=0 turns this off)",
@@ -523,8 +547,11 @@ class ModelRunner:
         )
         t = int(input_ids.shape[0])
         if self._small_step_tokens and self._threads > 1:
-            want = 1 if t <= self._small_step_tokens else self._threads
+            small = t <= self._small_step_tokens
+            want = self._small_threads if small else self._threads
             if want != self._threads_now:
+                if self._cpus_small is not None:  # this (the engine) thread, not the process
+                    os.sched_setaffinity(0, self._cpus_small if small else self._cpus_large)
                 torch.set_num_threads(want)
                 self._threads_now = want
         dev, sh, tp = self.device, self.shard, self.shard.tp_size
