@@ -628,15 +628,21 @@ class PdserveServer(Server):
         return urls
 
     def threads(self) -> dict:
-        n = max(1, self.prefill + self.decode)
-        per = self.threads_per_worker or max(1, (os.cpu_count() or 1) // n)
-        return {
-            "torch_threads_per_worker": per,
-            "workers": n,
-            "source": "--threads-per-worker"
-            if self.threads_per_worker
-            else "pdserve up default: cores // workers",
-        }
+        """What ``pdserve up`` and its workers' logs say about CPUs and torch threads."""
+        found: dict = {"workers": max(1, self.prefill + self.decode)}
+        if self.threads_per_worker:
+            found["--threads-per-worker"] = self.threads_per_worker
+        logs = [self.log, *sorted(self.run_dir.glob("*.log"))]
+        for path in logs:
+            try:
+                lines = path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            for ln in lines:
+                for key in ("CPU binding", "torch threads:"):
+                    if key in ln:
+                        found.setdefault(key, ln.split(key, 1)[-1].strip()[:240])
+        return found
 
     def log_issues(self) -> dict:
         return {p.name: scan_log(p) for p in sorted(self.run_dir.glob("*.log"))}

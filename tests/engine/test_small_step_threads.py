@@ -4,11 +4,14 @@ really switches: prefill chunks on 2 threads, single-sequence decode steps on 1.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 
 import pytest
 import torch
 
+from shared.cpu_bind import BIND_ENV, SPILL_ENV
 from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.helpers import hf_greedy, mismatches
@@ -40,5 +43,51 @@ def test_switching_threads_keeps_transformers_tokens(tiny_llama, monkeypatch):
         got = [o.outputs[0].token_ids for o in outs]
         assert mismatches(got, hf_greedy(tiny_llama, prompts, 24)) == []
         assert set(seen) == {1, 2}, "prefills on 2 threads, the last decode steps on 1"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_long_steps_spill_onto_the_routers_cpu(tiny_llama, monkeypatch):
+    """A lone bound worker (``PDSERVE_CPU_SPILL_BIND``): the engine thread runs short steps on
+    one thread on its own CPU and widens itself to the spill CPU, with a second thread, for
+    long ones; transformers' tokens either way."""
+    home, spill = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setenv(BIND_ENV, str(home))
+    monkeypatch.setenv(SPILL_ENV, str(spill))
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(tiny_llama), device="cpu", kv_cache_memory="64MiB", max_num_seqs=3)
+        runner = llm.engine.runner
+        seen: set[tuple[int, frozenset[int]]] = set()
+        forward = runner.model.forward
+
+        def watched(*a, **k):
+            seen.add((torch.get_num_threads(), frozenset(os.sched_getaffinity(0))))
+            return forward(*a, **k)
+
+        monkeypatch.setattr(runner.model, "forward", watched)
+        rng = random.Random(4)
+        prompts = [[rng.randrange(3, 2048) for _ in range(rng.randint(20, 90))] for _ in range(5)]
+        result: dict = {}
+
+        def engine_thread():  # the affinity changes stay on this thread, as in a worker
+            try:
+                result["outs"] = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                )
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                result["error"] = e
+
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        t.join(300)
+        assert not t.is_alive() and "error" not in result, result.get("error")
+        got = [o.outputs[0].token_ids for o in result["outs"]]
+        assert mismatches(got, hf_greedy(tiny_llama, prompts, 24)) == []
+        assert seen == {(1, frozenset({home})), (2, frozenset({home, spill}))}
     finally:
         torch.set_num_threads(before)

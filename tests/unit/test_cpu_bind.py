@@ -16,6 +16,7 @@ from shared.cli.launcher import cluster_args
 from shared.cpu_bind import (
     BIND_ENV,
     RESERVED_ENV,
+    SPILL_ENV,
     CpuBindError,
     CpuPlan,
     format_cpu_list,
@@ -79,15 +80,17 @@ def test_auto_gives_each_rank_cores_of_its_own_and_keeps_one(
 ):
     plan = plan_cpus(worlds, list(range(cores)), "auto", sysfs=fake_sysfs(tmp_path, cores))
     assert plan is not None and plan.workers == workers and plan.others == others
+    # a lone worker rank's long steps also take the kept cores; with several, nobody's do
+    assert plan.spill == (others if len(worlds) == 1 and worlds[0] == 1 else [])
     assert [plan.threads(i, w) for i, w in enumerate(worlds)] == [
-        len(c) // w for c, w in zip(workers, worlds, strict=True)
+        len(c) // w + len(plan.spill) for c, w in zip(workers, worlds, strict=True)
     ]
 
 
 def test_auto_takes_one_cpu_per_physical_core(tmp_path):
     sysfs = fake_sysfs(tmp_path, cores=4, smt=2)
     plan = plan_cpus([1], list(range(8)), "auto", sysfs=sysfs)
-    assert plan == CpuPlan([[0, 1, 2]], [3, 4, 5, 6, 7], "auto")
+    assert plan == CpuPlan([[0, 1, 2]], [3, 4, 5, 6, 7], "auto", spill=[3])  # no SMT sibling
 
 
 def test_no_binding_with_more_ranks_than_cores_or_when_told(tmp_path):
@@ -162,6 +165,36 @@ def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
     assert cluster._child_env(1, {BIND_ENV: "3"})[BIND_ENV] == "3"
 
 
+def test_the_lone_worker_gets_the_spill_cpus(monkeypatch, capsys):
+    """Colocated on 2 cores: the worker on core 0, its long steps also on core 1 (2 threads
+    then, no OpenMP places: the engine thread moves itself), the router on core 1."""
+    cluster = launcher.Cluster.__new__(launcher.Cluster)
+    cluster.args = cluster_args(["--model", "m", "--prefill", "0", "--decode", "1"])
+    cluster.secret_env = {}
+    spawned: dict[str, tuple] = {}
+    monkeypatch.setattr(
+        launcher, "plan_cpus", lambda worlds, threads_per_rank=None: CpuPlan([[0]], [1], spill=[1])
+    )
+    monkeypatch.setattr(cluster, "start_redis", lambda: "redis://127.0.0.1:1")
+    monkeypatch.setattr(
+        cluster,
+        "_spawn",
+        lambda name, argv, threads=None, ready=True, env=None: spawned.setdefault(
+            name, (argv, threads, env)
+        ),
+    )
+    monkeypatch.setattr(cluster, "_wait_http", lambda child, url: None)
+    cluster.spawn_worker("decode", 0)
+    cluster.start_router()
+    assert "decode-0 on CPU 0 (steps of more than 256 tokens also on CPU 1)" in (
+        capsys.readouterr().out
+    )
+    assert spawned["decode-0"][1:] == (2, {BIND_ENV: "0", SPILL_ENV: "1"})
+    assert spawned["router"][2] == {BIND_ENV: "1"}
+    monkeypatch.setenv(SPILL_ENV, "5")
+    assert SPILL_ENV not in cluster._child_env(2)
+
+
 _PROBE = """
 import json, os, threading, time
 from shared.cpu_bind import bind_from_env
@@ -185,8 +218,8 @@ print(json.dumps({
 """
 
 
-def _probe(spec: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **{BIND_ENV: spec})
+def _probe(spec: str, spill: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, **{BIND_ENV: spec, SPILL_ENV: spill})
     return subprocess.run(
         [sys.executable, "-c", _PROBE],
         cwd=ROOT,
@@ -211,3 +244,14 @@ def test_a_process_pins_every_thread_from_the_environment():
 def test_a_cpu_the_process_may_not_use_is_a_clear_error():
     res = _probe("4096")
     assert res.returncode != 0 and "CpuBindError" in res.stderr and "may not use" in res.stderr
+    cpu = max(os.sched_getaffinity(0))
+    res = _probe(str(cpu), spill="4096")
+    assert res.returncode != 0 and SPILL_ENV in res.stderr and "may not use" in res.stderr
+
+
+def test_spill_cpus_are_the_engine_threads_to_take_not_the_process():
+    """With spill CPUs the process still starts on its own CPUs only (the engine thread widens
+    itself for long steps, ``ModelRunner``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    got = json.loads(_probe(str(cpus[0]), spill=str(cpus[-1])).stdout)
+    assert got["bound"] == got["main"] == got["earlier_thread"] == [cpus[0]]
