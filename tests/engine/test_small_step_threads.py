@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shared.cpu_bind import BIND_ENV, SPILL_ENV
-from shared.engine import LLM
+from shared.engine import LLM, model_runner
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.helpers import hf_greedy, mismatches
 
@@ -47,15 +47,12 @@ def test_switching_threads_keeps_transformers_tokens(tiny_llama, monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_long_steps_spill_onto_the_routers_cpu(tiny_llama, monkeypatch):
-    """A lone bound worker (``PDSERVE_CPU_SPILL_BIND``): the engine thread runs short steps on
-    one thread on its own CPU and widens itself to the spill CPU, with a second thread, for
-    long ones; transformers' tokens either way."""
+def _spilled_steps(tiny_llama, monkeypatch) -> set[tuple[int, frozenset[int]]]:
+    """Generate on a thread of its own (the engine thread's affinity changes stay there) with a
+    lone bound worker's settings; transformers' tokens; the (threads, CPUs) of every forward."""
     home, spill = sorted(os.sched_getaffinity(0))[:2]
     monkeypatch.setenv(BIND_ENV, str(home))
     monkeypatch.setenv(SPILL_ENV, str(spill))
-    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -73,7 +70,7 @@ def test_long_steps_spill_onto_the_routers_cpu(tiny_llama, monkeypatch):
         prompts = [[rng.randrange(3, 2048) for _ in range(rng.randint(20, 90))] for _ in range(5)]
         result: dict = {}
 
-        def engine_thread():  # the affinity changes stay on this thread, as in a worker
+        def engine_thread():
             try:
                 result["outs"] = llm.generate(
                     [{"prompt_token_ids": p} for p in prompts],
@@ -88,6 +85,30 @@ def test_long_steps_spill_onto_the_routers_cpu(tiny_llama, monkeypatch):
         assert not t.is_alive() and "error" not in result, result.get("error")
         got = [o.outputs[0].token_ids for o in result["outs"]]
         assert mismatches(got, hf_greedy(tiny_llama, prompts, 24)) == []
-        assert seen == {(1, frozenset({home})), (2, frozenset({home, spill}))}
+        return seen
     finally:
         torch.set_num_threads(before)
+
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+
+
+@needs_two_cpus
+def test_long_steps_spill_onto_the_routers_cpu(tiny_llama, monkeypatch):
+    """A lone bound worker (``PDSERVE_CPU_SPILL_BIND``): the engine thread runs short steps on
+    one thread on its own CPU and widens itself to the spill CPU, with a second thread, for
+    long ones (here more than 4 tokens)."""
+    home, spill = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
+    seen = _spilled_steps(tiny_llama, monkeypatch)
+    assert seen == {(1, frozenset({home})), (2, frozenset({home, spill}))}
+
+
+@needs_two_cpus
+def test_steps_over_long_contexts_spill_too(tiny_llama, monkeypatch):
+    """A decode step whose sequences hold more than ``SPILL_CONTEXT_TOKENS`` tokens (here: any)
+    takes the spill CPU as well, however few tokens it computes."""
+    home, spill = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setattr(model_runner, "SPILL_CONTEXT_TOKENS", 0)
+    seen = _spilled_steps(tiny_llama, monkeypatch)
+    assert seen == {(2, frozenset({home, spill}))}
