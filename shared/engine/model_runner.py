@@ -252,7 +252,7 @@ class ModelRunner:
             q.describe() if q is not None else f"{model_config.dtype}, not quantized",
             self._rank_note(),
         )
-        if self._small_step_tokens and self._cpus_small is not None:
+        if self._cpus_small is not None:
             logger.info(
                 "torch threads: %d on CPU %s for steps of at most %d tokens, %d on CPU %s for "
                 "longer ones (PDSERVE_CPU_SPILL_BIND; PDSERVE_SMALL_STEP_TOKENS sets the size)",
@@ -552,7 +552,7 @@ class ModelRunner:
             chunks, self.block_size, self.device, self.k_scale, self.v_scale
         )
         t = int(input_ids.shape[0])
-        if self._small_step_tokens and self._threads > 1:
+        if self._threads > 1 and (self._small_step_tokens or self._cpus_small is not None):
             small = t <= self._small_step_tokens and (
                 self._cpus_small is None
                 or sum(first + len(toks) for _, first, toks in chunks) <= SPILL_CONTEXT_TOKENS
