@@ -41,9 +41,6 @@ SPILL_ENV = "PDSERVE_CPU_SPILL_BIND"
 # a lone worker's steps of more than this many tokens (prefill chunks) also take the cores kept
 # for the router and Redis; shorter ones (decode steps) stay on the worker's own
 SPILL_STEP_TOKENS = 256
-# ... and so do its steps whose sequences hold more than this many tokens in all (decode steps
-# of long contexts, where attention reads most of the step's bytes)
-SPILL_CONTEXT_TOKENS = 32768
 
 
 class CpuBindError(ValueError):

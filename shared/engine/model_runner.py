@@ -25,13 +25,7 @@ from shared.config import (
     SchedulerConfig,
     usable_cores,
 )
-from shared.cpu_bind import (
-    SPILL_CONTEXT_TOKENS,
-    SPILL_STEP_TOKENS,
-    bound_cpus,
-    format_cpu_list,
-    spill_cpus,
-)
+from shared.cpu_bind import SPILL_STEP_TOKENS, bound_cpus, format_cpu_list, spill_cpus
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
     SampleResult,
@@ -553,10 +547,7 @@ class ModelRunner:
         )
         t = int(input_ids.shape[0])
         if self._threads > 1 and (self._small_step_tokens or self._cpus_small is not None):
-            small = t <= self._small_step_tokens and (
-                self._cpus_small is None
-                or sum(first + len(toks) for _, first, toks in chunks) <= SPILL_CONTEXT_TOKENS
-            )
+            small = t <= self._small_step_tokens
             want = self._small_threads if small else self._threads
             if want != self._threads_now:
                 if self._cpus_small is not None:  # this (the engine) thread, not the process

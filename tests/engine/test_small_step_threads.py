@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shared.cpu_bind import BIND_ENV, SPILL_ENV
-from shared.engine import LLM, model_runner
+from shared.engine import LLM
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.helpers import hf_greedy, mismatches
 
@@ -105,10 +105,10 @@ def test_long_steps_spill_onto_the_routers_cpu(tiny_llama, monkeypatch):
 
 
 @needs_two_cpus
-def test_steps_over_long_contexts_spill_too(tiny_llama, monkeypatch):
-    """A decode step whose sequences hold more than ``SPILL_CONTEXT_TOKENS`` tokens (here: any)
-    takes the spill CPU as well, however few tokens it computes."""
+def test_spill_with_small_steps_off_takes_both_cpus_for_every_step(tiny_llama, monkeypatch):
+    """``PDSERVE_SMALL_STEP_TOKENS=0`` on a lone bound worker: every step on both CPUs (not
+    two threads crowded on the worker's own one)."""
     home, spill = sorted(os.sched_getaffinity(0))[:2]
-    monkeypatch.setattr(model_runner, "SPILL_CONTEXT_TOKENS", 0)
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "0")
     seen = _spilled_steps(tiny_llama, monkeypatch)
     assert seen == {(2, frozenset({home, spill}))}
