@@ -173,6 +173,11 @@ def plan_cpus(
                 f"{BIND_ENV} has {len(lists)} CPU list(s) for {len(worlds)} worker(s): {spec!r}"
             )
         used = {c for lst in lists for c in lst}
+        if not used <= set(cpus):
+            raise CpuBindError(
+                f"{BIND_ENV}={spec!r} names CPUs this process may not use "
+                f"(allowed: {format_cpu_list(cpus)})"
+            )
         return CpuPlan(lists, [c for c in cpus if c not in used], source=spec)
     if reserved is None:
         env = os.environ.get(RESERVED_ENV)

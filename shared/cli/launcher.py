@@ -30,6 +30,7 @@ from shared.config import EngineArgs, usable_cores
 from shared.cpu_bind import (
     BIND_ENV,
     SPILL_ENV,
+    CpuBindError,
     CpuPlan,
     format_cpu_list,
     pin_process,
@@ -608,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
             cluster.supervise()  # a child that exits is restarted; the rest keeps serving
             time.sleep(0.5)
         return 0
-    except (RuntimeError, TimeoutError) as e:
+    except (RuntimeError, TimeoutError, CpuBindError) as e:
         print(f"[pdserve] failed to start: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -120,6 +120,19 @@ def test_explicit_lists_one_per_worker():
     assert plan == CpuPlan([[0, 1], [2]], [3], "0-1|2")
     with pytest.raises(CpuBindError, match="2 worker"):
         plan_cpus([1, 1], [0, 1, 2, 3], "0-3")
+    with pytest.raises(CpuBindError, match="may not use"):
+        plan_cpus([1], [0, 1, 2, 3], "7")
+
+
+def test_pdserve_up_with_a_bad_setting_says_so(monkeypatch, tmp_path, capsys):
+    """A CPU list the machine lacks stops ``pdserve up`` with one line, before any child."""
+    monkeypatch.setenv(BIND_ENV, "4096")
+    monkeypatch.setattr(launcher.signal, "signal", lambda *a: None)  # not the test runner's
+    argv = ["--model", "m", "--prefill", "0", "--redis-url", "redis://127.0.0.1:1"]
+    args = cluster_args([*argv, "--run-dir", str(tmp_path)])
+    assert launcher.run(args) == 1
+    err = capsys.readouterr().err
+    assert "failed to start" in err and "may not use" in err
 
 
 def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
