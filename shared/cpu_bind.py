@@ -217,6 +217,7 @@ def bind_from_env(environ: dict[str, str] | None = None) -> list[int] | None:
     cpus = bound_cpus(env)
     if cpus is None:
         return None
+    spec = env.get(BIND_ENV, "")
     allowed = set(allowed_cpus())
     for name, listed in ((BIND_ENV, cpus), (SPILL_ENV, spill_cpus(env))):
         if not set(listed) <= allowed:
@@ -224,7 +225,14 @@ def bind_from_env(environ: dict[str, str] | None = None) -> list[int] | None:
                 f"{name}={env.get(name, '')!r} names CPUs this process may not use "
                 f"(allowed: {format_cpu_list(sorted(allowed))})"
             )
-    pin_process(os.getpid(), cpus)
+    try:
+        pin_process(os.getpid(), cpus)
+    except OSError as e:  # a sandbox that forbids it: run unbound rather than not at all
+        logger.warning("could not pin this process to CPU %s (%s); running unbound", spec, e)
+        if environ is None:  # what the engine reads next: not bound
+            os.environ.pop(BIND_ENV, None)
+            os.environ.pop(SPILL_ENV, None)
+        return None
     return cpus
 
 

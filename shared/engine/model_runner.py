@@ -551,7 +551,11 @@ class ModelRunner:
             want = self._small_threads if small else self._threads
             if want != self._threads_now:
                 if self._cpus_small is not None:  # this (the engine) thread, not the process
-                    os.sched_setaffinity(0, self._cpus_small if small else self._cpus_large)
+                    try:
+                        os.sched_setaffinity(0, self._cpus_small if small else self._cpus_large)
+                    except OSError as e:
+                        logger.warning("engine thread affinity not changed (%s): spill off", e)
+                        self._cpus_small = None
                 torch.set_num_threads(want)
                 self._threads_now = want
         dev, sh, tp = self.device, self.shard, self.shard.tp_size

@@ -19,10 +19,13 @@ from shared.cpu_bind import (
     SPILL_ENV,
     CpuBindError,
     CpuPlan,
+    bind_from_env,
+    bound_cpus,
     format_cpu_list,
     parse_cpu_list,
     physical_cores,
     plan_cpus,
+    spill_cpus,
 )
 
 pytestmark = pytest.mark.unit
@@ -268,3 +271,21 @@ def test_spill_cpus_are_the_engine_threads_to_take_not_the_process():
     cpus = sorted(os.sched_getaffinity(0))
     got = json.loads(_probe(str(cpus[0]), spill=str(cpus[-1])).stdout)
     assert got["bound"] == got["main"] == got["earlier_thread"] == [cpus[0]]
+
+
+def test_a_sandbox_that_forbids_pinning_runs_the_process_unbound(monkeypatch, caplog):
+    """``sched_setaffinity`` refused: a warning, and the process (and its engine, which reads
+    the variables next) carries on unbound instead of failing to start."""
+    cpu = max(os.sched_getaffinity(0))
+    monkeypatch.setenv(BIND_ENV, str(cpu))
+    monkeypatch.setenv(SPILL_ENV, str(cpu))
+
+    def refuse(pid, cpus):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    with caplog.at_level("WARNING", logger="shared.cpu_bind"):
+        assert bind_from_env() is None
+    assert "running unbound" in caplog.text
+    assert BIND_ENV not in os.environ and SPILL_ENV not in os.environ
+    assert bound_cpus() is None and spill_cpus() == []
