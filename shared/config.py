@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.cpu_bind import allowed_cpus
+
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
 GiB = 1 << 30
@@ -43,10 +45,7 @@ def parse_bytes(text: str | int | float) -> int:
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask; the whole machine's count
     where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return len(allowed_cpus())
 
 
 @dataclass(frozen=True)

@@ -224,10 +224,10 @@ class ModelRunner:
         # thread each, the engine thread pinned there; long steps widen it to the spill CPUs
         # first, so the thread pool they start may run there too
         home = bound_cpus() if self.device.type == "cpu" else None
-        spill = spill_cpus() if home else []
-        self._cpus_small = home if spill else None
-        self._cpus_large = home + [c for c in spill if c not in home] if home and spill else None
-        self._small_threads = max(1, min(self._threads, len(home))) if spill and home else 1
+        spill = [c for c in spill_cpus() if c not in home] if home else []
+        self._cpus_small = home if spill else None  # None: no spill CPUs
+        self._cpus_large = home + spill if home and spill else None
+        self._small_threads = max(1, min(self._threads, len(home))) if home and spill else 1
         if self._cpus_small is not None:
             self._threads_now = 0  # the first step sets both (the process is on home only)
         self.backend_name = attention_backend or default_backend(device)

@@ -138,22 +138,14 @@ def test_pdserve_up_with_a_bad_setting_says_so(monkeypatch, tmp_path, capsys):
     assert "failed to start" in err and "may not use" in err
 
 
-def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
-    """``pdserve up`` gives each worker its list (and OpenMP places when it has several
-    threads), the router the cores left, and a worker whose own flags change its rank count
-    (not what the plan was made for) no list; a cluster-wide setting never reaches a child."""
-    monkeypatch.setenv(BIND_ENV, "0-1|2")
+def fake_cluster(monkeypatch, argv: list[str], plan) -> tuple[launcher.Cluster, dict]:
+    """A ``pdserve up`` cluster whose plan is ``plan(worlds)`` and whose children are not
+    started: ``spawned[name]`` records each one's (argv, threads, env)."""
     cluster = launcher.Cluster.__new__(launcher.Cluster)
-    cluster.args = cluster_args(["--model", "m", "--prefill", "1", "--decode", "1"])
+    cluster.args = cluster_args(["--model", "m", *argv])
     cluster.secret_env = {}
     spawned: dict[str, tuple] = {}
-    monkeypatch.setattr(
-        launcher,
-        "plan_cpus",
-        lambda worlds, threads_per_rank=None: (
-            CpuPlan([[0, 1], [2]], [3], "0-1|2") if worlds == [1, 1] else None
-        ),
-    )
+    monkeypatch.setattr(launcher, "plan_cpus", lambda worlds, threads_per_rank=None: plan(worlds))
     monkeypatch.setattr(cluster, "start_redis", lambda: "redis://127.0.0.1:1")
     monkeypatch.setattr(
         cluster,
@@ -163,6 +155,19 @@ def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
         ),
     )
     monkeypatch.setattr(cluster, "_wait_http", lambda child, url: None)
+    return cluster, spawned
+
+
+def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
+    """``pdserve up`` gives each worker its list (and OpenMP places when it has several
+    threads), the router the cores left, and a worker whose own flags change its rank count
+    (not what the plan was made for) no list; a cluster-wide setting never reaches a child."""
+    monkeypatch.setenv(BIND_ENV, "0-1|2")
+    cluster, spawned = fake_cluster(
+        monkeypatch,
+        ["--prefill", "1", "--decode", "1"],
+        lambda worlds: CpuPlan([[0, 1], [2]], [3], "0-1|2") if worlds == [1, 1] else None,
+    )
     cluster.spawn_worker("prefill", 0)
     cluster.spawn_worker("decode", 0)
     cluster.spawn_worker("decode", 1, ["--tensor-parallel-size", "2"], name="decode-tp")
@@ -184,22 +189,11 @@ def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
 def test_the_lone_worker_gets_the_spill_cpus(monkeypatch, capsys):
     """Colocated on 2 cores: the worker on core 0, its long steps also on core 1 (2 threads
     then, no OpenMP places: the engine thread moves itself), the router on core 1."""
-    cluster = launcher.Cluster.__new__(launcher.Cluster)
-    cluster.args = cluster_args(["--model", "m", "--prefill", "0", "--decode", "1"])
-    cluster.secret_env = {}
-    spawned: dict[str, tuple] = {}
-    monkeypatch.setattr(
-        launcher, "plan_cpus", lambda worlds, threads_per_rank=None: CpuPlan([[0]], [1], spill=[1])
+    cluster, spawned = fake_cluster(
+        monkeypatch,
+        ["--prefill", "0", "--decode", "1"],
+        lambda worlds: CpuPlan([[0]], [1], spill=[1]),
     )
-    monkeypatch.setattr(cluster, "start_redis", lambda: "redis://127.0.0.1:1")
-    monkeypatch.setattr(
-        cluster,
-        "_spawn",
-        lambda name, argv, threads=None, ready=True, env=None: spawned.setdefault(
-            name, (argv, threads, env)
-        ),
-    )
-    monkeypatch.setattr(cluster, "_wait_http", lambda child, url: None)
     cluster.spawn_worker("decode", 0)
     cluster.start_router()
     assert "decode-0 on CPU 0 (steps of more than 256 tokens also on CPU 1)" in (
