@@ -138,7 +138,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.queues[eid] = queue
         rt.inflight += 1
         self.pending_sends += 1
-        added = finished = False
+        # Set before the hand-over: a cancelled await cannot stop a command the engine thread
+        # already runs, nor undo one it ran, so once submitted the request may be admitted.
+        submitted = finished = False
         try:
             try:
 
@@ -153,8 +155,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         arrival_time=arrival,
                     )
 
+                submitted = True
                 await asyncio.wrap_future(rt.loop.submit(add))
-                added = True
             except QueueFullError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except InvalidRequestError as e:
@@ -213,7 +215,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         finally:
             if not finished:
                 await cancel_transfer(handle)
-                if added:
+                if submitted:  # runs after the add on the engine thread; unknown ids are ignored
                     aborted = rt.loop.submit(lambda e: e.abort_request([eid]))
                     try:
                         if not rt.hung:  # else queued: done when (if) the engine steps again
