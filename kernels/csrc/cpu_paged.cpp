@@ -3,6 +3,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 #include <cstring>
@@ -75,6 +76,8 @@ static inline __m512 softmax_step(__m512 sc, __mmask16 valid, float& m, float& l
   return e;
 }
 
+#endif  // __AVX512F__
+
 // Copies a group's K and V rows (whole rows: every KV head) into buf ([2][16][s_tok]) in
 // address order and returns buf, so the kernels read the group from L1 in whatever order they
 // need. Read straight from the cache one head at a time, every 4th line of a block's strip is
@@ -87,90 +90,124 @@ static inline const KT* stage_group(const KT* rows, int64_t ntok, int64_t s_tok,
   return buf;
 }
 
-// One sequence, KV heads [h0, h0 + nh): online softmax over its blocks, 16 tokens at a time.
-// D a multiple of 16 (<= 256); the G query heads of a group share every K/V row load. Every
-// head of the range is done in one pass over the tokens: a token's K (and V) rows of all
-// heads are adjacent in the cache, so the pass reads each block's K and V strips front to
-// back, which the hardware prefetcher follows (a pass per head reads every Hkv-th line of
-// them and misses on most once the cache is larger than the L2). The arithmetic of each head
-// is the same as with one pass per head. V = D / 16 and G are compile-time constants so the
-// head's query and accumulators live in registers for a group; between groups they sit in
-// qf / acc ([nh][G][D]), m / l ([nh][G]).
+// The decode kernels walk a work item's sequences 16 tokens at a time (8 with 8-token
+// blocks: a group never straddles two blocks, the block size being 8 or a multiple of 16).
+// An item is one sequence (or one KV head of one, when there are too few sequences to keep
+// every thread busy), or a chunk of sequences whose block tables begin with the same blocks
+// (prefix caching gives every request with the same prompt prefix the same blocks): the walk
+// then reads each group of the shared blocks once, staged in L1, and runs every member's
+// step over it before each member goes on over its own blocks. A member's arithmetic is the
+// same, in the same order, as in a walk of its own (the same groups, the same online-softmax
+// updates), so no output depends on which sequences share an item.
+struct Member {
+  const void* q;  // the query rows of heads [h0, h0 + nh): [nh][G][D], bf16 or (scaled) fp32
+  const int32_t* table;
+  int64_t len;
+  float* acc;  // [nh][G][D]
+  float* m;    // [nh][G]
+  float* l;    // [nh][G]
+};
+
+struct WalkGeometry {
+  int64_t BS, s_tok, s_kv, s_block, layer_off;
+};
+
+// Runs step(member, rows, ntok) over every group of the item, shared groups first. ``shared``
+// is a whole number of blocks, within every member's length.
+template <typename KT, typename Step>
+static void walk_item(const KT* kvp, const WalkGeometry& w, Member* mem, int64_t nmem,
+                      int64_t shared, KT* stage, Step&& step) {
+  const int64_t grp = std::min<int64_t>(16, w.BS);
+  auto rows_at = [&](const int32_t* table, int64_t base, int64_t ntok) {
+    const KT* rows = kvp + table[base / w.BS] * w.s_block + w.layer_off + (base % w.BS) * w.s_tok;
+    return stage ? stage_group(rows, ntok, w.s_tok, w.s_kv, stage) : rows;
+  };
+  for (int64_t base = 0; base < shared; base += grp) {
+    const KT* rows = rows_at(mem[0].table, base, grp);
+    for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, grp);
+  }
+  for (int64_t i = 0; i < nmem; ++i)
+    for (int64_t base = shared; base < mem[i].len; base += grp) {
+      const int64_t ntok = std::min<int64_t>({grp, mem[i].len - base, w.BS - base % w.BS});
+      step(mem[i], rows_at(mem[i].table, base, ntok), ntok);
+    }
+}
+
+#ifdef __AVX512F__
+// One group of one sequence, KV heads [h0, h0 + nh): scores, online softmax, P @ V. D a
+// multiple of 16 (<= 256); the G query heads of a KV head share every K/V row load. Every
+// head is done on the same staged rows: a token's K (and V) rows of all heads are adjacent in
+// the cache, so a walk reads each block's K and V strips front to back, which the hardware
+// prefetcher follows (a pass per head reads every Hkv-th line of them and misses on most once
+// the cache is larger than the L2). V = D / 16 and G are compile-time constants so the head's
+// query and accumulators live in registers for a group; between groups they sit in the
+// member's acc / m / l. ``s_vk``: the V rows' offset from the K rows.
 template <typename KT, int V, int G>
-static void decode_seq_avx512(const float* qf, const KT* kvp, const int32_t* table, int64_t len,
-                              int64_t BS, int64_t s_tok, int64_t s_kv, int64_t s_block,
-                              int64_t layer_off, int64_t h0, int64_t nh, const float* vscale,
-                              float* acc, float* m, float* l, float* sbuf, KT* stage) {
+static inline void f32_step(const Member& mb, const KT* rows, int64_t ntok, int64_t s_tok,
+                            int64_t s_vk, int64_t h0, int64_t nh, const float* vscale,
+                            float* sbuf) {
   constexpr int64_t D = V * 16;
-  const int64_t s_vk = stage ? 16 * s_tok : s_kv;  // V rows' offset from the K rows
   __m512 q[G * V];
   __m512 a[G * V];
   __m512 part[G * 16];  // [g][t]: per-token partial dot products of a 16-token group
-  for (int64_t base = 0; base < len; base += 16) {
-    // a group of up to 16 consecutive positions (a group never straddles two blocks: the
-    // block size is 8 or a multiple of 16)
-    const int64_t blk_idx = base / BS, off = base % BS;
-    const int64_t ntok = std::min<int64_t>({16, len - base, BS - off});
-    const KT* rows = kvp + table[blk_idx] * s_block + layer_off + off * s_tok;
-    if (stage) rows = stage_group(rows, ntok, s_tok, s_kv, stage);
-    const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      const KT* kb = rows + (h0 + hh) * D;
-      const KT* vb = kb + s_vk;
-      const float* qh = qf + hh * G * D;
-      float* ah = acc + hh * G * D;
-      float* mh = m + hh * G;
-      float* lh = l + hh * G;
-      for (int64_t i = 0; i < G * V; ++i) {
-        q[i] = _mm512_loadu_ps(qh + i * 16);
-        a[i] = _mm512_loadu_ps(ah + i * 16);
-      }
-      for (int64_t t = 0; t < 16; ++t) {
-        if (t < ntok) {
-          const KT* kt = kb + t * s_tok;
-          __m512 kr[V];
-          for (int64_t v = 0; v < V; ++v) kr[v] = load16(kt + v * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            __m512 d = _mm512_mul_ps(q[g * V], kr[0]);
-            for (int64_t v = 1; v < V; ++v) d = _mm512_fmadd_ps(q[g * V + v], kr[v], d);
-            part[g * 16 + t] = d;
-          }
-        } else {
-          for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float corr;
-        const __m512 e = softmax_step(hsum16(part + g * 16), valid, mh[g], lh[g], corr);
-        _mm512_storeu_ps(sbuf + g * 16, e);
-        const __m512 c = _mm512_set1_ps(corr);
-        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
-      }
-      const __m512 vs = _mm512_set1_ps(vscale[hh]);
-      for (int64_t t = 0; t < ntok; ++t) {
-        const KT* vt = vb + t * s_tok;
-        __m512 vr[V];
-        for (int64_t v = 0; v < V; ++v) vr[v] = _mm512_mul_ps(load16(vt + v * 16), vs);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(sbuf[g * 16 + t]);
-          for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_fmadd_ps(p, vr[v], a[g * V + v]);
-        }
-      }
-      for (int64_t i = 0; i < G * V; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
+  const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const KT* kb = rows + (h0 + hh) * D;
+    const KT* vb = kb + s_vk;
+    const float* qh = static_cast<const float*>(mb.q) + hh * G * D;
+    float* ah = mb.acc + hh * G * D;
+    float* mh = mb.m + hh * G;
+    float* lh = mb.l + hh * G;
+    for (int64_t i = 0; i < G * V; ++i) {
+      q[i] = _mm512_loadu_ps(qh + i * 16);
+      a[i] = _mm512_loadu_ps(ah + i * 16);
     }
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < ntok) {
+        const KT* kt = kb + t * s_tok;
+        __m512 kr[V];
+        for (int64_t v = 0; v < V; ++v) kr[v] = load16(kt + v * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 d = _mm512_mul_ps(q[g * V], kr[0]);
+          for (int64_t v = 1; v < V; ++v) d = _mm512_fmadd_ps(q[g * V + v], kr[v], d);
+          part[g * 16 + t] = d;
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float corr;
+      const __m512 e = softmax_step(hsum16(part + g * 16), valid, mh[g], lh[g], corr);
+      _mm512_storeu_ps(sbuf + g * 16, e);
+      const __m512 c = _mm512_set1_ps(corr);
+      for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_mul_ps(a[g * V + v], c);
+    }
+    const __m512 vs = _mm512_set1_ps(vscale[hh]);
+    for (int64_t t = 0; t < ntok; ++t) {
+      const KT* vt = vb + t * s_tok;
+      __m512 vr[V];
+      for (int64_t v = 0; v < V; ++v) vr[v] = _mm512_mul_ps(load16(vt + v * 16), vs);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sbuf[g * 16 + t]);
+        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm512_fmadd_ps(p, vr[v], a[g * V + v]);
+      }
+    }
+    for (int64_t i = 0; i < G * V; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
   }
 }
 
 template <typename KT>
-static bool decode_seq_dispatch(int64_t V, int64_t G, const float* qf, const KT* kvp,
-                                const int32_t* table, int64_t len, int64_t BS, int64_t s_tok,
-                                int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h0,
-                                int64_t nh, const float* vscale, float* acc, float* m, float* l,
-                                float* sbuf, KT* stage) {
+static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeometry& w,
+                              Member* mem, int64_t nmem, int64_t shared, int64_t h0, int64_t nh,
+                              const float* vscale, float* sbuf, KT* stage) {
+  const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
 #define PDS_CASE(VV, GG)                                                                     \
   if (V == VV && G == GG) {                                                                  \
-    decode_seq_avx512<KT, VV, GG>(qf, kvp, table, len, BS, s_tok, s_kv, s_block, layer_off,  \
-                                  h0, nh, vscale, acc, m, l, sbuf, stage);                   \
+    walk_item<KT>(kvp, w, mem, nmem, shared, stage,                                          \
+                  [&](const Member& mb, const KT* rows, int64_t ntok) {                      \
+                    f32_step<KT, VV, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, vscale, sbuf); \
+                  });                                                                        \
     return true;                                                                             \
   }
 #define PDS_GROUPS(VV) PDS_CASE(VV, 1) PDS_CASE(VV, 2) PDS_CASE(VV, 4) PDS_CASE(VV, 5) \
@@ -183,119 +220,165 @@ static bool decode_seq_dispatch(int64_t V, int64_t G, const float* qf, const KT*
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// The same walk for bf16 queries and a bf16 cache, on vdpbf16ps: q . k straight from the bf16
+// The same step for bf16 queries and a bf16 cache, on vdpbf16ps: q . k straight from the bf16
 // rows (products exact, sums in fp32, times the scale in fp32), softmax in fp32, P rounded to
 // bf16 for P @ V as torch's flash SDPA does in bf16. P @ V takes two tokens per instruction:
 // unpacklo / unpackhi of rows t and t + 1 pair each value with the next token's, and
 // (p_t, p_t+1) is one broadcast dword, so the accumulators hold dimension d of lane
-// 4k + i at 32w + 8k + i (lo) and 32w + 8k + 4 + i (hi); the end puts them back in order.
-// W = D / 32.
+// 4k + i at 32w + 8k + i (lo) and 32w + 8k + 4 + i (hi); bf16_dim_order puts them back in
+// order once the walk is done. W = D / 32.
 template <int W, int G>
-static void decode_seq_bf16(const at::BFloat16* qh0, const at::BFloat16* kvp,
-                            const int32_t* table, int64_t len, int64_t BS, int64_t s_tok,
-                            int64_t s_kv, int64_t s_block, int64_t layer_off, int64_t h0,
-                            int64_t nh, float scale, float* acc, float* m, float* l,
-                            at::BFloat16* stage) {
+static inline void bf16_step(const Member& mb, const at::BFloat16* rows, int64_t ntok,
+                             int64_t s_tok, int64_t s_vk, int64_t h0, int64_t nh, __m512 scv) {
   constexpr int64_t D = W * 32;
-  const int64_t s_vk = stage ? 16 * s_tok : s_kv;  // V rows' offset from the K rows
   __m512bh q[G * W];
   __m512 a[G * 2 * W];  // [g][w][lo, hi]
   __m512 part[G * 16];
   alignas(64) uint16_t pb[G * 16];
-  const __m512 scv = _mm512_set1_ps(scale);
-  for (int64_t base = 0; base < len; base += 16) {
-    const int64_t blk_idx = base / BS, off = base % BS;
-    const int64_t ntok = std::min<int64_t>({16, len - base, BS - off});
-    const at::BFloat16* rows = kvp + table[blk_idx] * s_block + layer_off + off * s_tok;
-    if (stage) rows = stage_group(rows, ntok, s_tok, s_kv, stage);
-    const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      const at::BFloat16* kb = rows + (h0 + hh) * D;
-      const at::BFloat16* vb = kb + s_vk;
-      const at::BFloat16* qh = qh0 + hh * G * D;
-      float* ah = acc + hh * G * D;
-      float* mh = m + hh * G;
-      float* lh = l + hh * G;
-      for (int64_t i = 0; i < G * W; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + i * 32);
-      for (int64_t i = 0; i < G * 2 * W; ++i) a[i] = _mm512_loadu_ps(ah + i * 16);
-      for (int64_t t = 0; t < 16; ++t) {
-        if (t < ntok) {
-          const at::BFloat16* kt = kb + t * s_tok;
-          __m512bh kr[W];
-          for (int64_t w = 0; w < W; ++w) kr[w] = (__m512bh)_mm512_loadu_si512(kt + w * 32);
-          for (int64_t g = 0; g < G; ++g) {
-            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * W], kr[0]);
-            for (int64_t w = 1; w < W; ++w) d = _mm512_dpbf16_ps(d, q[g * W + w], kr[w]);
-            part[g * 16 + t] = d;
-          }
-        } else {
-          for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
+  const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const at::BFloat16* kb = rows + (h0 + hh) * D;
+    const at::BFloat16* vb = kb + s_vk;
+    const at::BFloat16* qh = static_cast<const at::BFloat16*>(mb.q) + hh * G * D;
+    float* ah = mb.acc + hh * G * D;
+    float* mh = mb.m + hh * G;
+    float* lh = mb.l + hh * G;
+    for (int64_t i = 0; i < G * W; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + i * 32);
+    for (int64_t i = 0; i < G * 2 * W; ++i) a[i] = _mm512_loadu_ps(ah + i * 16);
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < ntok) {
+        const at::BFloat16* kt = kb + t * s_tok;
+        __m512bh kr[W];
+        for (int64_t w = 0; w < W; ++w) kr[w] = (__m512bh)_mm512_loadu_si512(kt + w * 32);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * W], kr[0]);
+          for (int64_t w = 1; w < W; ++w) d = _mm512_dpbf16_ps(d, q[g * W + w], kr[w]);
+          part[g * 16 + t] = d;
         }
+      } else {
+        for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float corr;
+      const __m512 e =
+          softmax_step(_mm512_mul_ps(hsum16(part + g * 16), scv), valid, mh[g], lh[g], corr);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16), (__m256i)_mm512_cvtneps_pbh(e));
+      const __m512 c = _mm512_set1_ps(corr);
+      for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
+    }
+    for (int64_t t = 0; t < ntok; t += 2) {
+      const at::BFloat16* v0 = vb + t * s_tok;
+      const bool two = t + 1 < ntok;  // a row past the last token may hold anything
+      __m512i lo[W], hi[W];
+      for (int64_t w = 0; w < W; ++w) {
+        const __m512i x = _mm512_loadu_si512(v0 + w * 32);
+        const __m512i y = two ? _mm512_loadu_si512(v0 + s_tok + w * 32) : _mm512_setzero_si512();
+        lo[w] = _mm512_unpacklo_epi16(x, y);
+        hi[w] = _mm512_unpackhi_epi16(x, y);
       }
       for (int64_t g = 0; g < G; ++g) {
-        float corr;
-        const __m512 e =
-            softmax_step(_mm512_mul_ps(hsum16(part + g * 16), scv), valid, mh[g], lh[g], corr);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16),
-                           (__m256i)_mm512_cvtneps_pbh(e));
-        const __m512 c = _mm512_set1_ps(corr);
-        for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
-      }
-      for (int64_t t = 0; t < ntok; t += 2) {
-        const at::BFloat16* v0 = vb + t * s_tok;
-        const bool two = t + 1 < ntok;  // a row past the last token may hold anything
-        __m512i lo[W], hi[W];
+        uint32_t pair;
+        std::memcpy(&pair, pb + g * 16 + t, 4);  // (p_t, p_t+1); p past ntok is 0
+        const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
         for (int64_t w = 0; w < W; ++w) {
-          const __m512i x = _mm512_loadu_si512(v0 + w * 32);
-          const __m512i y = two ? _mm512_loadu_si512(v0 + s_tok + w * 32) : _mm512_setzero_si512();
-          lo[w] = _mm512_unpacklo_epi16(x, y);
-          hi[w] = _mm512_unpackhi_epi16(x, y);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          uint32_t pair;
-          std::memcpy(&pair, pb + g * 16 + t, 4);  // (p_t, p_t+1); p past ntok is 0
-          const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
-          for (int64_t w = 0; w < W; ++w) {
-            __m512* aw = a + (g * W + w) * 2;
-            aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)lo[w]);
-            aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)hi[w]);
-          }
+          __m512* aw = a + (g * W + w) * 2;
+          aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)lo[w]);
+          aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)hi[w]);
         }
       }
-      for (int64_t i = 0; i < G * 2 * W; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
     }
+    for (int64_t i = 0; i < G * 2 * W; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
   }
-  for (int64_t i = 0; i < nh * G; ++i) {  // back to dimension order
+}
+
+// bf16_step's accumulator lanes back to dimension order, for ``n`` heads of D = 32 W.
+static void bf16_dim_order(float* acc, int64_t n, int64_t W) {
+  const int64_t D = 32 * W;
+  std::vector<float> tmp(D);
+  for (int64_t i = 0; i < n; ++i) {
     float* ag = acc + i * D;
-    alignas(64) float tmp[D];
     for (int64_t w = 0; w < W; ++w)
       for (int64_t half = 0; half < 2; ++half)
         for (int64_t k = 0; k < 4; ++k)
           for (int64_t j = 0; j < 4; ++j)
             tmp[32 * w + 8 * k + 4 * half + j] = ag[(2 * w + half) * 16 + 4 * k + j];
-    std::memcpy(ag, tmp, sizeof(tmp));
+    std::memcpy(ag, tmp.data(), D * sizeof(float));
   }
 }
 
-static bool decode_seq_bf16_dispatch(int64_t W, int64_t G, const at::BFloat16* qh0,
-                                     const at::BFloat16* kvp, const int32_t* table, int64_t len,
-                                     int64_t BS, int64_t s_tok, int64_t s_kv, int64_t s_block,
-                                     int64_t layer_off, int64_t h0, int64_t nh, float scale,
-                                     float* acc, float* m, float* l, at::BFloat16* stage) {
+static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
+                               const WalkGeometry& w, Member* mem, int64_t nmem, int64_t shared,
+                               int64_t h0, int64_t nh, float scale, at::BFloat16* stage) {
+  const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
+  const __m512 scv = _mm512_set1_ps(scale);
+  bool found = false;
 #define PDS_CASE(WW, GG)                                                                     \
-  if (W == WW && G == GG) {                                                                  \
-    decode_seq_bf16<WW, GG>(qh0, kvp, table, len, BS, s_tok, s_kv, s_block, layer_off, h0,   \
-                            nh, scale, acc, m, l, stage);                                    \
-    return true;                                                                             \
+  if (!found && W == WW && G == GG) {                                                        \
+    walk_item<at::BFloat16>(kvp, w, mem, nmem, shared, stage,                                \
+                            [&](const Member& mb, const at::BFloat16* rows, int64_t ntok) {  \
+                              bf16_step<WW, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, scv); \
+                            });                                                              \
+    found = true;                                                                            \
   }
 #define PDS_GROUPS(WW) PDS_CASE(WW, 1) PDS_CASE(WW, 2) PDS_CASE(WW, 4) PDS_CASE(WW, 5) \
                        PDS_CASE(WW, 6) PDS_CASE(WW, 7) PDS_CASE(WW, 8)
   PDS_GROUPS(1) PDS_GROUPS(2) PDS_GROUPS(4) PDS_GROUPS(8)
 #undef PDS_GROUPS
 #undef PDS_CASE
-  return false;
+  if (found)
+    for (int64_t i = 0; i < nmem; ++i) bf16_dim_order(mem[i].acc, nh * G, W);
+  return found;
 }
 #endif
+
+// A work item: sequences order[first .. first + count) (count > 1 only for a chunk sharing
+// its first ``shared`` tokens' blocks), KV heads [h0, h0 + nh).
+struct DecodeItem {
+  int64_t first, count, shared, h0, cost;
+};
+
+// Sequences whose tables begin with the same full blocks, chunked: sorted by their full
+// blocks, a chunk grows along the order while the tokens it saves (common prefix times
+// members but one) do not shrink, up to ``max_chunk`` members. The rest are items alone.
+static std::vector<DecodeItem> plan_decode_items(const int32_t* tp, const int32_t* lp,
+                                                 int64_t S, int64_t MB, int64_t BS,
+                                                 int64_t max_chunk, std::vector<int64_t>& order) {
+  std::vector<int64_t> full(S);  // whole blocks of each sequence (all of them shared if equal)
+  for (int64_t s = 0; s < S; ++s) full[s] = std::min<int64_t>(MB, lp[s] / BS);
+  order.resize(S);
+  for (int64_t s = 0; s < S; ++s) order[s] = s;
+  auto lcp = [&](int64_t a, int64_t b) {
+    const int64_t n = std::min(full[a], full[b]);
+    const int32_t* ta = tp + a * MB;
+    const int32_t* tb = tp + b * MB;
+    int64_t j = 0;
+    while (j < n && ta[j] == tb[j]) ++j;
+    return j;
+  };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t j = lcp(a, b);
+    const int64_t n = std::min(full[a], full[b]);
+    if (j < n) return tp[a * MB + j] < tp[b * MB + j];
+    return full[a] != full[b] ? full[a] < full[b] : a < b;
+  });
+  std::vector<DecodeItem> items;
+  for (int64_t i = 0; i < S;) {
+    int64_t n = 1, common = full[order[i]];
+    while (i + n < S && n < max_chunk) {
+      const int64_t c = std::min(common, lcp(order[i + n - 1], order[i + n]));
+      if (c == 0 || c * n < common * (n - 1)) break;
+      common = c;
+      ++n;
+    }
+    const int64_t shared = n > 1 ? common * BS : 0;
+    int64_t cost = shared;
+    for (int64_t k = 0; k < n; ++k) cost += lp[order[i + k]] - shared;
+    items.push_back({i, n, shared, 0, cost});
+    i += n;
+  }
+  return items;
+}
 
 // q: [S, Hq, D]; kv: [NB, L, 2, BS, Hkv, D] (contiguous); tables: [S, MB] int32;
 // lens: [S] int32; out: [S, Hq, D] (q's dtype). k/v scales: [1] or [Hkv] float32 (fp8 only).
@@ -313,31 +396,60 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   const int32_t* lp = lens.data_ptr<int32_t>();
   QT* op = out.data_ptr<QT>();
   const float sc = static_cast<float>(scale);
-  // Work items: (sequence, range of KV heads). A sequence's heads go together (one pass over
-  // its blocks, see decode_seq_avx512) unless there are too few sequences to keep every
-  // thread busy; then each head is an item of its own.
-  const int64_t HC = S >= 2 * at::get_num_threads() ? Hkv : 1;
-  const int64_t NC = Hkv / HC;
-  at::parallel_for(0, S * NC, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(HC * G * D), acc(HC * G * D), m(HC * G), l(HC * G), vsc(HC),
-        sbuf(G * std::max<int64_t>(BS, 16)), row(D);
+  const WalkGeometry geo{BS, s_tok, s_kv, s_block, layer * s_layer};
+  // Work items. A sequence's heads go together (one walk over its blocks, its rows staged
+  // group by group) unless there are too few sequences to keep every thread busy; then each
+  // head is an item of its own. Sequences sharing leading blocks go in chunks (see walk_item)
+  // small enough to leave every thread two items or more, largest items first.
+  const int64_t T = at::get_num_threads();
+  const int64_t HC = S >= 2 * T ? Hkv : 1;
+  std::vector<int64_t> order;
+  std::vector<DecodeItem> items;
+  if (HC == Hkv) {
+    const int64_t max_chunk = std::clamp<int64_t>(S / (2 * T), 1, 16);
+    items = plan_decode_items(tp, lp, S, MB, BS, max_chunk, order);
+    std::stable_sort(items.begin(), items.end(),
+                     [](const DecodeItem& a, const DecodeItem& b) { return a.cost > b.cost; });
+  } else {
+    for (int64_t s = 0; s < S; ++s) {
+      order.push_back(s);
+      for (int64_t h0 = 0; h0 < Hkv; ++h0) items.push_back({s, 1, 0, h0, lp[s]});
+    }
+  }
+  int64_t max_count = 1;
+  for (const DecodeItem& it : items) max_count = std::max(max_count, it.count);
+  const int64_t per = HC * G * D;  // a member's query / accumulator floats
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(T, n_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(max_count * per), acc(max_count * per), m(max_count * HC * G),
+        l(max_count * HC * G), vsc(HC), sbuf(G * std::max<int64_t>(BS, 16)), row(D);
+    std::vector<Member> mem(max_count);
     // whole rows (every head of a sequence in one item) are staged per group, see stage_group
     std::vector<KT> stage(HC == Hkv ? 2 * 16 * s_tok : 0);
     KT* stage_p = stage.empty() ? nullptr : stage.data();
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = idx / NC, h0 = (idx % NC) * HC;
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t len = lp[s];
-      const int64_t nb = (len + BS - 1) / BS;
+    for (int64_t ii; (ii = next.fetch_add(1)) < n_items;) {
+      const DecodeItem& it = items[ii];
+      const int64_t h0 = it.h0 * HC, nmem = it.count;
+      std::fill(m.begin(), m.begin() + nmem * HC * G, -INFINITY);
+      std::fill(l.begin(), l.begin() + nmem * HC * G, 0.f);
+      std::fill(acc.begin(), acc.begin() + nmem * per, 0.f);
+      bool fits = true;  // every member's blocks in its table (always, for the engine's)
+      for (int64_t k = 0; k < nmem; ++k) {
+        const int64_t s = order[it.first + k];
+        mem[k] = {nullptr, tp + s * MB, lp[s], acc.data() + k * per, m.data() + k * HC * G,
+                  l.data() + k * HC * G};
+        fits = fits && (lp[s] + BS - 1) / BS <= MB;
+      }
       bool done = false;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>) {
-        done = D % 32 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB && !ks &&
-               decode_seq_bf16_dispatch(D / 32, G, qp + (s * Hq + h0 * G) * D, kvp, tp + s * MB,
-                                        len, BS, s_tok, s_kv, s_block, layer * s_layer, h0, HC,
-                                        sc, acc.data(), m.data(), l.data(), stage_p);
+        if (D % 32 == 0 && (BS % 16 == 0 || BS < 16) && fits && !ks) {
+          for (int64_t k = 0; k < nmem; ++k)
+            mem[k].q = qp + (order[it.first + k] * Hq + h0 * G) * D;
+          done = bf16_item_dispatch(D / 32, G, kvp, geo, mem.data(), nmem, it.shared, h0, HC,
+                                    sc, stage_p);
+        }
       }
 #endif
       // the other kernels read the queries in fp32, scaled (and by the fp8 K scale)
@@ -345,82 +457,94 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
         const int64_t h = h0 + hh;
         const float kscale = ks ? ks[n_scale == 1 ? 0 : h] : 1.f;
         vsc[hh] = vs ? vs[n_scale == 1 ? 0 : h] : 1.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const QT* qh = qp + (s * Hq + h * G + g) * D;
-          float* qg = qf.data() + (hh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) qg[d] = to_f(qh[d]) * sc * kscale;
+        for (int64_t k = 0; k < nmem; ++k) {
+          const int64_t s = order[it.first + k];
+          for (int64_t g = 0; g < G; ++g) {
+            const QT* qh = qp + (s * Hq + h * G + g) * D;
+            float* qg = qf.data() + k * per + (hh * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) qg[d] = to_f(qh[d]) * sc * kscale;
+          }
+          mem[k].q = qf.data() + k * per;
         }
       }
 #ifdef __AVX512F__
       if constexpr (HasLoad16<KT>::value) {
-        done = done || D % 16 == 0 && (BS % 16 == 0 || BS < 16) && nb <= MB &&
-               decode_seq_dispatch<KT>(D / 16, G, qf.data(), kvp, tp + s * MB, len, BS, s_tok,
-                                       s_kv, s_block, layer * s_layer, h0, HC, vsc.data(),
-                                       acc.data(), m.data(), l.data(), sbuf.data(), stage_p);
+        done = done || D % 16 == 0 && (BS % 16 == 0 || BS < 16) && fits &&
+               f32_item_dispatch<KT>(D / 16, G, kvp, geo, mem.data(), nmem, it.shared, h0, HC,
+                                     vsc.data(), sbuf.data(), stage_p);
       }
 #endif
-      for (int64_t hh = 0; hh < HC && !done; ++hh) {
-        const int64_t h = h0 + hh;
-        const float vscale = vsc[hh];
-        const float* qh = qf.data() + hh * G * D;
-        float* ah = acc.data() + hh * G * D;
-        float* mh = m.data() + hh * G;
-        float* lh = l.data() + hh * G;
-        for (int64_t j = 0; j < nb && j < MB; ++j) {
-          const int64_t blk = tp[s * MB + j];
-          const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
-          const KT* kb = kvp + blk * s_block + layer * s_layer + h * D;
-          const KT* vb = kb + s_kv;
-          // scores: each K row is converted once and dotted with the G query heads of the group
-          for (int64_t t = 0; t < ntok; ++t) {
-            const KT* kt = kb + t * s_tok;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) row[d] = to_f(kt[d]);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qg = qh + g * D;
-              float dot = 0.f;
-              #pragma omp simd reduction(+:dot)
-              for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-              sbuf[g * BS + t] = dot;
+      for (int64_t k = 0; k < nmem && !done; ++k) {  // portable: each member over its blocks
+        const int64_t s = order[it.first + k];
+        const int64_t len = lp[s];
+        const int64_t nb = (len + BS - 1) / BS;
+        for (int64_t hh = 0; hh < HC; ++hh) {
+          const int64_t h = h0 + hh;
+          const float vscale = vsc[hh];
+          const float* qh = qf.data() + k * per + hh * G * D;
+          float* ah = mem[k].acc + hh * G * D;
+          float* mh = mem[k].m + hh * G;
+          float* lh = mem[k].l + hh * G;
+          for (int64_t j = 0; j < nb && j < MB; ++j) {
+            const int64_t blk = tp[s * MB + j];
+            const int64_t ntok = std::min<int64_t>(BS, len - j * BS);
+            const KT* kb = kvp + blk * s_block + layer * s_layer + h * D;
+            const KT* vb = kb + s_kv;
+            // scores: each K row is converted once and dotted with the G query heads
+            for (int64_t t = 0; t < ntok; ++t) {
+              const KT* kt = kb + t * s_tok;
+              #pragma omp simd
+              for (int64_t d = 0; d < D; ++d) row[d] = to_f(kt[d]);
+              for (int64_t g = 0; g < G; ++g) {
+                const float* qg = qh + g * D;
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+                sbuf[g * BS + t] = dot;
+              }
             }
-          }
-          // online softmax update per query head
-          for (int64_t g = 0; g < G; ++g) {
-            float* sg = sbuf.data() + g * BS;
-            float bmax = -INFINITY;
-            for (int64_t t = 0; t < ntok; ++t) bmax = std::max(bmax, sg[t]);
-            const float mnew = std::max(mh[g], bmax);
-            const float corr = std::exp(mh[g] - mnew);
-            float lsum = 0.f;
-            #pragma omp simd reduction(+:lsum)
-            for (int64_t t = 0; t < ntok; ++t) { sg[t] = std::exp(sg[t] - mnew); lsum += sg[t]; }
-            float* ag = ah + g * D;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-            lh[g] = lh[g] * corr + lsum;
-            mh[g] = mnew;
-          }
-          // values: each V row converted once, accumulated into every head of the group
-          for (int64_t t = 0; t < ntok; ++t) {
-            const KT* vt = vb + t * s_tok;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) row[d] = to_f(vt[d]) * vscale;
+            // online softmax update per query head
             for (int64_t g = 0; g < G; ++g) {
-              const float p = sbuf[g * BS + t];
+              float* sg = sbuf.data() + g * BS;
+              float bmax = -INFINITY;
+              for (int64_t t = 0; t < ntok; ++t) bmax = std::max(bmax, sg[t]);
+              const float mnew = std::max(mh[g], bmax);
+              const float corr = std::exp(mh[g] - mnew);
+              float lsum = 0.f;
+              #pragma omp simd reduction(+:lsum)
+              for (int64_t t = 0; t < ntok; ++t) { sg[t] = std::exp(sg[t] - mnew); lsum += sg[t]; }
               float* ag = ah + g * D;
               #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+              for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+              lh[g] = lh[g] * corr + lsum;
+              mh[g] = mnew;
+            }
+            // values: each V row converted once, accumulated into every head of the group
+            for (int64_t t = 0; t < ntok; ++t) {
+              const KT* vt = vb + t * s_tok;
+              #pragma omp simd
+              for (int64_t d = 0; d < D; ++d) row[d] = to_f(vt[d]) * vscale;
+              for (int64_t g = 0; g < G; ++g) {
+                const float p = sbuf[g * BS + t];
+                float* ag = ah + g * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+              }
             }
           }
         }
       }
-      for (int64_t hh = 0; hh < HC; ++hh)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t i = hh * G + g;
-          QT* oh = op + (s * Hq + (h0 + hh) * G + g) * D;
-          const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(acc[i * D + d] * inv);
-        }
+      for (int64_t k = 0; k < nmem; ++k) {
+        const int64_t s = order[it.first + k];
+        for (int64_t hh = 0; hh < HC; ++hh)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t i = hh * G + g;
+            QT* oh = op + (s * Hq + (h0 + hh) * G + g) * D;
+            const float li = mem[k].l[i];
+            const float inv = li > 0.f ? 1.f / li : 0.f;
+            for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(mem[k].acc[i * D + d] * inv);
+          }
+      }
     }
   });
 }

@@ -49,7 +49,7 @@ def _case(seed, dtype, kv_dtype, hq, hkv, d, bs, lens, per_head_scale=False):
     ],
 )
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])
-@pytest.mark.parametrize("d,bs", [(32, 16), (64, 32), (128, 16)])
+@pytest.mark.parametrize("d,bs", [(32, 16), (64, 32), (128, 16), (32, 8), (128, 8)])
 def test_decode_matches_reference(dtype, kv_dtype, hq, hkv, d, bs):
     lens = [1, 2, bs - 1, bs, bs + 1, 3 * bs + 5, 777, 2049]
     q, kv, tables, lens_t, ks, vs = _case(hq * d + bs, dtype, kv_dtype, hq, hkv, d, bs, lens)
@@ -94,6 +94,55 @@ def test_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
     batch = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, 0.17)
     alone = cpu_paged.paged_decode_attention(q[:1], kv, 1, tables[:1], lens_t[:1], 0.17)
     assert torch.equal(batch[:1], alone)
+
+
+def _shared_prefix_case(seed, dtype, bs, lens, prefix_blocks, groups):
+    """Tables whose first ``prefix_blocks`` blocks are those of sequence ``i % groups``'s
+    group (as prefix caching hands them out), the rest each sequence's own."""
+    g = torch.Generator().manual_seed(seed)
+    mb = max(-(-n // bs) for n in lens)
+    nb = groups * prefix_blocks + len(lens) * mb + 3
+    kv = torch.randn(nb, 2, 2, bs, 4, 32, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), mb, dtype=torch.int32)
+    own = groups * prefix_blocks
+    for i, n in enumerate(lens):
+        k = min(prefix_blocks, -(-n // bs))
+        tables[i, :k] = torch.arange(k) + (i % groups) * prefix_blocks
+        rest = mb - k
+        tables[i, k:] = torch.arange(rest) + own
+        own += rest
+    q = torch.randn(len(lens), 8, 32, generator=g).to(dtype)
+    return q, kv, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bs", [8, 16])
+def test_sequences_sharing_prefix_blocks_read_them_once_and_get_their_own_bits(dtype, bs):
+    """Sequences whose tables begin with the same blocks go through the kernel in chunks that
+    read each shared group once for every member: each still gets the same bits as alone (one
+    sequence: the per-head walk, nothing shared) and the reference's values. Lengths cover a
+    sequence ending inside the shared blocks, at their end, one past it, and far past it."""
+    p = 6  # shared blocks per group
+    lens = [p * bs - 5, p * bs, p * bs + 1, 3, 2 * p * bs + 7] + [p * bs + 9 * i for i in range(19)]
+    q, kv, tables, lens_t = _shared_prefix_case(bs + 3, dtype, bs, lens, p, groups=3)
+    want = reference.paged_decode_attention(q.float(), kv.float(), 1, tables, lens_t, 0.17)
+    for i, n in enumerate(lens):  # rows past an end in a sequence's own block: never read
+        if n % bs and n // bs >= p:
+            kv[tables[i, n // bs], 1, :, n % bs :] = float("nan")
+    with_threads = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # chunks of up to 12 and of up to 6 members
+            torch.set_num_threads(threads)
+            batch = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, 0.17)
+            for i in range(len(lens)):
+                alone = cpu_paged.paged_decode_attention(
+                    q[i : i + 1], kv, 1, tables[i : i + 1], lens_t[i : i + 1], 0.17
+                )
+                assert torch.equal(batch[i : i + 1], alone), (threads, i, lens[i])
+    finally:
+        torch.set_num_threads(with_threads)
+    assert bool(torch.isfinite(batch).all())
+    torch.testing.assert_close(batch.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
