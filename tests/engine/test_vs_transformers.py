@@ -30,6 +30,7 @@ CONFIGS = {
         num_gpu_blocks_override=100, max_model_len=1100, preemption_mode="swap", swap_space=0.05
     ),
     "block_size_32": dict(block_size=32),
+    "block_size_8": dict(block_size=8),
     "torch_reference_attention": dict(attention_backend="torch"),
 }
 
