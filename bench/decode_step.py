@@ -10,10 +10,14 @@ the default on a CPU with AVX512-BF16 before ``onecall``); ``onecall`` (``fused`
 step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``: the default now;
 every other path runs with ``--enforce-eager``). Each measurement builds a fresh engine, admits ``B``
 prompts of ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps``
-engine steps (one token per sequence each).
+engine steps (one token per sequence each). With ``--shared-prefix N --prefix-groups P``
+prompt ``i`` is the ``N``-token prefix of group ``i % P`` and its own random tokens after it
+(vLLM's ``prefix_repetition`` workload): prefix caching hands each group's sequences the same
+blocks.
 
     python bench/decode_step.py --model DIR [--batches 1,16,64] [--threads 1] [--rounds 2]
         [--paths plain,small,onednn,fused,onecall] [--baseline-source FILE] [--profile STEPS]
+        [--prompt-len 1088 --shared-prefix 1024 --prefix-groups 4]
 
 ``--baseline-source FILE`` adds the path ``base``: ``fused`` with the C++ extension built from
 FILE instead of ``kernels/csrc/cpu_paged.cpp`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
@@ -41,7 +45,14 @@ from shared.models.quantization import weight_bytes
 
 
 def time_decode_steps(
-    engine, batch: int, prompt_len: int, steps: int, max_token: int = 1000, profile: int = 0
+    engine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    max_token: int = 1000,
+    profile: int = 0,
+    shared_prefix: int = 0,
+    groups: int = 1,
 ) -> float:
     """ms per engine step once ``batch`` random prompts (ids in [100, max_token)) all decode.
 
@@ -50,10 +61,14 @@ def time_decode_steps(
     C++ kernels called through pybind (decode attention, ``write_kv``, the fused ops) and
     Python."""
     rng = random.Random(batch)
+    prefixes = [
+        [rng.randrange(100, max_token) for _ in range(shared_prefix)] for _ in range(groups)
+    ]
     for i in range(batch):
+        own = [rng.randrange(100, max_token) for _ in range(prompt_len - shared_prefix)]
         engine.add_request(
             f"r{i}",
-            [rng.randrange(100, max_token) for _ in range(prompt_len)],
+            prefixes[i % groups] + own,
             # room for the steps a chunked prefill of the batch takes, during which the first
             # prompts already decode: no sequence finishes inside the timed (or profiled) steps
             SamplingParams(
@@ -95,7 +110,14 @@ OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the mo
 
 
 def step_ms(
-    model: str, batch: int, prompt_len: int, steps: int, path: str, profile: int = 0
+    model: str,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    path: str,
+    profile: int = 0,
+    shared_prefix: int = 0,
+    groups: int = 1,
 ) -> tuple[float, int]:
     """(ms per decode step, weight bytes a step reads) for linear path ``path``."""
     cpu_paged._load()
@@ -116,7 +138,15 @@ def step_ms(
     try:
         # every path but onecall runs the layers one by one in Python (--enforce-eager)
         engine = LLM(model, kv_cache_memory="512MiB", enforce_eager=path != "onecall").engine
-        ms = time_decode_steps(engine, batch, prompt_len, steps, profile=profile)
+        ms = time_decode_steps(
+            engine,
+            batch,
+            prompt_len,
+            steps,
+            profile=profile,
+            shared_prefix=shared_prefix,
+            groups=groups,
+        )
         return ms, weight_bytes(engine.runner.model)
     finally:
         for name, value in saved.items():
@@ -150,7 +180,11 @@ def main() -> int:
     ap.add_argument(
         "--profile", type=int, default=0, help="in the last round, profile this many more steps"
     )
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a group's prefix")
+    ap.add_argument("--prefix-groups", type=int, default=1, help="distinct shared prefixes")
     args = ap.parse_args()
+    if not 0 <= args.shared_prefix < args.prompt_len or args.prefix_groups < 1:
+        ap.error("need 0 <= --shared-prefix < --prompt-len and --prefix-groups >= 1")
     paths = args.paths.split(",")
     if unknown := set(paths) - set(PATHS):
         ap.error(f"unknown paths {sorted(unknown)}")
@@ -165,6 +199,11 @@ def main() -> int:
     bw = memory_bandwidth_gbs()
     feats = cpu_linear.CpuFeatures.detect()
     print(f"CPU: {feats.describe()}; {args.threads} thread(s); memory bandwidth {bw:.1f} GB/s")
+    if args.shared_prefix:
+        print(
+            f"prompts of {args.prompt_len} tokens, the first {args.shared_prefix} shared in "
+            f"{args.prefix_groups} group(s)"
+        )
     print(f"auto plan for bf16: {cpu_linear.plan_for(torch.bfloat16, torch.device('cpu')).reason}")
     head = " | ".join(f"{p} ms/step (weights GB/s, % of memory)" for p in paths)
     ratio = " | ".join(f"{p} / {paths[0]}" for p in paths[1:])
@@ -177,7 +216,16 @@ def main() -> int:
             for p in paths:
                 print(f"[decode_step] batch {b} round {r + 1}/{args.rounds} {p}", file=sys.stderr)
                 prof = args.profile if r == args.rounds - 1 else 0
-                ms, nbytes[p] = step_ms(args.model, b, args.prompt_len, args.steps, p, prof)
+                ms, nbytes[p] = step_ms(
+                    args.model,
+                    b,
+                    args.prompt_len,
+                    args.steps,
+                    p,
+                    prof,
+                    args.shared_prefix,
+                    args.prefix_groups,
+                )
                 times[p].append(ms)
         med = {p: statistics.median(t) for p, t in times.items()}
         cells = []

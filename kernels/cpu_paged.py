@@ -7,7 +7,8 @@ compiles ``kernels/csrc/cpu_paged.cpp`` (once per source, torch version and CPU 
 kernel that walks the block table and runs an online softmax over each block where it lies,
 parallel over sequences (every KV head of one in a pass, each 16-token group's rows staged in
 address order; over (sequence, KV head) when sequences are fewer than twice the threads) with
-``at::parallel_for``, on ``vdpbf16ps`` for bf16. Multi-token prefill chunks go through the
+``at::parallel_for``, on ``vdpbf16ps`` for bf16; sequences whose tables begin with the same
+blocks (a shared prompt prefix) share an item that reads those blocks once for all of them. Multi-token prefill chunks go through the
 reference's loop (gathered K/V, whose cost is the attention math itself): bf16 ones to the
 AVX512-BF16 prefill kernel (``attend_prefill``), others to SDPA. ``write_kv`` stores a layer's
 new K/V rows in one C++ call (the reference's for fp8 pools). Also here, for bf16 on an
