@@ -112,20 +112,18 @@ struct WalkGeometry {
   int64_t BS, s_tok, s_kv, s_block, layer_off;
 };
 
-// Runs step(member, rows, ntok) over every group of the item, shared groups first. ``shared``
+// Runs step(member, rows, ntok) over every group of the item, shared groups first, each
+// shared group through group(rows, ntok) (which runs every member's step over it). ``shared``
 // is a whole number of blocks, within every member's length.
-template <typename KT, typename Step>
+template <typename KT, typename Step, typename Group>
 static void walk_item(const KT* kvp, const WalkGeometry& w, Member* mem, int64_t nmem,
-                      int64_t shared, KT* stage, Step&& step) {
+                      int64_t shared, KT* stage, Step&& step, Group&& group) {
   const int64_t grp = std::min<int64_t>(16, w.BS);
   auto rows_at = [&](const int32_t* table, int64_t base, int64_t ntok) {
     const KT* rows = kvp + table[base / w.BS] * w.s_block + w.layer_off + (base % w.BS) * w.s_tok;
     return stage ? stage_group(rows, ntok, w.s_tok, w.s_kv, stage) : rows;
   };
-  for (int64_t base = 0; base < shared; base += grp) {
-    const KT* rows = rows_at(mem[0].table, base, grp);
-    for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, grp);
-  }
+  for (int64_t base = 0; base < shared; base += grp) group(rows_at(mem[0].table, base, grp), grp);
   for (int64_t i = 0; i < nmem; ++i)
     for (int64_t base = shared; base < mem[i].len; base += grp) {
       const int64_t ntok = std::min<int64_t>({grp, mem[i].len - base, w.BS - base % w.BS});
@@ -204,10 +202,12 @@ static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeo
   const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
 #define PDS_CASE(VV, GG)                                                                     \
   if (V == VV && G == GG) {                                                                  \
-    walk_item<KT>(kvp, w, mem, nmem, shared, stage,                                          \
-                  [&](const Member& mb, const KT* rows, int64_t ntok) {                      \
-                    f32_step<KT, VV, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, vscale, sbuf); \
-                  });                                                                        \
+    auto step = [&](const Member& mb, const KT* rows, int64_t ntok) {                        \
+      f32_step<KT, VV, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, vscale, sbuf);             \
+    };                                                                                       \
+    walk_item<KT>(kvp, w, mem, nmem, shared, stage, step, [&](const KT* rows, int64_t ntok) { \
+      for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, ntok);                           \
+    });                                                                                      \
     return true;                                                                             \
   }
 #define PDS_GROUPS(VV) PDS_CASE(VV, 1) PDS_CASE(VV, 2) PDS_CASE(VV, 4) PDS_CASE(VV, 5) \
@@ -307,18 +307,125 @@ static void bf16_dim_order(float* acc, int64_t n, int64_t W) {
   }
 }
 
+// A shared group prepared once for every member: kt[hh][w][j] holds, in lane t, dword j of
+// chunk w of token t's K row (dims 32w + 2j, 32w + 2j + 1): a member's scores of the 16
+// tokens then come out of D / 2 broadcast-and-vdpbf16ps steps, lanes already tokens, with no
+// transpose; vp[hh][pair][w][lo, hi] holds bf16_step's interleaved V rows.
+template <int W>
+static inline void bf16_prepare(const at::BFloat16* rows, int64_t ntok, int64_t s_tok,
+                                int64_t s_vk, int64_t h0, int64_t nh, __m512i* kt, __m512i* vp) {
+  constexpr int64_t D = W * 32;
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(int(s_tok / 2)));
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int32_t* kb = reinterpret_cast<const int32_t*>(rows + (h0 + hh) * D);
+    for (int64_t i = 0; i < W * 16; ++i)  // rows past ntok: read, never used (masked)
+      kt[hh * W * 16 + i] = _mm512_i32gather_epi32(idx, kb + i, 4);
+    const at::BFloat16* vb = rows + (h0 + hh) * D + s_vk;
+    for (int64_t t = 0; t < ntok; t += 2) {
+      const at::BFloat16* v0 = vb + t * s_tok;
+      const bool two = t + 1 < ntok;
+      __m512i* out = vp + (hh * 8 + t / 2) * W * 2;
+      for (int64_t w = 0; w < W; ++w) {
+        const __m512i x = _mm512_loadu_si512(v0 + w * 32);
+        const __m512i y = two ? _mm512_loadu_si512(v0 + s_tok + w * 32) : _mm512_setzero_si512();
+        out[2 * w] = _mm512_unpacklo_epi16(x, y);
+        out[2 * w + 1] = _mm512_unpackhi_epi16(x, y);
+      }
+    }
+  }
+}
+
+// a + b as written: _mm512_add_ps is a plain vector add, which -ffast-math may reassociate
+// into another tree (other bits); the explicitly rounded form is left as it is.
+static inline __m512 add_exact(__m512 a, __m512 b) {
+  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// bf16_step over a prepared group, with the same bits: per lane, the same vdpbf16ps chain
+// over the chunks as bf16_step's per-token dot products, then hsum16's tree (lanes j and
+// j + 8, then k and k + 4, then 0 + 2 and 1 + 3, then the two) as vertical adds.
+template <int W, int G>
+static inline void bf16_prepared_step(const Member& mb, const __m512i* kt, const __m512i* vp,
+                                      int64_t ntok, int64_t nh, __m512 scv) {
+  constexpr int64_t D = W * 32;
+  __m512 a[G * 2 * W];
+  alignas(64) uint16_t pb[G * 16];
+  const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const int32_t* qd =
+        reinterpret_cast<const int32_t*>(static_cast<const at::BFloat16*>(mb.q) + hh * G * D);
+    const __m512i* kh = kt + hh * W * 16;
+    float* ah = mb.acc + hh * G * D;
+    float* mh = mb.m + hh * G;
+    float* lh = mb.l + hh * G;
+    for (int64_t i = 0; i < G * 2 * W; ++i) a[i] = _mm512_loadu_ps(ah + i * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t* qg = qd + g * (D / 2);
+      __m512 P[16];
+      for (int64_t j = 0; j < 16; ++j)
+        P[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(qg[j]),
+                                (__m512bh)kh[j]);
+      for (int64_t w = 1; w < W; ++w)
+        for (int64_t j = 0; j < 16; ++j)
+          P[j] = _mm512_dpbf16_ps(P[j], (__m512bh)_mm512_set1_epi32(qg[w * 16 + j]),
+                                  (__m512bh)kh[w * 16 + j]);
+      for (int64_t j = 0; j < 8; ++j) P[j] = add_exact(P[j], P[j + 8]);
+      for (int64_t k = 0; k < 4; ++k) P[k] = add_exact(P[k], P[k + 4]);
+      const __m512 sc = add_exact(add_exact(P[0], P[2]), add_exact(P[1], P[3]));
+      float corr;
+      const __m512 e = softmax_step(_mm512_mul_ps(sc, scv), valid, mh[g], lh[g], corr);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16), (__m256i)_mm512_cvtneps_pbh(e));
+      const __m512 c = _mm512_set1_ps(corr);
+      for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
+    }
+    for (int64_t t = 0; t < ntok; t += 2) {
+      const __m512i* vt = vp + (hh * 8 + t / 2) * W * 2;
+      for (int64_t g = 0; g < G; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, pb + g * 16 + t, 4);
+        const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
+        for (int64_t w = 0; w < W; ++w) {
+          __m512* aw = a + (g * W + w) * 2;
+          aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)vt[2 * w]);
+          aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)vt[2 * w + 1]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < G * 2 * W; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
+  }
+}
+
+// Members from which a shared group is prepared (the gathers cost about what a few members'
+// per-token reductions do); fewer run bf16_step over it. Either way, the same bits.
+constexpr int64_t kPrepareMembers = 4;
+
 static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
                                const WalkGeometry& w, Member* mem, int64_t nmem, int64_t shared,
-                               int64_t h0, int64_t nh, float scale, at::BFloat16* stage) {
+                               int64_t h0, int64_t nh, float scale, at::BFloat16* stage,
+                               std::vector<__m512i>& prep) {
   const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
   const __m512 scv = _mm512_set1_ps(scale);
   bool found = false;
+  if (shared > 0 && nmem >= kPrepareMembers) prep.resize(nh * W * 32);
 #define PDS_CASE(WW, GG)                                                                     \
   if (!found && W == WW && G == GG) {                                                        \
-    walk_item<at::BFloat16>(kvp, w, mem, nmem, shared, stage,                                \
-                            [&](const Member& mb, const at::BFloat16* rows, int64_t ntok) {  \
-                              bf16_step<WW, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, scv); \
-                            });                                                              \
+    auto step = [&](const Member& mb, const at::BFloat16* rows, int64_t ntok) {              \
+      bf16_step<WW, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, scv);                         \
+    };                                                                                       \
+    walk_item<at::BFloat16>(                                                                 \
+        kvp, w, mem, nmem, shared, stage, step, [&](const at::BFloat16* rows, int64_t ntok) { \
+          if (nmem < kPrepareMembers) {                                                      \
+            for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, ntok);                     \
+            return;                                                                          \
+          }                                                                                  \
+          __m512i* kt = prep.data();                                                         \
+          __m512i* vp = kt + nh * WW * 16;                                                   \
+          bf16_prepare<WW>(rows, ntok, w.s_tok, s_vk, h0, nh, kt, vp);                       \
+          for (int64_t i = 0; i < nmem; ++i)                                                 \
+            bf16_prepared_step<WW, GG>(mem[i], kt, vp, ntok, nh, scv);                       \
+        });                                                                                  \
     found = true;                                                                            \
   }
 #define PDS_GROUPS(WW) PDS_CASE(WW, 1) PDS_CASE(WW, 2) PDS_CASE(WW, 4) PDS_CASE(WW, 5) \
@@ -425,6 +532,9 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
     std::vector<float> qf(max_count * per), acc(max_count * per), m(max_count * HC * G),
         l(max_count * HC * G), vsc(HC), sbuf(G * std::max<int64_t>(BS, 16)), row(D);
     std::vector<Member> mem(max_count);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    std::vector<__m512i> prep;  // a shared group prepared for every member (bf16_prepare)
+#endif
     // whole rows (every head of a sequence in one item) are staged per group, see stage_group
     std::vector<KT> stage(HC == Hkv ? 2 * 16 * s_tok : 0);
     KT* stage_p = stage.empty() ? nullptr : stage.data();
@@ -448,7 +558,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
           for (int64_t k = 0; k < nmem; ++k)
             mem[k].q = qp + (order[it.first + k] * Hq + h0 * G) * D;
           done = bf16_item_dispatch(D / 32, G, kvp, geo, mem.data(), nmem, it.shared, h0, HC,
-                                    sc, stage_p);
+                                    sc, stage_p, prep);
         }
       }
 #endif

@@ -122,8 +122,8 @@ def test_sequences_sharing_prefix_blocks_read_them_once_and_get_their_own_bits(d
     read each shared group once for every member: each still gets the same bits as alone (one
     sequence: the per-head walk, nothing shared) and the reference's values. Lengths cover a
     sequence ending inside the shared blocks, at their end, one past it, and far past it."""
-    p = 6  # shared blocks per group
-    lens = [p * bs - 5, p * bs, p * bs + 1, 3, 2 * p * bs + 7] + [p * bs + 9 * i for i in range(19)]
+    p = 40  # shared blocks per group
+    lens = [p * bs - 5, p * bs, p * bs + 1, 3, 2 * p * bs + 7] + [p * bs + 9 * i for i in range(35)]
     q, kv, tables, lens_t = _shared_prefix_case(bs + 3, dtype, bs, lens, p, groups=3)
     want = reference.paged_decode_attention(q.float(), kv.float(), 1, tables, lens_t, 0.17)
     for i, n in enumerate(lens):  # rows past an end in a sequence's own block: never read
@@ -131,7 +131,7 @@ def test_sequences_sharing_prefix_blocks_read_them_once_and_get_their_own_bits(d
             kv[tables[i, n // bs], 1, :, n % bs :] = float("nan")
     with_threads = torch.get_num_threads()
     try:
-        for threads in (1, 2):  # chunks of up to 12 and of up to 6 members
+        for threads in (1, 2):  # chunks of up to 16 and of up to 10 members
             torch.set_num_threads(threads)
             batch = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, 0.17)
             for i in range(len(lens)):
