@@ -220,12 +220,17 @@ class Dispatcher:
         )
 
         def cand(r: WorkerRecord) -> Candidate:
+            running, waiting = (
+                self.pool.prefill_queue(r)
+                if r.info.role == ROLE_PREFILL
+                else (r.load.running, r.load.waiting)
+            )
             return Candidate(
                 r.worker_id,
                 r.info.grpc,
                 cached.get(r.worker_id, 0),
-                r.load.running,
-                r.load.waiting,
+                running,
+                waiting,
                 r.load.free_blocks,
                 r.info.block_size,
                 self.pool.inflight(r.worker_id),

@@ -76,6 +76,12 @@ class WorkerPool:
         self._inflight: dict[str, int] = {}
         self._inflight_by_address: dict[str, int] = {}
         self._backlog: dict[str, int] = {}  # worker id -> prompt tokens sent to prefill
+        # prefills this router saw leave each worker (first token, failure or cancel), and the
+        # count at the refresh before the one that first saw the current load report: the
+        # ones after it may still be counted as running/waiting in that report
+        self._left: dict[str, int] = {}
+        self._left_at_refresh: dict[str, int] = {}
+        self._left_before_report: dict[str, int] = {}
         self._decoding: dict[str, int] = {}  # worker id -> streams past their first token
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, _MemberStub] = {}
@@ -162,6 +168,11 @@ class WorkerPool:
                     r.generation,
                     self._restarts[r.worker_id],
                 )
+        for r in records:
+            old = self._records.get(r.worker_id)
+            if old is None or (old.generation, old.seq) != (r.generation, r.seq) or not r.seq:
+                self._left_before_report[r.worker_id] = self._left_at_refresh.get(r.worker_id, 0)
+            self._left_at_refresh[r.worker_id] = self._left.get(r.worker_id, 0)
         self._records = {r.worker_id: r for r in records}
         if registry is not None or self.reader is None:
             self.last_refresh_ok = time.monotonic()
@@ -266,6 +277,22 @@ class WorkerPool:
     def add_backlog(self, worker_id: str, tokens: int) -> None:
         """``tokens`` (negative to take back) of prompt sent to ``worker_id`` to prefill."""
         _adjust(self._backlog, worker_id, tokens)
+        if tokens < 0:
+            self._left[worker_id] = self._left.get(worker_id, 0) + 1
+
+    def prefill_queue(self, record: WorkerRecord) -> tuple[int, int]:
+        """A prefill worker's reported (running, waiting), less the prefills this router saw
+        leave it since that report may have been taken.
+
+        Reports lag up to a heartbeat plus a refresh (~1.5 s): without this, a prompt sent
+        right after another one finished on an idle prefill worker saw it busy and was
+        prefilled on the decode worker instead. May undercount other routers' work by the
+        prefills that left within one refresh interval; the router's own backlog is exact."""
+        wid = record.worker_id
+        gone = self._left.get(wid, 0) - self._left_before_report.get(wid, 0)
+        running, waiting = record.load.running, record.load.waiting
+        busy = max(0, running + waiting - gone)  # the policy weighs only the sum
+        return min(running, busy), busy - min(running, busy)
 
     def add_decoding(self, worker_id: str, delta: int) -> None:
         _adjust(self._decoding, worker_id, delta)
