@@ -14,16 +14,26 @@ every route a request whose ``json()`` refuses, with a 400 that says why:
 Numbers too large for a float (``1e999``) parse as infinity and are refused by the models
 (``allow_inf_nan=False``); the body size by the body-limit middleware; deep nesting inside
 tools and messages by ``router/sampling.py``.
+
+Validation runs on the event loop and pydantic holds the GIL throughout (a thread would not
+help), so a long list of models (22,500 chat messages fit in the 1 MiB limit: ~80 ms in one
+go) is validated ahead, a slice per loop turn, and handed to the route's own validation as
+model instances, which pydantic takes as they are. A slice that fails leaves the list as sent:
+the route's validation then reports the error exactly as it would have.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import types
+import typing
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -145,6 +155,48 @@ def _encodable(s: str) -> bool:
     return True
 
 
+# lists longer than this are validated ahead in slices of this many items
+PREVALIDATE_SLICE = 512
+
+
+def model_list_fields(model: Any) -> dict[str, TypeAdapter[Any]]:
+    """``{name in the body: adapter}`` for the fields of ``model`` typed ``list[SomeModel]``
+    (optionally ``| None``)."""
+    out: dict[str, TypeAdapter[Any]] = {}
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return out
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            ann = args[0] if len(args) == 1 else None
+        if typing.get_origin(ann) is list:
+            (item,) = typing.get_args(ann)
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                out[f.alias or name] = TypeAdapter(list[item])  # type: ignore[valid-type]
+    return out
+
+
+async def prevalidate_lists(body: Any, fields: dict[str, TypeAdapter[Any]]) -> None:
+    """Replace each long list of models in ``body`` by its validated items, validating one
+    slice per event-loop turn; a list with an invalid item is left as it was."""
+    if not isinstance(body, dict):
+        return
+    for name, adapter in fields.items():
+        items = body.get(name)
+        if not isinstance(items, list) or len(items) <= PREVALIDATE_SLICE:
+            continue
+        done: list[Any] = []
+        for i in range(0, len(items), PREVALIDATE_SLICE):
+            await asyncio.sleep(0)
+            try:
+                done.extend(adapter.validate_python(items[i : i + PREVALIDATE_SLICE]))
+            except ValidationError:
+                break
+        else:
+            body[name] = done
+
+
 class _CheckedJSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -153,12 +205,21 @@ class _CheckedJSONRequest(Request):
 
 
 class JSONBodyRoute(APIRoute):
-    """An ``APIRoute`` whose handler reads the body through :func:`parse_json_body`."""
+    """An ``APIRoute`` whose handler reads the body through :func:`parse_json_body` and
+    validates long lists of models a slice per loop turn (:func:`prevalidate_lists`)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        body_type = self.body_field.field_info.annotation if self.body_field else None
+        lists = model_list_fields(body_type)
 
         async def checked(request: Request) -> Response:
-            return await handler(_CheckedJSONRequest(request.scope, request.receive))
+            req = _CheckedJSONRequest(request.scope, request.receive)
+            if lists and request.method == "POST":
+                try:
+                    await prevalidate_lists(await req.json(), lists)
+                except BodyError:
+                    pass  # the route's handler reads the body again and answers the error
+            return await handler(req)
 
         return checked

@@ -80,6 +80,8 @@ class ServingContext:
 
     def check_token_ids(self, ids: list[int]) -> None:
         vocab = self.limits.vocab_size
+        if not ids or (min(ids) >= 0 and max(ids) < vocab):  # C loops: 128 prompts of 1,500
+            return  # ids took 30 ms on the event loop as a generator
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(

@@ -98,7 +98,11 @@ class Generation:
         # bounded: a slow client holds the prompts' streams (backpressure on the request,
         # which the stall watchdog does not count against the workers) instead of buffering
         self._queue = asyncio.Queue(maxsize=8 * len(self.streams))
-        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.streams))]
+        for i in range(len(self.streams)):
+            self._tasks.append(asyncio.create_task(self._pump(i)))
+            # one prompt's routing and gRPC call per loop turn: started all at once, 128
+            # prompts held the loop for ~100 ms (other clients and /health waited)
+            await asyncio.sleep(0)
         seen: set[int] = set()
         while len(seen) < len(self.streams):
             i, ev, err = await self._queue.get()

@@ -9,9 +9,10 @@ checks live in ``router/sampling.py`` so their errors can name the parameter.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidatorFunctionWrapHandler
+from pydantic.functional_validators import WrapValidator
 
 
 class OpenAIModel(BaseModel):
@@ -70,8 +71,25 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
 
 
+_TOKEN_IDS = TypeAdapter(list[int])
+
+
+def _token_ids_first(v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A list of plain ints goes straight to ``list[int]``: the union's smart mode tries
+    ``list[str]`` on it first, with an error per item (50 ms for the 135,000 ids that fit in
+    1 MiB, on the event loop; this way 5 ms). Anything else takes the union as before."""
+    if isinstance(v, list) and v and type(v[0]) is int:
+        try:
+            return _TOKEN_IDS.validate_python(v, strict=True)
+        except ValueError:
+            pass
+    return handler(v)
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt: Annotated[
+        str | list[str] | list[int] | list[list[int]] | None, WrapValidator(_token_ids_first)
+    ] = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -48,7 +48,9 @@ class DisconnectWatch:
         self.gone = False
         self._target: asyncio.Task[Any] | None = None
         self._on_gone = on_gone
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._watch(receive)
+        )
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -87,8 +89,15 @@ class DisconnectWatch:
             self._target = None
 
     def stop(self) -> None:
+        # the cancelled watcher keeps its CancelledError, whose traceback holds the watcher's
+        # frame and so this object: dropping both references here leaves no cycle. The cycle
+        # (through ``on_gone``, the whole generation: 128 prompts' streams, token lists,
+        # tasks) used to wait for a full collection, 70-90 ms on the event loop
         self._target = None
-        self._watcher.cancel()
+        self._on_gone = None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
 
 
 class SSEResponse(StreamingResponse):
