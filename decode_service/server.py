@@ -520,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     from kvtransfer import TransferMetrics, create_receiver
 
+    transport = kv_transport_options(args)  # a bad transport flag fails before the model loads
     rt = WorkerRuntime(ROLE, args)
     receiver = create_receiver(
         args.kv_transport,
@@ -531,7 +532,7 @@ async def _main(args: argparse.Namespace) -> int:
         secret=rt.security.secret,
         verify_checksums=args.kv_checksums,
         metrics=TransferMetrics(rt.metrics.registry),
-        **kv_transport_options(args),
+        **transport,
     )
     logger.info("KV transfer: %s receiver at %s", args.kv_transport, receiver.address_text)
     servicer = DecodeServicer(rt, receiver, args.kv_transfer_timeout)

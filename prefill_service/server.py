@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     from kvtransfer import TransferMetrics, create_sender
 
+    transport = kv_transport_options(args)  # a bad transport flag fails before the model loads
     rt = WorkerRuntime(ROLE, args)
     sender = create_sender(
         args.kv_transport,
@@ -255,7 +256,7 @@ async def _main(args: argparse.Namespace) -> int:
         checksums=args.kv_checksums,
         secret=rt.security.secret,
         metrics=TransferMetrics(rt.metrics.registry),
-        **kv_transport_options(args),
+        **transport,
     )
     logger.info("KV transfer: %s sender", args.kv_transport)
     servicer = PrefillServicer(rt, sender, args.kv_transfer_timeout)
