@@ -114,6 +114,13 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
+        if torch.empty(0).is_meta:
+            # built under torch.device("meta") (the loader, which computes the tables on the
+            # real device): shapes only. Computing them here ran torch's Python meta kernels,
+            # whose first use imports torch._dynamo: ~3 s of every worker's start
+            self.register_buffer("cos", torch.empty(max_pos, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_pos, head_dim), persistent=False)
+            return
         inv = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
@@ -272,7 +279,17 @@ class LlamaForCausalLM(nn.Module):
         )
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         needs_embed = shard.first_stage or (shard.last_stage and self.tie_word_embeddings)
-        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size) if needs_embed else None
+        # given its (uninitialized) weight, nn.Embedding skips its random init: the loader
+        # builds on the meta device, where that init imports torch._dynamo (~3 s a worker)
+        self.embed_tokens = (
+            nn.Embedding(
+                self.vocab_rows,
+                cfg.hidden_size,
+                _weight=torch.empty(self.vocab_rows, cfg.hidden_size),
+            )
+            if needs_embed
+            else None
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i - self.layer_ids.start, backend, rotary, bias, shard)
             for i in self.layer_ids
