@@ -146,10 +146,10 @@ def _after(cluster, before):
 
 def test_schemathesis_over_the_openapi_schema(fuzz_cluster):
     before = asyncio.run(canary(fuzz_cluster.url, fuzz_cluster.served_model_name))
-    out = _schemathesis_run(fuzz_cluster, examples=25)
+    out = _schemathesis_run(fuzz_cluster, examples=10)  # the long run (-m fuzz): 400
     print(json.dumps(out["statuses"], indent=1, sort_keys=True))
     assert out["bad"] == []
-    assert sum(out["statuses"].values()) >= 100
+    assert sum(out["statuses"].values()) >= 40
     _after(fuzz_cluster, before)
 
 
