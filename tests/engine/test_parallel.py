@@ -52,10 +52,7 @@ def single_rank(tiny_llama):
 # keeps TP 4's replicated KV heads through the export/import test below
 @pytest.mark.parametrize(
     "layout",
-    [
-        pytest.param(k, marks=pytest.mark.slow) if k == "tp4_replicated_kv" else k
-        for k in LAYOUTS
-    ],
+    [pytest.param(k, marks=pytest.mark.slow) if k == "tp4_replicated_kv" else k for k in LAYOUTS],
 )
 def test_layout_matches_one_rank_and_transformers(tiny_llama, single_rank, layout):
     prompts, shared, one_rank, one_rank_shared = single_rank
