@@ -12,8 +12,10 @@ Costs are in prompt-token equivalents of prefill compute (``docs/notes/router.md
   locally on D) whose first token has not come back yet: compute queued ahead of this
   request. Under a burst this splits the prefills between P and D instead of queueing them
   all on P while D idles, and it shifts them back to P once D is decoding;
-- load: ``prefill_queue_cost`` per request P reports queued or running (load reports lag
-  ~0.5 s; the larger of that and the backlog counts), ``decode_waiting_cost`` per request
+- load: ``prefill_queue_cost`` per request P reports queued or running (reports lag up to
+  a heartbeat plus a refresh, ~1.5 s, so the prefills this router saw leave P since the
+  report are taken off: ``WorkerPool.prefill_queue``; the larger of that and the backlog
+  counts), ``decode_waiting_cost`` per request
   waiting on D, ``decode_running_cost`` per request D is decoding, plus
   ``decode_waiting_cost`` when D lacks the free KV blocks for the prompt (it would queue or
   preempt).
