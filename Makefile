@@ -11,8 +11,9 @@ test: setup-test lint
 test-unit: setup-test
 	.venv/bin/python -m pytest -q -m unit
 
+# (schemathesis at 100 cases per operation and mode here; make test-fuzz runs 400)
 test-more: setup-test
-	.venv/bin/python -m pytest -q -m "browser or fuzz"
+	PDSERVE_SCHEMATHESIS_EXAMPLES=100 .venv/bin/python -m pytest -q -m "browser or fuzz"
 
 test-fuzz: setup-test
 	.venv/bin/python -m pytest -q -m fuzz -s tests/fuzz
