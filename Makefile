@@ -11,9 +11,11 @@ test: setup-test lint
 test-unit: setup-test
 	.venv/bin/python -m pytest -q -m unit
 
-# (schemathesis at 100 cases per operation and mode here; make test-fuzz runs 400)
+# (here 1,500 + 750 fuzz requests and 100 schemathesis cases per operation and mode;
+# make test-fuzz runs 3,000 + 1,500 and 400)
 test-more: setup-test
-	PDSERVE_SCHEMATHESIS_EXAMPLES=100 .venv/bin/python -m pytest -q -m "browser or fuzz"
+	PDSERVE_FUZZ_REQUESTS=1500 PDSERVE_SCHEMATHESIS_EXAMPLES=100 \
+	    .venv/bin/python -m pytest -q -m "browser or fuzz"
 
 test-fuzz: setup-test
 	.venv/bin/python -m pytest -q -m fuzz -s tests/fuzz
