@@ -114,7 +114,7 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        if torch.empty(0).is_meta:
+        if torch.get_default_device().type == "meta":
             # built under torch.device("meta") (the loader, which computes the tables on the
             # real device): shapes only. Computing them here ran torch's Python meta kernels,
             # whose first use imports torch._dynamo: ~3 s of every worker's start
