@@ -5,9 +5,17 @@ against torch's flash SDPA, per chunk and inside the engine, interleaved in one 
    4 KV, head size 32) and a larger layout (32 / 8 / 128), ms per call and the error of each
    against fp32 attention;
 2. engine: the time to prefill ``--prompts`` random prompts of each ``--lens`` (one token
-   generated, prefix caching off) with the kernel and with SDPA.
+   generated, prefix caching off) with the kernel and with SDPA;
+3. ``--paged``: a whole step's chunks from the block pool in one call (``paged_prefill_bf16``,
+   each block packed once for every sequence holding it) against the per-sequence loop over
+   gathered K/V it replaced (same tile arithmetic, so the outputs are checked equal), on the
+   AVX512-BF16 tile and, where the CPU has it, the AMX tile, on steps shaped like vLLM's
+   prefix_repetition and random workloads; and the engine's time to prefill ``--prompts``
+   prefix_repetition prompts (4 x 1,024 shared + 64 own tokens, prefix caching on) before
+   (loop, AVX512-BF16) and now (the default).
 
     python bench/prefill_attention.py --model DIR [--lens 256,1088] [--prompts 16] [--threads 1]
+    python bench/prefill_attention.py --model DIR --paged --prompts 64 [--threads 1]
 """
 
 from __future__ import annotations
@@ -83,6 +91,147 @@ def engine_prefill_ms(model: str, length: int, prompts: int, kernel: bool) -> fl
         cpu_paged.attend_prefill = orig
 
 
+def _loop_attention(q, kv, layer, tables, lens, qsl, scale, k_scale=None, v_scale=None):
+    """The path before ``paged_prefill_bf16``: per-sequence gather, then the chunk kernel."""
+    if bool((qsl[1:] - qsl[:-1] == 1).all()):
+        return cpu_paged.paged_decode_attention(q, kv, layer, tables, lens, scale)
+    return reference.paged_attention_with(
+        cpu_paged.attend_prefill,
+        cpu_paged.paged_decode_attention,
+        q,
+        kv,
+        layer,
+        tables,
+        lens,
+        qsl,
+        scale,
+    )
+
+
+def _step(groups: int, per_group: int, prefix: int, own: int, first_full: int, bs: int = 16):
+    """A step's chunks: ``first_full`` sequences prefill their whole prompt (prefix + own), the
+    other ``groups * per_group - first_full`` only their own tokens after a cached prefix
+    shared with their group. Small-model heads (8 q / 4 kv of 32), 4 layers."""
+    g = torch.Generator().manual_seed(groups * 1000 + per_group)
+    hq, hkv, d, layers = 8, 4, 32, 4
+    ctx = prefix + own
+    n = groups * per_group
+    nbps = -(-ctx // bs)
+    pre = prefix // bs
+    nb = groups * pre + n * (nbps - pre) + 8
+    kv = torch.randn(nb, layers, 2, bs, hkv, d, generator=g).bfloat16()
+    tables = torch.zeros(n, nbps, dtype=torch.int32)
+    nxt = groups * pre
+    for s in range(n):
+        grp = s % groups
+        tables[s, :pre] = torch.arange(grp * pre, (grp + 1) * pre, dtype=torch.int32)
+        tables[s, pre:] = torch.arange(nxt, nxt + nbps - pre, dtype=torch.int32)
+        nxt += nbps - pre
+    q_lens = [ctx if s < first_full else own for s in range(n)]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).bfloat16()
+    lens = torch.full((n,), ctx, dtype=torch.int32)
+    return q, kv, tables, lens, qsl, d**-0.5
+
+
+def _isa(amx: bool, fn):
+    def run(*args):
+        old = cpu_paged._prefill_amx
+        cpu_paged._prefill_amx = amx
+        try:
+            return fn(*args)
+        finally:
+            cpu_paged._prefill_amx = old
+
+    return run
+
+
+def paged_table(reps: int, amx: bool) -> None:
+    paths = [
+        ("loop, AVX512-BF16 (before)", _isa(False, _loop_attention)),
+        ("paged, AVX512-BF16", _isa(False, cpu_paged.paged_attention)),
+    ]
+    if amx:
+        paths.append(("paged, AMX", _isa(True, cpu_paged.paged_attention)))
+    print(
+        "| step (chunks), 4 layers | "
+        + " | ".join(f"{n} ms" for n, _ in paths)
+        + " | last / first |"
+    )
+    print("|---|" + "---:|" * (len(paths) + 1))
+    shapes = [
+        (
+            "prefix_repetition: 1 x 1,088 + 15 x 64 after a shared 1,024 (4 groups)",
+            (4, 4, 1024, 64, 1),
+        ),
+        ("prefix_repetition: 31 x 64 after a shared 1,024 (4 groups)", (4, 8, 1024, 64, 0)),
+        ("random: 2 x 1,024 from scratch (nothing shared)", (1, 2, 0, 1024, 2)),
+        ("random: 8 x 256 from scratch", (1, 8, 0, 256, 8)),
+    ]
+    for name, shape in shapes:
+        q, kv, tables, lens, qsl, sc = _step(*shape)
+        for isa in [False, True] if amx else [False]:
+            a_out = _isa(isa, _loop_attention)(q, kv, 0, tables, lens, qsl, sc)
+            b_out = _isa(isa, cpu_paged.paged_attention)(q, kv, 0, tables, lens, qsl, sc)
+            if not torch.equal(a_out, b_out):
+                raise SystemExit(f"outputs differ on {name}")
+        times = []
+        for _, fn in paths:
+
+            def run(fn=fn):
+                for layer in range(4):
+                    fn(q, kv, layer, tables, lens, qsl, sc)  # noqa: B023
+
+            times.append(statistics.median(_ms(run, reps) for _ in range(3)))
+        cells = " | ".join(f"{t:.2f}" for t in times)
+        print(f"| {name} | {cells} | {times[-1] / times[0]:.2f} |")
+
+
+def engine_prefixrep_ms(model: str, prompts: int, before: bool) -> float:
+    """Prefill of ``prompts`` prefix_repetition prompts; ``before``: the per-sequence loop on
+    AVX512-BF16 (the path before the paged kernel), else the default (paged, ISA by CPU)."""
+    orig, orig_isa = cpu_paged.paged_attention, cpu_paged._prefill_amx
+    if before:
+        cpu_paged.paged_attention = _loop_attention
+        cpu_paged._prefill_amx = False
+    try:
+        llm = LLM(model, kv_cache_memory="512MiB", enable_prefix_caching=True)
+        rng = random.Random(7)
+        prefixes = [[rng.randrange(100, 30000) for _ in range(1024)] for _ in range(4)]
+        order = [i % 4 for i in range(prompts)]
+        rng.shuffle(order)
+        batch = [
+            {"prompt_token_ids": prefixes[grp] + [rng.randrange(100, 30000) for _ in range(64)]}
+            for grp in order
+        ]
+        sp = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate([{"prompt_token_ids": [5] * 300}], sp)  # warm, shares nothing
+        t0 = time.perf_counter()
+        llm.generate(batch, sp)
+        return (time.perf_counter() - t0) * 1e3
+    finally:
+        cpu_paged.paged_attention, cpu_paged._prefill_amx = orig, orig_isa
+
+
+def paged_main(args) -> None:
+    amx = cpu_paged.prefill_uses_amx()
+    print(f"default prefill tile here: {'AMX' if amx else 'AVX512-BF16'}")
+    paged_table(args.reps, amx)
+    print()
+    print("| prompts (prefix_repetition 4 x 1,024 + 64) | before ms | now ms | now / before |")
+    print("|---|---:|---:|---:|")
+    before, now = [], []
+    for r in range(args.rounds):
+        print(
+            f"[prefill_attention] engine prefix_repetition, round {r + 1}/{args.rounds}",
+            file=sys.stderr,
+        )
+        before.append(engine_prefixrep_ms(args.model, args.prompts, before=True))
+        now.append(engine_prefixrep_ms(args.model, args.prompts, before=False))
+    a, b = statistics.median(before), statistics.median(now)
+    print(f"| {args.prompts} | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -91,6 +240,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--paged", action="store_true", help="the paged step kernel against the loop")
     args = ap.parse_args()
     if cpu_paged._bf16_ext() is None:
         print("this CPU has no AVX512-BF16 (or the extension did not build): nothing to compare")
@@ -98,6 +248,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     os.environ["PDSERVE_NUM_THREADS"] = str(args.threads)
     print(f"{args.threads} thread(s)")
+    if args.paged:
+        paged_main(args)
+        return 0
     chunk_table(args.reps)
     print()
     print("| prompts x tokens | SDPA ms | kernel ms | kernel / SDPA |")

@@ -8,9 +8,12 @@ kernel that walks the block table and runs an online softmax over each block whe
 parallel over sequences (every KV head of one in a pass, each 16-token group's rows staged in
 address order; over (sequence, KV head) when sequences are fewer than twice the threads) with
 ``at::parallel_for``, on ``vdpbf16ps`` for bf16; sequences whose tables begin with the same
-blocks (a shared prompt prefix) share an item that reads those blocks once for all of them. Multi-token prefill chunks go through the
-reference's loop (gathered K/V, whose cost is the attention math itself): bf16 ones to the
-AVX512-BF16 prefill kernel (``attend_prefill``), others to SDPA. ``write_kv`` stores a layer's
+blocks (a shared prompt prefix) share an item that reads those blocks once for all of them.
+A step's multi-token prefill chunks over a bf16 pool go to the AVX512-BF16 prefill kernel in
+one call that reads the blocks in place (``paged_prefill_bf16``: each 16-key unit of a block
+packed once for every chunk whose table holds it, so chunks after a shared cached prefix pack
+it once); the rest (fp8 pools, fp32) go through the reference's loop over gathered K/V to
+``attend_prefill`` (that kernel on one chunk for bf16 queries, SDPA otherwise). ``write_kv`` stores a layer's
 new K/V rows in one C++ call (the reference's for fp8 pools). Also here, for bf16 on an
 AVX512-BF16 CPU: ``small_linear`` (a matmul for a decode step's few rows, which unpacked
 projections offer their input to), the fused element-wise ops a layer offers its tensors to
@@ -23,6 +26,7 @@ extension built; ``get_backend("cpp")`` falls back to the reference with a warni
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -260,6 +264,36 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return ext.argmax_rows(logits.contiguous())
 
 
+PREFILL_ENV = "PDSERVE_CPU_PREFILL"
+PREFILL_PATHS = ("auto", "amx", "avx512")
+_prefill_amx: bool | None = None
+
+
+def prefill_uses_amx() -> bool:
+    """Whether bf16 prefill attention runs on AMX tiles: ``auto`` (``PDSERVE_CPU_PREFILL``,
+    default) picks them where the CPU has AMX-BF16 and the extension built the AMX tile (on
+    this kind of CPU torch's own SDPA, on AMX, also beats the AVX512-BF16 dot products), else
+    the AVX512-BF16 kernel; ``amx`` / ``avx512`` force one (``amx`` where it cannot run is an
+    error). Read once; logged at first use."""
+    global _prefill_amx
+    if _prefill_amx is None:
+        want = (os.environ.get(PREFILL_ENV) or "auto").lower()
+        if want not in PREFILL_PATHS:
+            raise ValueError(f"{PREFILL_ENV}={want!r}: expected one of {', '.join(PREFILL_PATHS)}")
+        ext = _bf16_ext()
+        can = ext is not None and bool(ext.prefill_amx_available())
+        if want == "amx" and not can:
+            raise RuntimeError(f"{PREFILL_ENV}=amx: this CPU or build has no AMX tiles")
+        _prefill_amx = can and want != "avx512"
+        logger.info(
+            "bf16 prefill attention on %s (%s=%s)",
+            "AMX tiles" if _prefill_amx else "AVX512-BF16 dot products",
+            PREFILL_ENV,
+            want,
+        )
+    return _prefill_amx
+
+
 def attend_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
 ) -> torch.Tensor:
@@ -269,7 +303,9 @@ def attend_prefill(
     ext = _bf16_kernels(q, 32)
     if ext is None or k.dtype != torch.bfloat16 or q.shape[-1] > 256:
         return reference._attend(q, k, v, scale, offset)
-    return ext.prefill_bf16(q.contiguous(), k.contiguous(), v.contiguous(), int(offset), scale)
+    return ext.prefill_bf16(
+        q.contiguous(), k.contiguous(), v.contiguous(), int(offset), scale, prefill_uses_amx()
+    )
 
 
 def paged_attention(
@@ -283,12 +319,40 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Single-token rows through the C++ decode kernel, prefill chunks through the bf16 prefill
-    kernel (``attend_prefill``), both from the reference's loop over the sequences."""
-    if bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all()):
+    """Single-token rows through the C++ decode kernel; prefill chunks of a bf16 pool through
+    the paged bf16 prefill kernel, all in one call reading the blocks in place (each block's
+    K/V packed once for every sequence that holds it: ``paged_prefill_bf16``), others through
+    ``attend_prefill`` from the reference's loop over the sequences."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    single = q_lens == 1
+    if bool(single.all()):
         return paged_decode_attention(
             query, kv_cache, layer, block_tables, seq_lens, scale, k_scale, v_scale
         )
+    ext = _bf16_kernels(query, 32)
+    if ext is not None and kv_cache.dtype == torch.bfloat16 and query.shape[-1] <= 256:
+        out = ext.paged_prefill_bf16(
+            query.contiguous(),
+            kv_cache,
+            layer,
+            block_tables.contiguous(),
+            seq_lens.contiguous(),
+            query_start_loc.contiguous(),
+            float(scale),
+            prefill_uses_amx(),
+        )
+        if bool(single.any()):
+            rows = single.nonzero().squeeze(1)
+            idx = query_start_loc[rows].long()
+            out[idx] = paged_decode_attention(
+                query[idx],
+                kv_cache,
+                layer,
+                block_tables[rows],
+                seq_lens[rows],
+                scale,
+            )
+        return out
     return reference.paged_attention_with(
         attend_prefill,
         paged_decode_attention,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 #include <cstring>
 
@@ -744,18 +745,324 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
 #endif
 }
 
-// Causal attention of one sequence's prefill chunk, bf16, on AVX512-BF16 dot products.
-// q [Tq, Hq, D], k / v [Tk, Hkv, D] (the sequence's whole context, contiguous), query row i
-// sees keys <= offset + i. K is repacked per KV head into 16-key x 2-dim pairs (one vdpbf16ps
-// gives 16 keys' partial scores), V into 2-key x 16-dim pairs (one gives 16 output dims over 2
-// keys); scores and the online softmax in fp32, P rounded to bf16 for P @ V (as torch's flash
-// SDPA does for bf16), one bf16 rounding of the output. Rows in tiles of 8 that share every K/V
-// load; keys in chunks of 64, one running-max update per chunk; chunks past a tile's last
-// visible key are skipped. D a multiple of 32, at most 256.
-static constexpr int PF_ROWS = 8, PF_KEYS = 64, PF_MAXD = 256;
+// Causal attention of prefill chunks, bf16, on AVX512-BF16 dot products. Query row i of a
+// chunk sees keys <= offset + i. K and V are repacked in units of 16 consecutive keys per KV
+// head: K into 16-key x 2-dim pairs (one vdpbf16ps gives 16 keys' partial scores), V into
+// 2-key x 16-dim pairs (one gives 16 output dims over 2 keys); keys past the context are zero.
+// Scores and the online softmax in fp32, P rounded to bf16 for P @ V (as torch's flash SDPA
+// does for bf16), one bf16 rounding of the output. Rows in tiles of 8 that share every K/V
+// load; keys in chunks of 64 (4 units), one running-max update per chunk; chunks past a tile's
+// last visible key are skipped. D a multiple of 32, at most 256. The arithmetic of a row does
+// not depend on where its units came from, so the paged entry point (several sequences, units
+// packed once from the block pool and shared by every sequence whose table holds the block)
+// gives the same bits as the contiguous one on the gathered K/V.
+static constexpr int PF_ROWS = 8, PF_KEYS = 64, PF_MAXD = 256, PF_UNIT = 16;
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// One unit of one KV head: 16 * D uint32 (K: D/2 pairs x 16 keys, then V: 8 key pairs x D).
+static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* const* vrow,
+                                int64_t D, uint32_t* dst) {
+  const int64_t P2 = D / 2;
+  for (int t = 0; t < PF_UNIT; ++t) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(krow[t]);
+    for (int64_t p = 0; p < P2; ++p) dst[p * 16 + t] = row ? row[p] : 0u;
+  }
+  uint32_t* vd = dst + 8 * D;
+  for (int t2 = 0; t2 < PF_UNIT / 2; ++t2) {
+    const uint16_t* ra = vrow[2 * t2];
+    const uint16_t* rb = vrow[2 * t2 + 1];
+    for (int64_t d = 0; d < D; ++d)
+      vd[t2 * D + d] = (ra ? uint32_t(ra[d]) : 0u) | (rb ? uint32_t(rb[d]) << 16 : 0u);
+  }
+}
+
+// Rows [r0, r0 + nr) of query head hq of one chunk. q / o point at the chunk's row 0;
+// unit(u) is the packed unit u of this KV head (enough of them to cover every chunk of 64
+// keys up to the last visible one).
+template <typename UnitFn>
+static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D, int64_t hq,
+                           int64_t r0, int64_t nr, int64_t offset, float sc, const UnitFn& unit) {
+  const int64_t P2 = D / 2, C16 = D / 16;
+  alignas(64) uint32_t pb[PF_ROWS][PF_KEYS / 2];
+  __m512 acc[PF_ROWS][PF_MAXD / 16];
+  const uint32_t* qr[PF_ROWS];
+  float m[PF_ROWS];
+  __m512 l[PF_ROWS];
+  for (int i = 0; i < PF_ROWS; ++i) {
+    qr[i] = reinterpret_cast<const uint32_t*>(qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D);
+    m[i] = -INFINITY;
+    l[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_setzero_ps();
+  }
+  const int64_t last = offset + r0 + nr - 1;  // the tile's last visible key
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
+    const int64_t j0 = ch * PF_KEYS;
+    const bool edge = j0 + PF_KEYS - 1 > offset + r0;  // some key of it hidden from row 0
+    const uint32_t* ku[4];
+    for (int b = 0; b < 4; ++b) ku[b] = unit(j0 / PF_UNIT + b);
+    for (int i = 0; i < nr; ++i) {
+      __m512 s[4];
+      for (int b = 0; b < 4; ++b) s[b] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < P2; ++p) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qr[i][p]));
+        for (int b = 0; b < 4; ++b)
+          s[b] = _mm512_dpbf16_ps(s[b], qv, (__m512bh)_mm512_loadu_si512(ku[b] + p * 16));
+      }
+      const int64_t lim = offset + r0 + i;  // keys <= lim are visible
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      __mmask16 vis[4];
+      for (int b = 0; b < 4; ++b) {
+        s[b] = _mm512_mul_ps(s[b], _mm512_set1_ps(sc));
+        vis[b] = edge ? _mm512_cmple_epi32_mask(
+                            _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
+                            _mm512_set1_epi32(int(lim)))
+                      : __mmask16(0xFFFF);
+        mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
+      }
+      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
+      const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
+      m[i] = mnew;
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 psum = _mm512_setzero_ps();
+      __m512 pr[4];
+      for (int b = 0; b < 4; ++b) {
+        pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
+        psum = _mm512_add_ps(psum, pr[b]);
+      }
+      const __m512 av = _mm512_set1_ps(alpha);
+      l[i] = _mm512_fmadd_ps(l[i], av, psum);
+      for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], av);
+      // P as bf16 pairs: lane j of cvtne2ps(b, a) is a[j] for j < 16, b[j - 16] above
+      _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+      _mm512_store_si512(pb[i] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+    }
+    for (int64_t t2 = 0; t2 < PF_KEYS / 2; ++t2) {
+      if (j0 + 2 * t2 > last) break;
+      const uint32_t* vrow = ku[t2 / 8] + 8 * D + (t2 % 8) * D;
+      for (int64_t c = 0; c < C16; ++c) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vrow + c * 16);
+        for (int i = 0; i < nr; ++i)
+          acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_set1_epi32(int(pb[i][t2])), vv);
+      }
+    }
+  }
+  for (int i = 0; i < nr; ++i) {
+    const float inv = 1.f / _mm512_reduce_add_ps(l[i]);
+    uint16_t* orow = ob + ((r0 + i) * Hq + hq) * D;
+    for (int64_t c = 0; c < C16; ++c) {
+      const __m256bh o16 = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16), (__m256i)o16);
+    }
+  }
+}
+#endif
+
+// The same tile on AMX (16 rows): S = Q K^T and O += P V as tile dot products (TDPBF16PS)
+// on the packed units, which are already in the tiles' pair layout (a unit's K is the B tile
+// of 16 keys for each 32-dim slice of the head, its V the B tile of 16 keys for each 16 output
+// dims); scores, the online softmax and the bf16 rounding of P as in pf_tile, on AVX-512 over
+// the stored score tile, with O kept in fp32 in memory between steps. Only on CPUs with AMX
+// (built with -march=native there, and the kernel asks Linux for the tile state first).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PF_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+static constexpr int PF_AMX_ROWS = 16;
+
+static bool pf_amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) PfTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static void pf_amx_configure() {
+  PfTileConfig c{};
+  c.palette = 1;
+  auto set = [&](int t, int rows, int colsb) { c.rows[t] = uint8_t(rows); c.colsb[t] = uint16_t(colsb); };
+  set(0, 16, 64);                             // Q: 16 rows x 32 dims
+  set(1, 16, 64);                             // K: 16 dim pairs x 16 keys
+  for (int t = 2; t < 6; ++t) set(t, 16, 64);  // S of 16 keys, or a 16-dim slice of O (fp32)
+  set(6, 16, 32);                             // P: 16 rows x 16 keys (bf16)
+  set(7, 8, 64);                              // V: 8 key pairs x 16 dims
+  _tile_loadconfig(&c);
+}
+
+#define PF_S_TILE(b, expr)   \
+  switch (b) {               \
+    case 0: expr(2); break;  \
+    case 1: expr(3); break;  \
+    case 2: expr(4); break;  \
+    default: expr(5); break; \
+  }
+
+template <typename UnitFn>
+static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D,
+                               int64_t hq, int64_t r0, int64_t nr, int64_t offset, float sc,
+                               const UnitFn& unit) {
+  const int64_t C32 = D / 32, C16 = D / 16;
+  alignas(64) uint16_t qs[PF_AMX_ROWS * PF_MAXD];
+  alignas(64) float sm[PF_AMX_ROWS * PF_KEYS];
+  alignas(64) uint16_t pm[PF_AMX_ROWS * PF_KEYS];
+  alignas(64) float om[PF_AMX_ROWS * PF_MAXD];
+  // P V of the last chunk, added into O at the next chunk's rescale (reading it back as late
+  // as that keeps AVX-512 loads from waiting on the tile stores that wrote it)
+  alignas(64) float pv[PF_AMX_ROWS * PF_MAXD];
+  for (int i = 0; i < PF_AMX_ROWS; ++i) {
+    if (i < nr) std::memcpy(qs + i * D, qb + ((r0 + i) * Hq + hq) * D, D * sizeof(uint16_t));
+    else std::memset(qs + i * D, 0, D * sizeof(uint16_t));
+  }
+  std::memset(om, 0, sizeof(float) * PF_AMX_ROWS * D);
+  std::memset(pv, 0, sizeof(float) * PF_AMX_ROWS * D);
+  std::memset(pm, 0, sizeof(pm));
+  float m[PF_AMX_ROWS];
+  __m512 l[PF_AMX_ROWS];
+  for (int i = 0; i < PF_AMX_ROWS; ++i) { m[i] = -INFINITY; l[i] = _mm512_setzero_ps(); }
+  const int64_t last = offset + r0 + nr - 1;
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // S of chunk ch into sm (the next chunk's is computed between this one's softmax and its
+  // P V, so the tile loads of P find the softmax's stores already written back)
+  const uint32_t* kus[2][4];
+  int nus[2];
+  auto scores = [&](int64_t ch) {
+    const int64_t j0 = ch * PF_KEYS;
+    const int nu = int(std::min<int64_t>(4, (last - j0) / PF_UNIT + 1));  // units with a visible key
+    const uint32_t** ku = kus[ch & 1];
+    nus[ch & 1] = nu;
+    for (int b = 0; b < nu; ++b) ku[b] = unit(j0 / PF_UNIT + b);
+    for (int b = 0; b < nu; ++b) {
+#define PF_ZERO(t) _tile_zero(t)
+      PF_S_TILE(b, PF_ZERO)
+#undef PF_ZERO
+    }
+    for (int64_t c = 0; c < C32; ++c) {
+      _tile_loadd(0, qs + c * 32, int(D * sizeof(uint16_t)));
+      for (int b = 0; b < nu; ++b) {
+        _tile_loadd(1, ku[b] + c * 256, 64);
+#define PF_DOT(t) _tile_dpbf16ps(t, 0, 1)
+        PF_S_TILE(b, PF_DOT)
+#undef PF_DOT
+      }
+    }
+    for (int b = 0; b < nu; ++b) {
+#define PF_STORE(t) _tile_stored(t, sm + b * 16, PF_KEYS * int(sizeof(float)))
+      PF_S_TILE(b, PF_STORE)
+#undef PF_STORE
+    }
+  };
+  scores(0);
+  for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
+    const int64_t j0 = ch * PF_KEYS;
+    const int nu = nus[ch & 1];
+    const uint32_t* const* ku = kus[ch & 1];
+    const bool edge = j0 + PF_KEYS - 1 > offset + r0;
+    for (int i = 0; i < nr; ++i) {
+      __m512 s[4];
+      const int64_t lim = offset + r0 + i;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      __mmask16 vis[4];
+      for (int b = 0; b < 4; ++b) {
+        if (b >= nu) { vis[b] = 0; s[b] = _mm512_setzero_ps(); continue; }
+        s[b] = _mm512_mul_ps(_mm512_load_ps(sm + i * PF_KEYS + 16 * b), _mm512_set1_ps(sc));
+        vis[b] = edge ? _mm512_cmple_epi32_mask(
+                            _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
+                            _mm512_set1_epi32(int(lim)))
+                      : __mmask16(0xFFFF);
+        mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
+      }
+      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
+      const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
+      m[i] = mnew;
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 psum = _mm512_setzero_ps();
+      __m512 pr[4];
+      for (int b = 0; b < 4; ++b) {
+        pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
+        psum = _mm512_add_ps(psum, pr[b]);
+      }
+      const __m512 av = _mm512_set1_ps(alpha);
+      l[i] = _mm512_fmadd_ps(l[i], av, psum);
+      float* orow = om + i * D;
+      const float* prow = pv + i * D;
+      for (int64_t c = 0; c < C16; ++c)
+        _mm512_store_ps(orow + c * 16,
+                        _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(orow + c * 16),
+                                                    _mm512_load_ps(prow + c * 16)), av));
+      _mm512_store_si512(pm + i * PF_KEYS, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+      _mm512_store_si512(pm + i * PF_KEYS + 32, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+    }
+    if ((ch + 1) * PF_KEYS <= last) scores(ch + 1);
+    for (int64_t c0 = 0; c0 < C16; c0 += 4) {  // up to 4 16-dim slices of P V at a time
+      const int ns = int(std::min<int64_t>(4, C16 - c0));
+      for (int j = 0; j < ns; ++j) {
+#define PF_ZERO(t) _tile_zero(t)
+        PF_S_TILE(j, PF_ZERO)
+#undef PF_ZERO
+      }
+      for (int b = 0; b < nu; ++b) {
+        _tile_loadd(6, pm + b * 16, PF_KEYS * int(sizeof(uint16_t)));
+        for (int j = 0; j < ns; ++j) {
+          _tile_loadd(7, ku[b] + 8 * D + (c0 + j) * 16, int(D * sizeof(uint32_t)));
+#define PF_PV(t) _tile_dpbf16ps(t, 6, 7)
+          PF_S_TILE(j, PF_PV)
+#undef PF_PV
+        }
+      }
+      for (int j = 0; j < ns; ++j) {
+#define PF_STORE(t) _tile_stored(t, pv + (c0 + j) * 16, int(D * sizeof(float)))
+        PF_S_TILE(j, PF_STORE)
+#undef PF_STORE
+      }
+    }
+  }
+  for (int i = 0; i < nr; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[i]));
+    uint16_t* orow = ob + ((r0 + i) * Hq + hq) * D;
+    for (int64_t c = 0; c < C16; ++c) {
+      const __m512 o = _mm512_add_ps(_mm512_load_ps(om + i * D + c * 16), _mm512_load_ps(pv + i * D + c * 16));
+      const __m256bh o16 = _mm512_cvtneps_pbh(_mm512_mul_ps(o, inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16), (__m256i)o16);
+    }
+  }
+}
+#undef PF_S_TILE
+#endif
+
+// Whether the AMX prefill tile was built and this process may use the tile registers.
+static bool prefill_amx_available() {
+#ifdef PF_HAVE_AMX
+  return pf_amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Runs fn(worker) for workers [0, n) on the threads, each thread taking the next from a shared
+// counter (items sorted longest first balance); with amx, each thread configures its tiles first
+// and releases them after.
+template <typename Fn>
+static void pf_run_items(int64_t n, bool amx, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+#ifdef PF_HAVE_AMX
+    if (amx) pf_amx_configure();
+#endif
+    for (int64_t w = next.fetch_add(1); w < n; w = next.fetch_add(1)) fn(w);
+#ifdef PF_HAVE_AMX
+    if (amx) _tile_release();
+#endif
+  });
+}
+
+// One sequence's chunk: q [Tq, Hq, D], k / v [Tk, Hkv, D] (its whole context, contiguous).
 at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        int64_t offset, double scale) {
+                        int64_t offset, double scale, bool amx) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [Tq,Hq,D], k/v [Tk,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -764,121 +1071,162 @@ at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2), Tk = k.size(0), Hkv = k.size(1);
   TORCH_CHECK(k.size(2) == D && D % 32 == 0 && D <= PF_MAXD, "head size a multiple of 32, <= 256");
   TORCH_CHECK(Hq % Hkv == 0 && offset >= 0 && offset + Tq <= Tk, "bad heads or offset");
-  const int64_t G = Hq / Hkv, P2 = D / 2, C16 = D / 16;
-  const int64_t nch = (Tk + PF_KEYS - 1) / PF_KEYS, Tp = nch * PF_KEYS;
-  // kp[h][key block of 16][pair][16 keys] and vp[h][key pair][16-dim chunk][16 dims], uint32
-  // (two bf16) each, zero-padded to whole chunks.
-  std::vector<uint32_t> kp(Hkv * Tp * P2), vp(Hkv * (Tp / 2) * C16 * 16);
+  const int64_t G = Hq / Hkv, UW = PF_UNIT * D;
+  const int64_t nunits = (Tk + PF_KEYS - 1) / PF_KEYS * (PF_KEYS / PF_UNIT);
+  std::vector<uint32_t> packed(Hkv * nunits * UW);  // [h][unit][UW]
   const uint16_t* kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const uint16_t* vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) {
-      uint32_t* kh = kp.data() + h * Tp * P2;
-      uint32_t* vh = vp.data() + h * (Tp / 2) * C16 * 16;
-      for (int64_t t = 0; t < Tp; ++t) {
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(kb + (t * Hkv + h) * D);
-        uint32_t* dst = kh + (t / 16) * P2 * 16 + (t % 16);
-        for (int64_t p = 0; p < P2; ++p) dst[p * 16] = t < Tk ? row[p] : 0u;
+  at::parallel_for(0, Hkv * nunits, 1, [&](int64_t w0, int64_t w1) {
+    const uint16_t* kr[PF_UNIT];
+    const uint16_t* vr[PF_UNIT];
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = w / nunits, u = w % nunits;
+      for (int t = 0; t < PF_UNIT; ++t) {
+        const int64_t tok = u * PF_UNIT + t;
+        kr[t] = tok < Tk ? kb + (tok * Hkv + h) * D : nullptr;
+        vr[t] = tok < Tk ? vb + (tok * Hkv + h) * D : nullptr;
       }
-      for (int64_t t2 = 0; t2 < Tp / 2; ++t2) {
-        const int64_t a = 2 * t2, b = 2 * t2 + 1;
-        const uint16_t* ra = vb + (a * Hkv + h) * D;
-        const uint16_t* rb = vb + (b * Hkv + h) * D;
-        uint32_t* dst = vh + t2 * C16 * 16;
-        for (int64_t d = 0; d < D; ++d)
-          dst[d] = (a < Tk ? uint32_t(ra[d]) : 0u) | (b < Tk ? uint32_t(rb[d]) << 16 : 0u);
-      }
+      pf_pack_unit(kr, vr, D, packed.data() + w * UW);
     }
   });
   auto out = at::empty_like(q);
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t ntiles = (Tq + PF_ROWS - 1) / PF_ROWS;
+  TORCH_CHECK(!amx || prefill_amx_available(), "no AMX tiles on this CPU or build");
+  const int64_t rows = amx ? 16 : PF_ROWS, ntiles = (Tq + rows - 1) / rows;
   const float sc = float(scale);
-  at::parallel_for(0, Hq * ntiles, 1, [&](int64_t w0, int64_t w1) {
-    alignas(64) uint32_t pb[PF_ROWS][PF_KEYS / 2];
-    __m512 acc[PF_ROWS][PF_MAXD / 16];
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t hq = w / ntiles, r0 = (w % ntiles) * PF_ROWS;
-      const int64_t h = hq / G, nr = std::min<int64_t>(PF_ROWS, Tq - r0);
-      const uint32_t* kh = kp.data() + h * Tp * P2;
-      const uint32_t* vh = vp.data() + h * (Tp / 2) * C16 * 16;
-      const uint32_t* qr[PF_ROWS];
-      float m[PF_ROWS];
-      __m512 l[PF_ROWS];
-      for (int i = 0; i < PF_ROWS; ++i) {
-        qr[i] = reinterpret_cast<const uint32_t*>(qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D);
-        m[i] = -INFINITY;
-        l[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_setzero_ps();
-      }
-      const int64_t last = offset + r0 + nr - 1;  // the tile's last visible key
-      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
-        const int64_t j0 = ch * PF_KEYS;
-        const bool edge = j0 + PF_KEYS - 1 > offset + r0;  // some key of it hidden from row 0
-        for (int i = 0; i < nr; ++i) {
-          __m512 s[4];
-          for (int b = 0; b < 4; ++b) s[b] = _mm512_setzero_ps();
-          const uint32_t* kc = kh + (j0 / 16) * P2 * 16;
-          for (int64_t p = 0; p < P2; ++p) {
-            const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qr[i][p]));
-            for (int b = 0; b < 4; ++b)
-              s[b] = _mm512_dpbf16_ps(s[b], qv,
-                                      (__m512bh)_mm512_loadu_si512(kc + (b * P2 + p) * 16));
-          }
-          const int64_t lim = offset + r0 + i;  // keys <= lim are visible
-          __m512 mx = _mm512_set1_ps(-INFINITY);
-          __mmask16 vis[4];
-          for (int b = 0; b < 4; ++b) {
-            s[b] = _mm512_mul_ps(s[b], _mm512_set1_ps(sc));
-            vis[b] = edge ? _mm512_cmple_epi32_mask(
-                                _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
-                                _mm512_set1_epi32(int(lim)))
-                          : __mmask16(0xFFFF);
-            mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
-          }
-          const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
-          const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
-          m[i] = mnew;
-          const __m512 mv = _mm512_set1_ps(mnew);
-          __m512 psum = _mm512_setzero_ps();
-          __m512 pr[4];
-          for (int b = 0; b < 4; ++b) {
-            pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
-            psum = _mm512_add_ps(psum, pr[b]);
-          }
-          const __m512 av = _mm512_set1_ps(alpha);
-          l[i] = _mm512_fmadd_ps(l[i], av, psum);
-          for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], av);
-          // P as bf16 pairs: lane j of cvtne2ps(b, a) is a[j] for j < 16, b[j - 16] above
-          _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
-          _mm512_store_si512(pb[i] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
-        }
-        const uint32_t* vc = vh + (j0 / 2) * C16 * 16;
-        for (int64_t t2 = 0; t2 < PF_KEYS / 2; ++t2) {
-          if (j0 + 2 * t2 > last) break;
-          const uint32_t* vrow = vc + t2 * C16 * 16;
-          for (int64_t c = 0; c < C16; ++c) {
-            const __m512bh vv = (__m512bh)_mm512_loadu_si512(vrow + c * 16);
-            for (int i = 0; i < nr; ++i)
-              acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_set1_epi32(int(pb[i][t2])), vv);
-          }
-        }
-      }
-      for (int i = 0; i < nr; ++i) {
-        const float inv = 1.f / _mm512_reduce_add_ps(l[i]);
-        uint16_t* orow = ob + ((r0 + i) * Hq + hq) * D;
-        for (int64_t c = 0; c < C16; ++c) {
-          const __m256bh o16 = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16), (__m256i)o16);
-        }
-      }
-    }
+  pf_run_items(Hq * ntiles, amx, [&](int64_t w) {
+    const int64_t hq = w / ntiles, r0 = (w % ntiles) * rows, nr = std::min<int64_t>(rows, Tq - r0);
+    const uint32_t* base = packed.data() + (hq / G) * nunits * UW;
+    auto unit = [&](int64_t u) { return base + u * UW; };
+#ifdef PF_HAVE_AMX
+    if (amx) return pf_tile_amx(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
+#endif
+    pf_tile(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
   });
   return out;
 #else
   TORCH_CHECK(false, "prefill_bf16 needs AVX512-BF16");
+#endif
+}
+
+// Every multi-token chunk of a step at once, from the block pool: q [T, Hq, D] (sequences back
+// to back, query_start_loc [S + 1]), kv [NB, L, 2, BS, Hkv, D] bf16 already holding the step's
+// K/V, tables [S, max_blocks], lens [S] (context incl. the chunk). Rows of sequences with a
+// single query token are left for the decode kernel (their rows of the result are undefined).
+// Each 16-key unit is packed once per KV head: whole units of a block (BS a multiple of 16) are
+// keyed by (block, unit) and shared by every sequence whose table holds them; a unit that runs
+// past a sequence's context, or spans two blocks, is its own. Work items (sequence, query head,
+// row tile) go to the threads longest first from a shared counter.
+at::Tensor paged_prefill_bf16(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
+                              const at::Tensor& tables, const at::Tensor& lens,
+                              const at::Tensor& qsl, double scale, bool amx) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "q must be [T,Hq,D] and kv [NB,L,2,BS,Hkv,D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16,
+              "paged_prefill_bf16 takes bf16 q and KV");
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "q and kv must be contiguous");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
+                  qsl.scalar_type() == at::kInt, "tables, lens, query_start_loc must be int32");
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && qsl.is_contiguous(),
+              "tables, lens, query_start_loc must be contiguous");
+  const int64_t Hq = q.size(1), D = q.size(2), L = kv.size(1), BS = kv.size(3), Hkv = kv.size(4);
+  const int64_t S = lens.size(0), MB = tables.size(1);
+  TORCH_CHECK(kv.size(5) == D && D % 32 == 0 && D <= PF_MAXD, "head size a multiple of 32, <= 256");
+  TORCH_CHECK(Hq % Hkv == 0 && qsl.size(0) == S + 1 && tables.size(0) == S, "bad geometry");
+  TORCH_CHECK(layer >= 0 && layer < L, "layer out of range");
+  const int64_t G = Hq / Hkv, UW = PF_UNIT * D, NB = kv.size(0);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* qp = qsl.data_ptr<int32_t>();
+  const uint16_t* kvb = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
+  const int64_t s_blk = L * 2 * BS * Hkv * D, s_tok = Hkv * D;
+  auto row_of = [&](int64_t block, int64_t part, int64_t off, int64_t h) {
+    return kvb + block * s_blk + (layer * 2 + part) * BS * s_tok + off * s_tok + h * D;
+  };
+  // Plan: slot 0 is the zero unit; every sequence's units map to slots.
+  struct Src { int64_t seq, u0; };  // a unit's first token: token u0 of sequence seq
+  std::vector<Src> srcs{{-1, 0}};
+  std::vector<int64_t> ctx_of{0};  // per slot: context length of its source sequence
+  std::vector<std::vector<int32_t>> slots(S);
+  std::unordered_map<int64_t, int32_t> shared;
+  const bool whole = BS % PF_UNIT == 0;
+  const int64_t upb = whole ? BS / PF_UNIT : 0;
+  TORCH_CHECK(!amx || prefill_amx_available(), "no AMX tiles on this CPU or build");
+  const int64_t rows = amx ? 16 : PF_ROWS;
+  struct Item { int64_t seq, hq, r0, nr, cost; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q0 = qp[s], tq = qp[s + 1] - q0, ctx = lp[s];
+    if (tq <= 1) continue;
+    TORCH_CHECK(tq <= ctx && (ctx + BS - 1) / BS <= MB && q0 >= 0 && qp[s + 1] <= q.size(0),
+                "bad chunk of sequence ", s);
+    const int64_t nunits = (ctx + PF_KEYS - 1) / PF_KEYS * (PF_KEYS / PF_UNIT);
+    auto& sl = slots[s];
+    sl.resize(nunits, 0);
+    for (int64_t u = 0; u * PF_UNIT < ctx; ++u) {
+      const int64_t t0 = u * PF_UNIT;
+      const int64_t blk = tp[s * MB + t0 / BS];
+      TORCH_CHECK(blk >= 0 && blk < NB, "block id out of range in sequence ", s);
+      if (whole && t0 + PF_UNIT <= ctx) {
+        const int64_t key = blk * upb + (t0 % BS) / PF_UNIT;
+        auto it = shared.find(key);
+        if (it != shared.end()) { sl[u] = it->second; continue; }
+        shared.emplace(key, int32_t(srcs.size()));
+      }
+      sl[u] = int32_t(srcs.size());
+      srcs.push_back({s, t0});
+      ctx_of.push_back(ctx);
+    }
+    const int64_t offset = ctx - tq;
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      for (int64_t r0 = 0; r0 < tq; r0 += rows) {
+        const int64_t nr = std::min<int64_t>(rows, tq - r0);
+        items.push_back({s, hq, r0, nr, nr * (offset + r0 + nr + PF_KEYS)});
+      }
+  }
+  auto out = at::empty_like(q);
+  if (items.empty()) return out;
+  const int64_t nslots = int64_t(srcs.size());
+  std::vector<uint32_t> packed(nslots * Hkv * UW);  // [slot][h][UW]
+  std::fill(packed.begin(), packed.begin() + Hkv * UW, 0u);
+  at::parallel_for(1, nslots, 1, [&](int64_t w0, int64_t w1) {
+    const uint16_t* kr[PF_UNIT];
+    const uint16_t* vr[PF_UNIT];
+    for (int64_t w = w0; w < w1; ++w) {
+      const Src src = srcs[w];
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int t = 0; t < PF_UNIT; ++t) {
+          const int64_t tok = src.u0 + t;
+          if (tok >= ctx_of[w]) { kr[t] = vr[t] = nullptr; continue; }
+          const int64_t blk = tp[src.seq * MB + tok / BS];
+          kr[t] = row_of(blk, 0, tok % BS, h);
+          vr[t] = row_of(blk, 1, tok % BS, h);
+        }
+        pf_pack_unit(kr, vr, D, packed.data() + (w * Hkv + h) * UW);
+      }
+    }
+  });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const uint16_t* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float sc = float(scale);
+  pf_run_items(int64_t(items.size()), amx, [&](int64_t w) {
+    const Item& it = items[w];
+    const int64_t q0 = qp[it.seq], tq = qp[it.seq + 1] - q0, offset = lp[it.seq] - tq;
+    const int32_t* sl = slots[it.seq].data();
+    const uint32_t* base = packed.data() + (it.hq / G) * UW;
+    auto unit = [&](int64_t u) { return base + int64_t(sl[u]) * Hkv * UW; };
+#ifdef PF_HAVE_AMX
+    if (amx)
+      return pf_tile_amx(qb + q0 * Hq * D, ob + q0 * Hq * D, Hq, D, it.hq, it.r0, it.nr, offset, sc, unit);
+#endif
+    pf_tile(qb + q0 * Hq * D, ob + q0 * Hq * D, Hq, D, it.hq, it.r0, it.nr, offset, sc, unit);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "paged_prefill_bf16 needs AVX512-BF16");
 #endif
 }
 
@@ -1192,6 +1540,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
   m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
   m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
+  m.def("prefill_amx_available", &prefill_amx_available,
+        "whether the AMX prefill tile was built and the process may use AMX tiles");
+  m.def("paged_prefill_bf16", &paged_prefill_bf16,
+        "causal prefill attention of a step's multi-token chunks from the block pool, bf16");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (after a residual add), bf16 (AVX512-BF16)");
   m.def("rope_bf16", &rope_bf16, "rotate-half RoPE of q and k, bf16 (AVX512-BF16)");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, bf16 (AVX512-BF16)");

@@ -282,6 +282,19 @@ def test_small_linear_declines_what_it_does_not_cover():
     assert cpu_paged.small_linear(x, torch.randn(40, 256).bfloat16()) is None  # N % 16
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def prefill_isa(request, monkeypatch):
+    """Each bf16 prefill tile this machine can run: AVX512-BF16 dot products, AMX tiles."""
+    ext = cpu_paged._bf16_ext()
+    if ext is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    amx = request.param == "amx"
+    if amx and not ext.prefill_amx_available():
+        pytest.skip("this CPU has no AMX tiles")
+    monkeypatch.setattr(cpu_paged, "_prefill_amx", amx)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "tq,offset,hq,hkv,d",
     [
@@ -294,12 +307,11 @@ def test_small_linear_declines_what_it_does_not_cover():
         (70, 0, 12, 2, 256),
     ],
 )
-def test_prefill_kernel_matches_fp32_attention_within_bf16_rounding(tq, offset, hq, hkv, d):
-    """The AVX512-BF16 prefill kernel: scores and softmax in fp32, P in bf16 for P @ V, as
-    torch's flash SDPA does in bf16, so its error against fp32 attention is SDPA's."""
-    ext = cpu_paged._bf16_ext()
-    if ext is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+def test_prefill_kernel_matches_fp32_attention_within_bf16_rounding(
+    tq, offset, hq, hkv, d, prefill_isa
+):
+    """The bf16 prefill kernel (each tile): scores and softmax in fp32, P in bf16 for P @ V,
+    as torch's flash SDPA does in bf16, so its error against fp32 attention is SDPA's."""
     g = torch.Generator().manual_seed(tq * 7 + offset)
     tk = tq + offset
     q = torch.randn(tq, hq, d, generator=g).bfloat16()
@@ -328,6 +340,86 @@ def test_prefill_kernel_declines_what_it_does_not_cover():
     assert torch.equal(
         cpu_paged.attend_prefill(qb, kb, kb, 0.1, 0), reference._attend(qb, kb, kb, 0.1, 0)
     )
+
+
+def _prefill_step(g, bs, hq, hkv, d, q_lens, ctx, share, nb=None):
+    """A bf16 pool whose never-written slots hold NaN, and a step of chunks: ``share[s]`` is
+    the sequence whose first blocks sequence s reuses (a cached prefix) or None."""
+    layers = 2
+    nb = nb or sum(-(-c // bs) for c in ctx) + 9
+    kv = torch.full((nb, layers, 2, bs, hkv, d), float("nan")).bfloat16()
+    max_blocks = max(-(-c // bs) for c in ctx)
+    free = torch.randperm(nb, generator=g).tolist()
+    tables = torch.zeros(len(ctx), max_blocks, dtype=torch.int32)
+    for s, c in enumerate(ctx):
+        n = -(-c // bs)
+        own = [free.pop() for _ in range(n)]
+        if share[s] is not None:
+            src, upto = share[s]
+            own[:upto] = tables[src, :upto].tolist()
+        tables[s, :n] = torch.tensor(own, dtype=torch.int32)
+        for i, b in enumerate(own):  # write the slots this sequence's context covers
+            used = min(bs, c - i * bs)
+            kv[b, :, :, :used] = torch.randn(layers, 2, used, hkv, d, generator=g).bfloat16()
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).bfloat16()
+    return q, kv, tables, torch.tensor(ctx, dtype=torch.int32), qsl
+
+
+@pytest.mark.parametrize("bs", [16, 32, 8])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 32), (16, 2, 64), (4, 4, 128)])
+def test_paged_prefill_has_the_bits_of_the_gathered_kernel(bs, hq, hkv, d, prefill_isa):
+    """The step's chunks in one call from the block pool (blocks shared between sequences
+    packed once; partial blocks, NaN in unwritten slots, decode rows mixed in, a zero-length
+    row) give exactly the output of the per-sequence loop over gathered K/V, on each tile."""
+    g = torch.Generator().manual_seed(bs * 100 + hq + d)
+    #           first chunk, prefix hit, hit+partial, decode, long chunk, empty, 2 rows, decode
+    q_lens = [300, 64, 37, 1, 129, 0, 2, 1]
+    ctx = [300, 1088, 1061, 700, 129, 5, 2, 1088]
+    prefix = (1024 // bs) if bs <= 1024 else 0
+    share = [None, None, (1, prefix), None, None, None, None, (1, prefix)]
+    q, kv, tables, lens, qsl = _prefill_step(g, bs, hq, hkv, d, q_lens, ctx, share)
+    scale = d**-0.5
+    for layer in (0, 1):
+        want = reference.paged_attention_with(
+            cpu_paged.attend_prefill,
+            cpu_paged.paged_decode_attention,
+            q,
+            kv,
+            layer,
+            tables,
+            lens,
+            qsl,
+            scale,
+        )
+        got = cpu_paged.paged_attention(q, kv, layer, tables, lens, qsl, scale)
+        assert not got.isnan().any()
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+        # the chunks' rows come from the one-call kernel itself
+        chunk_rows = torch.cat(
+            [torch.arange(qsl[s], qsl[s + 1]) for s in range(len(q_lens)) if q_lens[s] > 1]
+        )
+        direct = cpu_paged._bf16_ext().paged_prefill_bf16(
+            q, kv, layer, tables, lens, qsl, scale, prefill_isa == "amx"
+        )
+        assert torch.equal(direct[chunk_rows], want[chunk_rows])
+    # (the torch reference's decode rows read whole blocks: its pool gets zeros for the NaN)
+    exact = reference.paged_attention(
+        q.float(), kv.float().nan_to_num(), 1, tables, lens, qsl, scale
+    )
+    assert (got.float() - exact).abs().max() < 3e-2
+
+
+def test_paged_prefill_refuses_bad_tables():
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = torch.Generator().manual_seed(1)
+    q, kv, tables, lens, qsl = _prefill_step(g, 16, 8, 4, 32, [20], [20], [None], nb=8)
+    tables[0, 1] = 99  # past the pool
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_paged.paged_attention(q, kv, 0, tables, lens, qsl, 0.1)
+    with pytest.raises(RuntimeError, match="bad chunk"):
+        cpu_paged.paged_attention(q, kv, 0, tables[:, :1], lens, qsl, 0.1)
 
 
 # ---- the fused element-wise ops against the torch ops they replace (bf16) ------------------
