@@ -46,14 +46,17 @@ def _ms(fn, reps: int) -> float:
 
 
 def chunk_table(reps: int) -> None:
-    print(
-        "| chunk (query, context, Hq / Hkv / D) | SDPA ms | kernel ms | kernel / SDPA | max error SDPA / kernel |"
-    )
-    print("|---|---:|---:|---:|---|")
+    """Per chunk: SDPA against each tile this CPU runs (AVX512-BF16; AMX where present)."""
+    amx = bool(cpu_paged._bf16_ext().prefill_amx_available())
+    tiles = [("AVX512-BF16", False)] + ([("AMX", True)] if amx else [])
+    head = " | ".join(f"{n} ms | {n} / SDPA" for n, _ in tiles)
+    print(f"| chunk (query, context, Hq / Hkv / D) | SDPA ms | {head} | max error SDPA / tiles |")
+    print("|---|---:|" + "---:|---:|" * len(tiles) + "---|")
     g = torch.Generator().manual_seed(0)
     for tq, ctx, hq, hkv, d in [
         (256, 256, 8, 4, 32),
         (1088, 1088, 8, 4, 32),
+        (64, 1088, 8, 4, 32),
         (300, 1000, 8, 4, 32),
         (512, 512, 32, 8, 128),
     ]:
@@ -62,13 +65,16 @@ def chunk_table(reps: int) -> None:
         v = torch.randn(ctx, hkv, d, generator=g).bfloat16()
         off, sc = ctx - tq, d**-0.5
         exact = reference._attend(q.float(), k.float(), v.float(), sc, off)
-        e_sdpa = (reference._attend(q, k, v, sc, off).float() - exact).abs().max().item()
-        e_kern = (cpu_paged.attend_prefill(q, k, v, sc, off).float() - exact).abs().max().item()
+        errs = [(reference._attend(q, k, v, sc, off).float() - exact).abs().max().item()]
         a = _ms(lambda: reference._attend(q, k, v, sc, off), reps)  # noqa: B023
-        b = _ms(lambda: cpu_paged.attend_prefill(q, k, v, sc, off), reps)  # noqa: B023
-        print(
-            f"| {tq}, {ctx}, {hq} / {hkv} / {d} | {a:.2f} | {b:.2f} | {b / a:.2f} | {e_sdpa:.4f} / {e_kern:.4f} |"
-        )
+        cells = []
+        for _, on in tiles:
+            fn = _isa(on, cpu_paged.attend_prefill)
+            errs.append((fn(q, k, v, sc, off).float() - exact).abs().max().item())
+            b = _ms(lambda: fn(q, k, v, sc, off), reps)  # noqa: B023
+            cells.append(f"{b:.2f} | {b / a:.2f}")
+        err = " / ".join(f"{e:.4f}" for e in errs)
+        print(f"| {tq}, {ctx}, {hq} / {hkv} / {d} | {a:.2f} | {' | '.join(cells)} | {err} |")
 
 
 def engine_prefill_ms(model: str, length: int, prompts: int, kernel: bool) -> float:

@@ -155,6 +155,7 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
     except ValueError as e:  # PDSERVE_CPU_LINEAR names no path
         raise ConfigError(str(e)) from e
     packed = model.prepack_linears(plan)
+    _plan_prefill(model, dtype, device)
     if model.plan_decode():
         logger.info("decode steps: the %d decoder layers in one C++ call", len(model.layers))
     kinds: Counter[str] = Counter()
@@ -171,6 +172,20 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
         ", ".join(f"{k} x {n}" if n > 1 else k for k, n in kinds.items()),
         f"; {packed / (1 << 20):.1f} MiB reordered once" if packed else "",
     )
+
+
+def _plan_prefill(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
+    """Choose the bf16 prefill attention tile now (``PDSERVE_CPU_PREFILL``; logged), so a bad
+    setting fails the start instead of the first prefill."""
+    if dtype != torch.bfloat16 or device != "cpu" or not len(model.layers):
+        return
+    choose = getattr(model.layers[0].self_attn.backend, "prefill_uses_amx", None)
+    if choose is None:
+        return
+    try:
+        choose()
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(str(e)) from e
 
 
 def _known(name: str, cfg: ModelConfig) -> bool:

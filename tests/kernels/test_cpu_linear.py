@@ -142,3 +142,28 @@ def test_a_bad_override_is_a_config_error_naming_it(monkeypatch, make_model):
     monkeypatch.setenv(cpu_linear.PATH_ENV, "mkl")
     with pytest.raises(ConfigError, match="PDSERVE_CPU_LINEAR='mkl': expected one of auto"):
         LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB")
+
+
+def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
+    """``PDSERVE_CPU_PREFILL`` is read when a bf16 model loads, so a bad value (or ``amx`` on
+    a CPU without AMX tiles) is a ConfigError at start, not an error at the first prefill."""
+    from kernels import cpu_paged
+    from shared.config import ConfigError
+    from shared.engine import LLM
+
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("no AVX512-BF16 build: the C++ prefill tiles do not apply")
+    monkeypatch.setattr(cpu_paged, "_prefill_amx", None)  # chosen afresh by this load
+    monkeypatch.setenv(cpu_paged.PREFILL_ENV, "sse")
+    with pytest.raises(ConfigError, match="PDSERVE_CPU_PREFILL='sse': expected one of auto"):
+        LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+    for setting in ("avx512", "amx", "auto"):
+        monkeypatch.setattr(cpu_paged, "_prefill_amx", None)
+        monkeypatch.setenv(cpu_paged.PREFILL_ENV, setting)
+        amx_here = bool(cpu_paged._bf16_ext().prefill_amx_available())
+        if setting == "amx" and not amx_here:
+            with pytest.raises(ConfigError, match="no AMX tiles"):
+                LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+            continue
+        LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+        assert cpu_paged._prefill_amx is (amx_here and setting != "avx512")
