@@ -9,8 +9,9 @@ parallel over sequences (every KV head of one in a pass, each 16-token group's r
 address order; over (sequence, KV head) when sequences are fewer than twice the threads) with
 ``at::parallel_for``, on ``vdpbf16ps`` for bf16; sequences whose tables begin with the same
 blocks (a shared prompt prefix) share an item that reads those blocks once for all of them.
-A step's multi-token prefill chunks over a bf16 pool go to the AVX512-BF16 prefill kernel in
-one call that reads the blocks in place (``paged_prefill_bf16``: each 16-key unit of a block
+A step's multi-token prefill chunks over a bf16 pool go to the bf16 prefill kernel (AMX tiles
+where the CPU has AMX-BF16, else AVX512-BF16 dot products: ``prefill_uses_amx``) in one call
+that reads the blocks in place (``paged_prefill_bf16``: each 16-key unit of a block
 packed once for every chunk whose table holds it, so chunks after a shared cached prefix pack
 it once); the rest (fp8 pools, fp32) go through the reference's loop over gathered K/V to
 ``attend_prefill`` (that kernel on one chunk for bf16 queries, SDPA otherwise). ``write_kv`` stores a layer's
