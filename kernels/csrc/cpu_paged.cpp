@@ -776,6 +776,38 @@ static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* con
   }
 }
 
+// One row's online-softmax step over a chunk of 64 keys (4 units of 16): s[b] holds the raw
+// scores of keys j0 + 16b ..; keys past lim (where edge says some may be) and units b >= nu
+// are hidden. Updates the row's running max m and lane-wise sum l; returns alpha, the factor
+// that rescales the row's earlier sums, and pr[b] = exp(score - max) of the visible keys, 0
+// for hidden ones.
+static inline float pf_softmax_row(__m512* s, int nu, bool edge, int64_t j0, int64_t lim,
+                                   float sc, float& m, __m512& l, __m512* pr) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  __mmask16 vis[4];
+  for (int b = 0; b < 4; ++b) {
+    if (b >= nu) { vis[b] = 0; s[b] = _mm512_setzero_ps(); continue; }
+    s[b] = _mm512_mul_ps(s[b], _mm512_set1_ps(sc));
+    vis[b] = edge ? _mm512_cmple_epi32_mask(
+                        _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
+                        _mm512_set1_epi32(int(lim)))
+                  : __mmask16(0xFFFF);
+    mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
+  }
+  const float mnew = std::max(m, _mm512_reduce_max_ps(mx));
+  const float alpha = m == -INFINITY ? 0.f : std::exp(m - mnew);
+  m = mnew;
+  const __m512 mv = _mm512_set1_ps(mnew);
+  __m512 psum = _mm512_setzero_ps();
+  for (int b = 0; b < 4; ++b) {
+    pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
+    psum = _mm512_add_ps(psum, pr[b]);
+  }
+  l = _mm512_fmadd_ps(l, _mm512_set1_ps(alpha), psum);
+  return alpha;
+}
+
 // Rows [r0, r0 + nr) of query head hq of one chunk. q / o point at the chunk's row 0;
 // unit(u) is the packed unit u of this KV head (enough of them to cover every chunk of 64
 // keys up to the last visible one).
@@ -795,7 +827,6 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
     for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_setzero_ps();
   }
   const int64_t last = offset + r0 + nr - 1;  // the tile's last visible key
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
     const int64_t j0 = ch * PF_KEYS;
     const bool edge = j0 + PF_KEYS - 1 > offset + r0;  // some key of it hidden from row 0
@@ -809,29 +840,9 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
         for (int b = 0; b < 4; ++b)
           s[b] = _mm512_dpbf16_ps(s[b], qv, (__m512bh)_mm512_loadu_si512(ku[b] + p * 16));
       }
-      const int64_t lim = offset + r0 + i;  // keys <= lim are visible
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      __mmask16 vis[4];
-      for (int b = 0; b < 4; ++b) {
-        s[b] = _mm512_mul_ps(s[b], _mm512_set1_ps(sc));
-        vis[b] = edge ? _mm512_cmple_epi32_mask(
-                            _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
-                            _mm512_set1_epi32(int(lim)))
-                      : __mmask16(0xFFFF);
-        mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
-      }
-      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
-      const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
-      m[i] = mnew;
-      const __m512 mv = _mm512_set1_ps(mnew);
-      __m512 psum = _mm512_setzero_ps();
       __m512 pr[4];
-      for (int b = 0; b < 4; ++b) {
-        pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
-        psum = _mm512_add_ps(psum, pr[b]);
-      }
-      const __m512 av = _mm512_set1_ps(alpha);
-      l[i] = _mm512_fmadd_ps(l[i], av, psum);
+      const __m512 av = _mm512_set1_ps(
+          pf_softmax_row(s, 4, edge, j0, offset + r0 + i, sc, m[i], l[i], pr));
       for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], av);
       // P as bf16 pairs: lane j of cvtne2ps(b, a) is a[j] for j < 16, b[j - 16] above
       _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
@@ -925,7 +936,6 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
   __m512 l[PF_AMX_ROWS];
   for (int i = 0; i < PF_AMX_ROWS; ++i) { m[i] = -INFINITY; l[i] = _mm512_setzero_ps(); }
   const int64_t last = offset + r0 + nr - 1;
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // S of chunk ch into sm (the next chunk's is computed between this one's softmax and its
   // P V, so the tile loads of P find the softmax's stores already written back)
   const uint32_t* kus[2][4];
@@ -963,31 +973,10 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
     const uint32_t* const* ku = kus[ch & 1];
     const bool edge = j0 + PF_KEYS - 1 > offset + r0;
     for (int i = 0; i < nr; ++i) {
-      __m512 s[4];
-      const int64_t lim = offset + r0 + i;
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      __mmask16 vis[4];
-      for (int b = 0; b < 4; ++b) {
-        if (b >= nu) { vis[b] = 0; s[b] = _mm512_setzero_ps(); continue; }
-        s[b] = _mm512_mul_ps(_mm512_load_ps(sm + i * PF_KEYS + 16 * b), _mm512_set1_ps(sc));
-        vis[b] = edge ? _mm512_cmple_epi32_mask(
-                            _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
-                            _mm512_set1_epi32(int(lim)))
-                      : __mmask16(0xFFFF);
-        mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
-      }
-      const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
-      const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - mnew);
-      m[i] = mnew;
-      const __m512 mv = _mm512_set1_ps(mnew);
-      __m512 psum = _mm512_setzero_ps();
-      __m512 pr[4];
-      for (int b = 0; b < 4; ++b) {
-        pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
-        psum = _mm512_add_ps(psum, pr[b]);
-      }
-      const __m512 av = _mm512_set1_ps(alpha);
-      l[i] = _mm512_fmadd_ps(l[i], av, psum);
+      __m512 s[4], pr[4];
+      for (int b = 0; b < nu; ++b) s[b] = _mm512_load_ps(sm + i * PF_KEYS + 16 * b);
+      const __m512 av = _mm512_set1_ps(
+          pf_softmax_row(s, nu, edge, j0, offset + r0 + i, sc, m[i], l[i], pr));
       float* orow = om + i * D;
       const float* prow = pv + i * D;
       for (int64_t c = 0; c < C16; ++c)
