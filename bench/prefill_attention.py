@@ -101,17 +101,7 @@ def _loop_attention(q, kv, layer, tables, lens, qsl, scale, k_scale=None, v_scal
     """The path before ``paged_prefill_bf16``: per-sequence gather, then the chunk kernel."""
     if bool((qsl[1:] - qsl[:-1] == 1).all()):
         return cpu_paged.paged_decode_attention(q, kv, layer, tables, lens, scale)
-    return reference.paged_attention_with(
-        cpu_paged.attend_prefill,
-        cpu_paged.paged_decode_attention,
-        q,
-        kv,
-        layer,
-        tables,
-        lens,
-        qsl,
-        scale,
-    )
+    return cpu_paged.gathered_attention(q, kv, layer, tables, lens, qsl, scale)
 
 
 def _step(groups: int, per_group: int, prefix: int, own: int, first_full: int, bs: int = 16):

@@ -354,6 +354,25 @@ def paged_attention(
                 scale,
             )
         return out
+    return gathered_attention(
+        query, kv_cache, layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+    )
+
+
+def gathered_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference's per-sequence loop over gathered K/V with this backend's kernels
+    (``attend_prefill`` per chunk, the decode kernel for single rows): the path of fp8 pools
+    and fp32, and what ``paged_prefill_bf16`` is checked and timed against."""
     return reference.paged_attention_with(
         attend_prefill,
         paged_decode_attention,
