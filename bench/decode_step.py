@@ -19,7 +19,8 @@ blocks.
         [--paths plain,small,onednn,fused,onecall] [--baseline-source FILE] [--profile STEPS]
         [--prompt-len 1088 --shared-prefix 1024 --prefix-groups 4]
 
-``--baseline-source FILE`` adds the path ``base``: ``fused`` with the C++ extension built from
+``--baseline-source FILE`` adds the path ``base``: ``onecall`` (the default step; ``fused``
+before 2026-12-03) with the C++ extension built from
 FILE instead of ``kernels/csrc/cpu_paged.cpp`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
 > FILE``), interleaved with the others in the same process, for a kernel's before / after.
 """
@@ -136,8 +137,9 @@ def step_ms(
         "onednn" if path in ("onednn", "fused", "onecall", "base") else "torch"
     )
     try:
-        # every path but onecall runs the layers one by one in Python (--enforce-eager)
-        engine = LLM(model, kv_cache_memory="512MiB", enforce_eager=path != "onecall").engine
+        # every path but onecall (and base) runs the layers one by one in Python (--enforce-eager)
+        eager = path not in ("onecall", "base")
+        engine = LLM(model, kv_cache_memory="512MiB", enforce_eager=eager).engine
         ms = time_decode_steps(
             engine,
             batch,

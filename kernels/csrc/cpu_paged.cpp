@@ -91,6 +91,16 @@ static inline const KT* stage_group(const KT* rows, int64_t ntok, int64_t s_tok,
   return buf;
 }
 
+// Asks for a group's K and V strips (``bytes`` each, V ``s_vk_bytes`` after K) to be brought
+// into the cache ahead of its stage_group.
+static inline void prefetch_group(const void* rows, int64_t bytes, int64_t s_vk_bytes) {
+  const char* k = static_cast<const char*>(rows);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(k + s_vk_bytes + off, 0, 2);
+  }
+}
+
 // The decode kernels walk a work item's sequences 16 tokens at a time (8 with 8-token
 // blocks: a group never straddles two blocks, the block size being 8 or a multiple of 16).
 // An item is one sequence (or one KV head of one, when there are too few sequences to keep
@@ -120,15 +130,36 @@ template <typename KT, typename Step, typename Group>
 static void walk_item(const KT* kvp, const WalkGeometry& w, Member* mem, int64_t nmem,
                       int64_t shared, KT* stage, Step&& step, Group&& group) {
   const int64_t grp = std::min<int64_t>(16, w.BS);
-  auto rows_at = [&](const int32_t* table, int64_t base, int64_t ntok) {
-    const KT* rows = kvp + table[base / w.BS] * w.s_block + w.layer_off + (base % w.BS) * w.s_tok;
-    return stage ? stage_group(rows, ntok, w.s_tok, w.s_kv, stage) : rows;
+  auto addr = [&](const int32_t* table, int64_t base) {
+    return kvp + table[base / w.BS] * w.s_block + w.layer_off + (base % w.BS) * w.s_tok;
   };
-  for (int64_t base = 0; base < shared; base += grp) group(rows_at(mem[0].table, base, grp), grp);
+  // The group after the one at (i, base) in walk order: the shared groups, then each member's
+  // own. Staged walks ask for it to be fetched while the current group is computed on (the
+  // blocks are scattered, so the hardware prefetcher cannot guess the next one).
+  auto next_of = [&](int64_t i, int64_t base) -> const KT* {
+    base += grp;
+    if (i < 0) {
+      if (base < shared) return addr(mem[0].table, base);
+      i = 0;
+      base = shared;
+    }
+    for (; i < nmem; ++i, base = shared)
+      if (base < mem[i].len) return addr(mem[i].table, base);
+    return nullptr;
+  };
+  auto rows_at = [&](const int32_t* table, int64_t base, int64_t ntok, const KT* next) {
+    const KT* rows = addr(table, base);
+    if (!stage) return rows;
+    const KT* staged = stage_group(rows, ntok, w.s_tok, w.s_kv, stage);
+    if (next) prefetch_group(next, grp * w.s_tok * int64_t(sizeof(KT)), w.s_kv * int64_t(sizeof(KT)));
+    return staged;
+  };
+  for (int64_t base = 0; base < shared; base += grp)
+    group(rows_at(mem[0].table, base, grp, stage ? next_of(-1, base) : nullptr), grp);
   for (int64_t i = 0; i < nmem; ++i)
     for (int64_t base = shared; base < mem[i].len; base += grp) {
       const int64_t ntok = std::min<int64_t>({grp, mem[i].len - base, w.BS - base % w.BS});
-      step(mem[i], rows_at(mem[i].table, base, ntok), ntok);
+      step(mem[i], rows_at(mem[i].table, base, ntok, stage ? next_of(i, base) : nullptr), ntok);
     }
 }
 
