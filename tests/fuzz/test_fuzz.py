@@ -86,7 +86,7 @@ def test_seeded_fuzz_keeps_every_worker_alive(fuzz_cluster, tiny_llama):
 
 @pytest.mark.fuzz
 def test_long_fuzz_keeps_every_worker_alive(fuzz_cluster, tiny_llama):
-    # make test-fuzz: 3,000 HTTP + 1,500 gRPC; CI's make test-more sets 1,500
+    # make test-fuzz: 3,000 HTTP + 1,500 gRPC; CI's make test-more sets 1,000
     n = int(os.environ.get("PDSERVE_FUZZ_REQUESTS", "3000"))
     _run_fuzz(fuzz_cluster, tiny_llama, requests=n, grpc_requests=n // 2, seed=1)
 
