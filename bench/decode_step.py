@@ -104,7 +104,7 @@ def time_decode_steps(
     return ms
 
 
-PATHS = ("plain", "small", "onednn", "fused", "onecall", "base")
+PATHS = ("plain", "small", "onednn", "fused", "onecall", "base", "head_onednn")
 _baseline_ext = None  # the extension built from --baseline-source (path "base")
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
@@ -130,15 +130,19 @@ def step_ms(
         for name, fallback in OLDER.items():  # an op the baseline's build lacks: what it did
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
-    if path not in ("fused", "onecall", "base"):
+    one_call = ("onecall", "base", "head_onednn")  # the default step, and its before-variants
+    if path not in ("fused", *one_call):
         for name in FUSED:
             setattr(cpu_paged, name, None)
     os.environ[cpu_linear.PATH_ENV] = (
-        "onednn" if path in ("onednn", "fused", "onecall", "base") else "torch"
+        "onednn" if path in ("onednn", "fused", *one_call) else "torch"
     )
+    # head_onednn: onecall with the LM head on oneDNN's logits + argmax_rows (before the AMX
+    # head); base: the baseline build has no AMX head either
+    os.environ[cpu_linear.HEAD_ENV] = "onednn" if path in ("head_onednn", "base") else "auto"
     try:
-        # every path but onecall (and base) runs the layers one by one in Python (--enforce-eager)
-        eager = path not in ("onecall", "base")
+        # every path but the one-call ones runs the layers one by one in Python (--enforce-eager)
+        eager = path not in one_call
         engine = LLM(model, kv_cache_memory="512MiB", enforce_eager=eager).engine
         ms = time_decode_steps(
             engine,
@@ -154,6 +158,7 @@ def step_ms(
         for name, value in saved.items():
             setattr(cpu_paged, name, value)
         os.environ.pop(cpu_linear.PATH_ENV, None)
+        os.environ.pop(cpu_linear.HEAD_ENV, None)
 
 
 def memory_bandwidth_gbs(mib: int = 512, rounds: int = 5) -> float:

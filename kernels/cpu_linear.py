@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 PATH_ENV = "PDSERVE_CPU_LINEAR"
 PATHS = ("auto", "onednn", "torch")
+HEAD_ENV = "PDSERVE_CPU_LM_HEAD"
+HEAD_PATHS = ("auto", "amx", "onednn")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,29 @@ def plan_for(
     if f.avx512_bf16:
         return LinearPlan("onednn", f"oneDNN AVX512-BF16, prepacked ({f.describe()})")
     return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
+
+
+def head_on_amx(plan: LinearPlan, weight: torch.Tensor, requested: str | None = None) -> bool:
+    """Whether a packed plan's LM head ``weight`` (bf16 ``[V, H]``) goes to the AMX projection
+    (``cpu_paged.amx_linear`` / ``amx_argmax``: the weight streamed once for all rows, a greedy
+    step's argmax fused in) instead of oneDNN. ``requested`` (default: ``PDSERVE_CPU_LM_HEAD``,
+    else ``auto``): ``auto`` takes AMX where it runs, ``amx`` insists, ``onednn`` declines."""
+    requested = (requested or os.environ.get(HEAD_ENV) or "auto").lower()
+    if requested not in HEAD_PATHS:
+        raise ValueError(f"{HEAD_ENV}={requested!r}: expected one of {', '.join(HEAD_PATHS)}")
+    if requested == "onednn" or not plan.packed:
+        return False
+    from kernels import cpu_paged
+
+    can = (
+        weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] % 32 == 0
+        and cpu_paged.amx_linear_available()
+    )
+    if requested == "amx" and not can:
+        raise ValueError(f"{HEAD_ENV}=amx: no AMX tiles here, or the head is not bf16 [V, 32k]")
+    return can
 
 
 def onednn_bf16() -> bool:

@@ -265,6 +265,45 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return ext.argmax_rows(logits.contiguous())
 
 
+_amx_linear: bool | None = None
+
+
+def amx_linear_available() -> bool:
+    """Whether :func:`amx_linear` and :func:`amx_argmax` can run here: the extension was built
+    with AMX-BF16 (this CPU has the tiles) and Linux lets the process use them."""
+    global _amx_linear
+    if _amx_linear is None:
+        ext = _bf16_ext()
+        probe = getattr(ext, "amx_linear_available", None)  # None: an older build (benches)
+        _amx_linear = probe is not None and bool(probe())
+    return _amx_linear
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[N, K]`` weight (K % 32 == 0) in the tile layout of :func:`amx_linear`
+    (``[ceil(N / 32) * 2, K / 32, 512]``, the columns past N zero)."""
+    ext = _bf16_ext()
+    assert ext is not None
+    return ext.amx_pack_linear(weight.detach())
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ weight.T`` (bf16 ``[M, n]``) from ``packed = amx_pack(weight)``: each thread
+    streams its share of the weight once for all M rows (oneDNN re-reads it per 64 rows)."""
+    ext = _bf16_ext()
+    assert ext is not None
+    return ext.amx_linear_bf16(x.contiguous(), packed, int(n))
+
+
+def amx_argmax(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``argmax_rows(amx_linear(x, packed, n))`` (``[M]`` int64, the first index of each row's
+    largest bf16 value) without writing the logits: a greedy step's LM head and draw in one
+    pass over the weight."""
+    ext = _bf16_ext()
+    assert ext is not None
+    return ext.amx_argmax_bf16(x.contiguous(), packed, int(n))
+
+
 PREFILL_ENV = "PDSERVE_CPU_PREFILL"
 PREFILL_PATHS = ("auto", "amx", "avx512")
 _prefill_amx: bool | None = None

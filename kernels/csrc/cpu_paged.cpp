@@ -1460,6 +1460,255 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ---- A projection on AMX tiles that reads its weight once for all rows ----------------------
+// oneDNN's bf16 matmul blocks the rows of x by 64 and streams the whole weight again for each
+// block, so a decode step's LM head (32000 x 256 at batch 128) reads it twice over, and a
+// greedy step then writes [M, V] logits only to take their argmax. Here the weight is packed
+// once (amx_pack_linear) into the B-tile pair layout, each thread walks its own range of
+// 32-column blocks once, and every row tile of x (zero-padded to 16 rows, held in L2) meets
+// each block while it is in L1. Each output is one fp32 tile accumulator over K in order,
+// 32 at a time (TDPBF16PS), from zero, then rounded to bf16 (RNE): the same sums oneDNN's AMX
+// kernel makes for these shapes (tests/kernels compare the two). amx_linear_bf16 writes y;
+// amx_argmax_bf16 keeps, per row, the first index of the largest bf16-rounded value instead
+// (argmax_rows of the y it would have written) and writes no logits.
+#ifdef PF_HAVE_AMX
+static void al_configure() {
+  PfTileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+static inline void al_prefetch(const uint16_t* t0, const uint16_t* t1) {
+  for (int l = 0; l < 16; ++l) {
+    _mm_prefetch(reinterpret_cast<const char*>(t0 + l * 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t1 + l * 32), _MM_HINT_T0);
+  }
+}
+
+// The fp32 sums of output columns [32 nb, 32 nb + 32) for every row tile of xp ([Mp, K] bf16,
+// Mp a multiple of 16), for each block nb in [nb0, nb1): epi(m0, rows, n0, cb), cb a 32 x 32
+// (row stride 32) fp32 block of which the first ``rows`` rows are set.
+template <typename Epi>
+static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t* wp, int64_t nb0,
+                      int64_t nb1, const Epi& epi) {
+  const int64_t KT = K / 32;
+  const int stride = int(K * sizeof(uint16_t));
+  alignas(64) float cb[32 * 32];
+  const int64_t block = 2 * KT * 512;  // bf16 values of one 32-column block
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const uint16_t* b0 = wp + nb * block;
+    const uint16_t* b1 = b0 + KT * 512;
+    // the next block, a K slice per step of the first row pair, fetched while this one is
+    // computed on (a tile load that misses to DRAM stalls the tile unit)
+    const bool ahead = nb + 1 < nb1;
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      const bool two = m0 + 16 < Mp;
+      const uint16_t* a0 = xp + m0 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kt = 0; kt < KT; ++kt) {
+          if (ahead && m0 == 0) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
+          _tile_loadd(4, a0 + kt * 32, stride);
+          _tile_loadd(5, a0 + 16 * K + kt * 32, stride);
+          _tile_loadd(6, b0 + kt * 512, 64);
+          _tile_loadd(7, b1 + kt * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, cb + 16 * 32, 128);
+        _tile_stored(3, cb + 16 * 32 + 16, 128);
+      } else {
+        for (int64_t kt = 0; kt < KT; ++kt) {
+          if (ahead && m0 == 0) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
+          _tile_loadd(4, a0 + kt * 32, stride);
+          _tile_loadd(6, b0 + kt * 512, 64);
+          _tile_loadd(7, b1 + kt * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+      }
+      _tile_stored(0, cb, 128);
+      _tile_stored(1, cb + 16, 128);
+      epi(m0, two ? 32 : 16, nb * 32, cb);
+    }
+  }
+}
+
+// fp32 -> bf16 (round to nearest even, as oneDNN's vcvtneps2bf16) and back to fp32
+static inline __m256i al_round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline __m512 al_widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x [M, K] into a zero-padded [Mp, K] copy (Mp = M rounded up to 16)
+static at::Tensor al_pad_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), Mp = (M + 15) / 16 * 16;
+  if (Mp == M) return x.contiguous();
+  auto xp = at::zeros({Mp, x.size(1)}, x.options());
+  xp.narrow(0, 0, M).copy_(x);
+  return xp;
+}
+
+// Splits the column blocks [0, NB) into one contiguous range per thread: fn(t, nb0, nb1) on
+// each range t of ``parts``, with the tiles configured (and released after).
+template <typename Fn>
+static void al_parallel(int64_t NB, int64_t parts, const Fn& fn) {
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    al_configure();
+    for (int64_t t = b; t < e; ++t) fn(t, NB * t / parts, NB * (t + 1) / parts);
+    _tile_release();
+  });
+}
+#endif
+
+static void al_check(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [M, K] tensor");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
+                  wp.size(1) * 32 == x.size(1) && wp.size(2) == 512 && wp.size(0) % 2 == 0 &&
+                  N > 0 && N <= wp.size(0) * 16,
+              "wp must be amx_pack_linear of an [N, K] weight");
+}
+
+// Whether the AMX projection was built and this process may use the tile registers.
+static bool amx_linear_available() {
+#ifdef PF_HAVE_AMX
+  return pf_amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 -> [NT, K / 32, 512] bf16, NT = N rounded up to 32, in 16-column tiles: tile
+// (nt, kt) row p holds, for each of its 16 columns n, w[16 nt + n][32 kt + 2p .. + 1] (the B
+// operand of TDPBF16PS); the columns past N are zero.
+at::Tensor amx_pack_linear(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be a bf16 [N, K] tensor");
+  TORCH_CHECK(w.size(1) % 32 == 0, "K must be a multiple of 32");
+  const int64_t N = w.size(0), K = w.size(1), NT = (N + 31) / 32 * 2, KT = K / 32;
+  auto wc = w.contiguous();
+  auto out = at::zeros({NT, KT, 512}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NT, 1, [&](int64_t b, int64_t e) {
+    for (int64_t nt = b; nt < e; ++nt)
+      for (int64_t kt = 0; kt < KT; ++kt) {
+        uint16_t* t = dst + (nt * KT + kt) * 512;
+        for (int64_t n = 0; n < 16 && nt * 16 + n < N; ++n) {
+          const uint16_t* s = src + (nt * 16 + n) * K + kt * 32;
+          for (int p = 0; p < 16; ++p) {
+            t[p * 32 + n * 2] = s[2 * p];
+            t[p * 32 + n * 2 + 1] = s[2 * p + 1];
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// y = x w^T, bf16 [M, N], for x [M, K] bf16 and wp = amx_pack_linear(w) of w [N, K].
+at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+  al_check(x, wp, N);
+  TORCH_CHECK(amx_linear_available(), "no AMX tiles on this CPU or build");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+#ifdef PF_HAVE_AMX
+  if (M == 0) return y;
+  auto xp = al_pad_rows(x);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  uint16_t* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t NB = wp.size(0) / 2, parts = std::min<int64_t>(NB, at::get_num_threads());
+  al_parallel(NB, parts, [&](int64_t, int64_t nb0, int64_t nb1) {
+    al_blocks(xs, xp.size(0), K, ws, nb0, nb1, [&](int64_t m0, int rows, int64_t n0, const float* cb) {
+      // a row's 32 values as one 64-byte line: streamed past the cache where whole and aligned
+      // (the logits are read once, by the sampler, after the whole matrix is written)
+      const int64_t left = N - n0;
+      const __mmask32 keep = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
+      for (int r = 0; r < rows && m0 + r < M; ++r) {
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(cb + r * 32 + 16),
+                                                        _mm512_load_ps(cb + r * 32));
+        uint16_t* dst = ys + (m0 + r) * N + n0;
+        if (left >= 32 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+        else _mm512_mask_storeu_epi16(dst, keep, v);
+      }
+    });
+    _mm_sfence();
+  });
+#endif
+  return y;
+}
+
+// argmax_rows(amx_linear_bf16(x, wp, N)) without the logits: [M] int64.
+at::Tensor amx_argmax_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+  al_check(x, wp, N);
+  TORCH_CHECK(amx_linear_available(), "no AMX tiles on this CPU or build");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = at::empty({M}, x.options().dtype(at::kLong));
+#ifdef PF_HAVE_AMX
+  if (M == 0) return out;
+  auto xp = al_pad_rows(x);
+  const int64_t Mp = xp.size(0);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  const int64_t NB = wp.size(0) / 2, parts = std::min<int64_t>(NB, at::get_num_threads());
+  // each range's best value and index per row, merged in range order below
+  std::vector<float> best(parts * M);
+  std::vector<int64_t> best_i(parts * M);
+  al_parallel(NB, parts, [&](int64_t t, int64_t nb0, int64_t nb1) {
+    // per row, 16 lanes of running maxima: lane j sees columns = j mod 16 in increasing order,
+    // and a later one replaces the kept one only when strictly greater (the first index wins)
+    std::vector<float> vmax(Mp * 16);
+    std::vector<int32_t> vidx(Mp * 16);
+    for (int64_t i = 0; i < Mp * 16; ++i) { vmax[i] = -INFINITY; vidx[i] = int32_t(nb0 * 32 + i % 16); }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    al_blocks(xs, Mp, K, ws, nb0, nb1, [&](int64_t m0, int rows, int64_t n0, const float* cb) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + 16 * h;
+        if (n >= N) break;
+        const __mmask16 valid = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+        const __m512i cur = _mm512_add_epi32(_mm512_set1_epi32(int32_t(n)), lane);
+        for (int r = 0; r < rows; ++r) {
+          float* mx = vmax.data() + (m0 + r) * 16;
+          int32_t* ix = vidx.data() + (m0 + r) * 16;
+          const __m512 v = al_widen(al_round_bf16(_mm512_load_ps(cb + r * 32 + 16 * h)));
+          const __m512 m = _mm512_loadu_ps(mx);
+          const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, m, _CMP_GT_OQ);
+          _mm512_storeu_ps(mx, _mm512_mask_blend_ps(gt, m, v));
+          _mm512_storeu_si512(ix, _mm512_mask_blend_epi32(gt, _mm512_loadu_si512(ix), cur));
+        }
+      }
+    });
+    for (int64_t r = 0; r < M; ++r) {
+      float b = vmax[r * 16];
+      int64_t bi = vidx[r * 16];
+      for (int j = 1; j < 16; ++j) {
+        const float v = vmax[r * 16 + j];
+        const int64_t i = vidx[r * 16 + j];
+        if (v > b || (v == b && i < bi)) { b = v; bi = i; }
+      }
+      best[t * M + r] = b;
+      best_i[t * M + r] = bi;
+    }
+  });
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float b = best[r];
+    int64_t bi = best_i[r];
+    for (int64_t t = 1; t < parts; ++t)
+      if (best[t * M + r] > b) { b = best[t * M + r]; bi = best_i[t * M + r]; }
+    op[r] = bi;
+  }
+#endif
+  return out;
+}
+
 // This step's K and V of one layer into their slots: key / value [T, Hkv, D] in the pool's
 // dtype, each token's heads contiguous (tokens any stride: views of the fused QKV output);
 // slots [T] int64 or int32, slot = block * BS + offset, < 0 a padding token (skipped). Every
@@ -1567,5 +1816,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (after a residual add), bf16 (AVX512-BF16)");
   m.def("rope_bf16", &rope_bf16, "rotate-half RoPE of q and k, bf16 (AVX512-BF16)");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, bf16 (AVX512-BF16)");
+  m.def("amx_linear_available", &amx_linear_available,
+        "whether the AMX projection was built and may use the tile registers");
+  m.def("amx_pack_linear", &amx_pack_linear, "an [N, K] bf16 weight in amx_linear's tile layout");
+  m.def("amx_linear_bf16", &amx_linear_bf16, "x @ w.T on AMX tiles, the weight read once (bf16)");
+  m.def("amx_argmax_bf16", &amx_argmax_bf16,
+        "argmax of each row of x @ w.T on AMX tiles, without the logits (bf16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
 }

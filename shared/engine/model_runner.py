@@ -28,6 +28,7 @@ from shared.config import (
 from shared.cpu_bind import SPILL_STEP_TOKENS, bound_cpus, format_cpu_list, spill_cpus
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
+    SampledToken,
     SampleResult,
     SampleSpec,
     SchedulerOutput,
@@ -120,11 +121,19 @@ class PendingLogits:
 
 
 @dataclass
-class _Dispatched:
-    """A step between ``dispatch`` and ``collect``: its logits (or their pending receive)
-    and what the draws need."""
+class GreedyTokens:
+    """A step whose rows are all plain greedy, drawn with the LM head (the model's
+    ``greedy_tokens``): each row's token, no logits."""
 
-    logits: torch.Tensor | PendingLogits | None
+    ids: torch.Tensor  # [rows] int64
+
+
+@dataclass
+class _Dispatched:
+    """A step between ``dispatch`` and ``collect``: its logits (or their pending receive, or
+    the greedy draws themselves) and what the draws need."""
+
+    logits: torch.Tensor | PendingLogits | GreedyTokens | None
     rows: list[SampleSpec]
     verify: list[tuple[str, list[int], int]]
     draft_probs: dict[str, torch.Tensor]
@@ -492,7 +501,10 @@ class ModelRunner:
             for spec in s.samples:
                 logit_rows.append(t - 1)
                 rows.append(spec)
-        return _Dispatched(self.run_step(moves, chunks, logit_rows), rows, verify, draft_probs)
+        greedy = not verify and self.sampler.plain_greedy(rows)
+        return _Dispatched(
+            self.run_step(moves, chunks, logit_rows, greedy), rows, verify, draft_probs
+        )
 
     @torch.inference_mode()
     def collect(self, d: _Dispatched) -> dict[str, SampleResult]:
@@ -501,6 +513,8 @@ class ModelRunner:
         if logits is None:
             return {}
         rows, verify, draft_probs = d.rows, d.verify, d.draft_probs
+        if isinstance(logits, GreedyTokens):
+            return {r.seq_id: SampledToken(t) for r, t in zip(rows, logits.ids.tolist())}
         dev = self.device
         if not verify:
             sampled = self.sampler(logits, rows)
@@ -528,10 +542,13 @@ class ModelRunner:
         moves: tuple[Sequence[tuple[int, int]], ...],
         chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
         logit_rows: Sequence[int],
-    ) -> torch.Tensor | PendingLogits | None:
+        greedy: bool = False,
+    ) -> torch.Tensor | PendingLogits | GreedyTokens | None:
         """Every rank's part of a step: the block ``moves`` (swap out, swap in, copy), one
         forward pass over ``chunks`` (block table, first position, tokens) and the logits of
-        the packed ``logit_rows``, returned on rank 0 (``None`` elsewhere, or without rows).
+        the packed ``logit_rows``, returned on rank 0 (``None`` elsewhere, or without rows);
+        with ``greedy`` (every row a plain greedy draw) the rows' argmax instead where the
+        model draws it with its LM head (``greedy_tokens``).
         Rank 0 broadcasts the arguments first; a later pipeline stage receives its input
         hidden states from the previous stage and the last stage sends the logits to rank 0."""
         if self.executor is not None and (chunks or any(moves)):
@@ -581,7 +598,12 @@ class ModelRunner:
             return PendingLogits(logits, dist.irecv(logits, src=(sh.pp_size - 1) * tp))
         if not logit_rows:
             return None
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        last = hidden[torch.tensor(logit_rows, device=dev)]
+        if greedy and sh.pp_size == 1:
+            ids = self.model.greedy_tokens(last)
+            if ids is not None:
+                return GreedyTokens(ids)
+        logits = self.model.compute_logits(last)
         if sh.pp_size > 1 and sh.tp_rank == 0:
             import torch.distributed as dist
 

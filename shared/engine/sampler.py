@@ -140,9 +140,7 @@ class Sampler:
         tokens kept, not here."""
         n = len(rows)
         want_lp = [r.params.logprobs is not None for r in rows]
-        if not any(want_lp) and all(
-            r.params.greedy and not self._needs_processing(r) for r in rows
-        ):
+        if self.plain_greedy(rows):
             return [SampledToken(t) for t in self._greedy(logits).tolist()]
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
@@ -179,6 +177,14 @@ class Sampler:
     def _advance(self, r: SampleSpec, token: int) -> bool:
         """Advance ``r``'s grammar matcher; True when the sequence ends with ``token``."""
         return self.matchers.accepted(r.seq_id, token, (*r.eos_token_ids, *r.params.stop_token_ids))
+
+    def plain_greedy(self, rows: Sequence[SampleSpec]) -> bool:
+        """Every row's draw is the argmax of its raw logits: greedy, no logprobs, no rule or
+        grammar of its own (the model runner then asks for the argmax alone)."""
+        return all(
+            r.params.greedy and r.params.logprobs is None and not self._needs_processing(r)
+            for r in rows
+        )
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         # logits: [N, V] model dtype -> [N] ids; exact (an upcast changes no comparison)

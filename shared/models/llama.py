@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_paged
 from shared.config import ModelConfig
 from shared.models.sharding import WHOLE, Shard
 
@@ -306,6 +306,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = rotary
         self.tied_packed: torch.Tensor | None = None  # a packed copy of a tied LM head
+        # the LM head in the AMX projection's tile layout (``prepack_linears``; whole model only)
+        self.head_amx: torch.Tensor | None = None
         # the decode step's layers as one call (``plan_decode``, set by the loader)
         self._decode_plan: Callable[..., torch.Tensor] | None = None
         self.small_linear = getattr(backend, "small_linear", None)
@@ -418,6 +420,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
+        if self.head_amx is not None:
+            return cpu_paged.amx_linear(hidden, self.head_amx, self.vocab_rows)
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
@@ -429,19 +433,48 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return self.shard.all_gather_last(logits)[:, : self.config.vocab_size]
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(-1)`` (the first index of each row's largest bf16
+        logit) in one pass over the LM head that writes no logits, where the head is on AMX;
+        else ``None`` (the caller computes the logits)."""
+        if self.head_amx is None:
+            return None
+        return cpu_paged.amx_argmax(hidden, self.head_amx, self.vocab_rows)
+
     def prepack_linears(self, plan: cpu_linear.LinearPlan) -> int:
         """Reorder every dense projection's weight (and the LM head's) for ``plan``'s kernel;
-        the packed weight replaces the plain one. Returns the bytes packed."""
+        the packed weight replaces the plain one. The LM head of a whole (unsharded) model goes
+        to the AMX projection where ``cpu_linear.head_on_amx`` says so. Returns the bytes
+        packed."""
         if not plan.packed:
             return 0
         total = 0
+        head = self.lm_head.weight if self.lm_head is not None else None
+        if head is None and self.embed_tokens is not None:
+            head = self.embed_tokens.weight  # tied: the lookup keeps the table, this is a copy
+        if (
+            head is not None
+            and self.shard.tp_size == 1
+            and self.shard.pp_size == 1
+            and cpu_linear.head_on_amx(plan, head)
+        ):
+            self.head_amx = cpu_paged.amx_pack(head)
+            total += head.numel() * head.element_size()
+            if self.lm_head is not None:
+                del self.lm_head.weight
+                self.lm_head.register_parameter("weight", None)
         for m in self.modules():
             if isinstance(m, Linear) and m.packed is None and m.weight is not None:
                 m.packed = cpu_linear.pack(m.weight)
                 total += m.weight.numel() * m.weight.element_size()
                 del m.weight
                 m.register_parameter("weight", None)
-        if self.lm_head is None and self.embed_tokens is not None and self.shard.last_stage:
+        if (
+            self.lm_head is None
+            and self.head_amx is None
+            and self.embed_tokens is not None
+            and self.shard.last_stage
+        ):
             w = self.embed_tokens.weight  # the lookup still reads the plain table: a copy
             self.tied_packed = cpu_linear.pack(w)
             total += w.numel() * w.element_size()

@@ -175,9 +175,13 @@ def weight_bytes(model: nn.Module) -> int:
         packed = getattr(m, "packed", None)
         if packed is not None:  # a dense weight reordered for the CPU (kernels/cpu_linear.py)
             total += packed.numel() * packed.element_size()
-    tied = getattr(model, "tied_packed", None)
-    if tied is not None and embed is not None:  # the LM head reads the packed copy, not the table
-        total += (
-            tied.numel() * tied.element_size() - embed.weight.numel() * embed.weight.element_size()
-        )
+    # the LM head in the AMX tile layout (kernels/cpu_paged.py), else oneDNN's copy of a tied
+    # one: a step reads that, and a tied head's table only for its batch's rows
+    head = getattr(model, "head_amx", None)
+    if head is None:
+        head = getattr(model, "tied_packed", None)
+    if head is not None:
+        total += head.numel() * head.element_size()
+        if embed is not None and getattr(model, "lm_head", 1) is None:
+            total -= embed.weight.numel() * embed.weight.element_size()
     return total

@@ -88,11 +88,12 @@ def test_packed_linear_is_the_product_within_bf16_rounding(m, n, k, bias):
     assert (got.float() - exact).abs().max() <= 1.5 * (ref - exact).abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("head", ["onednn", "amx"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
 def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
-    monkeypatch, make_model, arch
+    monkeypatch, make_model, arch, head
 ):
-    from kernels import get_backend
+    from kernels import cpu_paged, get_backend
     from shared.config import EngineArgs
     from shared.models.llama import AttentionMetadata, Linear
     from shared.models.loader import load_model
@@ -100,18 +101,27 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
 
     if not cpu_linear.onednn_bf16():
         pytest.skip("no oneDNN bf16 on this CPU")
+    if head == "amx" and not cpu_paged.amx_linear_available():
+        pytest.skip("no AMX tiles here: the LM head stays on oneDNN")
     cfg = EngineArgs(model=str(make_model("tiny", arch)), dtype="bfloat16").create_model_config()
     backend = get_backend("torch")
     monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
     plain = load_model(cfg, "cpu", backend)
     monkeypatch.setenv(cpu_linear.PATH_ENV, "onednn")
+    monkeypatch.setenv(cpu_linear.HEAD_ENV, head)
     packed = load_model(cfg, "cpu", backend)
     plain_linears = [m for m in plain.modules() if isinstance(m, Linear)]
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
     assert all(m.weight is not None and m.packed is None for m in plain_linears)
-    assert linears and all(m.weight is None and m.packed is not None for m in linears)
     tied = arch == "qwen2"
-    assert (packed.lm_head is None) == tied and (packed.tied_packed is not None) == tied
+    on_amx = head == "amx"
+    assert (packed.head_amx is not None) == on_amx
+    if on_amx and not tied:  # the head's plain weight went into the tile layout
+        assert packed.lm_head.weight is None and packed.lm_head.packed is None
+        linears.remove(packed.lm_head)
+    assert linears and all(m.weight is None and m.packed is not None for m in linears)
+    assert (packed.lm_head is None) == tied
+    assert (packed.tied_packed is not None) == (tied and not on_amx)
     assert packed.embed_tokens.weight is not None  # the lookup's table stays
     assert weight_bytes(packed) == weight_bytes(plain)  # the same bytes a step reads
 
@@ -131,6 +141,25 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
         b = packed.compute_logits(packed(ids, torch.arange(n), kv.clone(), meta)).float()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
+    if on_amx:  # a greedy step's fused draw is the argmax of the logits the head writes
+        with torch.inference_mode():
+            h = packed(ids, torch.arange(n), kv.clone(), meta)
+            logits = packed.compute_logits(h)
+            assert torch.equal(packed.greedy_tokens(h), cpu_paged.argmax_rows(logits))
+    else:
+        assert packed.greedy_tokens(torch.zeros(1, cfg.hidden_size).bfloat16()) is None
+
+
+def test_the_lm_head_setting_is_checked(monkeypatch):
+    plan = cpu_linear.LinearPlan("onednn", "test")
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert not cpu_linear.head_on_amx(plan, w, "onednn")
+    assert not cpu_linear.head_on_amx(cpu_linear.LinearPlan("torch", "test"), w, "auto")
+    assert not cpu_linear.head_on_amx(plan, torch.zeros(64, 48, dtype=torch.bfloat16), "auto")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_LM_HEAD='tiles': expected one of auto"):
+        cpu_linear.head_on_amx(plan, w, "tiles")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_LM_HEAD=amx"):  # K % 32 != 0
+        cpu_linear.head_on_amx(plan, torch.zeros(64, 48, dtype=torch.bfloat16), "amx")
 
 
 def test_a_bad_override_is_a_config_error_naming_it(monkeypatch, make_model):
@@ -167,3 +196,35 @@ def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
             continue
         LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
         assert cpu_paged._prefill_amx is (amx_here and setting != "avx512")
+
+
+def test_greedy_draws_on_the_amx_head_match_the_logits_path(monkeypatch, make_model):
+    """A step whose rows are all plain greedy takes its tokens from the fused head + argmax
+    (no logits); the same prompts give the same tokens through oneDNN's logits, and asking
+    for logprobs (which needs the logits) does not change them."""
+    from kernels import cpu_paged
+    from shared.engine import LLM, SamplingParams
+
+    if not cpu_paged.amx_linear_available():
+        pytest.skip("no AMX tiles here: the LM head stays on oneDNN")
+    model = str(make_model("tiny", "llama"))
+    prompts = [[5 + i, 17, 99 + 3 * i, 42] * (1 + i) for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with_lp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(head: str, params: SamplingParams) -> tuple[list[list[int]], int]:
+        monkeypatch.setenv(cpu_linear.HEAD_ENV, head)
+        llm = LLM(model, kv_cache_memory="16MiB", dtype="bfloat16")
+        m = llm.engine.runner.model  # type: ignore[attr-defined]
+        calls = []
+        fused = m.greedy_tokens
+        m.greedy_tokens = lambda h: calls.append(len(h)) or fused(h)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [list(o.outputs[0].token_ids) for o in outs], len(calls)
+
+    amx, fused_steps = run("amx", greedy)
+    assert fused_steps > 0  # the greedy steps drew on the head
+    onednn, _ = run("onednn", greedy)
+    assert amx == onednn
+    logprobs, lp_steps = run("amx", with_lp)
+    assert lp_steps == 0 and logprobs == amx

@@ -1,0 +1,94 @@
+"""The AMX projection (kernels/csrc/cpu_paged.cpp, ``amx_linear_bf16`` / ``amx_argmax_bf16``):
+the product within bf16 rounding, the same bits as oneDNN's packed primitive on these shapes,
+each row's output independent of the other rows, and a fused argmax that is exactly
+``argmax_rows`` of the logits it would have written (first index on ties, across threads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_linear, cpu_paged
+
+pytestmark = pytest.mark.skipif(
+    not cpu_paged.amx_linear_available(), reason="no AMX tiles on this CPU or build"
+)
+
+
+def _case(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 7919 + m * n + k)
+    return torch.randn(m, k, generator=g).bfloat16(), (
+        torch.randn(n, k, generator=g) * 0.1
+    ).bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64, 130])
+@pytest.mark.parametrize("n,k", [(32000, 256), (1000, 64), (37, 32), (4099, 896)])
+def test_the_product_within_bf16_rounding_and_its_argmax(m, n, k):
+    x, w = _case(m, n, k)
+    packed = cpu_paged.amx_pack(w)
+    assert packed.shape == ((n + 31) // 32 * 2, k // 32, 512)
+    y = cpu_paged.amx_linear(x, packed, n)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    exact = x.float() @ w.float().T
+    bound = exact.abs() * 2.0**-8 + 2e-3 * exact.abs().max()
+    assert ((y.float() - exact).abs() <= bound).all()
+    assert torch.equal(cpu_paged.amx_argmax(x, packed, n), cpu_paged.argmax_rows(y))
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_the_same_bits_as_onednn_for_an_lm_head_shape(m):
+    """K = 256 (the bench model's head): one tile accumulator over K in order from zero makes
+    oneDNN's AMX sums, so a model's logits do not change when its head moves here."""
+    if not cpu_linear.onednn_bf16():
+        pytest.skip("no oneDNN bf16 on this CPU")
+    x, w = _case(m, 32000, 256, seed=1)
+    got = cpu_paged.amx_linear(x, cpu_paged.amx_pack(w), 32000)
+    assert torch.equal(got, cpu_linear.packed_linear(x, cpu_linear.pack(w), None))
+
+
+def test_each_rows_output_does_not_depend_on_the_others():
+    x, w = _case(70, 3000, 128, seed=2)
+    packed = cpu_paged.amx_pack(w)
+    whole = cpu_paged.amx_linear(x, packed, 3000)
+    for i in (0, 15, 16, 69):
+        assert torch.equal(cpu_paged.amx_linear(x[i : i + 1], packed, 3000)[0], whole[i])
+        assert int(cpu_paged.amx_argmax(x[i : i + 1], packed, 3000)[0]) == int(
+            cpu_paged.argmax_rows(whole[i : i + 1])[0]
+        )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ties_go_to_the_first_index_within_and_across_thread_ranges(threads):
+    """Equal logits: copies of one weight row at columns in the same 16-column lane, in other
+    lanes, and in the other thread's half of the columns; the first copy must win."""
+    n, k = 2048, 64
+    x, w = _case(20, n, k, seed=3)
+    w[:, :] = w * 0.01  # small logits elsewhere
+    top = torch.ones(k, dtype=torch.bfloat16)
+    first = 37
+    for col in (first, first + 16, first + 3, n - 5, n // 2 + 1):
+        w[col] = top
+    x = x.abs() + 0.5  # every row prefers the copies
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = cpu_paged.amx_pack(w)
+        got = cpu_paged.amx_argmax(x.bfloat16(), packed, n)
+        logits = cpu_paged.amx_linear(x.bfloat16(), packed, n)
+    finally:
+        torch.set_num_threads(old)
+    assert (got == first).all()
+    assert torch.equal(got, logits.float().argmax(-1))
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    x, w = _case(4, 64, 64)
+    packed = cpu_paged.amx_pack(w)
+    with pytest.raises(RuntimeError, match="amx_pack_linear"):
+        cpu_paged.amx_linear(x, packed, 65)  # more columns than packed
+    with pytest.raises(RuntimeError, match="amx_pack_linear"):
+        cpu_paged.amx_linear(torch.zeros(4, 96, dtype=torch.bfloat16), packed, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_paged.amx_pack(torch.zeros(8, 48, dtype=torch.bfloat16))
+    assert cpu_paged.amx_argmax(x[:0], packed, 64).shape == (0,)
