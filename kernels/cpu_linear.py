@@ -120,14 +120,21 @@ def plan_for(
     return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
 
 
+def head_request(requested: str | None = None) -> str:
+    """The LM head's requested path: ``requested``, else ``PDSERVE_CPU_LM_HEAD``, else
+    ``auto``; ``ValueError`` names a bad one."""
+    requested = (requested or os.environ.get(HEAD_ENV) or "auto").lower()
+    if requested not in HEAD_PATHS:
+        raise ValueError(f"{HEAD_ENV}={requested!r}: expected one of {', '.join(HEAD_PATHS)}")
+    return requested
+
+
 def head_on_amx(plan: LinearPlan, weight: torch.Tensor, requested: str | None = None) -> bool:
     """Whether a packed plan's LM head ``weight`` (bf16 ``[V, H]``) goes to the AMX projection
     (``cpu_paged.amx_linear`` / ``amx_argmax``: the weight streamed once for all rows, a greedy
     step's argmax fused in) instead of oneDNN. ``requested`` (default: ``PDSERVE_CPU_LM_HEAD``,
     else ``auto``): ``auto`` takes AMX where it runs, ``amx`` insists, ``onednn`` declines."""
-    requested = (requested or os.environ.get(HEAD_ENV) or "auto").lower()
-    if requested not in HEAD_PATHS:
-        raise ValueError(f"{HEAD_ENV}={requested!r}: expected one of {', '.join(HEAD_PATHS)}")
+    requested = head_request(requested)
     if requested == "onednn" or not plan.packed:
         return False
     from kernels import cpu_paged

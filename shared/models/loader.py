@@ -152,9 +152,10 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
     (``kernels/cpu_linear.py``), and log the path every kind of linear takes."""
     try:
         plan = cpu_linear.plan_for(dtype, torch.device(device))
-    except ValueError as e:  # PDSERVE_CPU_LINEAR names no path
+        cpu_linear.head_request()  # checked on every load, not only where heads are packed
+        packed = model.prepack_linears(plan)
+    except ValueError as e:  # PDSERVE_CPU_LINEAR / PDSERVE_CPU_LM_HEAD names no path it can take
         raise ConfigError(str(e)) from e
-    packed = model.prepack_linears(plan)
     _plan_prefill(model, dtype, device)
     if model.plan_decode():
         logger.info("decode steps: the %d decoder layers in one C++ call", len(model.layers))

@@ -171,6 +171,10 @@ def test_a_bad_override_is_a_config_error_naming_it(monkeypatch, make_model):
     monkeypatch.setenv(cpu_linear.PATH_ENV, "mkl")
     with pytest.raises(ConfigError, match="PDSERVE_CPU_LINEAR='mkl': expected one of auto"):
         LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB")
+    monkeypatch.delenv(cpu_linear.PATH_ENV)
+    monkeypatch.setenv(cpu_linear.HEAD_ENV, "tiles")
+    with pytest.raises(ConfigError, match="PDSERVE_CPU_LM_HEAD='tiles': expected one of auto"):
+        LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB")
 
 
 def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
