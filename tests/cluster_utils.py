@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
 import grpc
@@ -12,12 +11,7 @@ from shared.cli.launcher import Cluster, cluster_args
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.security import ClusterSecurity
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def make_cluster(model_dir, run_dir, *flags: str, prefill: int = 1, decode: int = 1) -> Cluster:

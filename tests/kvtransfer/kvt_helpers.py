@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtransfer import KVGeometry
+from tests.ports import free_port as free_port  # the tests import it from here
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("peer.py")
@@ -135,11 +136,3 @@ def block_digests(pool: np.ndarray, geometry: KVGeometry, ids: list[int]) -> lis
     return [
         hashlib.blake2b(block_bytes_of(pool, geometry, b), digest_size=16).hexdigest() for b in ids
     ]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -12,7 +12,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,16 +23,11 @@ from pathlib import Path
 import httpx
 
 from shared.directory.embedded import _session_dying_with_parent
+from tests.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 MODEL_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeWorker:
