@@ -14,6 +14,8 @@ from tests import ports
 @pytest.mark.unit
 def test_a_picked_port_is_free_and_outside_the_ephemeral_range():
     low = ports._ephemeral_low()
+    if low - max(10000, low - 20000) < 1000:
+        pytest.skip(f"ephemeral range starts at {low}: no room below it, the kernel picks")
     for _ in range(20):
         port = ports.free_port()
         assert port < low
