@@ -1,6 +1,7 @@
 """Backpressure by default: a worker whose waiting queue is at its bound refuses new requests
 with RESOURCE_EXHAUSTED at once (the router then tries another worker or answers 429 with
-Retry-After) instead of queueing them until their deadline."""
+Retry-After) instead of queueing them until their deadline. And the deadline itself: a stream
+that outlives its request's ``deadline_s`` ends DEADLINE_EXCEEDED and leaves the engine."""
 
 from __future__ import annotations
 
@@ -75,3 +76,31 @@ def test_a_full_queue_answers_resource_exhausted_at_once(cluster):
     assert all(s == "RESOURCE_EXHAUSTED" and dt < 1.0 for s, dt in late), late
     with channel_to(cluster.ready["decode-0"]["grpc"]) as ch:  # room again afterwards
         assert _run(decode_stub(ch), "after", 4)[0] == "ok"
+
+
+def test_a_stream_past_its_deadline_ends_deadline_exceeded_and_leaves_the_engine(cluster):
+    """The decode worker's deadline is one timer per stream (not a wait per message): a
+    request still streaming when it fires ends with DEADLINE_EXCEEDED after the tokens it
+    had, and the engine no longer runs it."""
+    req = pb.GenerateRequest(
+        request_id="late",
+        prompt_token_ids=[5, 6, 7],
+        sampling=pb.SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True),
+        deadline_s=0.5,
+    )
+    with channel_to(cluster.ready["decode-0"]["grpc"]) as ch:
+        stub = decode_stub(ch)
+        tokens = 0
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for chunk in stub.Generate(req, timeout=60):
+                tokens += sum(len(d.token_ids) for d in chunk.outputs)
+        elapsed = time.monotonic() - t0
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert "deadline of 0.5s" in (err.value.details() or "")
+        assert 0 < tokens < 3000 and 0.5 <= elapsed < 5.0, (tokens, elapsed)
+        wait_until(
+            lambda: stub.Stats(pb.StatsRequest(), timeout=10).running == 0,
+            what="the late request to leave the engine",
+        )
+        assert _run(stub, "after-late", 4)[0] == "ok"
