@@ -152,6 +152,8 @@ class EngineCore:
         self._import = getattr(runner, "import_blocks", None)
         # pipeline parallelism: steps in flight at once (dispatched, not collected yet)
         self._depth = int(getattr(runner, "pipeline_depth", 1))
+        # tokens scheduled by the last step() (0: it scheduled nothing); the worker's metrics
+        self.last_step_tokens = 0
         self._inflight: deque[tuple[SchedulerOutput, object]] = deque()
         self.max_inflight_steps = 0  # the most steps in flight at once so far
         try:
@@ -463,11 +465,13 @@ class EngineCore:
         dispatched (stage 0 runs it and hands it on), the next one is scheduled from the
         sequences not in flight and dispatched, and the oldest is collected (its draws) once
         the pipeline is full or nothing else can be scheduled."""
+        self.last_step_tokens = 0
         if self._depth > 1:
             return self._step_pipelined()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self.last_step_tokens = out.num_batched_tokens
         return self._finish_step(out, self.runner.execute(out))
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
@@ -477,6 +481,7 @@ class EngineCore:
             share = max(1, -(-len(self.scheduler.running) // self._depth))
             out = self.scheduler.schedule(skip=busy, max_running=share)
             if not out.is_empty:
+                self.last_step_tokens = out.num_batched_tokens
                 self._inflight.append((out, self.runner.dispatch(out)))  # type: ignore[attr-defined]
                 self.max_inflight_steps = max(self.max_inflight_steps, len(self._inflight))
                 if len(self._inflight) < self._depth:

@@ -5,7 +5,8 @@ engine thread between steps and returns a ``concurrent.futures.Future`` (so vali
 reach the caller as exceptions), and every step's outputs go to the per-request sink registered
 with ``add_sink``. After each step, ``on_step(engine, outputs)`` runs on the engine thread (the
 services hand KV events, remote-prefill requests and ready blocks to their I/O threads there;
-it must not block).
+it must not block); before its outputs are delivered, ``on_step_time(seconds, tokens)`` gets
+the step's duration and the tokens it scheduled (the worker's step metrics).
 
 Failures: a sink that raises fails its own request (``EngineCore.fail_request``), and the
 request's final output still reaches the batch sinks. Anything else that raises on the engine
@@ -45,9 +46,11 @@ class EngineLoop:
         on_step: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None,
         idle_wait_s: float = 0.05,
         on_fatal: Callable[[BaseException], None] | None = None,
+        on_step_time: Callable[[float, int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_step_time = on_step_time
         self.on_fatal = on_fatal
         self.idle_wait_s = idle_wait_s
         self._commands: deque[tuple[Callable[[EngineCore], Any], Future]] = deque()
@@ -151,8 +154,11 @@ class EngineLoop:
                 if engine.has_unfinished_requests():
                     t0 = time.perf_counter()
                     outputs = engine.step()
-                    self.step_seconds += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.step_seconds += dt
                     self.num_steps += 1
+                    if self.on_step_time is not None and engine.last_step_tokens:
+                        self.on_step_time(dt, engine.last_step_tokens)
                     self.deliver(outputs)
                     if self.on_step is not None:
                         self.on_step(engine, outputs)

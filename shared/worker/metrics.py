@@ -42,6 +42,35 @@ LATENCY_BUCKETS = (
 )
 
 
+# engine step durations: from a one-token decode step (~1 ms) to a long prefill chunk
+STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# vLLM's buckets for vllm:iteration_tokens_total
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class _EngineCollector:
     def __init__(self, stats_fn: Callable[[], EngineStats], labels: dict[str, str]) -> None:
         self.stats_fn = stats_fn
@@ -149,6 +178,19 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             **kw,
         ).labels(**labels)
+        # observed on the engine thread after every step (prometheus_client's locking kind)
+        self.step_time = Histogram(
+            "pdserve:engine_step_seconds",
+            "Duration of each engine step: schedule, forward pass, sampling, bookkeeping.",
+            buckets=STEP_BUCKETS,
+            **kw,
+        ).labels(**labels)
+        self.iteration_tokens = Histogram(
+            "pdserve:iteration_tokens_total",
+            "Tokens scheduled per engine step (prompt chunks and decode tokens).",
+            buckets=ITERATION_TOKEN_BUCKETS,
+            **kw,
+        ).labels(**labels)
         self.requests = Counter(
             "pdserve:request_success",
             "Finished requests by finish reason.",
@@ -196,3 +238,8 @@ class WorkerMetrics:
 
     def path(self, path: str) -> None:
         self.paths.labels(**self._labels, path=path).inc()
+
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        """One engine step (engine thread): its duration and the tokens it scheduled."""
+        self.step_time.observe(seconds)
+        self.iteration_tokens.observe(tokens)

@@ -202,7 +202,12 @@ class WorkerRuntime:
         self.model_name = mc.served_model_name
         self.metrics = WorkerMetrics(role, self.worker_id, self.model_name, self.engine.stats)
         self.role_hook: Callable[[EngineCore, list[EngineCoreOutput]], None] | None = None
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, on_fatal=self._on_fatal)
+        self.loop = EngineLoop(
+            self.engine,
+            on_step=self._on_step,
+            on_fatal=self._on_fatal,
+            on_step_time=self.metrics.observe_step,
+        )
         self.fatal: asyncio.Event | None = None  # set (event loop) when the engine died
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._events: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,7 +1,8 @@
 """Backpressure by default: a worker whose waiting queue is at its bound refuses new requests
 with RESOURCE_EXHAUSTED at once (the router then tries another worker or answers 429 with
 Retry-After) instead of queueing them until their deadline. And the deadline itself: a stream
-that outlives its request's ``deadline_s`` ends DEADLINE_EXCEEDED and leaves the engine."""
+that outlives its request's ``deadline_s`` ends DEADLINE_EXCEEDED and leaves the engine. (The
+same one-sequence worker also checks the engine-step metrics, whose counts it makes exact.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import concurrent.futures as cf
 import time
 
 import grpc
+import httpx
 import pytest
 
 from shared.proto import pdserve_pb2 as pb
@@ -104,3 +106,44 @@ def test_a_stream_past_its_deadline_ends_deadline_exceeded_and_leaves_the_engine
             what="the late request to leave the engine",
         )
         assert _run(stub, "after-late", 4)[0] == "ok"
+
+
+def test_the_worker_exports_each_engine_step_with_its_tokens(cluster):
+    """One request alone on the worker: a 20-token prompt in one step, then 3 decode steps."""
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(cluster.ready["decode-0"]["metrics"], timeout=10).text
+        want = (
+            "pdserve:engine_step_seconds_count",
+            "pdserve:iteration_tokens_total_count",
+            "pdserve:iteration_tokens_total_sum",
+        )
+        return {
+            name: float(ln.split()[-1])
+            for ln in text.splitlines()
+            for name in want
+            if ln.startswith(name + "{")
+        }
+
+    before = scrape()
+    req = pb.GenerateRequest(
+        request_id="steps",
+        prompt_token_ids=list(range(200, 220)),  # no block of it cached before
+        sampling=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
+    with channel_to(cluster.ready["decode-0"]["grpc"]) as ch:
+        list(decode_stub(ch).Generate(req, timeout=60))
+    after = scrape()
+    assert (
+        after["pdserve:engine_step_seconds_count"] - before["pdserve:engine_step_seconds_count"]
+        == 4
+    )
+    assert (
+        after["pdserve:iteration_tokens_total_count"]
+        - before["pdserve:iteration_tokens_total_count"]
+        == 4
+    )
+    assert (
+        after["pdserve:iteration_tokens_total_sum"] - before["pdserve:iteration_tokens_total_sum"]
+        == 23
+    )
