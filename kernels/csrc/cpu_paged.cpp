@@ -1801,17 +1801,25 @@ at::Tensor decode_layers_bf16(at::Tensor x, const at::Tensor& positions, at::Ten
   return x;
 }
 
+// The kernels that run for a while (a whole decode step, an attention pass, a GEMM, the LM
+// head) release the GIL, as torch's own operators do: the worker's event-loop thread then
+// streams the previous step's tokens, answers health checks and drives KV transfers while the
+// engine thread computes, instead of waiting for the call to return. They touch no Python
+// object: their arguments are converted before the release and the result after it. The
+// short element-wise ones keep the GIL (a hand-over would cost more than they take).
+// tests/kernels/test_cpu_gil.py checks that another thread runs during each of them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers_bf16", &decode_layers_bf16,
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_layers_bf16", &decode_layers_bf16, nogil,
         "a decode step's decoder layers in one call (bf16, packed projections, fused ops)");
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode", &paged_decode, nogil, "paged decode attention (CPU)");
   m.def("write_kv", &write_kv, "store a layer's new K / V rows into their slots (CPU)");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of the maximum (CPU)");
-  m.def("linear_bf16", &linear_bf16, "x @ w.T for bf16 with few rows (AVX512-BF16)");
-  m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
+  m.def("argmax_rows", &argmax_rows, nogil, "row-wise argmax, first index of the maximum (CPU)");
+  m.def("linear_bf16", &linear_bf16, nogil, "x @ w.T for bf16 with few rows (AVX512-BF16)");
+  m.def("prefill_bf16", &prefill_bf16, nogil, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
   m.def("prefill_amx_available", &prefill_amx_available,
         "whether the AMX prefill tile was built and the process may use AMX tiles");
-  m.def("paged_prefill_bf16", &paged_prefill_bf16,
+  m.def("paged_prefill_bf16", &paged_prefill_bf16, nogil,
         "causal prefill attention of a step's multi-token chunks from the block pool, bf16");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (after a residual add), bf16 (AVX512-BF16)");
   m.def("rope_bf16", &rope_bf16, "rotate-half RoPE of q and k, bf16 (AVX512-BF16)");
@@ -1819,8 +1827,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_available", &amx_linear_available,
         "whether the AMX projection was built and may use the tile registers");
   m.def("amx_pack_linear", &amx_pack_linear, "an [N, K] bf16 weight in amx_linear's tile layout");
-  m.def("amx_linear_bf16", &amx_linear_bf16, "x @ w.T on AMX tiles, the weight read once (bf16)");
-  m.def("amx_argmax_bf16", &amx_argmax_bf16,
+  m.def("amx_linear_bf16", &amx_linear_bf16, nogil, "x @ w.T on AMX tiles, the weight read once (bf16)");
+  m.def("amx_argmax_bf16", &amx_argmax_bf16, nogil,
         "argmax of each row of x @ w.T on AMX tiles, without the logits (bf16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
 }

@@ -205,7 +205,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
 #endif
 }
 
+// quant_gemm releases the GIL while it runs, as torch's GEMMs do (see cpu_paged.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_gemm", &quant_gemm, "x @ W.T for 4/8-bit grouped weights, bf16 (AVX512-BF16)");
+  m.def("quant_gemm", &quant_gemm, py::call_guard<py::gil_scoped_release>(), "x @ W.T for 4/8-bit grouped weights, bf16 (AVX512-BF16)");
   m.def("supported", &supported, "whether quant_gemm was built");
 }

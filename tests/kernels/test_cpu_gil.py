@@ -1,0 +1,172 @@
+"""The C++ CPU kernels that run for a while release the GIL (``kernels/csrc/*.cpp``,
+``py::call_guard<py::gil_scoped_release>``), as torch's own operators do, so a worker's
+event-loop thread streams tokens, answers health checks and drives KV transfers while its
+engine thread is inside a decode step or an attention pass.
+
+How it is told, without timing: the switch interval is set to 100 s, so CPython never takes
+the GIL from a thread that runs bytecode; the main thread, woken by the kernel thread just
+before the calls, can then only run while that thread is inside a call that released the GIL,
+or once the thread has ended. What the main thread sees tells which."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kernels import cpu_paged, quant, quant_cpu
+
+if not cpu_paged.available():
+    pytest.skip("CPU paged-attention extension could not be built", allow_module_level=True)
+
+
+def _ran_beside(call: Callable[[], object], seconds: float = 0.3) -> bool:
+    """Whether the main thread ran Python while another thread was inside ``call`` (repeated
+    for about ``seconds``, at most 200 times, so a short kernel gives it many chances). Every
+    result is kept until the end: freeing a tensor releases the GIL too (torch does so)."""
+    t0 = time.perf_counter()
+    call()  # built, warm, and no exception expected
+    reps = max(1, min(200, math.ceil(seconds / max(time.perf_counter() - t0, 1e-6))))
+    state = {"inside": False}
+    results: list[object] = []
+    go = threading.Event()
+
+    def worker() -> None:
+        go.set()  # wakes the main thread; it waits for the GIL from here on
+        for _ in range(reps):
+            state["inside"] = True
+            results.append(call())
+            state["inside"] = False
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        go.wait()
+        seen = state["inside"]  # the first bytecode the main thread runs after the wake-up
+        t.join()
+    finally:
+        sys.setswitchinterval(old)
+    results.clear()
+    return seen
+
+
+def test_the_check_tells_a_call_that_keeps_the_gil_from_one_that_releases_it():
+    assert _ran_beside(lambda: time.sleep(0.002))  # releases
+    x = torch.randn(64, 4096)
+
+    def python_loop() -> None:  # keeps it: bytecode only
+        s = 0
+        for i in range(20_000):
+            s += i
+
+    assert not _ran_beside(python_loop)
+    ext = cpu_paged._bf16_ext()
+    if ext is not None:  # a fused element-wise kernel keeps it by design
+        xb, w = x.bfloat16(), torch.ones(4096).bfloat16()
+        assert not _ran_beside(lambda: ext.rms_norm_bf16(xb, None, w, 1e-6))
+
+
+def _decode_case(dtype: torch.dtype, seqs: int = 64, ctx: int = 1024, bs: int = 16):
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = 8, 4, 64
+    per = -(-ctx // bs)
+    kv = torch.randn(seqs * per + 1, 2, 2, bs, hkv, d, generator=g).to(dtype)
+    tables = torch.randperm(seqs * per, generator=g).view(seqs, per).to(torch.int32)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    q = torch.randn(seqs, hq, d, generator=g).to(dtype)
+    return q, kv, tables, lens, d**-0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_releases_the_gil(dtype):
+    q, kv, tables, lens, scale = _decode_case(dtype)
+    ext = cpu_paged._load()
+    assert _ran_beside(lambda: ext.paged_decode(q, kv, 1, tables, lens, scale, None, None))
+
+
+def test_argmax_rows_releases_the_gil():
+    logits = torch.randn(64, 32000)
+    ext = cpu_paged._load()
+    assert _ran_beside(lambda: ext.argmax_rows(logits))
+
+
+def _needs_bf16():
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+
+
+def test_small_linear_and_prefill_attention_release_the_gil():
+    _needs_bf16()
+    ext = cpu_paged._bf16_ext()
+    x, w = torch.randn(16, 256).bfloat16(), torch.randn(4096, 256).bfloat16()
+    assert _ran_beside(lambda: ext.linear_bf16(x, w))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(512, 8, 32, generator=g).bfloat16()
+    k = torch.randn(512, 4, 32, generator=g).bfloat16()
+    assert _ran_beside(lambda: ext.prefill_bf16(q, k, k, 0, 0.2, False))
+
+
+def test_paged_prefill_releases_the_gil():
+    _needs_bf16()
+    q, kv, tables, lens, scale = _decode_case(torch.bfloat16, seqs=2, ctx=512)
+    q = torch.randn(1024, 8, 64).bfloat16()
+    qsl = torch.tensor([0, 512, 1024], dtype=torch.int32)
+    ext = cpu_paged._bf16_ext()
+    assert _ran_beside(lambda: ext.paged_prefill_bf16(q, kv, 0, tables, lens, qsl, scale, False))
+
+
+def test_amx_head_releases_the_gil():
+    if not cpu_paged.amx_linear_available():
+        pytest.skip("this CPU has no AMX tiles")
+    w = torch.randn(32000, 256).bfloat16()
+    packed = cpu_paged.amx_pack(w)
+    x = torch.randn(64, 256).bfloat16()
+    ext = cpu_paged._bf16_ext()
+    assert _ran_beside(lambda: ext.amx_linear_bf16(x, packed, 32000))
+    assert _ran_beside(lambda: ext.amx_argmax_bf16(x, packed, 32000))
+
+
+def test_quantized_gemm_releases_the_gil():
+    ext = quant_cpu.extension()
+    if ext is None:
+        pytest.skip("the quantized C++ kernels need AVX512-BF16")
+    qw = quant.quantize_int8_per_channel(torch.randn(2048, 1024) * 0.05)
+    pw = quant.prepare(qw, torch.device("cpu"), torch.bfloat16, ext)
+    assert pw.path == "cpp-w8"
+    x = torch.randn(64, 1024).bfloat16()
+    t = pw.tensors
+    assert _ran_beside(
+        lambda: ext.quant_gemm(x, t["packed"], t["scales"], t["zs"], pw.bits, pw.group_size, 2048)
+    )
+
+
+def test_the_one_call_decode_step_releases_the_gil(make_model, monkeypatch):
+    """The engine's own call of ``decode_layers_bf16`` (a bf16 engine on the tiny model),
+    recorded and replayed."""
+    if not cpu_paged.decode_layers_available():
+        pytest.skip("the CPU extension was not built with AVX512-BF16 on this machine")
+    from shared.engine.llm import LLM
+    from shared.engine.sampling_params import SamplingParams
+
+    ext = cpu_paged._bf16_ext()
+    real = ext.decode_layers_bf16
+    calls: list[tuple[object, ...]] = []
+
+    def record(*args: object) -> torch.Tensor:
+        calls.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        return real(*args)
+
+    monkeypatch.setattr(ext, "decode_layers_bf16", record)
+    llm = LLM(str(make_model("tiny")), dtype="bfloat16", max_num_seqs=8, kv_cache_memory="32MiB")
+    llm.generate([[5, 6, 7, 8] * 8] * 4, SamplingParams(max_tokens=4, temperature=0.0))
+    monkeypatch.setattr(ext, "decode_layers_bf16", real)
+    assert calls, "the engine never took the one-call decode step"
+    args = calls[-1]
+    assert _ran_beside(lambda: real(*args))
