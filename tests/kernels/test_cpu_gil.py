@@ -98,13 +98,15 @@ def test_argmax_rows_releases_the_gil():
 
 
 def _needs_bf16():
-    if cpu_paged._bf16_ext() is None:
+    """The extension's bf16 kernels, or a skip where this CPU has no AVX512-BF16."""
+    ext = cpu_paged._bf16_ext()
+    if ext is None:
         pytest.skip("this CPU has no AVX512-BF16")
+    return ext
 
 
 def test_small_linear_and_prefill_attention_release_the_gil():
-    _needs_bf16()
-    ext = cpu_paged._bf16_ext()
+    ext = _needs_bf16()
     x, w = torch.randn(16, 256).bfloat16(), torch.randn(4096, 256).bfloat16()
     assert _ran_beside(lambda: ext.linear_bf16(x, w))
     g = torch.Generator().manual_seed(1)
@@ -114,11 +116,10 @@ def test_small_linear_and_prefill_attention_release_the_gil():
 
 
 def test_paged_prefill_releases_the_gil():
-    _needs_bf16()
-    q, kv, tables, lens, scale = _decode_case(torch.bfloat16, seqs=2, ctx=512)
-    q = torch.randn(1024, 8, 64).bfloat16()
+    ext = _needs_bf16()
+    _, kv, tables, lens, scale = _decode_case(torch.bfloat16, seqs=2, ctx=512)
+    q = torch.randn(1024, 8, 64).bfloat16()  # both sequences' 512 tokens as prefill chunks
     qsl = torch.tensor([0, 512, 1024], dtype=torch.int32)
-    ext = cpu_paged._bf16_ext()
     assert _ran_beside(lambda: ext.paged_prefill_bf16(q, kv, 0, tables, lens, qsl, scale, False))
 
 
