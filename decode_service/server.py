@@ -27,6 +27,7 @@ from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.proto.mux import serve_mux
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
     CLIENT_GRPC_OPTIONS,
@@ -218,6 +219,13 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self.by_engine_id.pop(eid, None)
             self.outputs.unregister(eid)
             rt.inflight -= 1
+
+    async def GenerateMux(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Many Generate streams over one call (``shared/proto/mux.py``): each started
+        request runs :meth:`Generate` unchanged; the chunks of all of them that are ready
+        together (one engine step's) leave in one message."""
+        async for down in serve_mux(self.Generate, request_iterator, context):
+            yield down
 
     async def _stream(self, flight: _Flight, request: pb.GenerateRequest):
         rt = self.rt

@@ -157,6 +157,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     max_retries: int = 2
     stall_timeout_s: float = 60.0
+    decode_stream: str = "mux"  # "mux" (one GenerateMux call per worker) | "per-request"
     max_inflight_requests: int = 0
     max_waiting_per_worker: int = 0
     max_request_body_bytes: int = 1 << 20
@@ -360,6 +361,14 @@ class RouterConfig:
             help="seconds without output before a decode worker counts as failed",
         )
         g.add_argument(
+            "--decode-stream",
+            choices=("mux", "per-request"),
+            default="mux",
+            help="how tokens come back from a decode worker: mux (one GenerateMux call per "
+            "worker carries every request's outputs, one message per engine step) or "
+            "per-request (one Generate call per request, one message per request per step)",
+        )
+        g.add_argument(
             "--max-retries", type=int, default=2, help="re-routes per request after worker failures"
         )
         g.add_argument(
@@ -526,6 +535,7 @@ class RouterConfig:
             request_timeout_s=ns.request_timeout,
             max_retries=ns.max_retries,
             stall_timeout_s=ns.stall_timeout,
+            decode_stream=ns.decode_stream,
             max_inflight_requests=ns.max_inflight_requests,
             max_waiting_per_worker=ns.max_waiting_per_worker,
             max_request_body_bytes=parse_bytes(ns.max_request_body),

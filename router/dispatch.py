@@ -3,7 +3,10 @@
 Steps 1-3 of the request lifecycle: hash the prompt's full blocks (``shared/hashing.py``, one
 block size per worker group), read the directory (one Redis pipeline, bounded by
 ``directory_timeout_s``; without it routing falls back to load only), let
-``router/policy.py`` pick the pair, and open ``DecodeWorker.Generate`` on D.
+``router/policy.py`` pick the pair, and start the request on D: on the router's shared
+``DecodeWorker.GenerateMux`` call to D (``shared/proto/mux.py``; one message per engine step
+for all of this router's requests there), or as its own ``Generate`` call with
+``--decode-stream per-request``. Both end a request's stream with the same statuses.
 
 Failure rules:
 
@@ -16,7 +19,7 @@ Failure rules:
   ``pdserve-failure: request``, see ``shared/proto/failure.py``) ends in 500 without a retry and
   without blaming the worker; retries are capped by ``max_retries``; no output for
   ``stall_timeout_s`` counts as a failure; the request deadline bounds everything (504).
-- Closing the event generator (client gone, stop string) cancels the gRPC call, which
+- Closing the event generator (client gone, stop string) cancels the request's stream, which
   aborts the request on D.
 """
 
@@ -49,6 +52,7 @@ from shared.directory.mirror import DirectoryMirror
 from shared.hashing import block_hashes, hash_seed
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.failure import FAILURE_KEY, FAILURE_REQUEST
+from shared.proto.mux import MuxCall
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ _BAD_INPUT = {_SC.INVALID_ARGUMENT, _SC.OUT_OF_RANGE, _SC.FAILED_PRECONDITION}
 class DispatchConfig:
     max_retries: int = 2
     stall_timeout_s: float = 60.0
+    mux: bool = True  # stream from decode workers over their shared GenerateMux calls
     directory_timeout_s: float = 0.1
     max_waiting_per_worker: int = 0  # 0 = no bound; else 429 when every D has this many waiting
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -117,7 +122,7 @@ class _Watchdog:
 
     __slots__ = ("_handle", "call", "deadline", "last", "paused", "stall_s", "why")
 
-    def __init__(self, call: grpc.aio.Call, deadline: float, stall_s: float) -> None:
+    def __init__(self, call: grpc.aio.Call | MuxCall, deadline: float, stall_s: float) -> None:
         self.call = call
         self.deadline = deadline
         self.stall_s = stall_s
@@ -320,7 +325,7 @@ class GenerationStream:
         self._want_logprobs = inp.sampling.HasField("logprobs")
         self._live: tuple[Any, str] | None = None  # (decode stub, request id) of the attempt
         self._aborts: set[asyncio.Task[Any]] = set()
-        self._call: grpc.aio.Call | None = None  # the attempt's Generate call, while it runs
+        self._call: grpc.aio.Call | MuxCall | None = None  # the attempt's stream, while it runs
         self._leaving = False  # the client left: stop at the next message (client_left)
 
     def finish(self, index: int) -> None:
@@ -346,6 +351,9 @@ class GenerationStream:
         if call is None or live is None or call.done() or self._leaving:
             return False
         self._leaving = True
+        if isinstance(call, MuxCall):  # no gRPC call of its own to leak: end it on the worker
+            call.cancel()
+            return True
         stub, rid = live
         task = asyncio.ensure_future(self._end_on_worker(stub, rid, call))
         self._aborts.add(task)
@@ -469,7 +477,11 @@ class GenerationStream:
         pool.add_backlog(prefiller, decision.uncached_tokens)
         stub = pool.decode_stub(record.info.grpc)
         request = self._request(decision)
-        call = stub.Generate(request)
+        call = (
+            pool.decode_mux(record.info.grpc).start(request)
+            if self.d.cfg.mux
+            else stub.Generate(request)
+        )
         self._live = (stub, request.request_id)
         self._call = call
         done = False

@@ -203,6 +203,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             DispatchConfig(
                 max_retries=config.max_retries,
                 stall_timeout_s=config.stall_timeout_s,
+                mux=config.decode_stream == "mux",
                 directory_timeout_s=config.directory_timeout_s,
                 max_waiting_per_worker=config.max_waiting_per_worker,
                 policy=config.policy,

@@ -33,6 +33,7 @@ from shared.directory import (
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.channel_options import CLIENT_OPTIONS
+from shared.proto.mux import MuxClient
 from shared.security import ClusterSecurity
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class WorkerPool:
         self._decoding: dict[str, int] = {}  # worker id -> streams past their first token
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, _MemberStub] = {}
+        self._muxes: dict[str, MuxClient] = {}
         self._wrong_model: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self.last_refresh_ok: float | None = None
@@ -105,6 +107,8 @@ class WorkerPool:
             self._task = None
         channels, self._channels = self._channels, {}
         self._stubs.clear()
+        muxes, self._muxes = self._muxes, {}
+        await asyncio.gather(*(m.close() for m in muxes.values()), return_exceptions=True)
         await asyncio.gather(
             *(ch.close(grace=None) for ch in channels.values()), return_exceptions=True
         )
@@ -241,6 +245,9 @@ class WorkerPool:
         for a in stale:
             ch = self._channels.pop(a)
             self._stubs.pop(a, None)
+            mux = self._muxes.pop(a, None)
+            if mux is not None:
+                await mux.close()
             await ch.close(grace=None)
 
     # ---- queries --------------------------------------------------------------------------
@@ -335,6 +342,20 @@ class WorkerPool:
             raw = pb_grpc.DecodeWorkerStub(self.channel(address))  # type: ignore[no-untyped-call]
             stub = self._stubs[address] = _MemberStub(raw, self.security.call_metadata)
         return stub
+
+    def decode_mux(self, address: str) -> MuxClient:
+        """The shared ``GenerateMux`` call to the decode worker at ``address`` (it carries
+        every request this router streams from it; ``shared/proto/mux.py``)."""
+        mux = self._muxes.get(address)
+        if mux is None:
+            raw = pb_grpc.DecodeWorkerStub(self.channel(address))  # type: ignore[no-untyped-call]
+            md = self.security.call_metadata
+
+            def open_call() -> Any:
+                return raw.GenerateMux(metadata=md) if md else raw.GenerateMux()
+
+            mux = self._muxes[address] = MuxClient(open_call, address)
+        return mux
 
 
 class _MemberStub:

@@ -195,6 +195,41 @@ class GenerateChunk(_message.Message):
     worker_id: str
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[SeqDelta, _Mapping]]] = ..., finished: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
+class MuxUp(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, start: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MuxEnd(_message.Message):
+    __slots__ = ("request_id", "code", "details", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class MuxDown(_message.Message):
+    __slots__ = ("chunks", "ends")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[GenerateChunk]
+    ends: _containers.RepeatedCompositeFieldContainer[MuxEnd]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[GenerateChunk, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[MuxEnd, _Mapping]]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("check_integrity",)
     CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]

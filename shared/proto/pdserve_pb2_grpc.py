@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=shared_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=shared_dot_proto_dot_pdserve__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateMux = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/GenerateMux',
+                request_serializer=shared_dot_proto_dot_pdserve__pb2.MuxUp.SerializeToString,
+                response_deserializer=shared_dot_proto_dot_pdserve__pb2.MuxDown.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Abort',
                 request_serializer=shared_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,13 @@ class DecodeWorkerServicer:
 
     def Generate(self, request, context):
         """Server stream of token deltas. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMux(self, request_iterator, context):
+        """Many Generate streams over one call (see MuxUp); the router's data path.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +92,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=shared_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=shared_dot_proto_dot_pdserve__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMux,
+                    request_deserializer=shared_dot_proto_dot_pdserve__pb2.MuxUp.FromString,
+                    response_serializer=shared_dot_proto_dot_pdserve__pb2.MuxDown.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -119,6 +136,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             shared_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             shared_dot_proto_dot_pdserve__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/GenerateMux',
+            shared_dot_proto_dot_pdserve__pb2.MuxUp.SerializeToString,
+            shared_dot_proto_dot_pdserve__pb2.MuxDown.FromString,
             options,
             channel_credentials,
             insecure,

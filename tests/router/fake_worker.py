@@ -41,6 +41,7 @@ from shared.hashing import block_hashes, hash_seed
 from shared.kv_events import BlockRemoved, BlockStored
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.proto.mux import serve_mux
 
 FIRST_NORMAL_ID = 5  # the tiny model's special tokens are ids 0..4
 EOS_ID = 1
@@ -208,6 +209,11 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             self.running -= 1
             if self.ending.get(request.request_id) is ending:
                 del self.ending[request.request_id]
+
+    async def GenerateMux(self, request_iterator, context):
+        """The router's data path: :meth:`Generate` per request over one call."""
+        async for down in serve_mux(self.Generate, request_iterator, context):
+            yield down
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
         """``whole``: end that request's stream now, normally (as the real decode worker)."""

@@ -17,6 +17,13 @@ from router_harness import MODEL_NAME
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(params=["mux", "per-request"])
+def router_config(router_config, request):
+    """Every test here with both ``--decode-stream`` modes: the shared GenerateMux call per
+    worker (the default) and one Generate call per request end streams by the same rules."""
+    return replace(router_config, decode_stream=request.param)
+
+
 def _slow_stream(port: int, body: dict, pause_s: float) -> tuple[bytes, float]:
     """POST a streaming request over a socket with a 4 KiB receive buffer, read the first few
     KiB, stop reading for ``pause_s`` (the router's send buffer and ours fill up), then read to

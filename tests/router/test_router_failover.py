@@ -17,6 +17,13 @@ pytestmark = pytest.mark.integration
 fw = load_fake_worker_module()
 
 
+@pytest.fixture(params=["mux", "per-request"])
+def router_config(router_config, request):
+    """Every test here with both ``--decode-stream`` modes: the shared GenerateMux call per
+    worker (the default) and one Generate call per request end streams by the same rules."""
+    return replace(router_config, decode_stream=request.param)
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model) -> RouterTokenizer:
     return RouterTokenizer.from_model_dir(tiny_model)

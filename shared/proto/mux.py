@@ -1,0 +1,396 @@
+"""``DecodeWorker.GenerateMux``: many ``Generate`` streams over one gRPC call.
+
+grpc.aio costs tens of microseconds of Python and C-core work per message on each side, and a
+decode step produces one message per running request: at batch 16 that is as much CPU as a
+tenth of the step itself, taken from the core the engine runs on. vLLM's engine process sends
+one message per step with every request's outputs to its API server; this module does the same
+for the router and a decode worker, without changing what a request's stream means.
+
+- **Worker** (:func:`serve_mux`): each ``GenerateRequest`` in a ``MuxUp.start`` runs the
+  worker's own ``Generate`` handler, as a task, with a context whose ``write`` and ``abort``
+  feed one outbox. The outbox is sent as one ``MuxDown`` per wake-up of the writer, so every
+  chunk an engine step produced goes in one message. A handler's status (OK, or what it
+  aborted with, trailing metadata included) ends its request as a ``MuxEnd``. A ``cancel``
+  cancels that request's task, as gRPC cancels a ``Generate`` handler; when the whole call
+  ends, every task is cancelled and awaited, so the engine aborts them.
+- **Router** (:class:`MuxClient`): one call per decode worker, opened on first use. ``start``
+  returns a :class:`MuxCall` with the parts of ``grpc.aio.UnaryStreamCall`` the dispatcher uses
+  (``read``, ``cancel``, ``done``): a chunk, ``grpc.aio.EOF`` after an OK end, a real
+  ``grpc.aio.AioRpcError`` after any other (same code, details and trailing metadata as a
+  ``Generate`` call would have had), ``asyncio.CancelledError`` after ``cancel``. One reader
+  task hands each chunk to its call without waiting for any consumer: a client that stops
+  reading holds only its own call's queue (bounded by its ``max_tokens``), never the others'.
+  If the shared call fails (the worker died, froze past keepalive, or restarted), every request
+  on it gets that error and fails over; the next ``start`` opens a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from shared.proto import pdserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+# ---- worker side ----------------------------------------------------------------------------
+
+
+class MuxAbort(Exception):
+    """Raised by :meth:`_MuxContext.abort`: the request's stream ends with this status."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailing_metadata: tuple[tuple[str, Any], ...] = (),
+    ) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
+
+
+class _MuxContext:
+    """What a ``Generate`` handler uses of ``grpc.aio.ServicerContext``, for one request of a
+    mux call: ``write`` queues a chunk, ``abort`` ends the request with a status."""
+
+    __slots__ = ("_outbox", "_call")
+
+    def __init__(self, outbox: asyncio.Queue[Any], call: grpc.aio.ServicerContext) -> None:
+        self._outbox = outbox
+        self._call = call
+
+    async def write(self, chunk: pb.GenerateChunk) -> None:
+        self._outbox.put_nowait(chunk)
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: tuple[tuple[str, Any], ...] = (),
+    ) -> None:
+        raise MuxAbort(code, details, tuple(trailing_metadata or ()))
+
+    def invocation_metadata(self) -> Any:
+        return self._call.invocation_metadata()
+
+    def peer(self) -> str:
+        return str(self._call.peer())
+
+
+def _end(
+    rid: str, code: grpc.StatusCode, details: str = "", md: tuple[tuple[str, Any], ...] = ()
+) -> pb.MuxEnd:
+    end = pb.MuxEnd(request_id=rid, code=code.value[0], details=details)
+    for key, value in md:
+        end.trailing_metadata[key] = value if isinstance(value, str) else value.decode()
+    return end
+
+
+async def serve_mux(
+    handler: Callable[[pb.GenerateRequest, Any], Any],
+    request_iterator: AsyncIterator[pb.MuxUp],
+    context: grpc.aio.ServicerContext,
+) -> AsyncIterator[pb.MuxDown]:
+    """The body of a ``GenerateMux`` servicer method: runs ``handler`` (the servicer's own
+    ``Generate``: an async generator of chunks, or a coroutine that writes them through its
+    context) for every request started on this call and yields the batched outputs."""
+    outbox: asyncio.Queue[Any] = asyncio.Queue()
+    tasks: dict[str, asyncio.Task[None]] = {}
+    reading = True
+
+    async def run(req: pb.GenerateRequest) -> None:
+        rid = req.request_id
+        ctx = _MuxContext(outbox, context)
+        try:
+            result = handler(req, ctx)
+            if inspect.isasyncgen(result):
+                async for chunk in result:
+                    outbox.put_nowait(chunk)
+            else:
+                await result
+            outbox.put_nowait(_end(rid, grpc.StatusCode.OK))
+        except MuxAbort as a:
+            outbox.put_nowait(_end(rid, a.code, a.details, a.trailing_metadata))
+        except asyncio.CancelledError:
+            pass  # cancelled by the router (it no longer waits for an end) or the call ended
+        except Exception as e:  # a handler bug fails its request only, as grpc would
+            logger.exception("GenerateMux: request %s failed", rid)
+            outbox.put_nowait(_end(rid, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"))
+        finally:
+            if tasks.get(rid) is asyncio.current_task():
+                del tasks[rid]
+            outbox.put_nowait(None)  # wakes the writer to check whether the call is done
+
+    async def read() -> None:
+        nonlocal reading
+        try:
+            async for up in request_iterator:
+                for req in up.start:
+                    rid = req.request_id
+                    if rid in tasks:  # as Generate would for a second stream of one id
+                        outbox.put_nowait(
+                            _end(
+                                rid,
+                                grpc.StatusCode.ALREADY_EXISTS,
+                                f"request {rid!r} is already in flight",
+                            )
+                        )
+                        continue
+                    tasks[rid] = asyncio.ensure_future(run(req))
+                for rid in up.cancel:
+                    task = tasks.get(rid)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            reading = False
+            outbox.put_nowait(None)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while reading or tasks or not outbox.empty():
+            items = [await outbox.get()]
+            while not outbox.empty():
+                items.append(outbox.get_nowait())
+            down = pb.MuxDown()
+            for it in items:
+                if it is None:
+                    continue
+                if isinstance(it, pb.MuxEnd):
+                    down.ends.append(it)
+                else:
+                    down.chunks.append(it)
+            if down.chunks or down.ends:
+                yield down
+    finally:
+        reader.cancel()
+        pending = [reader, *tasks.values()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+# ---- router side ----------------------------------------------------------------------------
+
+_CANCELLED = object()
+_EOF = object()
+
+
+class MuxCall:
+    """One request's stream on a :class:`MuxClient` (the ``Generate`` call it stands for)."""
+
+    __slots__ = ("_client", "_done", "_items", "_waiter", "request_id")
+
+    def __init__(self, client: MuxClient, request_id: str) -> None:
+        self._client = client
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self.request_id = request_id
+
+    async def read(self) -> Any:
+        items = self._items
+        while not items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        item = items[0]
+        if isinstance(item, pb.GenerateChunk):
+            items.popleft()
+            return item
+        # a terminal item stays: later reads see it again
+        if item is _EOF:
+            return grpc.aio.EOF
+        if item is _CANCELLED:
+            raise asyncio.CancelledError()
+        raise item  # AioRpcError
+
+    def cancel(self) -> bool:
+        """End this request on the worker (its engine aborts it); a pending or later
+        ``read`` raises ``asyncio.CancelledError``, as after ``grpc.aio.Call.cancel`` (chunks
+        not read yet are dropped). False when it had already ended."""
+        if self._done:
+            return False
+        self._done = True
+        self._items.clear()
+        self._push(_CANCELLED)
+        self._client._cancel(self.request_id)
+        return True
+
+    def done(self) -> bool:
+        return self._done
+
+    def _push(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # the client's reader
+    def _chunk(self, chunk: pb.GenerateChunk) -> None:
+        if not self._done:
+            self._push(chunk)
+
+    def _finish(self, item: Any) -> None:
+        """The stream ended (after the chunks already queued, which are still read first)."""
+        if not self._done:
+            self._done = True
+            self._push(item)
+
+
+class MuxClient:
+    """The router's ``GenerateMux`` call to one decode worker, shared by its requests.
+
+    ``method`` is the stub's ``GenerateMux`` multi-callable with the call's metadata bound
+    (the cluster token). The call opens on the first ``start`` and again after it failed."""
+
+    def __init__(self, method: Callable[..., Any], address: str) -> None:
+        self._method = method
+        self.address = address
+        self._call: Any = None
+        self._calls: dict[str, MuxCall] = {}
+        self._up: list[pb.MuxUp] = []
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.generation = 0  # calls opened so far (for tests and logs)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._calls)
+
+    def start(self, request: pb.GenerateRequest) -> MuxCall:
+        rid = request.request_id
+        old = self._calls.get(rid)
+        if old is not None:  # a router never reuses an id while its stream runs
+            raise ValueError(f"request {rid!r} is already in flight on {self.address}")
+        if self._call is None:
+            self._open()
+        call = self._calls[rid] = MuxCall(self, rid)
+        self._send(pb.MuxUp(start=[request]))
+        return call
+
+    def _cancel(self, rid: str) -> None:
+        if self._calls.pop(rid, None) is not None and self._call is not None:
+            self._send(pb.MuxUp(cancel=[rid]))
+
+    def _send(self, up: pb.MuxUp) -> None:
+        self._up.append(up)
+        assert self._wake is not None  # opened
+        self._wake.set()
+
+    def _open(self) -> None:
+        self.generation += 1
+        self._call = call = self._method()
+        self._wake = asyncio.Event()
+        self._up = []
+        self._tasks = [
+            asyncio.ensure_future(self._write(call, self._wake)),
+            asyncio.ensure_future(self._read(call)),
+        ]
+
+    async def _write(self, call: Any, wake: asyncio.Event) -> None:
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if call is not self._call:
+                    return
+                ups, self._up = self._up, []
+                if not ups:
+                    continue
+                up = ups[0] if len(ups) == 1 else pb.MuxUp()
+                if len(ups) > 1:
+                    for u in ups:
+                        up.start.extend(u.start)
+                        up.cancel.extend(u.cancel)
+                await call.write(up)
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - any write failure ends the shared call
+            self._fail(call, e)  # the reader sees the same failure; whichever comes first
+
+    async def _read(self, call: Any) -> None:
+        try:
+            while True:
+                down = await call.read()
+                if down is grpc.aio.EOF:
+                    self._fail(call, None)
+                    return
+                calls = self._calls
+                for chunk in down.chunks:
+                    c = calls.get(chunk.request_id)
+                    if c is not None:
+                        c._chunk(chunk)
+                for end in down.ends:
+                    c = calls.pop(end.request_id, None)
+                    if c is None:
+                        continue
+                    if end.code == 0:
+                        c._finish(_EOF)
+                    else:
+                        c._finish(
+                            grpc.aio.AioRpcError(
+                                status_code(end.code),
+                                grpc.aio.Metadata(),
+                                grpc.aio.Metadata(*end.trailing_metadata.items()),
+                                end.details,
+                            )
+                        )
+        except grpc.aio.AioRpcError as e:
+            self._fail(call, e)
+        except asyncio.CancelledError:
+            pass
+
+    def _fail(self, call: Any, error: BaseException | None) -> None:
+        """The shared call ended: every request on it ends with its error (UNAVAILABLE when
+        the worker closed it without one); the next ``start`` opens a new call."""
+        if call is not self._call:
+            return
+        self._call = None
+        if isinstance(error, grpc.aio.AioRpcError):
+            e = error
+        else:
+            e = grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"the GenerateMux call to {self.address} ended"
+                + (f" ({type(error).__name__}: {error})" if error is not None else ""),
+            )
+        calls, self._calls = self._calls, {}
+        if calls:
+            logger.warning(
+                "GenerateMux call to %s failed (%s) with %d requests on it",
+                self.address,
+                e.code().name,
+                len(calls),
+            )
+        for c in calls.values():
+            c._finish(e)
+        assert self._wake is not None
+        self._wake.set()  # the writer sees the call is gone and returns
+        call.cancel()
+
+    async def close(self) -> None:
+        call = self._call
+        if call is not None:
+            self._fail(call, None)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,243 @@
+"""``shared/proto/mux.py``: many Generate streams over one ``GenerateMux`` call, over a real
+in-process gRPC server whose ``Generate`` is scripted per request id. The router's own
+behaviour over it (failover, slow readers, stop strings, deadlines) is what the rest of
+``tests/router`` checks, with both ``--decode-stream`` modes where it matters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from shared.proto import pdserve_pb2 as pb
+from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.proto.failure import FAILURE_KEY, FAILURE_REQUEST
+from shared.proto.mux import MuxClient, serve_mux
+from tests.ports import free_port
+
+pytestmark = pytest.mark.integration
+
+
+class Scripted(pb_grpc.DecodeWorkerServicer):
+    """``Generate`` by request id prefix: ``tok-K``: K chunks, each once ``step`` is set
+    (all streams waiting on one step become ready together, as one engine step's outputs do);
+    ``bad``: aborts INVALID_ARGUMENT with the request-failure metadata; ``hang``: waits until
+    cancelled; ``boom``: raises."""
+
+    def __init__(self) -> None:
+        self.step = asyncio.Event()
+        self.cancelled: list[str] = []
+        self.downs: list[int] = []  # chunks per MuxDown message sent
+
+    async def Generate(self, request, context):
+        rid = request.request_id
+        try:
+            if rid.startswith("bad"):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "no", ((FAILURE_KEY, FAILURE_REQUEST),)
+                )
+            if rid.startswith("hang"):
+                await asyncio.Event().wait()
+            if rid.startswith("boom"):
+                raise RuntimeError("handler bug")
+            k = int(rid.split("-")[1])
+            for i in range(k):
+                await self.step.wait()
+                yield pb.GenerateChunk(
+                    request_id=rid, outputs=[pb.SeqDelta(index=0, token_ids=[i])]
+                )
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+
+    async def GenerateMux(self, request_iterator, context):
+        async for down in serve_mux(self.Generate, request_iterator, context):
+            self.downs.append(len(down.chunks))
+            yield down
+
+
+async def _server(servicer: Scripted, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+def _client(port: int) -> tuple[grpc.aio.Channel, MuxClient]:
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.DecodeWorkerStub(ch)
+    return ch, MuxClient(lambda: stub.GenerateMux(), f"127.0.0.1:{port}")
+
+
+async def _drain(call) -> list[int]:
+    out = []
+    while True:
+        chunk = await asyncio.wait_for(call.read(), 5)
+        if chunk is grpc.aio.EOF:
+            return out
+        out += chunk.outputs[0].token_ids
+
+
+def _run(scenario):
+    return asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_one_message_per_step_for_all_streams_and_each_stream_intact():
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        server = await _server(svc, port)
+        ch, mux = _client(port)
+        calls = [mux.start(pb.GenerateRequest(request_id=f"tok-3-{j}")) for j in range(8)]
+        await asyncio.sleep(0.2)  # every request started and waiting for the step
+        svc.step.set()  # every stream's chunks are ready together
+        results = await asyncio.gather(*(_drain(c) for c in calls))
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+        return results, svc.downs, mux.generation
+
+    results, downs, generation = _run(scenario)
+    assert results == [[0, 1, 2]] * 8
+    assert sum(downs) == 24
+    # 24 chunks in far fewer messages than a Generate call each would take (24): the chunks
+    # ready in one loop pass leave together
+    assert len(downs) <= 6 and max(downs) >= 8, downs
+    assert generation == 1  # one shared call for all of them
+
+
+def test_statuses_reach_their_own_stream_only():
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        svc.step.set()
+        server = await _server(svc, port)
+        ch, mux = _client(port)
+        bad = mux.start(pb.GenerateRequest(request_id="bad-1"))
+        boom = mux.start(pb.GenerateRequest(request_id="boom-1"))
+        good = mux.start(pb.GenerateRequest(request_id="tok-2-a"))
+        errors = []
+        for call in (bad, boom):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await asyncio.wait_for(call.read(), 5)
+            errors.append(ei.value)
+        tokens = await _drain(good)
+        # the same error again on a later read (a finished call stays finished)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(bad.read(), 5)
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+        return errors, tokens
+
+    errors, tokens = _run(scenario)
+    assert errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert errors[0].details() == "no"
+    assert (FAILURE_KEY, FAILURE_REQUEST) in list(errors[0].trailing_metadata())
+    assert errors[1].code() == grpc.StatusCode.UNKNOWN
+    assert "handler bug" in errors[1].details()
+    assert tokens == [0, 1]
+
+
+def test_cancel_ends_that_request_on_the_worker_and_no_other():
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        server = await _server(svc, port)
+        ch, mux = _client(port)
+        hang = mux.start(pb.GenerateRequest(request_id="hang-1"))
+        other = mux.start(pb.GenerateRequest(request_id="tok-2-b"))
+        pending = asyncio.ensure_future(hang.read())
+        await asyncio.sleep(0.2)
+        assert hang.cancel() and not hang.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pending, 5)
+        for _ in range(50):  # the worker's handler task is cancelled (its finally runs)
+            if svc.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        svc.step.set()
+        tokens = await _drain(other)
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+        return svc.cancelled, tokens, mux.inflight
+
+    cancelled, tokens, inflight = _run(scenario)
+    assert cancelled == ["hang-1"]
+    assert tokens == [0, 1]
+    assert inflight == 0
+
+
+def test_a_stream_nobody_reads_holds_up_no_other():
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        svc.step.set()
+        server = await _server(svc, port)
+        ch, mux = _client(port)
+        unread = mux.start(pb.GenerateRequest(request_id="tok-2000-slow"))
+        read = mux.start(pb.GenerateRequest(request_id="tok-500-fast"))
+        tokens = await _drain(read)
+        first = await asyncio.wait_for(unread.read(), 5)  # all there, queued for it
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+        return tokens, list(first.outputs[0].token_ids)
+
+    tokens, first = _run(scenario)
+    assert tokens == list(range(500)) and first == [0]
+
+
+def test_the_shared_call_failing_fails_every_request_on_it_and_the_next_opens_anew():
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        server = await _server(svc, port)
+        ch, mux = _client(port)
+        calls = [mux.start(pb.GenerateRequest(request_id=f"hang-{j}")) for j in range(3)]
+        await asyncio.sleep(0.2)
+        await server.stop(0)  # the worker goes away
+        codes = []
+        for c in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await asyncio.wait_for(c.read(), 10)
+            codes.append(ei.value.code())
+        server = await _server(svc, port)  # back (a restart on the same address)
+        svc.step.set()
+        again = mux.start(pb.GenerateRequest(request_id="tok-1-again"))
+        tokens = await _drain(again)
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+        return codes, tokens, mux.generation, sorted(svc.cancelled)
+
+    codes, tokens, generation, cancelled = _run(scenario)
+    # the router fails these over (UNAVAILABLE and CANCELLED are both retryable there)
+    assert all(c in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) for c in codes)
+    assert tokens == [0] and generation == 2
+    # the worker side cancelled every handler of the call that went away
+    assert cancelled == ["hang-0", "hang-1", "hang-2"]
+
+
+def test_a_second_stream_with_an_id_in_flight_is_already_exists():
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        server = await _server(svc, port)
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        call = pb_grpc.DecodeWorkerStub(ch).GenerateMux()
+        req = pb.GenerateRequest(request_id="hang-dup")
+        await call.write(pb.MuxUp(start=[req, req]))
+        down = await asyncio.wait_for(call.read(), 5)
+        call.cancel()
+        await ch.close()
+        await server.stop(0)
+        return down
+
+    down = _run(scenario)
+    assert [(e.request_id, e.code) for e in down.ends] == [
+        ("hang-dup", grpc.StatusCode.ALREADY_EXISTS.value[0])
+    ]
