@@ -1267,9 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
 
             for name, r in by_topology.items():
                 stem = f"compare_{tag}" if name == first else f"compare_{tag}_{name}"
-                png = plot_compare(
-                    {**summary, "ratios": r}, a.out_dir / f"{stem}.png", system=name
-                )
+                png = plot_compare({**summary, "ratios": r}, a.out_dir / f"{stem}.png", system=name)
                 print(f"wrote {png}")
         except (ImportError, OSError, ValueError, KeyError) as e:  # optional; the JSON has it all
             print(f"plot skipped: {type(e).__name__}: {e}")

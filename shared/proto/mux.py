@@ -40,6 +40,12 @@ from shared.proto import pdserve_pb2 as pb
 logger = logging.getLogger(__name__)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+# Bounds on one message, far below gRPC's limit (64 MiB, shared/proto/channel_options.py): a
+# worker whose router fell behind sends its backlog of chunks (each one step of one request, a
+# few hundred bytes with logprobs) in several messages; a router merges requests started
+# together up to this many prompt tokens (a 32k-token prompt is ~160 KB on the wire).
+MAX_CHUNKS_PER_MESSAGE = 1024
+MAX_UP_TOKENS = 1 << 20
 
 
 def status_code(value: int) -> grpc.StatusCode:
@@ -172,8 +178,11 @@ async def serve_mux(
                     continue
                 if isinstance(it, pb.MuxEnd):
                     down.ends.append(it)
-                else:
-                    down.chunks.append(it)
+                    continue
+                down.chunks.append(it)
+                if len(down.chunks) >= MAX_CHUNKS_PER_MESSAGE:  # a backlog: a few messages
+                    yield down
+                    down = pb.MuxDown()
             if down.chunks or down.ends:
                 yield down
     finally:
@@ -254,6 +263,23 @@ class MuxCall:
             self._push(item)
 
 
+def _merged(ups: list[pb.MuxUp]) -> list[pb.MuxUp]:
+    """``ups`` as few messages as :data:`MAX_UP_TOKENS` allows, in order."""
+    if len(ups) <= 1:
+        return ups
+    out = [pb.MuxUp()]
+    tokens = 0
+    for u in ups:
+        size = sum(len(r.prompt_token_ids) for r in u.start)
+        if tokens and tokens + size > MAX_UP_TOKENS:
+            out.append(pb.MuxUp())
+            tokens = 0
+        out[-1].start.extend(u.start)
+        out[-1].cancel.extend(u.cancel)
+        tokens += size
+    return out
+
+
 class MuxClient:
     """The router's ``GenerateMux`` call to one decode worker, shared by its requests.
 
@@ -312,14 +338,8 @@ class MuxClient:
                 if call is not self._call:
                     return
                 ups, self._up = self._up, []
-                if not ups:
-                    continue
-                up = ups[0] if len(ups) == 1 else pb.MuxUp()
-                if len(ups) > 1:
-                    for u in ups:
-                        up.start.extend(u.start)
-                        up.cancel.extend(u.cancel)
-                await call.write(up)
+                for up in _merged(ups):
+                    await call.write(up)
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - any write failure ends the shared call

@@ -241,3 +241,45 @@ def test_a_second_stream_with_an_id_in_flight_is_already_exists():
     assert [(e.request_id, e.code) for e in down.ends] == [
         ("hang-dup", grpc.StatusCode.ALREADY_EXISTS.value[0])
     ]
+
+
+def test_a_backlog_leaves_in_bounded_messages():
+    from shared.proto import mux
+
+    async def scenario():
+        port = free_port()
+        svc = Scripted()
+        server = await _server(svc, port)
+        ch, client = _client(port)
+        n = mux.MAX_CHUNKS_PER_MESSAGE + 100
+        calls = [client.start(pb.GenerateRequest(request_id=f"tok-1-{j}")) for j in range(n)]
+        await asyncio.sleep(0.5)
+        svc.step.set()  # every stream's chunk is ready in the same pass
+        results = await asyncio.gather(*(_drain(c) for c in calls))
+        await client.close()
+        await ch.close()
+        await server.stop(0)
+        return n, results, svc.downs
+
+    n, results, downs = _run(scenario)
+    assert results == [[0]] * n
+    assert sum(downs) == n and max(downs) <= 1024 and len(downs) >= 2
+
+
+def test_requests_started_together_are_merged_up_to_the_token_bound():
+    from shared.proto.mux import MAX_UP_TOKENS, _merged
+
+    big = pb.GenerateRequest(request_id="big", prompt_token_ids=[7] * (MAX_UP_TOKENS // 2 + 1))
+    ups = [
+        pb.MuxUp(start=[pb.GenerateRequest(request_id="a", prompt_token_ids=[1, 2])]),
+        pb.MuxUp(cancel=["old"]),
+        pb.MuxUp(start=[big]),
+        pb.MuxUp(
+            start=[pb.GenerateRequest(request_id="big2", prompt_token_ids=big.prompt_token_ids)]
+        ),
+        pb.MuxUp(start=[pb.GenerateRequest(request_id="b")]),
+    ]
+    out = _merged(ups)
+    assert [[r.request_id for r in u.start] for u in out] == [["a", "big"], ["big2", "b"]]
+    assert [list(u.cancel) for u in out] == [["old"], []]
+    assert _merged(ups[:1]) == ups[:1]
