@@ -372,10 +372,10 @@ class MuxClient:
                                 end.details,
                             )
                         )
-        except grpc.aio.AioRpcError as e:
-            self._fail(call, e)
         except asyncio.CancelledError:
             pass
+        except Exception as e:  # noqa: BLE001 - the call's error, or a bad message: end it all
+            self._fail(call, e)
 
     def _fail(self, call: Any, error: BaseException | None) -> None:
         """The shared call ended: every request on it ends with its error (UNAVAILABLE when
