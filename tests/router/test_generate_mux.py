@@ -6,6 +6,7 @@ behaviour over it (failover, slow readers, stop strings, deadlines) is what the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -29,9 +30,11 @@ class Scripted(pb_grpc.DecodeWorkerServicer):
         self.step = asyncio.Event()
         self.cancelled: list[str] = []
         self.downs: list[int] = []  # chunks per MuxDown message sent
+        self.started: set[str] = set()  # requests whose handler runs
 
     async def Generate(self, request, context):
         rid = request.request_id
+        self.started.add(rid)
         try:
             if rid.startswith("bad"):
                 await context.abort(
@@ -71,6 +74,25 @@ def _client(port: int) -> tuple[grpc.aio.Channel, MuxClient]:
     return ch, MuxClient(lambda: stub.GenerateMux(), f"127.0.0.1:{port}")
 
 
+@contextlib.asynccontextmanager
+async def _pair(svc: Scripted):
+    """A server running ``svc`` and a MuxClient to it, closed at the end."""
+    port = free_port()
+    server = await _server(svc, port)
+    ch, mux = _client(port)
+    try:
+        yield mux
+    finally:
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+
+
+async def _all_started(svc: Scripted, n: int) -> None:
+    while len(svc.started) < n:  # bounded by _run's timeout
+        await asyncio.sleep(0.01)
+
+
 async def _drain(call) -> list[int]:
     out = []
     while True:
@@ -86,18 +108,13 @@ def _run(scenario):
 
 def test_one_message_per_step_for_all_streams_and_each_stream_intact():
     async def scenario():
-        port = free_port()
         svc = Scripted()
-        server = await _server(svc, port)
-        ch, mux = _client(port)
-        calls = [mux.start(pb.GenerateRequest(request_id=f"tok-3-{j}")) for j in range(8)]
-        await asyncio.sleep(0.2)  # every request started and waiting for the step
-        svc.step.set()  # every stream's chunks are ready together
-        results = await asyncio.gather(*(_drain(c) for c in calls))
-        await mux.close()
-        await ch.close()
-        await server.stop(0)
-        return results, svc.downs, mux.generation
+        async with _pair(svc) as mux:
+            calls = [mux.start(pb.GenerateRequest(request_id=f"tok-3-{j}")) for j in range(8)]
+            await _all_started(svc, 8)  # every handler waits for the step
+            svc.step.set()  # every stream's chunks are ready together
+            results = await asyncio.gather(*(_drain(c) for c in calls))
+            return results, svc.downs, mux.generation
 
     results, downs, generation = _run(scenario)
     assert results == [[0, 1, 2]] * 8
@@ -110,27 +127,22 @@ def test_one_message_per_step_for_all_streams_and_each_stream_intact():
 
 def test_statuses_reach_their_own_stream_only():
     async def scenario():
-        port = free_port()
         svc = Scripted()
         svc.step.set()
-        server = await _server(svc, port)
-        ch, mux = _client(port)
-        bad = mux.start(pb.GenerateRequest(request_id="bad-1"))
-        boom = mux.start(pb.GenerateRequest(request_id="boom-1"))
-        good = mux.start(pb.GenerateRequest(request_id="tok-2-a"))
-        errors = []
-        for call in (bad, boom):
-            with pytest.raises(grpc.aio.AioRpcError) as ei:
-                await asyncio.wait_for(call.read(), 5)
-            errors.append(ei.value)
-        tokens = await _drain(good)
-        # the same error again on a later read (a finished call stays finished)
-        with pytest.raises(grpc.aio.AioRpcError):
-            await asyncio.wait_for(bad.read(), 5)
-        await mux.close()
-        await ch.close()
-        await server.stop(0)
-        return errors, tokens
+        async with _pair(svc) as mux:
+            bad = mux.start(pb.GenerateRequest(request_id="bad-1"))
+            boom = mux.start(pb.GenerateRequest(request_id="boom-1"))
+            good = mux.start(pb.GenerateRequest(request_id="tok-2-a"))
+            errors = []
+            for call in (bad, boom):
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await asyncio.wait_for(call.read(), 5)
+                errors.append(ei.value)
+            tokens = await _drain(good)
+            # the same error again on a later read (a finished call stays finished)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(bad.read(), 5)
+            return errors, tokens
 
     errors, tokens = _run(scenario)
     assert errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -143,27 +155,20 @@ def test_statuses_reach_their_own_stream_only():
 
 def test_cancel_ends_that_request_on_the_worker_and_no_other():
     async def scenario():
-        port = free_port()
         svc = Scripted()
-        server = await _server(svc, port)
-        ch, mux = _client(port)
-        hang = mux.start(pb.GenerateRequest(request_id="hang-1"))
-        other = mux.start(pb.GenerateRequest(request_id="tok-2-b"))
-        pending = asyncio.ensure_future(hang.read())
-        await asyncio.sleep(0.2)
-        assert hang.cancel() and not hang.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(pending, 5)
-        for _ in range(50):  # the worker's handler task is cancelled (its finally runs)
-            if svc.cancelled:
-                break
-            await asyncio.sleep(0.05)
-        svc.step.set()
-        tokens = await _drain(other)
-        await mux.close()
-        await ch.close()
-        await server.stop(0)
-        return svc.cancelled, tokens, mux.inflight
+        async with _pair(svc) as mux:
+            hang = mux.start(pb.GenerateRequest(request_id="hang-1"))
+            other = mux.start(pb.GenerateRequest(request_id="tok-2-b"))
+            pending = asyncio.ensure_future(hang.read())
+            await _all_started(svc, 2)
+            assert hang.cancel() and not hang.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(pending, 5)
+            while not svc.cancelled:  # the worker's handler task is cancelled (its finally runs)
+                await asyncio.sleep(0.01)  # bounded by _run's timeout
+            svc.step.set()
+            tokens = await _drain(other)
+            return svc.cancelled, tokens, mux.inflight
 
     cancelled, tokens, inflight = _run(scenario)
     assert cancelled == ["hang-1"]
@@ -173,19 +178,14 @@ def test_cancel_ends_that_request_on_the_worker_and_no_other():
 
 def test_a_stream_nobody_reads_holds_up_no_other():
     async def scenario():
-        port = free_port()
         svc = Scripted()
         svc.step.set()
-        server = await _server(svc, port)
-        ch, mux = _client(port)
-        unread = mux.start(pb.GenerateRequest(request_id="tok-2000-slow"))
-        read = mux.start(pb.GenerateRequest(request_id="tok-500-fast"))
-        tokens = await _drain(read)
-        first = await asyncio.wait_for(unread.read(), 5)  # all there, queued for it
-        await mux.close()
-        await ch.close()
-        await server.stop(0)
-        return tokens, list(first.outputs[0].token_ids)
+        async with _pair(svc) as mux:
+            unread = mux.start(pb.GenerateRequest(request_id="tok-2000-slow"))
+            read = mux.start(pb.GenerateRequest(request_id="tok-500-fast"))
+            tokens = await _drain(read)
+            first = await asyncio.wait_for(unread.read(), 5)  # all there, queued for it
+            return tokens, list(first.outputs[0].token_ids)
 
     tokens, first = _run(scenario)
     assert tokens == list(range(500)) and first == [0]
@@ -247,19 +247,14 @@ def test_a_backlog_leaves_in_bounded_messages():
     from shared.proto import mux
 
     async def scenario():
-        port = free_port()
         svc = Scripted()
-        server = await _server(svc, port)
-        ch, client = _client(port)
         n = mux.MAX_CHUNKS_PER_MESSAGE + 100
-        calls = [client.start(pb.GenerateRequest(request_id=f"tok-1-{j}")) for j in range(n)]
-        await asyncio.sleep(0.5)
-        svc.step.set()  # every stream's chunk is ready in the same pass
-        results = await asyncio.gather(*(_drain(c) for c in calls))
-        await client.close()
-        await ch.close()
-        await server.stop(0)
-        return n, results, svc.downs
+        async with _pair(svc) as client:
+            calls = [client.start(pb.GenerateRequest(request_id=f"tok-1-{j}")) for j in range(n)]
+            await _all_started(svc, n)
+            svc.step.set()  # every stream's chunk is ready in the same pass
+            results = await asyncio.gather(*(_drain(c) for c in calls))
+            return n, results, svc.downs
 
     n, results, downs = _run(scenario)
     assert results == [[0]] * n
