@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.proto.mux import MuxClient, serve_mux
+from shared.proto.mux import GenerateMuxMixin, MuxClient
 
 
 def _cpu_s(pid: int) -> float:
@@ -42,7 +42,7 @@ def _cpu_s(pid: int) -> float:
 # ---- server ---------------------------------------------------------------------------------
 
 
-class _Stepper(pb_grpc.DecodeWorkerServicer):
+class _Stepper(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
     """Every ``step_s`` one "engine step": each running stream's queue gets a chunk."""
 
     def __init__(self, step_s: float) -> None:
@@ -73,10 +73,6 @@ class _Stepper(pb_grpc.DecodeWorkerServicer):
                 yield chunk
         finally:
             self.queues.discard(q)
-
-    async def GenerateMux(self, request_iterator, context):
-        async for down in serve_mux(self.Generate, request_iterator, context):
-            yield down
 
 
 async def _serve(port: int, step_s: float) -> None:

@@ -27,7 +27,7 @@ from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.proto.mux import serve_mux
+from shared.proto.mux import GenerateMuxMixin
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
     CLIENT_GRPC_OPTIONS,
@@ -84,7 +84,10 @@ class _Flight:
     remote_cached_tokens: int = 0
 
 
-class DecodeServicer(pb_grpc.DecodeWorkerServicer):
+class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
+    """``Generate`` per request; ``GenerateMux`` (the mixin) runs it for each request started
+    on a router's shared call (``shared/proto/mux.py``)."""
+
     def __init__(self, runtime: WorkerRuntime, receiver, prefill_timeout_s: float) -> None:
         self.rt = runtime
         self.receiver = receiver
@@ -219,13 +222,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self.by_engine_id.pop(eid, None)
             self.outputs.unregister(eid)
             rt.inflight -= 1
-
-    async def GenerateMux(self, request_iterator, context: grpc.aio.ServicerContext):
-        """Many Generate streams over one call (``shared/proto/mux.py``): each started
-        request runs :meth:`Generate` unchanged; the chunks of all of them that are ready
-        together (one engine step's) leave in one message."""
-        async for down in serve_mux(self.Generate, request_iterator, context):
-            yield down
 
     async def _stream(self, flight: _Flight, request: pb.GenerateRequest):
         rt = self.rt

@@ -348,13 +348,8 @@ class WorkerPool:
         every request this router streams from it; ``shared/proto/mux.py``)."""
         mux = self._muxes.get(address)
         if mux is None:
-            raw = pb_grpc.DecodeWorkerStub(self.channel(address))  # type: ignore[no-untyped-call]
-            md = self.security.call_metadata
-
-            def open_call() -> Any:
-                return raw.GenerateMux(metadata=md) if md else raw.GenerateMux()
-
-            mux = self._muxes[address] = MuxClient(open_call, address)
+            stub = self.decode_stub(address)  # its calls carry the cluster token
+            mux = self._muxes[address] = MuxClient(lambda: stub.GenerateMux(None), address)
         return mux
 
 

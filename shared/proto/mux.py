@@ -74,11 +74,10 @@ class _MuxContext:
     """What a ``Generate`` handler uses of ``grpc.aio.ServicerContext``, for one request of a
     mux call: ``write`` queues a chunk, ``abort`` ends the request with a status."""
 
-    __slots__ = ("_outbox", "_call")
+    __slots__ = ("_outbox",)
 
-    def __init__(self, outbox: asyncio.Queue[Any], call: grpc.aio.ServicerContext) -> None:
+    def __init__(self, outbox: asyncio.Queue[Any]) -> None:
         self._outbox = outbox
-        self._call = call
 
     async def write(self, chunk: pb.GenerateChunk) -> None:
         self._outbox.put_nowait(chunk)
@@ -90,12 +89,6 @@ class _MuxContext:
         trailing_metadata: tuple[tuple[str, Any], ...] = (),
     ) -> None:
         raise MuxAbort(code, details, tuple(trailing_metadata or ()))
-
-    def invocation_metadata(self) -> Any:
-        return self._call.invocation_metadata()
-
-    def peer(self) -> str:
-        return str(self._call.peer())
 
 
 def _end(
@@ -110,7 +103,6 @@ def _end(
 async def serve_mux(
     handler: Callable[[pb.GenerateRequest, Any], Any],
     request_iterator: AsyncIterator[pb.MuxUp],
-    context: grpc.aio.ServicerContext,
 ) -> AsyncIterator[pb.MuxDown]:
     """The body of a ``GenerateMux`` servicer method: runs ``handler`` (the servicer's own
     ``Generate``: an async generator of chunks, or a coroutine that writes them through its
@@ -121,7 +113,7 @@ async def serve_mux(
 
     async def run(req: pb.GenerateRequest) -> None:
         rid = req.request_id
-        ctx = _MuxContext(outbox, context)
+        ctx = _MuxContext(outbox)
         try:
             result = handler(req, ctx)
             if inspect.isasyncgen(result):
@@ -191,6 +183,17 @@ async def serve_mux(
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+class GenerateMuxMixin:
+    """``GenerateMux`` for a ``DecodeWorker`` servicer that has ``Generate``: list it before
+    the generated servicer base (whose ``GenerateMux`` answers UNIMPLEMENTED)."""
+
+    async def GenerateMux(
+        self, request_iterator: AsyncIterator[pb.MuxUp], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MuxDown]:
+        async for down in serve_mux(self.Generate, request_iterator):  # type: ignore[attr-defined]
+            yield down
 
 
 # ---- router side ----------------------------------------------------------------------------
@@ -302,8 +305,7 @@ class MuxClient:
 
     def start(self, request: pb.GenerateRequest) -> MuxCall:
         rid = request.request_id
-        old = self._calls.get(rid)
-        if old is not None:  # a router never reuses an id while its stream runs
+        if rid in self._calls:  # a router never reuses an id while its stream runs
             raise ValueError(f"request {rid!r} is already in flight on {self.address}")
         if self._call is None:
             self._open()

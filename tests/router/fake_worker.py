@@ -41,7 +41,7 @@ from shared.hashing import block_hashes, hash_seed
 from shared.kv_events import BlockRemoved, BlockStored
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.proto.mux import serve_mux
+from shared.proto.mux import GenerateMuxMixin
 
 FIRST_NORMAL_ID = 5  # the tiny model's special tokens are ids 0..4
 EOS_ID = 1
@@ -91,7 +91,7 @@ def expected_output(
     return out, "length"
 
 
-class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
+class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
     def __init__(self, args: argparse.Namespace, publisher: KVEventPublisher | None) -> None:
         self.args = args
         self.publisher = publisher
@@ -209,11 +209,6 @@ class FakeDecodeWorker(pb_grpc.DecodeWorkerServicer):
             self.running -= 1
             if self.ending.get(request.request_id) is ending:
                 del self.ending[request.request_id]
-
-    async def GenerateMux(self, request_iterator, context):
-        """The router's data path: :meth:`Generate` per request over one call."""
-        async for down in serve_mux(self.Generate, request_iterator, context):
-            yield down
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
         """``whole``: end that request's stream now, normally (as the real decode worker)."""

@@ -55,7 +55,7 @@ class Scripted(pb_grpc.DecodeWorkerServicer):
             raise
 
     async def GenerateMux(self, request_iterator, context):
-        async for down in serve_mux(self.Generate, request_iterator, context):
+        async for down in serve_mux(self.Generate, request_iterator):
             self.downs.append(len(down.chunks))
             yield down
 
