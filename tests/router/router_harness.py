@@ -22,12 +22,23 @@ from pathlib import Path
 
 import httpx
 
-from shared.directory.embedded import _session_dying_with_parent
+from shared.subproc import popen_dying_with_parent
 from tests.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 MODEL_NAME = "tiny"
+
+
+def _process_state(pid: int) -> str:
+    """What a child that did not answer is doing: its command line (the parent's, if it never
+    reached ``exec``) and the kernel function it sleeps in."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"no /proc state: {e}"
+    return f"cmdline {cmdline.decode(errors='replace')!r}, wchan {wchan!r}"
 
 
 class FakeWorker:
@@ -52,18 +63,14 @@ class FakeWorker:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
             prefix=f"fake-{worker_id}-", suffix=".log"
         )
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            preexec_fn=_session_dying_with_parent,
-            cwd=ROOT,
+        self.proc = popen_dying_with_parent(
+            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT
         )
         line = self._readline(timeout=20)
         if not line.startswith("READY "):
+            where = _process_state(self.proc.pid)
             self.kill()
-            raise RuntimeError(f"fake worker did not start: {line!r} {self.stderr()}")
+            raise RuntimeError(f"fake worker did not start: {line!r} ({where}) {self.stderr()}")
         self.port = int(line.split()[1])
         self.address = f"127.0.0.1:{self.port}"
 

@@ -261,6 +261,7 @@ def test_redis_outage_keeps_serving_from_the_last_snapshot_then_recovers(
         assert sum(queries(*workers)) == 4
         server.port = port
         server.start()  # Redis is back, empty: leases and directory are rebuilt
+        assert server.port == port, "Redis did not come back on its port"
         client = redis.Redis.from_url(url)
         deadline = time.monotonic() + 10
         while not all(client.exists(f"out:worker:{w.worker_id}") for w in workers):
