@@ -1,12 +1,14 @@
 """The LM head alone: oneDNN's packed primitive (then ``argmax_rows`` for a greedy draw) against
-the AMX projection (``kernels/cpu_paged.py::amx_linear``, and ``amx_argmax``: the draw fused in,
-no logits written), interleaved in one process, per row count.
+the one-pass projection (``kernels/cpu_paged.py::amx_linear``, and ``amx_argmax``: the draw fused
+in, no logits written) on AMX tiles where the CPU has them, else on AVX512-BF16 dot products
+(AMD EPYC Zen 4, older Xeons), interleaved in one process, per row count.
 
 Each round times every variant once per row count in turn; the table gives the median and the
-minimum over the rounds (this host's neighbours move single calls by ±15 %), and whether the
-AMX logits have the same bits as oneDNN's for that shape. Without AMX tiles (AMD EPYC, older
-Xeons) only oneDNN runs, and the table gives the rate it reaches (GFLOP/s: 2 x rows x vocab x
-hidden per call), which is the floor a greedy decode step's head has on that CPU.
+minimum over the rounds (this host's neighbours move single calls by ±15 %), the rate of the
+fused path (GFLOP/s: 2 x rows x vocab x hidden per call), and whether its logits have the same
+bits as oneDNN's for that shape. Without either kernel only oneDNN runs. The weight is read
+from cache where it fits (32000 x 256 bf16 is 15.6 MiB); `bench/decode_step.py` times it in a
+whole step.
 
     python bench/lm_head.py [--vocab 32000] [--hidden 256] [--rows 1,16,64,128,256]
         [--threads 1] [--rounds 25]
@@ -39,26 +41,28 @@ def main() -> int:
     if not cpu_linear.onednn_bf16():
         print("needs oneDNN's bf16 primitives on this CPU (AVX-512 at least)", file=sys.stderr)
         return 2
-    has_amx = cpu_paged.amx_linear_available()
+    tiles = cpu_paged.amx_linear_available()
+    one_pass = tiles or cpu_paged.dp_linear_available()
+    kernel = "AMX" if tiles else "AVX512-BF16"
     torch.set_num_threads(args.threads)
     feats = cpu_linear.CpuFeatures.detect()
     print(f"CPU: {feats.describe()}; {args.threads} thread(s)")
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(args.vocab, args.hidden, generator=g) * 0.05).bfloat16()
     onednn = cpu_linear.pack(w)
-    amx = cpu_paged.amx_pack(w) if has_amx else None
+    packed = cpu_paged.amx_pack(w) if one_pass else None
     v = args.vocab
     print(
         f"LM head {v} x {args.hidden} bf16 ({w.numel() * 2 / 2**20:.1f} MiB); ms per call, "
         f"median (min) of {args.rounds} rounds"
-        + ("" if has_amx else "; no AMX tiles here: oneDNN only")
+        + (f"; one pass on {kernel}" if one_pass else "; no one-pass kernel here: oneDNN only")
     )
-    if has_amx:
+    if one_pass:
         print(
-            "| rows | oneDNN logits | oneDNN + argmax_rows | AMX logits | AMX argmax (fused) "
-            "| fused / oneDNN + argmax | same bits |"
+            f"| rows | oneDNN logits | oneDNN + argmax_rows | {kernel} logits "
+            f"| {kernel} argmax (fused) | fused / oneDNN + argmax | GFLOP/s (fused) | same bits |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---|")
+        print("|---:|---:|---:|---:|---:|---:|---:|---|")
     else:
         print("| rows | oneDNN logits | oneDNN + argmax_rows | GFLOP/s (logits, median) |")
         print("|---:|---:|---:|---:|")
@@ -70,9 +74,9 @@ def main() -> int:
                 cpu_linear.packed_linear(x, onednn, None)
             ),
         }
-        if amx is not None:
-            variants["amx"] = lambda x=x: cpu_paged.amx_linear(x, amx, v)
-            variants["amx_argmax"] = lambda x=x: cpu_paged.amx_argmax(x, amx, v)
+        if packed is not None:
+            variants["one"] = lambda x=x: cpu_paged.amx_linear(x, packed, v, tiles)
+            variants["one_argmax"] = lambda x=x: cpu_paged.amx_argmax(x, packed, v, tiles)
         times: dict[str, list[float]] = {k: [] for k in variants}
         for fn in variants.values():
             fn()
@@ -84,13 +88,14 @@ def main() -> int:
                 times[k].append((time.perf_counter() - t0) * 1e3)
         med = {k: statistics.median(t) for k, t in times.items()}
         cells = " | ".join(f"{med[k]:.2f} ({min(times[k]):.2f})" for k in variants)
-        if amx is None:
+        if packed is None:
             gflops = 2 * m * v * args.hidden / (med["onednn"] * 1e-3) / 1e9
             print(f"| {m} | {cells} | {gflops:.0f} |")
             continue
-        same = torch.equal(variants["amx"](), variants["onednn"]())
-        ratio = med["amx_argmax"] / med["onednn_argmax"]
-        print(f"| {m} | {cells} | {ratio:.2f} | {'yes' if same else 'no'} |")
+        same = torch.equal(variants["one"](), variants["onednn"]())
+        ratio = med["one_argmax"] / med["onednn_argmax"]
+        gflops = 2 * m * v * args.hidden / (med["one_argmax"] * 1e-3) / 1e9
+        print(f"| {m} | {cells} | {ratio:.2f} | {gflops:.0f} | {'yes' if same else 'no'} |")
     return 0
 
 

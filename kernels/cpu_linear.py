@@ -30,7 +30,7 @@ import torch.nn.functional as F
 PATH_ENV = "PDSERVE_CPU_LINEAR"
 PATHS = ("auto", "onednn", "torch")
 HEAD_ENV = "PDSERVE_CPU_LM_HEAD"
-HEAD_PATHS = ("auto", "amx", "onednn")
+HEAD_PATHS = ("auto", "amx", "avx512", "onednn")
 
 
 @dataclass(frozen=True)
@@ -129,25 +129,30 @@ def head_request(requested: str | None = None) -> str:
     return requested
 
 
-def head_on_amx(plan: LinearPlan, weight: torch.Tensor, requested: str | None = None) -> bool:
-    """Whether a packed plan's LM head ``weight`` (bf16 ``[V, H]``) goes to the AMX projection
-    (``cpu_paged.amx_linear`` / ``amx_argmax``: the weight streamed once for all rows, a greedy
-    step's argmax fused in) instead of oneDNN. ``requested`` (default: ``PDSERVE_CPU_LM_HEAD``,
-    else ``auto``): ``auto`` takes AMX where it runs, ``amx`` insists, ``onednn`` declines."""
+def head_kernel(plan: LinearPlan, weight: torch.Tensor, requested: str | None = None) -> str | None:
+    """The one-pass kernel a packed plan's LM head ``weight`` (bf16 ``[V, H]``) goes to instead
+    of oneDNN (``cpu_paged.amx_linear`` / ``amx_argmax``: the weight streamed once for all rows,
+    a greedy step's argmax fused in): ``"amx"`` (tiles), ``"avx512"`` (AVX512-BF16 dot
+    products), or ``None`` (oneDNN). ``requested`` (default: ``PDSERVE_CPU_LM_HEAD``, else
+    ``auto``): ``auto`` takes AMX where it runs, else AVX512-BF16 where it was built; ``amx`` and
+    ``avx512`` insist; ``onednn`` declines."""
     requested = head_request(requested)
     if requested == "onednn" or not plan.packed:
-        return False
+        return None
     from kernels import cpu_paged
 
-    can = (
-        weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and weight.shape[1] % 32 == 0
-        and cpu_paged.amx_linear_available()
-    )
-    if requested == "amx" and not can:
+    shaped = weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+    amx = shaped and cpu_paged.amx_linear_available()
+    dp = shaped and cpu_paged.dp_linear_available()
+    if requested == "amx" and not amx:
         raise ValueError(f"{HEAD_ENV}=amx: no AMX tiles here, or the head is not bf16 [V, 32k]")
-    return can
+    if requested == "avx512" and not dp:
+        raise ValueError(
+            f"{HEAD_ENV}=avx512: no AVX512-BF16 here, or the head is not bf16 [V, 32k]"
+        )
+    if requested == "avx512" or (requested == "auto" and not amx and dp):
+        return "avx512"
+    return "amx" if amx else None
 
 
 def onednn_bf16() -> bool:

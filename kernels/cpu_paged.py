@@ -269,14 +269,24 @@ _amx_linear: bool | None = None
 
 
 def amx_linear_available() -> bool:
-    """Whether :func:`amx_linear` and :func:`amx_argmax` can run here: the extension was built
-    with AMX-BF16 (this CPU has the tiles) and Linux lets the process use them."""
+    """Whether :func:`amx_linear` and :func:`amx_argmax` can run on AMX tiles here: the
+    extension was built with AMX-BF16 (this CPU has the tiles) and Linux lets the process use
+    them."""
     global _amx_linear
     if _amx_linear is None:
         ext = _bf16_ext()
         probe = getattr(ext, "amx_linear_available", None)  # None: an older build (benches)
         _amx_linear = probe is not None and bool(probe())
     return _amx_linear
+
+
+def dp_linear_available() -> bool:
+    """Whether :func:`amx_linear` and :func:`amx_argmax` can run with ``tiles=False``: on
+    AVX512-BF16 dot products (AMD Zen 4, Xeons before Sapphire Rapids), the same walk over the
+    same packed weight."""
+    ext = _bf16_ext()
+    probe = getattr(ext, "dp_linear_available", None)
+    return probe is not None and bool(probe())
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -287,21 +297,22 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     return ext.amx_pack_linear(weight.detach())
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, tiles: bool = True) -> torch.Tensor:
     """``x @ weight.T`` (bf16 ``[M, n]``) from ``packed = amx_pack(weight)``: each thread
-    streams its share of the weight once for all M rows (oneDNN re-reads it per 64 rows)."""
+    streams its share of the weight once for all M rows (oneDNN re-reads it per 64 rows), on
+    AMX tiles or, ``tiles=False``, on AVX512-BF16 dot products."""
     ext = _bf16_ext()
     assert ext is not None
-    return ext.amx_linear_bf16(x.contiguous(), packed, int(n))
+    return ext.amx_linear_bf16(x.contiguous(), packed, int(n), bool(tiles))
 
 
-def amx_argmax(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``argmax_rows(amx_linear(x, packed, n))`` (``[M]`` int64, the first index of each row's
-    largest bf16 value) without writing the logits: a greedy step's LM head and draw in one
-    pass over the weight."""
+def amx_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, tiles: bool = True) -> torch.Tensor:
+    """``argmax_rows(amx_linear(x, packed, n, tiles))`` (``[M]`` int64, the first index of each
+    row's largest bf16 value) without writing the logits: a greedy step's LM head and draw in
+    one pass over the weight."""
     ext = _bf16_ext()
     assert ext is not None
-    return ext.amx_argmax_bf16(x.contiguous(), packed, int(n))
+    return ext.amx_argmax_bf16(x.contiguous(), packed, int(n), bool(tiles))
 
 
 PREFILL_ENV = "PDSERVE_CPU_PREFILL"

@@ -1540,6 +1540,98 @@ static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t*
   }
 }
 
+// Splits the column blocks [0, NB) into one contiguous range per thread: fn(t, nb0, nb1) on
+// each range t of ``parts``, with the tiles configured (and released after).
+template <typename Fn>
+static void al_parallel(int64_t NB, int64_t parts, const Fn& fn) {
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    al_configure();
+    for (int64_t t = b; t < e; ++t) fn(t, NB * t / parts, NB * (t + 1) / parts);
+    _tile_release();
+  });
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define AL_HAVE_DP 1
+// The same walk without tiles, for CPUs with AVX512-BF16 but no AMX (AMD Zen 4, Cooper Lake):
+// row p of a packed tile (nt, kt) is one 64-byte vector of 16 columns x one K pair, so
+// VDPBF16PS with that pair of an x row broadcast adds both products to 16 columns' fp32 sums,
+// pairs in K order from zero, as TDPBF16PS does. R rows x 32 columns of sums live in 2R
+// registers while the block streams past once; x rows stay in L1.
+template <int R>
+static inline void dp_rows(const uint16_t* x, int64_t K, const uint16_t* b0, const uint16_t* b1,
+                           const uint16_t* next0, const uint16_t* next1, float* cb) {
+  __m512 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) { c0[r] = _mm512_setzero_ps(); c1[r] = _mm512_setzero_ps(); }
+  const int64_t KT = K / 32;
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    if (next0 != nullptr)  // the next block, a K slice per step, fetched while this one runs
+      for (int l = 0; l < 16; l += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(next0 + kt * 512 + l * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next1 + kt * 512 + l * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next0 + kt * 512 + l * 32 + 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next1 + kt * 512 + l * 32 + 32), _MM_HINT_T0);
+      }
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kt * 512 + p * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kt * 512 + p * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * K + kt * 32 + 2 * p, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        c0[r] = _mm512_dpbf16_ps(c0[r], a, w0);
+        c1[r] = _mm512_dpbf16_ps(c1[r], a, w1);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(cb + r * 32, c0[r]);
+    _mm512_store_ps(cb + r * 32 + 16, c1[r]);
+  }
+}
+
+static constexpr int DP_ROWS = 12;  // 24 accumulators, 2 weight vectors, 1 broadcast
+
+// al_blocks' contract (epi(m0, rows, n0, cb) per block nb in [nb0, nb1) and group of up to 32
+// rows) on dot products; xs is [M, K] bf16, not padded: rows of a group past M are not computed.
+template <typename Epi>
+static void dp_blocks(const uint16_t* xs, int64_t M, int64_t K, const uint16_t* wp, int64_t nb0,
+                      int64_t nb1, const Epi& epi) {
+  const int64_t KT = K / 32, block = 2 * KT * 512;
+  alignas(64) float cb[32 * 32];
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const uint16_t* b0 = wp + nb * block;
+    const uint16_t* b1 = b0 + KT * 512;
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int rows = int(std::min<int64_t>(32, M - m0));
+      for (int r0 = 0; r0 < rows; r0 += DP_ROWS) {
+        // only the first pass over a block fetches the next one
+        const bool ahead = nb + 1 < nb1 && m0 == 0 && r0 == 0;
+        const uint16_t* n0 = ahead ? b0 + block : nullptr;
+        const uint16_t* n1 = ahead ? b1 + block : nullptr;
+        const uint16_t* x = xs + (m0 + r0) * K;
+        float* c = cb + r0 * 32;
+        switch (std::min(DP_ROWS, rows - r0)) {
+          case 1: dp_rows<1>(x, K, b0, b1, n0, n1, c); break;
+          case 2: dp_rows<2>(x, K, b0, b1, n0, n1, c); break;
+          case 3: dp_rows<3>(x, K, b0, b1, n0, n1, c); break;
+          case 4: dp_rows<4>(x, K, b0, b1, n0, n1, c); break;
+          case 5: dp_rows<5>(x, K, b0, b1, n0, n1, c); break;
+          case 6: dp_rows<6>(x, K, b0, b1, n0, n1, c); break;
+          case 7: dp_rows<7>(x, K, b0, b1, n0, n1, c); break;
+          case 8: dp_rows<8>(x, K, b0, b1, n0, n1, c); break;
+          case 9: dp_rows<9>(x, K, b0, b1, n0, n1, c); break;
+          case 10: dp_rows<10>(x, K, b0, b1, n0, n1, c); break;
+          case 11: dp_rows<11>(x, K, b0, b1, n0, n1, c); break;
+          default: dp_rows<12>(x, K, b0, b1, n0, n1, c); break;
+        }
+      }
+      epi(m0, rows, nb * 32, cb);
+    }
+  }
+}
+
 // fp32 -> bf16 (round to nearest even, as oneDNN's vcvtneps2bf16) and back to fp32
 static inline __m256i al_round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 static inline __m512 al_widen(__m256i h) {
@@ -1555,14 +1647,34 @@ static at::Tensor al_pad_rows(const at::Tensor& x) {
   return xp;
 }
 
-// Splits the column blocks [0, NB) into one contiguous range per thread: fn(t, nb0, nb1) on
-// each range t of ``parts``, with the tiles configured (and released after).
+// The walk of x [M, K] over the column blocks of wp on AMX tiles (x padded to 16 rows) or on
+// dot products, split into ``parts`` contiguous ranges of blocks run in parallel:
+// fn(t, rows, walk) per range t, rows the row count the walk covers (its epilogue's arrays),
+// walk(epi) walking that range's blocks.
 template <typename Fn>
-static void al_parallel(int64_t NB, int64_t parts, const Fn& fn) {
+static void al_run(const at::Tensor& x, const at::Tensor& wp, bool tiles, int64_t parts,
+                   const Fn& fn) {
+  const int64_t K = x.size(1), NB = wp.size(0) / 2;
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  if (tiles) {
+#ifdef PF_HAVE_AMX
+    auto xp = al_pad_rows(x);
+    const int64_t Mp = xp.size(0);
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+    al_parallel(NB, parts, [&](int64_t t, int64_t nb0, int64_t nb1) {
+      fn(t, Mp, [&](const auto& epi) { al_blocks(xs, Mp, K, ws, nb0, nb1, epi); });
+    });
+#endif
+    return;
+  }
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
-    al_configure();
-    for (int64_t t = b; t < e; ++t) fn(t, NB * t / parts, NB * (t + 1) / parts);
-    _tile_release();
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t nb0 = NB * t / parts, nb1 = NB * (t + 1) / parts;
+      fn(t, M, [&](const auto& epi) { dp_blocks(xs, M, K, ws, nb0, nb1, epi); });
+    }
   });
 }
 #endif
@@ -1583,6 +1695,23 @@ static bool amx_linear_available() {
 #else
   return false;
 #endif
+}
+
+// Whether the same projection on AVX512-BF16 dot products (tiles=false) was built.
+static bool dp_linear_available() {
+#ifdef AL_HAVE_DP
+  return true;
+#else
+  return false;
+#endif
+}
+
+static void al_check_kernel(bool tiles) {
+  if (tiles) {
+    TORCH_CHECK(amx_linear_available(), "no AMX tiles on this CPU or build");
+  } else {
+    TORCH_CHECK(dp_linear_available(), "no AVX512-BF16 in this build");
+  }
 }
 
 // w [N, K] bf16 -> [NT, K / 32, 512] bf16, NT = N rounded up to 32, in 16-column tiles: tile
@@ -1612,21 +1741,19 @@ at::Tensor amx_pack_linear(const at::Tensor& w) {
   return out;
 }
 
-// y = x w^T, bf16 [M, N], for x [M, K] bf16 and wp = amx_pack_linear(w) of w [N, K].
-at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+// y = x w^T, bf16 [M, N], for x [M, K] bf16 and wp = amx_pack_linear(w) of w [N, K]; on AMX
+// tiles, or (tiles = false) on AVX512-BF16 dot products.
+at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool tiles) {
   al_check(x, wp, N);
-  TORCH_CHECK(amx_linear_available(), "no AMX tiles on this CPU or build");
-  const int64_t M = x.size(0), K = x.size(1);
+  al_check_kernel(tiles);
+  const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
-#ifdef PF_HAVE_AMX
+#ifdef AL_HAVE_DP
   if (M == 0) return y;
-  auto xp = al_pad_rows(x);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
-  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   uint16_t* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t NB = wp.size(0) / 2, parts = std::min<int64_t>(NB, at::get_num_threads());
-  al_parallel(NB, parts, [&](int64_t, int64_t nb0, int64_t nb1) {
-    al_blocks(xs, xp.size(0), K, ws, nb0, nb1, [&](int64_t m0, int rows, int64_t n0, const float* cb) {
+  const int64_t parts = std::min<int64_t>(wp.size(0) / 2, at::get_num_threads());
+  al_run(x, wp, tiles, parts, [&](int64_t, int64_t, const auto& walk) {
+    walk([&](int64_t m0, int rows, int64_t n0, const float* cb) {
       // a row's 32 values as one 64-byte line: streamed past the cache where whole and aligned
       // (the logits are read once, by the sampler, after the whole matrix is written)
       const int64_t left = N - n0;
@@ -1645,30 +1772,27 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N)
   return y;
 }
 
-// argmax_rows(amx_linear_bf16(x, wp, N)) without the logits: [M] int64.
-at::Tensor amx_argmax_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+// argmax_rows(amx_linear_bf16(x, wp, N, tiles)) without the logits: [M] int64.
+at::Tensor amx_argmax_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool tiles) {
   al_check(x, wp, N);
-  TORCH_CHECK(amx_linear_available(), "no AMX tiles on this CPU or build");
-  const int64_t M = x.size(0), K = x.size(1);
+  al_check_kernel(tiles);
+  const int64_t M = x.size(0);
   auto out = at::empty({M}, x.options().dtype(at::kLong));
-#ifdef PF_HAVE_AMX
+#ifdef AL_HAVE_DP
   if (M == 0) return out;
-  auto xp = al_pad_rows(x);
-  const int64_t Mp = xp.size(0);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
-  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   const int64_t NB = wp.size(0) / 2, parts = std::min<int64_t>(NB, at::get_num_threads());
   // each range's best value and index per row, merged in range order below
   std::vector<float> best(parts * M);
   std::vector<int64_t> best_i(parts * M);
-  al_parallel(NB, parts, [&](int64_t t, int64_t nb0, int64_t nb1) {
+  al_run(x, wp, tiles, parts, [&](int64_t t, int64_t Mp, const auto& walk) {
+    const int64_t nb0 = NB * t / parts;
     // per row, 16 lanes of running maxima: lane j sees columns = j mod 16 in increasing order,
     // and a later one replaces the kept one only when strictly greater (the first index wins)
     std::vector<float> vmax(Mp * 16);
     std::vector<int32_t> vidx(Mp * 16);
     for (int64_t i = 0; i < Mp * 16; ++i) { vmax[i] = -INFINITY; vidx[i] = int32_t(nb0 * 32 + i % 16); }
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    al_blocks(xs, Mp, K, ws, nb0, nb1, [&](int64_t m0, int rows, int64_t n0, const float* cb) {
+    walk([&](int64_t m0, int rows, int64_t n0, const float* cb) {
       for (int h = 0; h < 2; ++h) {
         const int64_t n = n0 + 16 * h;
         if (n >= N) break;
@@ -1827,8 +1951,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_available", &amx_linear_available,
         "whether the AMX projection was built and may use the tile registers");
   m.def("amx_pack_linear", &amx_pack_linear, "an [N, K] bf16 weight in amx_linear's tile layout");
-  m.def("amx_linear_bf16", &amx_linear_bf16, nogil, "x @ w.T on AMX tiles, the weight read once (bf16)");
+  m.def("dp_linear_available", &dp_linear_available,
+        "whether amx_linear_bf16 / amx_argmax_bf16 run without tiles (AVX512-BF16)");
+  m.def("amx_linear_bf16", &amx_linear_bf16, nogil,
+        "x @ w.T from the packed weight, read once (bf16; AMX tiles or AVX512-BF16)");
   m.def("amx_argmax_bf16", &amx_argmax_bf16, nogil,
-        "argmax of each row of x @ w.T on AMX tiles, without the logits (bf16)");
+        "argmax of each row of x @ w.T, without the logits (bf16; AMX tiles or AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether linear_bf16 was built");
 }

@@ -306,8 +306,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = rotary
         self.tied_packed: torch.Tensor | None = None  # a packed copy of a tied LM head
-        # the LM head in the AMX projection's tile layout (``prepack_linears``; whole model only)
-        self.head_amx: torch.Tensor | None = None
+        # the LM head in the one-pass projection's tile layout (``prepack_linears``; whole model
+        # only), run on AMX tiles when ``head_tiles``, else on AVX512-BF16 dot products
+        self.head_packed: torch.Tensor | None = None
+        self.head_tiles = False
         # the decode step's layers as one call (``plan_decode``, set by the loader)
         self._decode_plan: Callable[..., torch.Tensor] | None = None
         self.small_linear = getattr(backend, "small_linear", None)
@@ -420,8 +422,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> logits [N, V] in the model dtype (the sampler upcasts when it must)
-        if self.head_amx is not None:
-            return cpu_paged.amx_linear(hidden, self.head_amx, self.vocab_rows)
+        if self.head_packed is not None:
+            return cpu_paged.amx_linear(hidden, self.head_packed, self.vocab_rows, self.head_tiles)
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
@@ -435,16 +437,16 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``compute_logits(hidden).argmax(-1)`` (the first index of each row's largest bf16
-        logit) in one pass over the LM head that writes no logits, where the head is on AMX;
-        else ``None`` (the caller computes the logits)."""
-        if self.head_amx is None:
+        logit) in one pass over the LM head that writes no logits, where the head is packed for
+        the one-pass projection; else ``None`` (the caller computes the logits)."""
+        if self.head_packed is None:
             return None
-        return cpu_paged.amx_argmax(hidden, self.head_amx, self.vocab_rows)
+        return cpu_paged.amx_argmax(hidden, self.head_packed, self.vocab_rows, self.head_tiles)
 
     def prepack_linears(self, plan: cpu_linear.LinearPlan) -> int:
         """Reorder every dense projection's weight (and the LM head's) for ``plan``'s kernel;
         the packed weight replaces the plain one. The LM head of a whole (unsharded) model goes
-        to the AMX projection where ``cpu_linear.head_on_amx`` says so. Returns the bytes
+        to the one-pass projection where ``cpu_linear.head_kernel`` names one. Returns the bytes
         packed."""
         if not plan.packed:
             return 0
@@ -452,13 +454,14 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head.weight if self.lm_head is not None else None
         if head is None and self.embed_tokens is not None:
             head = self.embed_tokens.weight  # tied: the lookup keeps the table, this is a copy
-        if (
-            head is not None
-            and self.shard.tp_size == 1
-            and self.shard.pp_size == 1
-            and cpu_linear.head_on_amx(plan, head)
-        ):
-            self.head_amx = cpu_paged.amx_pack(head)
+        kernel = (
+            cpu_linear.head_kernel(plan, head)
+            if head is not None and self.shard.tp_size == 1 and self.shard.pp_size == 1
+            else None
+        )
+        if head is not None and kernel is not None:
+            self.head_packed = cpu_paged.amx_pack(head)
+            self.head_tiles = kernel == "amx"
             total += head.numel() * head.element_size()
             if self.lm_head is not None:
                 del self.lm_head.weight
@@ -471,7 +474,7 @@ class LlamaForCausalLM(nn.Module):
                 m.register_parameter("weight", None)
         if (
             self.lm_head is None
-            and self.head_amx is None
+            and self.head_packed is None
             and self.embed_tokens is not None
             and self.shard.last_stage
         ):

@@ -163,12 +163,15 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             kinds[f"{name.rpartition('.')[2]}: quantized"] += 1
-        elif isinstance(m, Linear) and not (m is model.lm_head and model.head_amx is not None):
+        elif isinstance(m, Linear) and not (m is model.lm_head and model.head_packed is not None):
             kinds[f"{name.rpartition('.')[2]}: {plan.path}"] += 1
-    head = "AMX tiles, one pass, greedy argmax fused" if model.head_amx is not None else plan.path
+    head = plan.path
+    if model.head_packed is not None:
+        kernel = "AMX tiles" if model.head_tiles else "AVX512-BF16 dot products"
+        head = f"{kernel}, one pass, greedy argmax fused"
     if model.lm_head is None and model.shard.last_stage:
         kinds[f"lm_head (tied): {head}"] += 1
-    elif model.head_amx is not None:
+    elif model.head_packed is not None:
         kinds[f"lm_head: {head}"] += 1
     logger.info(
         "linear layers: %s; %s%s",

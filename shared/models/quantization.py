@@ -175,9 +175,9 @@ def weight_bytes(model: nn.Module) -> int:
         packed = getattr(m, "packed", None)
         if packed is not None:  # a dense weight reordered for the CPU (kernels/cpu_linear.py)
             total += packed.numel() * packed.element_size()
-    # the LM head in the AMX tile layout (kernels/cpu_paged.py), else oneDNN's copy of a tied
-    # one: a step reads that, and a tied head's table only for its batch's rows
-    head = getattr(model, "head_amx", None)
+    # the LM head in the one-pass projection's layout (kernels/cpu_paged.py), else oneDNN's copy
+    # of a tied one: a step reads that, and a tied head's table only for its batch's rows
+    head = getattr(model, "head_packed", None)
     if head is None:
         head = getattr(model, "tied_packed", None)
     if head is not None:

@@ -1,7 +1,8 @@
-"""The AMX projection (kernels/csrc/cpu_paged.cpp, ``amx_linear_bf16`` / ``amx_argmax_bf16``):
-the product within bf16 rounding, the same bits as oneDNN's packed primitive on these shapes,
-each row's output independent of the other rows, and a fused argmax that is exactly
-``argmax_rows`` of the logits it would have written (first index on ties, across threads)."""
+"""The one-pass projection (kernels/csrc/cpu_paged.cpp, ``amx_linear_bf16`` /
+``amx_argmax_bf16``) on AMX tiles (``tiles``) and on AVX512-BF16 dot products (``dp``): the
+product within bf16 rounding, the same bits as oneDNN's packed primitive on these shapes, each
+row's output independent of the other rows, and a fused argmax that is exactly ``argmax_rows``
+of the logits it would have written (first index on ties, across threads)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import torch
 
 from kernels import cpu_linear, cpu_paged
 
-pytestmark = pytest.mark.skipif(
-    not cpu_paged.amx_linear_available(), reason="no AMX tiles on this CPU or build"
-)
+
+@pytest.fixture(params=["tiles", "dp"])
+def tiles(request) -> bool:
+    """Each test runs on both kernels, where this CPU and build have them."""
+    if request.param == "tiles" and not cpu_paged.amx_linear_available():
+        pytest.skip("no AMX tiles on this CPU or build")
+    if request.param == "dp" and not cpu_paged.dp_linear_available():
+        pytest.skip("no AVX512-BF16 in this build")
+    return request.param == "tiles"
 
 
 def _case(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,42 +31,42 @@ def _case(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64, 130])
 @pytest.mark.parametrize("n,k", [(32000, 256), (1000, 64), (37, 32), (4099, 896)])
-def test_the_product_within_bf16_rounding_and_its_argmax(m, n, k):
+def test_the_product_within_bf16_rounding_and_its_argmax(m, n, k, tiles):
     x, w = _case(m, n, k)
     packed = cpu_paged.amx_pack(w)
     assert packed.shape == ((n + 31) // 32 * 2, k // 32, 512)
-    y = cpu_paged.amx_linear(x, packed, n)
+    y = cpu_paged.amx_linear(x, packed, n, tiles)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     exact = x.float() @ w.float().T
     bound = exact.abs() * 2.0**-8 + 2e-3 * exact.abs().max()
     assert ((y.float() - exact).abs() <= bound).all()
-    assert torch.equal(cpu_paged.amx_argmax(x, packed, n), cpu_paged.argmax_rows(y))
+    assert torch.equal(cpu_paged.amx_argmax(x, packed, n, tiles), cpu_paged.argmax_rows(y))
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
-def test_the_same_bits_as_onednn_for_an_lm_head_shape(m):
+def test_the_same_bits_as_onednn_for_an_lm_head_shape(m, tiles):
     """K = 256 (the bench model's head): one tile accumulator over K in order from zero makes
     oneDNN's AMX sums, so a model's logits do not change when its head moves here."""
     if not cpu_linear.onednn_bf16():
         pytest.skip("no oneDNN bf16 on this CPU")
     x, w = _case(m, 32000, 256, seed=1)
-    got = cpu_paged.amx_linear(x, cpu_paged.amx_pack(w), 32000)
+    got = cpu_paged.amx_linear(x, cpu_paged.amx_pack(w), 32000, tiles)
     assert torch.equal(got, cpu_linear.packed_linear(x, cpu_linear.pack(w), None))
 
 
-def test_each_rows_output_does_not_depend_on_the_others():
+def test_each_rows_output_does_not_depend_on_the_others(tiles):
     x, w = _case(70, 3000, 128, seed=2)
     packed = cpu_paged.amx_pack(w)
-    whole = cpu_paged.amx_linear(x, packed, 3000)
+    whole = cpu_paged.amx_linear(x, packed, 3000, tiles)
     for i in (0, 15, 16, 69):
-        assert torch.equal(cpu_paged.amx_linear(x[i : i + 1], packed, 3000)[0], whole[i])
-        assert int(cpu_paged.amx_argmax(x[i : i + 1], packed, 3000)[0]) == int(
+        assert torch.equal(cpu_paged.amx_linear(x[i : i + 1], packed, 3000, tiles)[0], whole[i])
+        assert int(cpu_paged.amx_argmax(x[i : i + 1], packed, 3000, tiles)[0]) == int(
             cpu_paged.argmax_rows(whole[i : i + 1])[0]
         )
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_ties_go_to_the_first_index_within_and_across_thread_ranges(threads):
+def test_ties_go_to_the_first_index_within_and_across_thread_ranges(threads, tiles):
     """Equal logits: copies of one weight row at columns in the same 16-column lane, in other
     lanes, and in the other thread's half of the columns; the first copy must win."""
     n, k = 2048, 64
@@ -74,21 +81,21 @@ def test_ties_go_to_the_first_index_within_and_across_thread_ranges(threads):
     torch.set_num_threads(threads)
     try:
         packed = cpu_paged.amx_pack(w)
-        got = cpu_paged.amx_argmax(x.bfloat16(), packed, n)
-        logits = cpu_paged.amx_linear(x.bfloat16(), packed, n)
+        got = cpu_paged.amx_argmax(x.bfloat16(), packed, n, tiles)
+        logits = cpu_paged.amx_linear(x.bfloat16(), packed, n, tiles)
     finally:
         torch.set_num_threads(old)
     assert (got == first).all()
     assert torch.equal(got, logits.float().argmax(-1))
 
 
-def test_bad_arguments_are_errors_not_crashes():
+def test_bad_arguments_are_errors_not_crashes(tiles):
     x, w = _case(4, 64, 64)
     packed = cpu_paged.amx_pack(w)
     with pytest.raises(RuntimeError, match="amx_pack_linear"):
-        cpu_paged.amx_linear(x, packed, 65)  # more columns than packed
+        cpu_paged.amx_linear(x, packed, 65, tiles)  # more columns than packed
     with pytest.raises(RuntimeError, match="amx_pack_linear"):
-        cpu_paged.amx_linear(torch.zeros(4, 96, dtype=torch.bfloat16), packed, 64)
+        cpu_paged.amx_linear(torch.zeros(4, 96, dtype=torch.bfloat16), packed, 64, tiles)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_paged.amx_pack(torch.zeros(8, 48, dtype=torch.bfloat16))
-    assert cpu_paged.amx_argmax(x[:0], packed, 64).shape == (0,)
+    assert cpu_paged.amx_argmax(x[:0], packed, 64, tiles).shape == (0,)

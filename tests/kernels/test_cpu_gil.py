@@ -123,15 +123,18 @@ def test_paged_prefill_releases_the_gil():
     assert _ran_beside(lambda: ext.paged_prefill_bf16(q, kv, 0, tables, lens, qsl, scale, False))
 
 
-def test_amx_head_releases_the_gil():
-    if not cpu_paged.amx_linear_available():
+@pytest.mark.parametrize("tiles", [True, False])
+def test_one_pass_head_releases_the_gil(tiles):
+    if tiles and not cpu_paged.amx_linear_available():
         pytest.skip("this CPU has no AMX tiles")
+    if not tiles and not cpu_paged.dp_linear_available():
+        pytest.skip("no AVX512-BF16 in this build")
     w = torch.randn(32000, 256).bfloat16()
     packed = cpu_paged.amx_pack(w)
     x = torch.randn(64, 256).bfloat16()
     ext = cpu_paged._bf16_ext()
-    assert _ran_beside(lambda: ext.amx_linear_bf16(x, packed, 32000))
-    assert _ran_beside(lambda: ext.amx_argmax_bf16(x, packed, 32000))
+    assert _ran_beside(lambda: ext.amx_linear_bf16(x, packed, 32000, tiles))
+    assert _ran_beside(lambda: ext.amx_argmax_bf16(x, packed, 32000, tiles))
 
 
 def test_quantized_gemm_releases_the_gil():

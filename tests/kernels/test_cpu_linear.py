@@ -88,7 +88,7 @@ def test_packed_linear_is_the_product_within_bf16_rounding(m, n, k, bias):
     assert (got.float() - exact).abs().max() <= 1.5 * (ref - exact).abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("head", ["onednn", "amx"])
+@pytest.mark.parametrize("head", ["onednn", "amx", "avx512"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
 def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
     monkeypatch, make_model, arch, head
@@ -102,7 +102,9 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
     if not cpu_linear.onednn_bf16():
         pytest.skip("no oneDNN bf16 on this CPU")
     if head == "amx" and not cpu_paged.amx_linear_available():
-        pytest.skip("no AMX tiles here: the LM head stays on oneDNN")
+        pytest.skip("no AMX tiles here")
+    if head == "avx512" and not cpu_paged.dp_linear_available():
+        pytest.skip("no AVX512-BF16 here")
     cfg = EngineArgs(model=str(make_model("tiny", arch)), dtype="bfloat16").create_model_config()
     backend = get_backend("torch")
     monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
@@ -114,8 +116,9 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
     assert all(m.weight is not None and m.packed is None for m in plain_linears)
     tied = arch == "qwen2"
-    on_amx = head == "amx"
-    assert (packed.head_amx is not None) == on_amx
+    on_amx = head != "onednn"  # the one-pass projection, on tiles or on dot products
+    assert (packed.head_packed is not None) == on_amx
+    assert packed.head_tiles == (head == "amx")
     if on_amx and not tied:  # the head's plain weight went into the tile layout
         assert packed.lm_head.weight is None and packed.lm_head.packed is None
         linears.remove(packed.lm_head)
@@ -153,13 +156,25 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
 def test_the_lm_head_setting_is_checked(monkeypatch):
     plan = cpu_linear.LinearPlan("onednn", "test")
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    assert not cpu_linear.head_on_amx(plan, w, "onednn")
-    assert not cpu_linear.head_on_amx(cpu_linear.LinearPlan("torch", "test"), w, "auto")
-    assert not cpu_linear.head_on_amx(plan, torch.zeros(64, 48, dtype=torch.bfloat16), "auto")
+    assert cpu_linear.head_kernel(plan, w, "onednn") is None
+    assert cpu_linear.head_kernel(cpu_linear.LinearPlan("torch", "test"), w, "auto") is None
+    odd = torch.zeros(64, 48, dtype=torch.bfloat16)  # K % 32 != 0
+    assert cpu_linear.head_kernel(plan, odd, "auto") is None
     with pytest.raises(ValueError, match="PDSERVE_CPU_LM_HEAD='tiles': expected one of auto"):
-        cpu_linear.head_on_amx(plan, w, "tiles")
-    with pytest.raises(ValueError, match="PDSERVE_CPU_LM_HEAD=amx"):  # K % 32 != 0
-        cpu_linear.head_on_amx(plan, torch.zeros(64, 48, dtype=torch.bfloat16), "amx")
+        cpu_linear.head_kernel(plan, w, "tiles")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_LM_HEAD=amx"):
+        cpu_linear.head_kernel(plan, odd, "amx")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_LM_HEAD=avx512"):
+        cpu_linear.head_kernel(plan, odd, "avx512")
+    from kernels import cpu_paged
+
+    auto = cpu_linear.head_kernel(plan, w, "auto")  # AMX first, then AVX512-BF16, else oneDNN
+    if cpu_paged.amx_linear_available():
+        assert auto == "amx"
+    elif cpu_paged.dp_linear_available():
+        assert auto == "avx512"
+    else:
+        assert auto is None
 
 
 def test_a_bad_override_is_a_config_error_naming_it(monkeypatch, make_model):
@@ -202,22 +217,25 @@ def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
         assert cpu_paged._prefill_amx is (amx_here and setting != "avx512")
 
 
-def test_greedy_draws_on_the_amx_head_match_the_logits_path(monkeypatch, make_model):
+@pytest.mark.parametrize("head", ["amx", "avx512"])
+def test_greedy_draws_on_the_one_pass_head_match_the_logits_path(monkeypatch, make_model, head):
     """A step whose rows are all plain greedy takes its tokens from the fused head + argmax
     (no logits); the same prompts give the same tokens through oneDNN's logits, and asking
     for logprobs (which needs the logits) does not change them."""
     from kernels import cpu_paged
     from shared.engine import LLM, SamplingParams
 
-    if not cpu_paged.amx_linear_available():
-        pytest.skip("no AMX tiles here: the LM head stays on oneDNN")
+    if head == "amx" and not cpu_paged.amx_linear_available():
+        pytest.skip("no AMX tiles here")
+    if head == "avx512" and not cpu_paged.dp_linear_available():
+        pytest.skip("no AVX512-BF16 here")
     model = str(make_model("tiny", "llama"))
     prompts = [[5 + i, 17, 99 + 3 * i, 42] * (1 + i) for i in range(6)]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with_lp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
 
-    def run(head: str, params: SamplingParams) -> tuple[list[list[int]], int]:
-        monkeypatch.setenv(cpu_linear.HEAD_ENV, head)
+    def run(path: str, params: SamplingParams) -> tuple[list[list[int]], int]:
+        monkeypatch.setenv(cpu_linear.HEAD_ENV, path)
         llm = LLM(model, kv_cache_memory="16MiB", dtype="bfloat16")
         m = llm.engine.runner.model  # type: ignore[attr-defined]
         calls = []
@@ -226,9 +244,9 @@ def test_greedy_draws_on_the_amx_head_match_the_logits_path(monkeypatch, make_mo
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [list(o.outputs[0].token_ids) for o in outs], len(calls)
 
-    amx, fused_steps = run("amx", greedy)
+    one_pass, fused_steps = run(head, greedy)
     assert fused_steps > 0  # the greedy steps drew on the head
     onednn, _ = run("onednn", greedy)
-    assert amx == onednn
-    logprobs, lp_steps = run("amx", with_lp)
-    assert lp_steps == 0 and logprobs == amx
+    assert one_pass == onednn
+    logprobs, lp_steps = run(head, with_lp)
+    assert lp_steps == 0 and logprobs == one_pass
