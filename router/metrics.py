@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared.directory.mirror import DirectoryMirror
-from shared.prom import LoopHistogram
+from shared.prom import GcCollector, LoopHistogram
 
 # vLLM's buckets for the same metrics
 _TTFT_BUCKETS = (
@@ -117,6 +117,7 @@ class RouterMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        GcCollector({"model_name": model_name, "role": "router"}, r)
         # observed once per streamed token: the lock-free kind (one label set: this model)
         self.itl = LoopHistogram(
             "pdserve:inter_token_latency_seconds",

@@ -13,7 +13,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import gc
 import hashlib
 import hmac
 import json
@@ -71,6 +70,7 @@ from shared.directory import (
     make_member,
 )
 from shared.directory.mirror import DirectoryMirror
+from shared.prom import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -257,8 +257,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             # Everything built so far lives as long as the router: move it out of the GC's
             # generations, so a full collection (triggered by a large request's objects)
             # scans only request objects and stays short (vLLM's API server does the same)
-            gc.collect()
-            gc.freeze()
+            freeze_startup_heap()
             logger.info(
                 "router for %r: max_model_len %d, %d decode / %d prefill workers known",
                 config.name,

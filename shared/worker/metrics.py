@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.engine import EngineStats
-from shared.prom import LoopHistogram
+from shared.prom import GcCollector, LoopHistogram
 
 LATENCY_BUCKETS = (
     0.001,
@@ -150,6 +150,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker_id": worker_id, "model_name": model}
         self.registry.register(_EngineCollector(stats_fn, labels))
+        GcCollector(labels, self.registry)
         names = list(labels)
         kw = dict(labelnames=names, registry=self.registry)
         self.ttft = Histogram(

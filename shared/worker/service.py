@@ -29,6 +29,7 @@ from shared.config import ConfigError, EngineArgs
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
+from shared.prom import freeze_startup_heap
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
 from shared.security import ClusterSecurity, SecurityConfigError
@@ -403,6 +404,11 @@ async def serve_worker(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = runtime.security.add_port(server, f"{args.host}:{args.port}")
     await server.start()
+    # the model, the engine and the servers live as long as the process: out of the cyclic
+    # collector's reach, so a full collection walks only what requests allocate (measured:
+    # ~240k objects for the small model, whose full collection took 0.1-0.3 s of every thread)
+    frozen = freeze_startup_heap()
+    logger.info("froze %d start-up objects out of the garbage collector's generations", frozen)
     httpd = start_metrics_server(args.host, args.metrics_port, runtime.metrics.registry)
     metrics_port = httpd.server_port
     grpc_addr = advertise(args, port)

@@ -1,6 +1,7 @@
-"""tests/ports.py: a server port for a test is picked below the kernel's ephemeral range, where
-no outgoing connection or ``bind(0)`` can take it before the server binds it (CI saw a router
-fail with "address already in use" on a port that ``bind(0)`` had handed out)."""
+"""shared/ports.py: a server port (a test's, the embedded Redis's) is picked below the kernel's
+ephemeral range, where no outgoing connection or ``bind(0)`` can take it before the server
+binds it (CI saw a router fail with "address already in use" on a port that ``bind(0)`` had
+handed out)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 
 import pytest
 
-from tests import ports
+from shared import ports
 
 
 @pytest.mark.unit
