@@ -410,6 +410,13 @@ def exported_series() -> dict[str, str]:
                 callee, name = _callee(call), call.args[0].value
                 if callee in _METRIC_TYPES and name.startswith("pdserve:"):
                     metrics[name] = _METRIC_TYPES[callee]
+                elif (  # a custom collector's Metric(name, doc, type), shared/prom.py's
+                    callee == "Metric"
+                    and name.startswith("pdserve:")
+                    and len(call.args) >= 3
+                    and isinstance(call.args[2], ast.Constant)
+                ):
+                    metrics[name] = str(call.args[2].value)
                 elif callee in helpers:
                     prefix, kind = helpers[callee]
                     metrics[prefix + name] = kind
@@ -471,6 +478,8 @@ def test_exported_series_cover_the_documented_metrics():
         "pdserve:kv_transfer_bytes_total",
         "pdserve:router_requests_total",
         "pdserve:prefill_fallbacks_total",
+        "pdserve:gc_pause_seconds_bucket",
+        "pdserve:gc_frozen_objects",
     ):
         assert name in series, name
     assert "pdserve:num_requests_running_total" not in series  # a gauge has no _total
