@@ -287,3 +287,39 @@ def test_publisher_numbers_entries_without_holes_across_workers(redis_server, ke
     assert fields[1]["a"] == h[0].hex() and fields[1]["r"] == ""  # h[2] was never b's
     assert fields[3]["a"] == "" and fields[3]["r"] == h[0].hex()
     assert make_member("a", a.generation) == a.member
+
+
+def test_the_mirror_leaves_nothing_for_a_full_gc_to_walk(redis_server, keys):
+    """The router's copy of the directory can hold hundreds of thousands of blocks; a set per
+    block made each full garbage collection of the router walk them all (150k: ~20 ms of its
+    event loop, every ~13 s under load). Holders are tuples, which the collector untracks."""
+    import gc
+
+    a, pa = make_worker(redis_server.url, keys, "a")
+    b, pb = make_worker(redis_server.url, keys, "b")
+    a.register(), b.register()
+    h = chain(6)
+    pa.publish([BlockStored(tuple(h))])
+
+    async def main():
+        mirror = mirror_for(redis_server.url, keys)
+        task = asyncio.create_task(mirror.run())
+        try:
+            await until(lambda: mirror.synced, "the first load")  # a's blocks: from the scan
+            await asyncio.to_thread(pb.publish, [BlockStored(tuple(h[:3]))])  # b's: the stream
+            await caught_up(mirror)
+            gc.collect()
+            holders = list(mirror._blocks.values())
+            assert len(holders) == 6 and not any(gc.is_tracked(v) for v in holders)
+            match = mirror.prefix_match(h, {"a": a.generation, "b": b.generation})
+            assert match.blocks == {"a": 6, "b": 3}
+            await asyncio.to_thread(pb.publish, [BlockRemoved((h[0],))])
+            await caught_up(mirror)
+            assert mirror.prefix_match(h, {"b": b.generation}).blocks == {"b": 0}
+            assert mirror.prefix_match(h, {"a": a.generation}).blocks == {"a": 6}
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await mirror.client.aclose()
+
+    run(main())
