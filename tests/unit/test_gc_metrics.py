@@ -61,7 +61,9 @@ def test_freezing_moves_the_live_heap_out_of_reach():
     try:
         frozen = freeze_startup_heap()
         assert frozen >= len(keep)
-        assert _scrape(reg)[("pdserve:gc_frozen_objects", "")] == gc.get_freeze_count() == frozen
+        # frozen objects that die leave the count (the process frees some as it runs), and
+        # nothing joins it after the freeze: the gauge is between what stays and what froze
+        assert len(keep) <= _scrape(reg)[("pdserve:gc_frozen_objects", "")] <= frozen
         young = len(gc.get_objects())
         assert young < frozen  # a full collection now walks only what came after
     finally:
