@@ -192,15 +192,8 @@ class GenerateMuxMixin:
     async def GenerateMux(
         self, request_iterator: AsyncIterator[pb.MuxUp], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MuxDown]:
-        try:
-            async for down in serve_mux(self.Generate, request_iterator):  # type: ignore[attr-defined]
-                yield down
-        except asyncio.CancelledError:
-            # the server stops (a drained worker's last step) with the router's shared call
-            # still open, as it always is: serve_mux has cancelled and awaited every request
-            # on it, nothing is left to answer, and grpc logged the cancellation as an
-            # unhandled servicer exception (seen at the end of a clean drain)
-            return
+        async for down in serve_mux(self.Generate, request_iterator):  # type: ignore[attr-defined]
+            yield down
 
 
 # ---- router side ----------------------------------------------------------------------------

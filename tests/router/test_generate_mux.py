@@ -278,28 +278,3 @@ def test_requests_started_together_are_merged_up_to_the_token_bound():
     assert [[r.request_id for r in u.start] for u in out] == [["a", "big"], ["big2", "b"]]
     assert [list(u.cancel) for u in out] == [["old"], []]
     assert _merged(ups[:1]) == ups[:1]
-
-
-def test_a_worker_stopping_with_the_shared_call_open_logs_no_servicer_error(caplog):
-    """A drained worker stops its server while the router's shared call is still open (it
-    always is): the call's handler is cancelled, which grpc logged as an unhandled servicer
-    exception at every clean drain."""
-    from shared.proto.mux import GenerateMuxMixin
-
-    class Worker(GenerateMuxMixin, Scripted):
-        pass
-
-    async def scenario():
-        svc = Worker()
-        svc.step.set()
-        port = free_port()
-        server = await _server(svc, port)
-        ch, mux = _client(port)
-        assert await _drain(mux.start(pb.GenerateRequest(request_id="tok-2-a"))) == [0, 1]
-        await server.stop(0.2)  # the call is open, no request on it
-        # and the worker's main coroutine returns: asyncio.run cancels what is left
-
-    with caplog.at_level("ERROR"):
-        asyncio.run(scenario())
-    errors = [r for r in caplog.records if r.levelname == "ERROR"]
-    assert not errors, [r.getMessage() for r in errors]
