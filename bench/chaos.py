@@ -201,11 +201,11 @@ async def plain_one(
 
 
 def _free_port() -> int:
-    import socket
+    # below the ephemeral range: Redis is restarted on its port by the kill-redis fault, and an
+    # outgoing connection must not be able to take it in between (shared/ports.py)
+    from shared.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def make_cluster(
