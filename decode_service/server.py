@@ -547,6 +547,11 @@ async def _main(args: argparse.Namespace) -> int:
     servicer = DecodeServicer(rt, receiver, args.kv_transfer_timeout)
 
     async def shutdown() -> None:
+        # after the drain: the routers' shared GenerateMux calls end with OK, not cancelled
+        # by server.stop under grpc's handler
+        left = await servicer.close_mux_calls()
+        if left:
+            logger.warning("%d GenerateMux calls still open at stop", left)
         for channel, _ in servicer.channels.values():
             await channel.close()
         receiver.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -103,13 +104,20 @@ def _end(
 async def serve_mux(
     handler: Callable[[pb.GenerateRequest, Any], Any],
     request_iterator: AsyncIterator[pb.MuxUp],
+    closing: asyncio.Event | None = None,
 ) -> AsyncIterator[pb.MuxDown]:
     """The body of a ``GenerateMux`` servicer method: runs ``handler`` (the servicer's own
     ``Generate``: an async generator of chunks, or a coroutine that writes them through its
-    context) for every request started on this call and yields the batched outputs."""
+    context) for every request started on this call and yields the batched outputs.
+
+    Once ``closing`` is set the call ends with OK as soon as the requests already started on
+    it have ended; requests the router starts after that are not read (the router sees the
+    call end and sends them elsewhere)."""
     outbox: asyncio.Queue[Any] = asyncio.Queue()
     tasks: dict[str, asyncio.Task[None]] = {}
     reading = True
+    if closing is None:
+        closing = asyncio.Event()
 
     async def run(req: pb.GenerateRequest) -> None:
         rid = req.request_id
@@ -158,9 +166,14 @@ async def serve_mux(
             reading = False
             outbox.put_nowait(None)
 
+    async def close() -> None:
+        await closing.wait()
+        outbox.put_nowait(None)  # wakes the writer to end the call
+
     reader = asyncio.ensure_future(read())
+    closer = asyncio.ensure_future(close())
     try:
-        while reading or tasks or not outbox.empty():
+        while (reading and not closing.is_set()) or tasks or not outbox.empty():
             items = [await outbox.get()]
             while not outbox.empty():
                 items.append(outbox.get_nowait())
@@ -179,7 +192,8 @@ async def serve_mux(
                 yield down
     finally:
         reader.cancel()
-        pending = [reader, *tasks.values()]
+        closer.cancel()
+        pending = [reader, closer, *tasks.values()]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -187,13 +201,47 @@ async def serve_mux(
 
 class GenerateMuxMixin:
     """``GenerateMux`` for a ``DecodeWorker`` servicer that has ``Generate``: list it before
-    the generated servicer base (whose ``GenerateMux`` answers UNIMPLEMENTED)."""
+    the generated servicer base (whose ``GenerateMux`` answers UNIMPLEMENTED).
+
+    A worker that stops calls :meth:`close_mux_calls` before ``server.stop``: the routers'
+    shared calls then end with OK instead of being cancelled by the server under grpc's
+    handler (which logs "Exception not handled" for a call that is open at stop)."""
+
+    _mux_closing: asyncio.Event | None = None
+    _mux_open = 0
+
+    def _mux_close_event(self) -> asyncio.Event:
+        if self._mux_closing is None:
+            self._mux_closing = asyncio.Event()
+        return self._mux_closing
 
     async def GenerateMux(
         self, request_iterator: AsyncIterator[pb.MuxUp], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MuxDown]:
-        async for down in serve_mux(self.Generate, request_iterator):  # type: ignore[attr-defined]
-            yield down
+        self._mux_open += 1
+        try:
+            async for down in serve_mux(
+                self.Generate,  # type: ignore[attr-defined]
+                request_iterator,
+                self._mux_close_event(),
+            ):
+                yield down
+        finally:
+            self._mux_open -= 1
+
+    @property
+    def open_mux_calls(self) -> int:
+        return self._mux_open
+
+    async def close_mux_calls(self, timeout_s: float = 1.0) -> int:
+        """End every open ``GenerateMux`` call once the requests on it have ended, and every
+        call opened from now on at once; waits up to ``timeout_s`` for them to end and returns
+        how many are still open (``server.stop`` then cancels those)."""
+        self._mux_close_event().set()
+        deadline = time.monotonic() + timeout_s
+        while self._mux_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self._mux_open
 
 
 # ---- router side ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.failure import FAILURE_KEY, FAILURE_REQUEST
-from shared.proto.mux import MuxClient, serve_mux
+from shared.proto.mux import GenerateMuxMixin, MuxClient, serve_mux
 from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
@@ -220,6 +220,45 @@ def test_the_shared_call_failing_fails_every_request_on_it_and_the_next_opens_an
     assert tokens == [0] and generation == 2
     # the worker side cancelled every handler of the call that went away
     assert cancelled == ["hang-0", "hang-1", "hang-2"]
+
+
+class Stopping(GenerateMuxMixin, Scripted):
+    """Scripted, with the worker's own ``GenerateMux`` (the mixin) and its close at stop."""
+
+
+def test_a_stopping_worker_ends_the_shared_call_with_ok_after_its_requests():
+    async def scenario():
+        port = free_port()
+        svc = Stopping()
+        server = await _server(svc, port)
+        ch, mux = _client(port)
+        first = mux.start(pb.GenerateRequest(request_id="tok-2-first"))
+        raw = mux._call  # the shared grpc call under the client
+        await _all_started(svc, 1)
+        closing = asyncio.ensure_future(svc.close_mux_calls(timeout_s=10))
+        await asyncio.sleep(0.2)
+        waited = not closing.done()  # the request on the call is still running
+        svc.step.set()
+        tokens = await _drain(first)  # it ends whole
+        left = await closing
+        code = await asyncio.wait_for(raw.code(), 5)
+        # a request the router starts after the close: the call ends at once, unread
+        late = mux.start(pb.GenerateRequest(request_id="tok-1-late"))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await asyncio.wait_for(late.read(), 5)
+        open_after = svc.open_mux_calls
+        await mux.close()
+        await ch.close()
+        await server.stop(0)
+        return waited, tokens, left, code, ei.value.code(), sorted(svc.started), open_after
+
+    waited, tokens, left, code, late_code, started, open_after = _run(scenario)
+    assert waited and tokens == [0, 1]
+    # ended by the worker with OK before server.stop, not cancelled under grpc's handler
+    assert left == 0 and code == grpc.StatusCode.OK
+    # the router sends this one elsewhere (UNAVAILABLE is retryable there); never started here
+    assert late_code == grpc.StatusCode.UNAVAILABLE and started == ["tok-2-first"]
+    assert open_after == 0
 
 
 def test_a_second_stream_with_an_id_in_flight_is_already_exists():
