@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from shared.engine import EngineCore
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 
 logger = logging.getLogger(__name__)
+
+YIELD_ENV = "PDSERVE_ENGINE_YIELD"
 
 Sink = Callable[[EngineCoreOutput], None]
 
@@ -47,8 +50,17 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_fatal: Callable[[BaseException], None] | None = None,
         on_step_time: Callable[[float, int], None] | None = None,
+        yield_after_outputs: bool | None = None,
     ) -> None:
         self.engine = engine
+        # After a step whose outputs went out, give the CPU up once (sched_yield, the GIL
+        # released): the event loop that was just woken to stream them runs now, on the same
+        # core, instead of waiting until the scheduler preempts a thread that never blocks
+        # (on Linux's EEVDF a woken thread may wait out the running one's slice, ~3 ms). Off
+        # with PDSERVE_ENGINE_YIELD=0. docs/benchmarks.md, "The engine thread yields".
+        if yield_after_outputs is None:
+            yield_after_outputs = os.environ.get(YIELD_ENV, "1") != "0"
+        self.yield_after_outputs = yield_after_outputs
         self.on_step = on_step
         self.on_step_time = on_step_time
         self.on_fatal = on_fatal
@@ -162,6 +174,8 @@ class EngineLoop:
                     self.deliver(outputs)
                     if self.on_step is not None:
                         self.on_step(engine, outputs)
+                    if outputs and self.yield_after_outputs:
+                        os.sched_yield()
                 else:
                     if self.on_step is not None:
                         self.on_step(engine, [])
