@@ -807,32 +807,50 @@ static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* con
   }
 }
 
+// 2^x for 16 lanes, x <= 0: x = n + r, |r| <= 1/2, 2^r by its degree-4 Taylor polynomial
+// (relative error < 6e-5), times 2^n with scalef. For the prefill tiles' probabilities, which
+// are rounded to bf16 (2^-9) before P V; their sum l, and so each output row, is within 6e-5 of
+// exact, well inside the bf16 rounding of the output (2^-9).
+static inline __m512 exp2_p4(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6181291076e-3f);  // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // One row's online-softmax step over a chunk of 64 keys (4 units of 16): s[b] holds the raw
 // scores of keys j0 + 16b ..; keys past lim (where edge says some may be) and units b >= nu
-// are hidden. Updates the row's running max m and lane-wise sum l; returns alpha, the factor
-// that rescales the row's earlier sums, and pr[b] = exp(score - max) of the visible keys, 0
-// for hidden ones.
+// are hidden. The row's running max m is kept in base-2 units (score * sc * log2 e), so that
+// each probability is one fused multiply-subtract and a 2^x: exp(sc * s - M) = 2^(s * c - m)
+// with c = sc * log2 e. Updates m and the lane-wise sum l; returns alpha, the factor that
+// rescales the row's earlier sums, and pr[b] = the visible keys' probabilities, 0 for hidden
+// ones.
 static inline float pf_softmax_row(__m512* s, int nu, bool edge, int64_t j0, int64_t lim,
                                    float sc, float& m, __m512& l, __m512* pr) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const float c = sc * 1.44269504089f;  // sc > 0: the max of s * c is c * max(s)
   __m512 mx = _mm512_set1_ps(-INFINITY);
   __mmask16 vis[4];
   for (int b = 0; b < 4; ++b) {
     if (b >= nu) { vis[b] = 0; s[b] = _mm512_setzero_ps(); continue; }
-    s[b] = _mm512_mul_ps(s[b], _mm512_set1_ps(sc));
     vis[b] = edge ? _mm512_cmple_epi32_mask(
                         _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
                         _mm512_set1_epi32(int(lim)))
                   : __mmask16(0xFFFF);
     mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
   }
-  const float mnew = std::max(m, _mm512_reduce_max_ps(mx));
-  const float alpha = m == -INFINITY ? 0.f : std::exp(m - mnew);
+  const float mnew = std::max(m, _mm512_reduce_max_ps(mx) * c);
+  const float alpha = m == -INFINITY ? 0.f : std::exp2(m - mnew);
   m = mnew;
-  const __m512 mv = _mm512_set1_ps(mnew);
+  const __m512 mv = _mm512_set1_ps(mnew), cv = _mm512_set1_ps(c);
   __m512 psum = _mm512_setzero_ps();
   for (int b = 0; b < 4; ++b) {
-    pr[b] = _mm512_maskz_mov_ps(vis[b], exp512(_mm512_sub_ps(s[b], mv)));
+    pr[b] = _mm512_maskz_mov_ps(vis[b], exp2_p4(_mm512_fmsub_ps(s[b], cv, mv)));
     psum = _mm512_add_ps(psum, pr[b]);
   }
   l = _mm512_fmadd_ps(l, _mm512_set1_ps(alpha), psum);
