@@ -104,7 +104,7 @@ def _loop_attention(q, kv, layer, tables, lens, qsl, scale, k_scale=None, v_scal
     return cpu_paged.gathered_attention(q, kv, layer, tables, lens, qsl, scale)
 
 
-def _step(groups: int, per_group: int, prefix: int, own: int, first_full: int, bs: int = 16):
+def paged_step(groups: int, per_group: int, prefix: int, own: int, first_full: int, bs: int = 16):
     """A step's chunks: ``first_full`` sequences prefill their whole prompt (prefix + own), the
     other ``groups * per_group - first_full`` only their own tokens after a cached prefix
     shared with their group. Small-model heads (8 q / 4 kv of 32), 4 layers."""
@@ -128,6 +128,18 @@ def _step(groups: int, per_group: int, prefix: int, own: int, first_full: int, b
     q = torch.randn(sum(q_lens), hq, d, generator=g).bfloat16()
     lens = torch.full((n,), ctx, dtype=torch.int32)
     return q, kv, tables, lens, qsl, d**-0.5
+
+
+# (name, paged_step's arguments): step shapes of vLLM's prefix_repetition and random workloads
+PAGED_SHAPES = [
+    (
+        "prefix_repetition: 1 x 1,088 + 15 x 64 after a shared 1,024 (4 groups)",
+        (4, 4, 1024, 64, 1),
+    ),
+    ("prefix_repetition: 32 x 64 after a shared 1,024 (4 groups)", (4, 8, 1024, 64, 0)),
+    ("random: 2 x 1,024 from scratch (nothing shared)", (1, 2, 0, 1024, 2)),
+    ("random: 8 x 256 from scratch", (1, 8, 0, 256, 8)),
+]
 
 
 def _isa(amx: bool, fn):
@@ -155,17 +167,8 @@ def paged_table(reps: int, amx: bool) -> None:
         + " | last / first |"
     )
     print("|---|" + "---:|" * (len(paths) + 1))
-    shapes = [
-        (
-            "prefix_repetition: 1 x 1,088 + 15 x 64 after a shared 1,024 (4 groups)",
-            (4, 4, 1024, 64, 1),
-        ),
-        ("prefix_repetition: 31 x 64 after a shared 1,024 (4 groups)", (4, 8, 1024, 64, 0)),
-        ("random: 2 x 1,024 from scratch (nothing shared)", (1, 2, 0, 1024, 2)),
-        ("random: 8 x 256 from scratch", (1, 8, 0, 256, 8)),
-    ]
-    for name, shape in shapes:
-        q, kv, tables, lens, qsl, sc = _step(*shape)
+    for name, shape in PAGED_SHAPES:
+        q, kv, tables, lens, qsl, sc = paged_step(*shape)
         for isa in [False, True] if amx else [False]:
             a_out = _isa(isa, _loop_attention)(q, kv, 0, tables, lens, qsl, sc)
             b_out = _isa(isa, cpu_paged.paged_attention)(q, kv, 0, tables, lens, qsl, sc)

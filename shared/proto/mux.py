@@ -192,7 +192,6 @@ async def serve_mux(
                 yield down
     finally:
         reader.cancel()
-        closer.cancel()
         pending = [reader, closer, *tasks.values()]
         for t in pending:
             t.cancel()
