@@ -40,6 +40,22 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for 16 lanes, x <= 0: x = n + r, |r| <= 1/2, 2^r by its degree-4 Taylor polynomial
+// (relative error < 6e-5), times 2^n with scalef. For the bf16 kernels' probabilities (the
+// prefill tiles and bf16 decode), which are rounded to bf16 (2^-9) before P V; their sum l, and
+// so each output row, is within 6e-5 of exact, well inside the bf16 rounding of the output.
+static inline __m512 exp2_p4(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6181291076e-3f);  // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 template <typename T> struct HasLoad16 : std::false_type {};
 template <> struct HasLoad16<float> : std::true_type {};
 template <> struct HasLoad16<at::BFloat16> : std::true_type {};
@@ -252,6 +268,86 @@ static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeo
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// a + b as written: _mm512_add_ps is a plain vector add, which -ffast-math may reassociate
+// into another tree (other bits); the explicitly rounded form is left as it is.
+static inline __m512 add_exact(__m512 a, __m512 b) {
+  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// Row maxima of 16 vectors at once: r[i] = max of the 16 lanes of v[i] (hsum16's tree with
+// max, which is exact in any order).
+static inline __m512 hmax16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    x[j] = _mm512_max_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    y[k] = _mm512_max_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+  const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(perm, z);
+}
+
+// The sum of one vector's lanes in hsum16's tree: a_j = (x_j + x_j+8) + (x_j+4 + x_j+12),
+// then (a_0 + a_2) + (a_1 + a_3).
+static inline float hsum_tree(__m512 x) {
+  const __m512 t = add_exact(x, _mm512_shuffle_f32x4(x, x, 0xEE));
+  const __m512 u = add_exact(t, _mm512_shuffle_f32x4(t, t, 0x01));
+  const __m512 v = add_exact(u, _mm512_shuffle_ps(u, u, 0x0E));
+  return _mm512_cvtss_f32(add_exact(v, _mm512_shuffle_ps(v, v, 0x01)));
+}
+
+// The bf16 decode kernels' online softmax, in base 2 as the prefill tiles': a row's running
+// max m is kept in score x scale x log2 e units (c = scale x log2 e), so that a probability is
+// one fused multiply-subtract and a 2^x (exp2_p4; P is rounded to bf16 anyway). A row's step
+// over a group, s its raw scores (tokens in lanes, those past the group's end masked off by
+// valid): mnew = max(m, max(s) c), corr = 2^(m - mnew), p = 2^(s c - mnew),
+// l = fma(l, corr, sum(p)), the sum in hsum16's tree. bf16_softmax_row does it for one row,
+// bf16_softmax_rows for up to 16 rows at once (the reductions vertical); each row gets the
+// same bits either way, so no output depends on which sequences share an item.
+static inline __m512 bf16_softmax_row(__m512 s, __mmask16 valid, float c, float& m, float& l,
+                                      float& corr) {
+  const float mnew = std::max(m, _mm512_mask_reduce_max_ps(valid, s) * c);
+  corr = _mm512_cvtss_f32(exp2_p4(_mm512_set1_ps(m - mnew)));
+  const __m512 p = _mm512_maskz_mov_ps(
+      valid, exp2_p4(_mm512_fmsub_ps(s, _mm512_set1_ps(c), _mm512_set1_ps(mnew))));
+  l = std::fma(l, corr, hsum_tree(p));
+  m = mnew;
+  return p;
+}
+
+// s[r]: row r's raw scores (rows >= n ignored; s is overwritten); m, l: lane r is row r's,
+// updated; corr: lane r set to row r's factor; pb[r * 16 ..]: row r's probabilities in bf16.
+static inline void bf16_softmax_rows(__m512* s, int64_t n, __mmask16 valid, float c, __m512& m,
+                                     __m512& l, __m512& corr, uint16_t* pb) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < 16; ++r) s[r] = r < n ? _mm512_mask_mov_ps(ninf, valid, s[r]) : ninf;
+  const __m512 cv = _mm512_set1_ps(c);
+  const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(hmax16(s), cv));
+  corr = exp2_p4(_mm512_sub_ps(m, mnew));
+  for (int64_t r = 0; r < 16; ++r) {
+    const __m512 mr = _mm512_permutexvar_ps(_mm512_set1_epi32(int(r)), mnew);
+    s[r] = r < n ? _mm512_maskz_mov_ps(valid, exp2_p4(_mm512_fmsub_ps(s[r], cv, mr)))
+                 : _mm512_setzero_ps();
+    if (r < n)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(s[r]));
+  }
+  l = _mm512_fmadd_ps(l, corr, hsum16(s));
+  m = mnew;
+}
+
+// P @ V runs a chain of vdpbf16ps per accumulator (2 W per query head); with fewer than 8
+// chains side by side the chains' latency, not the instructions, sets its pace, so the kernels
+// below run the P @ V of this many heads (or members) together. Each accumulator's chain is
+// the same either way.
+template <int W, int G>
+constexpr int64_t kPvRowSets = G * 2 * W >= 8 ? 1 : 8 / (G * 2 * W);
+
 // The same step for bf16 queries and a bf16 cache, on vdpbf16ps: q . k straight from the bf16
 // rows (products exact, sums in fp32, times the scale in fp32), softmax in fp32, P rounded to
 // bf16 for P @ V as torch's flash SDPA does in bf16. P @ V takes two tokens per instruction:
@@ -261,66 +357,102 @@ static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeo
 // order once the walk is done. W = D / 32.
 template <int W, int G>
 static inline void bf16_step(const Member& mb, const at::BFloat16* rows, int64_t ntok,
-                             int64_t s_tok, int64_t s_vk, int64_t h0, int64_t nh, __m512 scv) {
+                             int64_t s_tok, int64_t s_vk, int64_t h0, int64_t nh, float c) {
   constexpr int64_t D = W * 32;
+  constexpr int64_t HB = 16 / G;  // KV heads whose rows share one bf16_softmax_rows
+  constexpr int64_t XP = kPvRowSets<W, G>;
   __m512bh q[G * W];
-  __m512 a[G * 2 * W];  // [g][w][lo, hi]
+  __m512 a[XP * G * 2 * W];  // [head][g][w][lo, hi]
   __m512 part[G * 16];
-  alignas(64) uint16_t pb[G * 16];
+  __m512 s[16];
+  alignas(64) uint16_t pb[16 * 16];
+  alignas(64) float mv[16], lv[16], cr[16];
   const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
-  for (int64_t hh = 0; hh < nh; ++hh) {
-    const at::BFloat16* kb = rows + (h0 + hh) * D;
-    const at::BFloat16* vb = kb + s_vk;
-    const at::BFloat16* qh = static_cast<const at::BFloat16*>(mb.q) + hh * G * D;
-    float* ah = mb.acc + hh * G * D;
-    float* mh = mb.m + hh * G;
-    float* lh = mb.l + hh * G;
-    for (int64_t i = 0; i < G * W; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + i * 32);
-    for (int64_t i = 0; i < G * 2 * W; ++i) a[i] = _mm512_loadu_ps(ah + i * 16);
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t < ntok) {
-        const at::BFloat16* kt = kb + t * s_tok;
-        __m512bh kr[W];
-        for (int64_t w = 0; w < W; ++w) kr[w] = (__m512bh)_mm512_loadu_si512(kt + w * 32);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * W], kr[0]);
-          for (int64_t w = 1; w < W; ++w) d = _mm512_dpbf16_ps(d, q[g * W + w], kr[w]);
-          part[g * 16 + t] = d;
-        }
-      } else {
-        for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float corr;
-      const __m512 e =
-          softmax_step(_mm512_mul_ps(hsum16(part + g * 16), scv), valid, mh[g], lh[g], corr);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16), (__m256i)_mm512_cvtneps_pbh(e));
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
-    }
-    for (int64_t t = 0; t < ntok; t += 2) {
-      const at::BFloat16* v0 = vb + t * s_tok;
-      const bool two = t + 1 < ntok;  // a row past the last token may hold anything
-      __m512i lo[W], hi[W];
-      for (int64_t w = 0; w < W; ++w) {
-        const __m512i x = _mm512_loadu_si512(v0 + w * 32);
-        const __m512i y = two ? _mm512_loadu_si512(v0 + s_tok + w * 32) : _mm512_setzero_si512();
-        lo[w] = _mm512_unpacklo_epi16(x, y);
-        hi[w] = _mm512_unpackhi_epi16(x, y);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        uint32_t pair;
-        std::memcpy(&pair, pb + g * 16 + t, 4);  // (p_t, p_t+1); p past ntok is 0
-        const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
-        for (int64_t w = 0; w < W; ++w) {
-          __m512* aw = a + (g * W + w) * 2;
-          aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)lo[w]);
-          aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)hi[w]);
+  for (int64_t h1 = 0; h1 < nh; h1 += HB) {
+    const int64_t hn = std::min(HB, nh - h1), n = hn * G;
+    // scores of every row (head h1 + r / G, query head r % G) of the block
+    for (int64_t x = 0; x < hn; ++x) {
+      const at::BFloat16* kb = rows + (h0 + h1 + x) * D;
+      const at::BFloat16* qh = static_cast<const at::BFloat16*>(mb.q) + (h1 + x) * G * D;
+      for (int64_t i = 0; i < G * W; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qh + i * 32);
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t < ntok) {
+          const at::BFloat16* kt = kb + t * s_tok;
+          __m512bh kr[W];
+          for (int64_t w = 0; w < W; ++w) kr[w] = (__m512bh)_mm512_loadu_si512(kt + w * 32);
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * W], kr[0]);
+            for (int64_t w = 1; w < W; ++w) d = _mm512_dpbf16_ps(d, q[g * W + w], kr[w]);
+            part[g * 16 + t] = d;
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm512_setzero_ps();
         }
       }
+      for (int64_t g = 0; g < G; ++g) s[x * G + g] = hsum16(part + g * 16);
     }
-    for (int64_t i = 0; i < G * 2 * W; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
+    float* mh = mb.m + h1 * G;
+    float* lh = mb.l + h1 * G;
+    if (n >= 4) {  // the rows' reductions together (the same bits as one by one)
+      for (int64_t r = 0; r < 16; ++r) {
+        mv[r] = r < n ? mh[r] : -INFINITY;
+        lv[r] = r < n ? lh[r] : 0.f;
+      }
+      __m512 m = _mm512_load_ps(mv), l = _mm512_load_ps(lv), corr;
+      bf16_softmax_rows(s, n, valid, c, m, l, corr, pb);
+      _mm512_store_ps(mv, m);
+      _mm512_store_ps(lv, l);
+      _mm512_store_ps(cr, corr);
+      for (int64_t r = 0; r < n; ++r) {
+        mh[r] = mv[r];
+        lh[r] = lv[r];
+      }
+    } else {
+      for (int64_t r = 0; r < n; ++r) {
+        const __m512 e = bf16_softmax_row(s[r], valid, c, mh[r], lh[r], cr[r]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(e));
+      }
+    }
+    // P @ V, XP heads at a time so that enough accumulator chains run side by side
+    for (int64_t x0 = 0; x0 < hn; x0 += XP) {
+      const int64_t xn = std::min(XP, hn - x0);
+      for (int64_t k = 0; k < XP; ++k)
+        if (k < xn)
+          for (int64_t g = 0; g < G; ++g) {
+            const float* ag = mb.acc + ((h1 + x0 + k) * G + g) * D;
+            const __m512 cg = _mm512_set1_ps(cr[(x0 + k) * G + g]);
+            for (int64_t i = 0; i < 2 * W; ++i)
+              a[(k * G + g) * 2 * W + i] = _mm512_mul_ps(_mm512_loadu_ps(ag + i * 16), cg);
+          }
+      for (int64_t t = 0; t < ntok; t += 2) {
+        const bool two = t + 1 < ntok;  // a row past the last token may hold anything
+        for (int64_t k = 0; k < XP; ++k) {
+          if (k >= xn) continue;
+          const at::BFloat16* v0 = rows + (h0 + h1 + x0 + k) * D + s_vk + t * s_tok;
+          __m512i lo[W], hi[W];
+          for (int64_t w = 0; w < W; ++w) {
+            const __m512i x = _mm512_loadu_si512(v0 + w * 32);
+            const __m512i y =
+                two ? _mm512_loadu_si512(v0 + s_tok + w * 32) : _mm512_setzero_si512();
+            lo[w] = _mm512_unpacklo_epi16(x, y);
+            hi[w] = _mm512_unpackhi_epi16(x, y);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            uint32_t pair;  // (p_t, p_t+1); p past ntok is 0
+            std::memcpy(&pair, pb + ((x0 + k) * G + g) * 16 + t, 4);
+            const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
+            for (int64_t w = 0; w < W; ++w) {
+              __m512* aw = a + ((k * G + g) * W + w) * 2;
+              aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)lo[w]);
+              aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)hi[w]);
+            }
+          }
+        }
+      }
+      for (int64_t k = 0; k < xn; ++k)
+        for (int64_t i = 0; i < G * 2 * W; ++i)
+          _mm512_storeu_ps(mb.acc + (h1 + x0 + k) * G * D + i * 16, a[k * G * 2 * W + i]);
+    }
   }
 }
 
@@ -369,32 +501,32 @@ static inline void bf16_prepare(const at::BFloat16* rows, int64_t ntok, int64_t 
   }
 }
 
-// a + b as written: _mm512_add_ps is a plain vector add, which -ffast-math may reassociate
-// into another tree (other bits); the explicitly rounded form is left as it is.
-static inline __m512 add_exact(__m512 a, __m512 b) {
-  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-// bf16_step over a prepared group, with the same bits: per lane, the same vdpbf16ps chain
-// over the chunks as bf16_step's per-token dot products, then hsum16's tree (lanes j and
-// j + 8, then k and k + 4, then 0 + 2 and 1 + 3, then the two) as vertical adds.
+// bf16_step over a prepared group for up to 16 / G members at once, with the same bits: per
+// lane, the same vdpbf16ps chain over the chunks as bf16_step's per-token dot products, then
+// hsum16's tree (lanes j and j + 8, then k and k + 4, then 0 + 2 and 1 + 3, then the two) as
+// vertical adds; the members' rows then go through bf16_softmax_rows together (row r: member
+// r / G, head r % G), whose reductions run down the rows instead of across each row's lanes.
 template <int W, int G>
-static inline void bf16_prepared_step(const Member& mb, const __m512i* kt, const __m512i* vp,
-                                      int64_t ntok, int64_t nh, __m512 scv) {
+static inline void bf16_prepared_block(Member* mb, int64_t nm, const __m512i* kt,
+                                       const __m512i* vp, int64_t ntok, int64_t nh, float c) {
   constexpr int64_t D = W * 32;
-  __m512 a[G * 2 * W];
-  alignas(64) uint16_t pb[G * 16];
+  constexpr int64_t MP = kPvRowSets<W, G>;
+  __m512 a[MP * G * 2 * W];
+  __m512 s[16];
+  alignas(64) uint16_t pb[16 * 16];
+  alignas(64) float mv[16], lv[16], cr[16];
+  const int64_t n = nm * G;
   const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
   for (int64_t hh = 0; hh < nh; ++hh) {
-    const int32_t* qd =
-        reinterpret_cast<const int32_t*>(static_cast<const at::BFloat16*>(mb.q) + hh * G * D);
     const __m512i* kh = kt + hh * W * 16;
-    float* ah = mb.acc + hh * G * D;
-    float* mh = mb.m + hh * G;
-    float* lh = mb.l + hh * G;
-    for (int64_t i = 0; i < G * 2 * W; ++i) a[i] = _mm512_loadu_ps(ah + i * 16);
-    for (int64_t g = 0; g < G; ++g) {
-      const int32_t* qg = qd + g * (D / 2);
+    for (int64_t r = 0; r < 16; ++r) {
+      mv[r] = r < n ? mb[r / G].m[hh * G + r % G] : -INFINITY;
+      lv[r] = r < n ? mb[r / G].l[hh * G + r % G] : 0.f;
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const int32_t* qg = reinterpret_cast<const int32_t*>(
+                              static_cast<const at::BFloat16*>(mb[r / G].q) + hh * G * D) +
+                          (r % G) * (D / 2);
       __m512 P[16];
       for (int64_t j = 0; j < 16; ++j)
         P[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(qg[j]),
@@ -405,27 +537,49 @@ static inline void bf16_prepared_step(const Member& mb, const __m512i* kt, const
                                   (__m512bh)kh[w * 16 + j]);
       for (int64_t j = 0; j < 8; ++j) P[j] = add_exact(P[j], P[j + 8]);
       for (int64_t k = 0; k < 4; ++k) P[k] = add_exact(P[k], P[k + 4]);
-      const __m512 sc = add_exact(add_exact(P[0], P[2]), add_exact(P[1], P[3]));
-      float corr;
-      const __m512 e = softmax_step(_mm512_mul_ps(sc, scv), valid, mh[g], lh[g], corr);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + g * 16), (__m256i)_mm512_cvtneps_pbh(e));
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int64_t i = 0; i < 2 * W; ++i) a[g * 2 * W + i] = _mm512_mul_ps(a[g * 2 * W + i], c);
+      s[r] = add_exact(add_exact(P[0], P[2]), add_exact(P[1], P[3]));
     }
-    for (int64_t t = 0; t < ntok; t += 2) {
-      const __m512i* vt = vp + (hh * 8 + t / 2) * W * 2;
+    __m512 m = _mm512_load_ps(mv), l = _mm512_load_ps(lv), corr;
+    bf16_softmax_rows(s, n, valid, c, m, l, corr, pb);
+    _mm512_store_ps(mv, m);
+    _mm512_store_ps(lv, l);
+    _mm512_store_ps(cr, corr);
+    for (int64_t i = 0; i < nm; ++i)
       for (int64_t g = 0; g < G; ++g) {
-        uint32_t pair;
-        std::memcpy(&pair, pb + g * 16 + t, 4);
-        const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
-        for (int64_t w = 0; w < W; ++w) {
-          __m512* aw = a + (g * W + w) * 2;
-          aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)vt[2 * w]);
-          aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)vt[2 * w + 1]);
+        mb[i].m[hh * G + g] = mv[i * G + g];
+        mb[i].l[hh * G + g] = lv[i * G + g];
+      }
+    // P @ V, MP members at a time so that enough accumulator chains run side by side
+    for (int64_t i0 = 0; i0 < nm; i0 += MP) {
+      const int64_t mn = std::min(MP, nm - i0);
+      for (int64_t k = 0; k < MP; ++k)
+        if (k < mn)
+          for (int64_t g = 0; g < G; ++g) {
+            const float* ag = mb[i0 + k].acc + (hh * G + g) * D;
+            const __m512 cg = _mm512_set1_ps(cr[(i0 + k) * G + g]);
+            for (int64_t j = 0; j < 2 * W; ++j)
+              a[(k * G + g) * 2 * W + j] = _mm512_mul_ps(_mm512_loadu_ps(ag + j * 16), cg);
+          }
+      for (int64_t t = 0; t < ntok; t += 2) {
+        const __m512i* vt = vp + (hh * 8 + t / 2) * W * 2;
+        for (int64_t k = 0; k < MP; ++k) {
+          if (k >= mn) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            uint32_t pair;
+            std::memcpy(&pair, pb + ((i0 + k) * G + g) * 16 + t, 4);
+            const __m512bh p2 = (__m512bh)_mm512_set1_epi32(int(pair));
+            for (int64_t w = 0; w < W; ++w) {
+              __m512* aw = a + ((k * G + g) * W + w) * 2;
+              aw[0] = _mm512_dpbf16_ps(aw[0], p2, (__m512bh)vt[2 * w]);
+              aw[1] = _mm512_dpbf16_ps(aw[1], p2, (__m512bh)vt[2 * w + 1]);
+            }
+          }
         }
       }
+      for (int64_t k = 0; k < mn; ++k)
+        for (int64_t j = 0; j < G * 2 * W; ++j)
+          _mm512_storeu_ps(mb[i0 + k].acc + hh * G * D + j * 16, a[k * G * 2 * W + j]);
     }
-    for (int64_t i = 0; i < G * 2 * W; ++i) _mm512_storeu_ps(ah + i * 16, a[i]);
   }
 }
 
@@ -438,13 +592,13 @@ static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
                                int64_t h0, int64_t nh, float scale, at::BFloat16* stage,
                                std::vector<__m512i>& prep) {
   const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
-  const __m512 scv = _mm512_set1_ps(scale);
+  const float c = scale * 1.44269504088896341f;  // bf16_softmax_row's base-2 units
   bool found = false;
   if (shared > 0 && nmem >= kPrepareMembers) prep.resize(nh * W * 32);
 #define PDS_CASE(WW, GG)                                                                     \
   if (!found && W == WW && G == GG) {                                                        \
     auto step = [&](const Member& mb, const at::BFloat16* rows, int64_t ntok) {              \
-      bf16_step<WW, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, scv);                         \
+      bf16_step<WW, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, c);                           \
     };                                                                                       \
     walk_item<at::BFloat16>(                                                                 \
         kvp, w, mem, nmem, shared, stage, step, [&](const at::BFloat16* rows, int64_t ntok) { \
@@ -455,8 +609,9 @@ static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
           __m512i* kt = prep.data();                                                         \
           __m512i* vp = kt + nh * WW * 16;                                                   \
           bf16_prepare<WW>(rows, ntok, w.s_tok, s_vk, h0, nh, kt, vp);                       \
-          for (int64_t i = 0; i < nmem; ++i)                                                 \
-            bf16_prepared_step<WW, GG>(mem[i], kt, vp, ntok, nh, scv);                       \
+          for (int64_t i = 0; i < nmem; i += 16 / GG)                                        \
+            bf16_prepared_block<WW, GG>(mem + i, std::min<int64_t>(16 / GG, nmem - i), kt,    \
+                                        vp, ntok, nh, c);                                    \
         });                                                                                  \
     found = true;                                                                            \
   }
@@ -805,22 +960,6 @@ static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* con
     for (int64_t d = 0; d < D; ++d)
       vd[t2 * D + d] = (ra ? uint32_t(ra[d]) : 0u) | (rb ? uint32_t(rb[d]) << 16 : 0u);
   }
-}
-
-// 2^x for 16 lanes, x <= 0: x = n + r, |r| <= 1/2, 2^r by its degree-4 Taylor polynomial
-// (relative error < 6e-5), times 2^n with scalef. For the prefill tiles' probabilities, which
-// are rounded to bf16 (2^-9) before P V; their sum l, and so each output row, is within 6e-5 of
-// exact, well inside the bf16 rounding of the output (2^-9).
-static inline __m512 exp2_p4(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(9.6181291076e-3f);  // ln2^4 / 4!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // One row's online-softmax step over a chunk of 64 keys (4 units of 16): s[b] holds the raw
