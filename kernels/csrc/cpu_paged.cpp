@@ -962,38 +962,54 @@ static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* con
   }
 }
 
-// One row's online-softmax step over a chunk of 64 keys (4 units of 16): s[b] holds the raw
-// scores of keys j0 + 16b ..; keys past lim (where edge says some may be) and units b >= nu
-// are hidden. The row's running max m is kept in base-2 units (score * sc * log2 e), so that
-// each probability is one fused multiply-subtract and a 2^x: exp(sc * s - M) = 2^(s * c - m)
-// with c = sc * log2 e. Updates m and the lane-wise sum l; returns alpha, the factor that
-// rescales the row's earlier sums, and pr[b] = the visible keys' probabilities, 0 for hidden
-// ones.
-static inline float pf_softmax_row(__m512* s, int nu, bool edge, int64_t j0, int64_t lim,
-                                   float sc, float& m, __m512& l, __m512* pr) {
+// A tile's online-softmax step over a chunk of 64 keys (4 units of 16), in three parts so that
+// the rows' running maxima and rescale factors come out for every row at once (vertical
+// reductions and one vector 2^x) instead of row by row (a horizontal max and a scalar exp2 per
+// row and chunk, which had been a sixth of the AMX tile's time). A row's running max m is kept
+// in base-2 units (score * sc * log2 e), so that each probability is one fused
+// multiply-subtract and a 2^x: exp(sc * s - M) = 2^(s * c - m) with c = sc * log2 e.
+//
+// pf_row_max: s[b] holds the raw scores of keys j0 + 16b ..; keys past lim (where edge says
+// some may be) and units b >= nu are hidden. Returns the lane-wise max of the visible scores
+// (-inf where none) and sets vis[b], the visible keys' masks.
+static inline __m512 pf_row_max(const __m512* s, int nu, bool edge, int64_t j0, int64_t lim,
+                                __mmask16* vis) {
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const float c = sc * 1.44269504089f;  // sc > 0: the max of s * c is c * max(s)
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  __mmask16 vis[4];
   for (int b = 0; b < 4; ++b) {
-    if (b >= nu) { vis[b] = 0; s[b] = _mm512_setzero_ps(); continue; }
+    if (b >= nu) { vis[b] = 0; continue; }
     vis[b] = edge ? _mm512_cmple_epi32_mask(
                         _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0 + 16 * b))),
                         _mm512_set1_epi32(int(lim)))
                   : __mmask16(0xFFFF);
     mx = _mm512_mask_max_ps(mx, vis[b], mx, s[b]);
   }
-  const float mnew = std::max(m, _mm512_reduce_max_ps(mx) * c);
-  const float alpha = m == -INFINITY ? 0.f : std::exp2(m - mnew);
-  m = mnew;
-  const __m512 mv = _mm512_set1_ps(mnew), cv = _mm512_set1_ps(c);
+  return mx;
+}
+
+// pf_rows_max: mx[r] is row r's pf_row_max (rows past the tile's: -inf, with m[r] = 0);
+// m[16] the rows' running maxima, updated (sc > 0: the max of s * c is c * max(s)); alpha[16]
+// set to the factors that rescale the rows' earlier sums. A row's first chunk finds m = -inf
+// and gets alpha = 2^-126 (exp2_p4's floor) where exact is 0: its earlier sums are all 0.
+static inline void pf_rows_max(const __m512* mx, float c, float* m, float* alpha) {
+  const __m512 mold = _mm512_load_ps(m);
+  const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(hmax16(mx), _mm512_set1_ps(c)));
+  _mm512_store_ps(alpha, exp2_p4(_mm512_sub_ps(mold, mnew)));
+  _mm512_store_ps(m, mnew);
+}
+
+// pf_row_probs: one row's probabilities pr[b] (0 for hidden keys and units b >= nu) from its
+// scores, masks and new max m; the lane-wise sum l becomes l * alpha + the chunk's.
+static inline void pf_row_probs(const __m512* s, int nu, const __mmask16* vis, float c, float m,
+                                float alpha, __m512& l, __m512* pr) {
+  const __m512 mv = _mm512_set1_ps(m), cv = _mm512_set1_ps(c);
   __m512 psum = _mm512_setzero_ps();
   for (int b = 0; b < 4; ++b) {
-    pr[b] = _mm512_maskz_mov_ps(vis[b], exp2_p4(_mm512_fmsub_ps(s[b], cv, mv)));
+    pr[b] = b < nu ? _mm512_maskz_mov_ps(vis[b], exp2_p4(_mm512_fmsub_ps(s[b], cv, mv)))
+                   : _mm512_setzero_ps();
     psum = _mm512_add_ps(psum, pr[b]);
   }
   l = _mm512_fmadd_ps(l, _mm512_set1_ps(alpha), psum);
-  return alpha;
 }
 
 // Rows [r0, r0 + nr) of query head hq of one chunk. q / o point at the chunk's row 0;
@@ -1005,12 +1021,19 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
   const int64_t P2 = D / 2, C16 = D / 16;
   alignas(64) uint32_t pb[PF_ROWS][PF_KEYS / 2];
   __m512 acc[PF_ROWS][PF_MAXD / 16];
+  __m512 sv[PF_ROWS][4];  // a chunk's scores, between the rows' max and their probabilities
+  __m512 mx[16];
+  __mmask16 vis[PF_ROWS][4];
   const uint32_t* qr[PF_ROWS];
-  float m[PF_ROWS];
+  alignas(64) float m[16], alpha[16];
   __m512 l[PF_ROWS];
+  const float csc = sc * 1.44269504089f;  // scores to base-2 units
+  for (int i = 0; i < 16; ++i) {
+    m[i] = i < nr ? -INFINITY : 0.f;
+    mx[i] = _mm512_set1_ps(-INFINITY);
+  }
   for (int i = 0; i < PF_ROWS; ++i) {
     qr[i] = reinterpret_cast<const uint32_t*>(qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D);
-    m[i] = -INFINITY;
     l[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_setzero_ps();
   }
@@ -1021,16 +1044,20 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
     const uint32_t* ku[4];
     for (int b = 0; b < 4; ++b) ku[b] = unit(j0 / PF_UNIT + b);
     for (int i = 0; i < nr; ++i) {
-      __m512 s[4];
+      __m512* s = sv[i];
       for (int b = 0; b < 4; ++b) s[b] = _mm512_setzero_ps();
       for (int64_t p = 0; p < P2; ++p) {
         const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qr[i][p]));
         for (int b = 0; b < 4; ++b)
           s[b] = _mm512_dpbf16_ps(s[b], qv, (__m512bh)_mm512_loadu_si512(ku[b] + p * 16));
       }
+      mx[i] = pf_row_max(s, 4, edge, j0, offset + r0 + i, vis[i]);
+    }
+    pf_rows_max(mx, csc, m, alpha);
+    for (int i = 0; i < nr; ++i) {
       __m512 pr[4];
-      const __m512 av = _mm512_set1_ps(
-          pf_softmax_row(s, 4, edge, j0, offset + r0 + i, sc, m[i], l[i], pr));
+      pf_row_probs(sv[i], 4, vis[i], csc, m[i], alpha[i], l[i], pr);
+      const __m512 av = _mm512_set1_ps(alpha[i]);
       for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], av);
       // P as bf16 pairs: lane j of cvtne2ps(b, a) is a[j] for j < 16, b[j - 16] above
       _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
@@ -1120,9 +1147,15 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
   std::memset(om, 0, sizeof(float) * PF_AMX_ROWS * D);
   std::memset(pv, 0, sizeof(float) * PF_AMX_ROWS * D);
   std::memset(pm, 0, sizeof(pm));
-  float m[PF_AMX_ROWS];
-  __m512 l[PF_AMX_ROWS];
-  for (int i = 0; i < PF_AMX_ROWS; ++i) { m[i] = -INFINITY; l[i] = _mm512_setzero_ps(); }
+  alignas(64) float m[PF_AMX_ROWS], alpha[PF_AMX_ROWS];
+  __m512 l[PF_AMX_ROWS], mx[PF_AMX_ROWS];
+  __mmask16 vis[PF_AMX_ROWS][4];
+  const float csc = sc * 1.44269504089f;  // scores to base-2 units
+  for (int i = 0; i < PF_AMX_ROWS; ++i) {
+    m[i] = i < nr ? -INFINITY : 0.f;
+    l[i] = _mm512_setzero_ps();
+    mx[i] = _mm512_set1_ps(-INFINITY);
+  }
   const int64_t last = offset + r0 + nr - 1;
   // S of chunk ch into sm (the next chunk's is computed between this one's softmax and its
   // P V, so the tile loads of P find the softmax's stores already written back)
@@ -1161,10 +1194,16 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
     const uint32_t* const* ku = kus[ch & 1];
     const bool edge = j0 + PF_KEYS - 1 > offset + r0;
     for (int i = 0; i < nr; ++i) {
+      __m512 s[4];
+      for (int b = 0; b < nu; ++b) s[b] = _mm512_load_ps(sm + i * PF_KEYS + 16 * b);
+      mx[i] = pf_row_max(s, nu, edge, j0, offset + r0 + i, vis[i]);
+    }
+    pf_rows_max(mx, csc, m, alpha);
+    for (int i = 0; i < nr; ++i) {
       __m512 s[4], pr[4];
       for (int b = 0; b < nu; ++b) s[b] = _mm512_load_ps(sm + i * PF_KEYS + 16 * b);
-      const __m512 av = _mm512_set1_ps(
-          pf_softmax_row(s, nu, edge, j0, offset + r0 + i, sc, m[i], l[i], pr));
+      pf_row_probs(s, nu, vis[i], csc, m[i], alpha[i], l[i], pr);
+      const __m512 av = _mm512_set1_ps(alpha[i]);
       float* orow = om + i * D;
       const float* prow = pv + i * D;
       for (int64_t c = 0; c < C16; ++c)
