@@ -61,6 +61,7 @@ class EngineLoop:
         if yield_after_outputs is None:
             yield_after_outputs = os.environ.get(YIELD_ENV, "1") != "0"
         self.yield_after_outputs = yield_after_outputs
+        self._delivered = False  # outputs went out since the loop last yielded
         self.on_step = on_step
         self.on_step_time = on_step_time
         self.on_fatal = on_fatal
@@ -130,6 +131,8 @@ class EngineLoop:
         and that final output goes to the sink once more (if it raises again it is dropped)
         and to the batch sinks."""
         failed: dict[str, Exception] = {}
+        if outputs:
+            self._delivered = True
         for o in outputs:
             sink = self._sinks.get(o.request_id)
             if sink is not None and o.request_id not in failed:
@@ -156,6 +159,14 @@ class EngineLoop:
                 for batch_sink in self._batch_sinks:
                     batch_sink(final)
 
+    def _yield_if_delivered(self) -> None:
+        """Give the CPU up once after outputs went out (a step's, or a command's such as a
+        remote prefill's first token): see ``yield_after_outputs``."""
+        if self._delivered:
+            self._delivered = False
+            if self.yield_after_outputs:
+                os.sched_yield()
+
     def _run(self) -> None:
         engine = self.engine
         try:
@@ -163,6 +174,7 @@ class EngineLoop:
                 self.heartbeat = time.monotonic()
                 engine.check_alive()
                 self._run_commands()
+                self._yield_if_delivered()  # e.g. a remote prefill's first token
                 if engine.has_unfinished_requests():
                     t0 = time.perf_counter()
                     outputs = engine.step()
@@ -174,8 +186,7 @@ class EngineLoop:
                     self.deliver(outputs)
                     if self.on_step is not None:
                         self.on_step(engine, outputs)
-                    if outputs and self.yield_after_outputs:
-                        os.sched_yield()
+                    self._yield_if_delivered()
                 else:
                     if self.on_step is not None:
                         self.on_step(engine, [])
