@@ -469,7 +469,11 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 g = _row_generator(r.params.seed, r.num_output_tokens, dev, salt)
-                noise[i].exponential_(generator=g)
+                if dev.type == "cpu":  # -log U, U from the row's own stream (as above)
+                    row = torch.empty(probs.shape[1], device=dev).uniform_(generator=g)
+                    noise[i] = row.log_().neg_()
+                else:
+                    noise[i].exponential_(generator=g)
         return self._argmax_rows(probs / noise)  # the backend's: torch's fp32 argmax is ~5x slower
 
     # ---- speculative decoding ---------------------------------------------------------
