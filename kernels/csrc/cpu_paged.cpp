@@ -61,24 +61,35 @@ template <> struct HasLoad16<float> : std::true_type {};
 template <> struct HasLoad16<at::BFloat16> : std::true_type {};
 template <> struct HasLoad16<at::Half> : std::true_type {};
 
-// Sums of 16 vectors at once: r[i] = sum of the 16 lanes of v[i] (a transpose-and-add tree,
-// 15 adds instead of 16 horizontal reductions). The lane order of the tree is fixed up by
+// Reductions of 16 vectors at once: r[i] = op over the 16 lanes of v[i] (a transpose-and-op
+// tree, 15 ops instead of 16 horizontal reductions). The lane order of the tree is fixed up by
 // one permute (order derived by simulating the shuffles).
-static inline __m512 hsum16(const __m512* v) {
+template <typename Op>
+static inline __m512 htree16(const __m512* v, Op op) {
   __m512 w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int j = 0; j < 4; ++j)
-    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    x[j] = op(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+              _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
   for (int k = 0; k < 2; ++k)
-    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
-                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    y[k] = op(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
+              _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+  const __m512 z = op(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
   const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(perm, z);
+}
+
+// Sums of 16 vectors at once: r[i] = sum of the 16 lanes of v[i].
+static inline __m512 hsum16(const __m512* v) {
+  return htree16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+
+// Row maxima of 16 vectors at once: r[i] = max of the 16 lanes of v[i] (hsum16's tree with
+// max, which is exact in any order).
+static inline __m512 hmax16(const __m512* v) {
+  return htree16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 
 // One query head's online-softmax step over a 16-token group: scores sc (lanes past the
@@ -272,25 +283,6 @@ static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeo
 // into another tree (other bits); the explicitly rounded form is left as it is.
 static inline __m512 add_exact(__m512 a, __m512 b) {
   return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-// Row maxima of 16 vectors at once: r[i] = max of the 16 lanes of v[i] (hsum16's tree with
-// max, which is exact in any order).
-static inline __m512 hmax16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)
-    x[j] = _mm512_max_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)
-    y[k] = _mm512_max_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
-  const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
-                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(perm, z);
 }
 
 // The sum of one vector's lanes in hsum16's tree: a_j = (x_j + x_j+8) + (x_j+4 + x_j+12),

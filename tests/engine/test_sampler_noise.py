@@ -41,3 +41,34 @@ def test_unseeded_draws_are_reproducible_from_the_engine_seed_and_mix_with_seede
     # the seeded row's draw depends only on (seed, position), not on its neighbours
     alone = Sampler(50, torch.device("cpu"), seed=5)._race(w[2:3], rows[2:3])
     assert int(alone[0]) == int(a[2])
+
+
+def test_draws_from_logits_follow_the_softmax_and_top_k():
+    """From logits (temperature, top-k, softmax, then the race): the draws follow
+    softmax(l / T), never take a -inf logit, and never a token outside the row's top-k."""
+    s = Sampler(6, torch.device("cpu"), seed=4321)
+    weights = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    n = 40_000
+    logits = weights.log().expand(n, 6).contiguous()  # log 0 = -inf
+    ids = s._sample(logits.clone(), _rows(n))
+    counts = torch.bincount(ids, minlength=6).double() / n
+    assert counts[1] == 0 and counts[5] == 0
+    assert torch.allclose(counts, weights.double(), atol=0.012), counts
+    # temperature 0.5 squares the weights (renormalised); top-k 2 keeps tokens 3 and 4 only
+    hot = [SampleSpec(f"h{i}", SamplingParams(temperature=0.5, top_k=2), 0, ()) for i in range(n)]
+    ids = s._sample(logits.clone(), hot)
+    counts = torch.bincount(ids, minlength=6).double() / n
+    want = torch.tensor([0, 0, 0, 0.09, 0.16, 0]).double() / 0.25
+    assert torch.allclose(counts, want, atol=0.012), counts
+
+
+def test_a_seeded_row_draws_the_same_beside_a_top_p_row():
+    """A seeded row's draw does not change with its neighbours, one with top-p included."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 500, generator=g)
+    nucleus = SampleSpec("p", SamplingParams(temperature=1.0, top_p=0.5), 0, ())
+    for pos in range(20):
+        seeded = SampleSpec("s", SamplingParams(temperature=0.8, seed=11), pos, ())
+        alone = Sampler(500, torch.device("cpu"), seed=1)._sample(logits[:1].clone(), [seeded])
+        mixed = Sampler(500, torch.device("cpu"), seed=2)._sample(logits.clone(), [seeded, nucleus])
+        assert int(alone[0]) == int(mixed[0])
