@@ -92,6 +92,20 @@ static inline __m512 hmax16(const __m512* v) {
   return htree16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 
+// The new running maxima and rescale factors of up to 16 softmax rows at once (the bf16 decode
+// kernel's and the prefill tiles'): mx[r] is row r's lane-wise max of its visible raw scores
+// (-inf where none), m[16] the rows' running maxima in base-2 units (score * scale * log2 e,
+// c = scale * log2 e > 0, so the max of s * c is c * max(s)), updated; corr[16] set to
+// 2^(m_old - m_new), the factors that rescale the rows' earlier sums. A row's first group
+// finds m = -inf and gets 2^-126 (exp2_p4's floor) where exact is 0: its earlier sums are all
+// 0. Lanes of unused rows hold whatever their inputs give; nothing reads them.
+static inline void rows_new_max(const __m512* mx, float c, float* m, float* corr) {
+  const __m512 mold = _mm512_load_ps(m);
+  const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(hmax16(mx), _mm512_set1_ps(c)));
+  _mm512_store_ps(corr, exp2_p4(_mm512_sub_ps(mold, mnew)));
+  _mm512_store_ps(m, mnew);
+}
+
 // One query head's online-softmax step over a 16-token group: scores sc (lanes past the
 // group's tokens masked off by valid) update the running max m and sum l; returns the group's
 // probabilities (0 where masked) and sets corr, the factor that rescales the accumulators.
@@ -313,15 +327,20 @@ static inline __m512 bf16_softmax_row(__m512 s, __mmask16 valid, float c, float&
   return p;
 }
 
-// s[r]: row r's raw scores (rows >= n ignored; s is overwritten); m, l: lane r is row r's,
-// updated; corr: lane r set to row r's factor; pb[r * 16 ..]: row r's probabilities in bf16.
-static inline void bf16_softmax_rows(__m512* s, int64_t n, __mmask16 valid, float c, __m512& m,
-                                     __m512& l, __m512& corr, uint16_t* pb) {
+// s[r]: row r's raw scores (rows >= n ignored; s is overwritten); *mp[r], *lp[r]: row r's
+// running max and sum, updated; cr[r]: set to row r's rescale factor; pb[r * 16 ..]: row r's
+// probabilities in bf16.
+static inline void bf16_softmax_rows(__m512* s, int64_t n, __mmask16 valid, float c,
+                                     float* const* mp, float* const* lp, float* cr, uint16_t* pb) {
+  alignas(64) float mv[16], lv[16];
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t r = 0; r < 16; ++r) s[r] = r < n ? _mm512_mask_mov_ps(ninf, valid, s[r]) : ninf;
-  const __m512 cv = _mm512_set1_ps(c);
-  const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(hmax16(s), cv));
-  corr = exp2_p4(_mm512_sub_ps(m, mnew));
+  for (int64_t r = 0; r < 16; ++r) {
+    mv[r] = r < n ? *mp[r] : -INFINITY;
+    lv[r] = r < n ? *lp[r] : 0.f;
+    s[r] = r < n ? _mm512_mask_mov_ps(ninf, valid, s[r]) : ninf;
+  }
+  rows_new_max(s, c, mv, cr);
+  const __m512 mnew = _mm512_load_ps(mv), cv = _mm512_set1_ps(c);
   for (int64_t r = 0; r < 16; ++r) {
     const __m512 mr = _mm512_permutexvar_ps(_mm512_set1_epi32(int(r)), mnew);
     s[r] = r < n ? _mm512_maskz_mov_ps(valid, exp2_p4(_mm512_fmsub_ps(s[r], cv, mr)))
@@ -329,8 +348,11 @@ static inline void bf16_softmax_rows(__m512* s, int64_t n, __mmask16 valid, floa
     if (r < n)
       _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(s[r]));
   }
-  l = _mm512_fmadd_ps(l, corr, hsum16(s));
-  m = mnew;
+  _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), _mm512_load_ps(cr), hsum16(s)));
+  for (int64_t r = 0; r < n; ++r) {
+    *mp[r] = mv[r];
+    *lp[r] = lv[r];
+  }
 }
 
 // P @ V runs a chain of vdpbf16ps per accumulator (2 W per query head); with fewer than 8
@@ -358,7 +380,7 @@ static inline void bf16_step(const Member& mb, const at::BFloat16* rows, int64_t
   __m512 part[G * 16];
   __m512 s[16];
   alignas(64) uint16_t pb[16 * 16];
-  alignas(64) float mv[16], lv[16], cr[16];
+  alignas(64) float cr[16];
   const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
   for (int64_t h1 = 0; h1 < nh; h1 += HB) {
     const int64_t hn = std::min(HB, nh - h1), n = hn * G;
@@ -386,19 +408,13 @@ static inline void bf16_step(const Member& mb, const at::BFloat16* rows, int64_t
     float* mh = mb.m + h1 * G;
     float* lh = mb.l + h1 * G;
     if (n >= 4) {  // the rows' reductions together (the same bits as one by one)
-      for (int64_t r = 0; r < 16; ++r) {
-        mv[r] = r < n ? mh[r] : -INFINITY;
-        lv[r] = r < n ? lh[r] : 0.f;
-      }
-      __m512 m = _mm512_load_ps(mv), l = _mm512_load_ps(lv), corr;
-      bf16_softmax_rows(s, n, valid, c, m, l, corr, pb);
-      _mm512_store_ps(mv, m);
-      _mm512_store_ps(lv, l);
-      _mm512_store_ps(cr, corr);
+      float* mp[16];
+      float* lp[16];
       for (int64_t r = 0; r < n; ++r) {
-        mh[r] = mv[r];
-        lh[r] = lv[r];
+        mp[r] = mh + r;
+        lp[r] = lh + r;
       }
+      bf16_softmax_rows(s, n, valid, c, mp, lp, cr, pb);
     } else {
       for (int64_t r = 0; r < n; ++r) {
         const __m512 e = bf16_softmax_row(s[r], valid, c, mh[r], lh[r], cr[r]);
@@ -506,14 +522,16 @@ static inline void bf16_prepared_block(Member* mb, int64_t nm, const __m512i* kt
   __m512 a[MP * G * 2 * W];
   __m512 s[16];
   alignas(64) uint16_t pb[16 * 16];
-  alignas(64) float mv[16], lv[16], cr[16];
+  alignas(64) float cr[16];
   const int64_t n = nm * G;
   const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
   for (int64_t hh = 0; hh < nh; ++hh) {
     const __m512i* kh = kt + hh * W * 16;
-    for (int64_t r = 0; r < 16; ++r) {
-      mv[r] = r < n ? mb[r / G].m[hh * G + r % G] : -INFINITY;
-      lv[r] = r < n ? mb[r / G].l[hh * G + r % G] : 0.f;
+    float* mp[16];
+    float* lp[16];
+    for (int64_t r = 0; r < n; ++r) {
+      mp[r] = mb[r / G].m + hh * G + r % G;
+      lp[r] = mb[r / G].l + hh * G + r % G;
     }
     for (int64_t r = 0; r < n; ++r) {
       const int32_t* qg = reinterpret_cast<const int32_t*>(
@@ -531,16 +549,7 @@ static inline void bf16_prepared_block(Member* mb, int64_t nm, const __m512i* kt
       for (int64_t k = 0; k < 4; ++k) P[k] = add_exact(P[k], P[k + 4]);
       s[r] = add_exact(add_exact(P[0], P[2]), add_exact(P[1], P[3]));
     }
-    __m512 m = _mm512_load_ps(mv), l = _mm512_load_ps(lv), corr;
-    bf16_softmax_rows(s, n, valid, c, m, l, corr, pb);
-    _mm512_store_ps(mv, m);
-    _mm512_store_ps(lv, l);
-    _mm512_store_ps(cr, corr);
-    for (int64_t i = 0; i < nm; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        mb[i].m[hh * G + g] = mv[i * G + g];
-        mb[i].l[hh * G + g] = lv[i * G + g];
-      }
+    bf16_softmax_rows(s, n, valid, c, mp, lp, cr, pb);
     // P @ V, MP members at a time so that enough accumulator chains run side by side
     for (int64_t i0 = 0; i0 < nm; i0 += MP) {
       const int64_t mn = std::min(MP, nm - i0);
@@ -979,17 +988,6 @@ static inline __m512 pf_row_max(const __m512* s, int nu, bool edge, int64_t j0, 
   return mx;
 }
 
-// pf_rows_max: mx[r] is row r's pf_row_max (rows past the tile's: -inf, with m[r] = 0);
-// m[16] the rows' running maxima, updated (sc > 0: the max of s * c is c * max(s)); alpha[16]
-// set to the factors that rescale the rows' earlier sums. A row's first chunk finds m = -inf
-// and gets alpha = 2^-126 (exp2_p4's floor) where exact is 0: its earlier sums are all 0.
-static inline void pf_rows_max(const __m512* mx, float c, float* m, float* alpha) {
-  const __m512 mold = _mm512_load_ps(m);
-  const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(hmax16(mx), _mm512_set1_ps(c)));
-  _mm512_store_ps(alpha, exp2_p4(_mm512_sub_ps(mold, mnew)));
-  _mm512_store_ps(m, mnew);
-}
-
 // pf_row_probs: one row's probabilities pr[b] (0 for hidden keys and units b >= nu) from its
 // scores, masks and new max m; the lane-wise sum l becomes l * alpha + the chunk's.
 static inline void pf_row_probs(const __m512* s, int nu, const __mmask16* vis, float c, float m,
@@ -1045,7 +1043,7 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
       }
       mx[i] = pf_row_max(s, 4, edge, j0, offset + r0 + i, vis[i]);
     }
-    pf_rows_max(mx, csc, m, alpha);
+    rows_new_max(mx, csc, m, alpha);
     for (int i = 0; i < nr; ++i) {
       __m512 pr[4];
       pf_row_probs(sv[i], 4, vis[i], csc, m[i], alpha[i], l[i], pr);
@@ -1190,7 +1188,7 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
       for (int b = 0; b < nu; ++b) s[b] = _mm512_load_ps(sm + i * PF_KEYS + 16 * b);
       mx[i] = pf_row_max(s, nu, edge, j0, offset + r0 + i, vis[i]);
     }
-    pf_rows_max(mx, csc, m, alpha);
+    rows_new_max(mx, csc, m, alpha);
     for (int i = 0; i < nr; ++i) {
       __m512 s[4], pr[4];
       for (int b = 0; b < nu; ++b) s[b] = _mm512_load_ps(sm + i * PF_KEYS + 16 * b);
