@@ -716,9 +716,11 @@ def vllm_bench(
     python: Path = VLLM_PY,
     cli: Path = VLLM_CLI,
     timeout_s: int = 900,
+    temperature: float = 0.0,
 ) -> dict:
-    """One ``vllm bench serve`` run; returns its scalar metrics (ms), the load averages
-    before and after, and the errors of failed requests."""
+    """One ``vllm bench serve`` run (at ``temperature``: 0, the suite's greedy, by default);
+    returns its scalar metrics (ms), the load averages before and after, and the errors of
+    failed requests."""
     raw_dir.mkdir(parents=True, exist_ok=True)
     result = raw_dir / f"{name}.json"
     log = raw_dir / f"{name}.log"
@@ -740,7 +742,7 @@ def vllm_bench(
         model,
         "--ignore-eos",
         "--temperature",
-        "0",
+        f"{temperature:g}",
         "--percentile-metrics",
         "ttft,tpot,itl,e2el",
         "--metric-percentiles",
@@ -807,6 +809,7 @@ def run_suite(
     label: str,
     max_load: float = 0.0,
     run_load_wait: float = 0.0,
+    temperature: float = 0.0,
 ) -> list[dict]:
     runs = []
     for wi, w in workloads:
@@ -825,7 +828,13 @@ def run_suite(
                 )
                 continue
             r = vllm_bench(
-                server.base_url, model, list(w.args), seed, raw_dir, f"{label}_{w.name}_s{seed}"
+                server.base_url,
+                model,
+                list(w.args),
+                seed,
+                raw_dir,
+                f"{label}_{w.name}_s{seed}",
+                temperature=temperature,
             )
             r["workload"] = w.name
             runs.append(r)
@@ -893,6 +902,7 @@ def measure(
     max_load: float,
     load_wait: float,
     run_load_wait: float = 0.0,
+    temperature: float = 0.0,
 ) -> dict:
     """Start ``server``, warm it up, run the suite, scrape metrics, stop it."""
     la = wait_quiet(max_load, load_wait, f"starting {server.name}")
@@ -911,8 +921,18 @@ def measure(
         before = scrape_all(server)
         cpu0 = tree_cpu(server.proc.pid)
         rec["runs"] = run_suite(
-            server, model, workloads, seeds, seed_base, raw_dir, label, max_load, run_load_wait
+            server,
+            model,
+            workloads,
+            seeds,
+            seed_base,
+            raw_dir,
+            label,
+            max_load,
+            run_load_wait,
+            temperature,
         )
+        rec["temperature"] = temperature
         rec["server_cpu_s"] = cpu_delta(cpu0, tree_cpu(server.proc.pid))
         rec["server_metrics"] = deltas(before, scrape_all(server))
         rec["load_at_end"] = loadavg()
@@ -1083,6 +1103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seeds", type=int, default=3, help="repetitions per workload (new seed each)")
     p.add_argument("--seed-base", type=int, default=100)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every timed request, both systems (default 0: vLLM's "
+        "suite is greedy; 1 is what OpenAI clients send by default)",
+    )
     p.add_argument("--skip-vllm", action="store_true", help="reuse the saved vLLM half")
     p.add_argument("--skip-pdserve", action="store_true", help="reuse the saved pdserve half")
     p.add_argument(
@@ -1170,6 +1197,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--skip-{system}: {saved[system]} does not exist")
                 return 2
             recs[system] = json.loads(saved[system].read_text())
+            if recs[system].get("temperature", 0.0) != a.temperature:
+                print(
+                    f"--skip-{system}: {saved[system]} was run at temperature "
+                    f"{recs[system].get('temperature', 0.0):g}, not {a.temperature:g}"
+                )
+                return 2
             print(f"[compare] reusing {saved[system]} ({recs[system].get('started')})", flush=True)
             continue
         if system == "vllm":
@@ -1208,6 +1241,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.max_load,
                 a.load_wait,
                 a.run_load_wait,
+                a.temperature,
             )
         except (RuntimeError, TimeoutError) as e:
             print(f"[compare] {system} failed: {e}", flush=True)
@@ -1230,7 +1264,8 @@ def main(argv: list[str] | None = None) -> int:
             "kv": "vLLM VLLM_CPU_KVCACHE_SPACE=1 (GiB, total); pdserve "
             f"--kv-cache-memory {a.kv_cache_memory} per worker",
         },
-        "client": "vllm bench serve (vllm-cpu 0.32.0 venv) --ignore-eos --temperature 0",
+        "client": "vllm bench serve (vllm-cpu 0.32.0 venv) --ignore-eos "
+        f"--temperature {a.temperature:g}",
         "threads": {s: recs[s].get("server", {}).get("threads") for s in recs},
         "pdserve_code": recs[first].get("code"),
         "started": {s: recs[s].get("started") for s in recs},

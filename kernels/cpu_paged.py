@@ -265,6 +265,22 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return ext.argmax_rows(logits.contiguous())
 
 
+def race_rows(x: torch.Tensor, temps: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """One sampled token per row of a CPU ``[N, V]`` tensor (fp32 or bf16), ``[N]`` int64: the
+    exponential race ``argmax_i w_i / E_i`` in one pass per row, the noise ``E_i = -ln u_i``
+    drawn in the kernel from SplitMix64 keyed by ``keys[r]`` (int64), so a row's draw depends on
+    its key and weights alone. ``temps`` (fp32 ``[N]``): ``x`` holds logits and
+    ``w_i = exp((x_i - max x) / T)`` (-inf: weight 0), temperature 0 the row's argmax; ``None``:
+    ``x`` holds the weights (``>= 0``, unnormalised). ``x`` is read in place (no fp32 copy)."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError(f"the CPU extension is unavailable: {_failed}")
+    keys = keys.to(torch.long).contiguous()
+    if temps is None:
+        return ext.race_rows(x.contiguous(), keys, keys, True)
+    return ext.race_rows(x.contiguous(), temps.to(torch.float32).contiguous(), keys, False)
+
+
 _amx_linear: bool | None = None
 
 

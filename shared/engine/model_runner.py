@@ -273,7 +273,11 @@ class ModelRunner:
                 self._small_step_tokens,
             )
         self.sampler = Sampler(
-            model_config.vocab_size, self.device, seed, argmax_rows=self.backend.argmax_rows
+            model_config.vocab_size,
+            self.device,
+            seed,
+            argmax_rows=self.backend.argmax_rows,
+            race_rows=getattr(self.backend, "race_rows", None),
         )
         self.block_size = cache_config.block_size
         self.drafter = None  # DraftModelProposer (shared/engine/draft_model.py) when configured

@@ -45,9 +45,8 @@ logger = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
 
 
-def _row_generator(
-    seed: int, position: int, device: torch.device, salt: int = 0
-) -> torch.Generator:
+def _row_key(seed: int, position: int, salt: int = 0) -> int:
+    """The 63-bit key of a seeded row's noise at output position ``position``."""
     # the same bytes as packing (seed, position) as int64 for every valid seed; the mask only
     # keeps a bug elsewhere from turning into struct.error on the engine thread. ``salt``
     # separates the streams of one position (speculative decoding's acceptance test and
@@ -55,8 +54,19 @@ def _row_generator(
     packed = struct.pack("<QQ", seed & _U64, position & _U64)
     if salt:
         packed += struct.pack("<Q", salt)
-    key = xxhash.xxh3_64_intdigest(packed) & ((1 << 63) - 1)
-    return torch.Generator(device=device).manual_seed(key)
+    return xxhash.xxh3_64_intdigest(packed) & ((1 << 63) - 1)
+
+
+def _row_generator(
+    seed: int, position: int, device: torch.device, salt: int = 0
+) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(_row_key(seed, position, salt))
+
+
+def _cuts(r: SampleSpec) -> bool:
+    """Row ``r`` samples from a cut distribution (top-k, top-p or min-p)."""
+    p = r.params
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
 
 
 def _keep_matching(toks: list[SampledToken], drafts: Sequence[int]) -> SpecSample:
@@ -89,8 +99,10 @@ def _note_bans(
 
 
 class Sampler:
-    """``argmax_rows`` is the attention backend's greedy argmax (``kernels`` contract); the
-    sampler uses nothing else of the backend."""
+    """``argmax_rows`` is the attention backend's greedy argmax (``kernels`` contract);
+    ``race_rows`` (optional, the CPU backend's ``kernels.cpu_paged.race_rows``) draws a batch's
+    rows in one pass each, the noise made in the kernel from a key per row; the sampler uses
+    nothing else of the backend."""
 
     def __init__(
         self,
@@ -98,10 +110,13 @@ class Sampler:
         device: torch.device,
         seed: int | None,
         argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        race_rows: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+        | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self._argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
+        self._race_rows = race_rows if device.type == "cpu" else None
         self.generator = torch.Generator(device=device)
         self.matchers = Matchers()  # structured outputs: one grammar matcher per sequence
         self._token_tensors: dict[int, tuple[list[int], torch.Tensor]] = {}
@@ -109,7 +124,8 @@ class Sampler:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
-        # the unseeded rows' noise on CPU (see _race); seeded like the torch generator
+        # the unseeded rows' noise (or its keys) on CPU (see _race); seeded like the torch
+        # generator
         self._np_rng = np.random.default_rng(seed)
 
     @torch.inference_mode()
@@ -145,6 +161,18 @@ class Sampler:
         want_lp = [r.params.logprobs is not None for r in rows]
         if self.plain_greedy(rows):
             return [SampledToken(t) for t in self._greedy(logits).tolist()]
+        if (
+            self._racing(logits)
+            and not any(want_lp)
+            and not any(self._needs_processing(r) or _cuts(r) for r in rows)
+        ):  # temperature alone (or greedy): one pass per row over the logits as they are
+            temps = torch.tensor(
+                [0.0 if r.params.greedy else r.params.temperature for r in rows],
+                dtype=torch.float32,
+            )
+            assert self._race_rows is not None
+            tokens = self._race_rows(logits, temps, self._keys(rows))
+            return [SampledToken(t) for t in tokens.tolist()]
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
@@ -415,7 +443,36 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         # logits: [M, V] for non-greedy rows -> sampled ids [M]
+        if self._racing(logits) and not any(_cuts(r) for r in rows):
+            assert self._race_rows is not None
+            temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+            return self._race_rows(logits, temps, self._keys(rows))
         return self._race(self._probs(logits, rows), rows)
+
+    def _racing(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows go to the backend's one-pass race (``race_rows``)."""
+        return (
+            self._race_rows is not None
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16)
+        )
+
+    def _keys(self, rows: list[SampleSpec], salt: int = 0) -> torch.Tensor:
+        """Each row's noise key for ``race_rows``: a seeded row's from (seed, position, salt),
+        so its draw depends on nothing else; the others' from the engine's seeded stream."""
+        fresh = sum(1 for r in rows if r.params.seed is None)
+        drawn = iter(
+            self._np_rng.integers(0, 1 << 63, size=fresh, dtype=np.int64).tolist() if fresh else ()
+        )
+        return torch.tensor(
+            [
+                next(drawn)
+                if r.params.seed is None
+                else _row_key(r.params.seed, r.num_output_tokens, salt)
+                for r in rows
+            ],
+            dtype=torch.long,
+        )
 
     def _probs(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         """The distribution each non-greedy row samples from (temperature, top-k, top-p, min-p
@@ -448,6 +505,9 @@ class Sampler:
     def _race(self, probs: torch.Tensor, rows: list[SampleSpec], salt: int = 0) -> torch.Tensor:
         """One draw per row from ``probs`` (any non-negative weights): ``argmax(p / E)``, the
         noise ``E ~ Exp(1)`` keyed by (seed, position[, salt]) for seeded rows."""
+        if self._racing(probs):
+            assert self._race_rows is not None
+            return self._race_rows(probs, None, self._keys(rows, salt))
         dev = probs.device
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]

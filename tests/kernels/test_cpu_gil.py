@@ -97,6 +97,13 @@ def test_argmax_rows_releases_the_gil():
     assert _ran_beside(lambda: ext.argmax_rows(logits))
 
 
+def test_race_rows_releases_the_gil():
+    logits = torch.randn(64, 32000).bfloat16()
+    temps, keys = torch.ones(64), torch.arange(64)
+    ext = cpu_paged._load()
+    assert _ran_beside(lambda: ext.race_rows(logits, temps, keys, False))
+
+
 def _needs_bf16():
     """The extension's bf16 kernels, or a skip where this CPU has no AVX512-BF16."""
     ext = cpu_paged._bf16_ext()
