@@ -1,12 +1,14 @@
-"""Sampling at temperature > 0 on CPU: the backend's one-pass race (``kernels/cpu_paged.py::
-race_rows``: each row's draw in one pass over its logits, the noise made in the kernel) against
-the torch ops it replaces (fp32 copy, temperature, softmax, numpy's uniform noise, ``-log``,
-divide, ``argmax_rows``), interleaved in one process.
+"""Sampling at temperature > 0 on CPU: the backend's kernels (``kernels/cpu_paged.py::
+race_rows``: each row's draw in one pass over its logits, the noise made in the kernel;
+``cut_rows``: top-k / top-p / min-p by bisection) against the torch ops they replace (fp32 copy,
+temperature, sorts for the cuts, softmax, numpy's uniform noise, ``-log``, divide,
+``argmax_rows``), interleaved in one process.
 
 Part 1 times one ``Sampler`` call per row count (vocabulary ``--vocab``, bf16 logits, rows
-unseeded or each with its own seed). Part 2 runs the offline engine (``shared.engine.LLM``) on
-``--model``: ``--prompts`` random prompts of ``--prompt-len`` tokens, ``--max-tokens`` out each,
-at temperature 1 and, as a control, 0, the engine's sampler switched between the two paths in
+unseeded, each with its own seed, or unseeded with top-p 0.9 / top-k 50 / min-p 0.05). Part 2
+runs the offline engine (``shared.engine.LLM``) on ``--model``: ``--prompts`` random prompts of
+``--prompt-len`` tokens, ``--max-tokens`` out each, at temperature 1, at temperature 1 with
+top-p 0.9 and, as a control, 0, the engine's sampler switched between the two paths in
 alternating rounds (same engine, same prompts). Each row gives the median and minimum over the
 rounds.
 
@@ -41,7 +43,7 @@ def _cell(ts: list[float]) -> str:
 
 def sampler_calls(rows: list[int], vocab: int, rounds: int) -> None:
     print(f"\nOne Sampler call, {vocab}-token vocabulary, bf16 logits: ms, median (min)")
-    print("| rows | noise | race | torch | race / torch |")
+    print("| rows | rows' sampling | race | torch | race / torch |")
     print("|---:|---|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     samplers = {
@@ -51,15 +53,27 @@ def sampler_calls(rows: list[int], vocab: int, rounds: int) -> None:
             seed=0,
             argmax_rows=cpu_paged.argmax_rows,
             race_rows=cpu_paged.race_rows if p == "race" else None,
+            cut_rows=cpu_paged.cut_rows if p == "race" else None,
         )
         for p in PATHS
     }
+    kinds = {
+        "engine's": {},
+        "seeded": {},
+        "top-p 0.9": {"top_p": 0.9},
+        "top-k 50": {"top_k": 50},
+        "min-p 0.05": {"min_p": 0.05},
+    }
     for n in rows:
         logits = torch.randn(n, vocab, generator=g).bfloat16()
-        for seeded in (False, True):
+        for kind, cut in kinds.items():
+            seeded = kind == "seeded"
             specs = [
                 SampleSpec(
-                    f"r{i}", SamplingParams(temperature=1.0, seed=i if seeded else None), 0, ()
+                    f"r{i}",
+                    SamplingParams(temperature=1.0, seed=i if seeded else None, **cut),
+                    0,
+                    (),
                 )
                 for i in range(n)
             ]
@@ -73,7 +87,6 @@ def sampler_calls(rows: list[int], vocab: int, rounds: int) -> None:
                     s(logits, specs)
                     times[p].append((time.perf_counter() - t0) * 1e3)
             ratio = statistics.median(times["race"]) / statistics.median(times["torch"])
-            kind = "seeded" if seeded else "engine's"
             print(
                 f"| {n} | {kind} | {_cell(times['race'])} | {_cell(times['torch'])} | {ratio:.2f} |"
             )
@@ -90,7 +103,7 @@ def engine_runs(model: str, prompts: int, prompt_len: int, max_tokens: int, roun
         max_model_len=4096,
     )
     sampler = llm.engine.runner.sampler
-    race = sampler._race_rows
+    race, cut = sampler._race_rows, sampler._cut_rows
     if race is None:
         print("the engine's sampler has no race kernel here (no C++ extension)")
         return
@@ -103,23 +116,29 @@ def engine_runs(model: str, prompts: int, prompt_len: int, max_tokens: int, roun
         f"\nOffline engine, {prompts} prompts x ({prompt_len} -> {max_tokens} tokens): output "
         "tok/s, median (min) over the rounds"
     )
-    print("| temperature | race | torch | race / torch |")
-    print("|---:|---:|---:|---:|")
-    for temp in (1.0, 0.0):
-        sp = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True)
+    print("| sampling | race | torch | race / torch |")
+    print("|---|---:|---:|---:|")
+    configs = {
+        "temperature 1": {"temperature": 1.0},
+        "temperature 1, top-p 0.9": {"temperature": 1.0, "top_p": 0.9},
+        "temperature 0 (control)": {"temperature": 0.0},
+    }
+    for name, cfg in configs.items():
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **cfg)
         rates: dict[str, list[float]] = {p: [] for p in PATHS}
         llm.generate(batch[:4], sp)
         for r in range(rounds):
             for p in PATHS:
-                print(f"[sampler] engine T={temp:g} round {r + 1}/{rounds} {p}", file=sys.stderr)
+                print(f"[sampler] engine {name} round {r + 1}/{rounds} {p}", file=sys.stderr)
                 sampler._race_rows = race if p == "race" else None
+                sampler._cut_rows = cut if p == "race" else None
                 t0 = time.perf_counter()
                 llm.generate(batch, sp)
                 rates[p].append(prompts * max_tokens / (time.perf_counter() - t0))
-        sampler._race_rows = race
+        sampler._race_rows, sampler._cut_rows = race, cut
         med = {p: statistics.median(v) for p, v in rates.items()}
         cells = " | ".join(f"{med[p]:.0f} ({min(rates[p]):.0f})" for p in PATHS)
-        print(f"| {temp:g} | {cells} | {med['race'] / med['torch']:.2f} |")
+        print(f"| {name} | {cells} | {med['race'] / med['torch']:.2f} |")
 
 
 def main() -> int:

@@ -281,6 +281,31 @@ def race_rows(x: torch.Tensor, temps: torch.Tensor | None, keys: torch.Tensor) -
     return ext.race_rows(x.contiguous(), temps.to(torch.float32).contiguous(), keys, False)
 
 
+def cut_rows(
+    x: torch.Tensor,
+    temps: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """The weights each row of a CPU ``[N, V]`` tensor (logits, fp32 or bf16) samples from,
+    fp32 ``[N, V]``, unnormalised: ``exp((x - max x) / T)`` (0 for -inf), then top-k (``<= 0``:
+    off; ties with the k-th kept), top-p (``1``: off; the smallest set of the largest weights
+    whose mass reaches ``p``, ties with its last kept) and min-p (``0``: off), in that order.
+    For :func:`race_rows` with ``temps=None``."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError(f"the CPU extension is unavailable: {_failed}")
+    f32 = dict(dtype=torch.float32)
+    return ext.cut_rows(
+        x.contiguous(),
+        temps.to(**f32).contiguous(),
+        top_k.to(torch.long).contiguous(),
+        top_p.to(**f32).contiguous(),
+        min_p.to(**f32).contiguous(),
+    )
+
+
 _amx_linear: bool | None = None
 
 

@@ -1823,6 +1823,128 @@ at::Tensor race_rows(const at::Tensor& x, const at::Tensor& temps, const at::Ten
   return out;
 }
 
+// ---- The cut distributions of top-k / top-p / min-p rows ----------------------------------
+// w = exp((x - max x) / T) per row (0 for a -inf logit), then, in vLLM's order: top-k keeps the
+// tokens whose weight is at least the k-th largest (its ties too), top-p the smallest set of the
+// largest weights whose mass reaches p of the row's (every token tied with the last one too),
+// min-p the tokens of at least min_p times the largest (which is 1). Each threshold is found by
+// bisection over the bit patterns of non-negative floats (ordered as integers): about 30 passes
+// over the row in L2 instead of a sort. The weights are written unnormalised (the race does not
+// need the sum); a temperature of 0 gives the argmax weight 1 and every other 0.
+static inline int64_t cut_count_ge(const float* w, int64_t n, float t) {
+  int64_t c = 0;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 vt = _mm512_set1_ps(t);
+  for (; i + 16 <= n; i += 16) c += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), vt, _CMP_GE_OQ));
+#endif
+  for (; i < n; ++i) c += w[i] >= t;
+  return c;
+}
+
+static inline float cut_mass_ge(const float* w, int64_t n, float t) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef __AVX512F__
+  const __m512 vt = _mm512_set1_ps(t);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(w + i);
+    acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(v, vt, _CMP_GE_OQ), acc, v);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i)
+    if (w[i] >= t) s += w[i];
+  return s;
+}
+
+// The largest t in [0, 1] with pred(t) (pred(0) holds, pred is monotone: true up to a point).
+template <typename Pred>
+static inline float cut_bisect(Pred pred) {
+  uint32_t lo = 0, hi = 0x3f800001u;  // bits of 0.0f; one past the bits of 1.0f
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    float t;
+    std::memcpy(&t, &mid, sizeof t);
+    if (pred(t)) lo = mid; else hi = mid;
+  }
+  float t;
+  std::memcpy(&t, &lo, sizeof t);
+  return t;
+}
+
+template <typename T>
+static void cut_row(const T* x, float* w, int64_t n, float temp, int64_t top_k, float top_p, float min_p) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<float>(x[i]));
+  if (!(mx > -INFINITY)) {  // nothing to draw from: the race then takes index 0
+    std::fill(w, w + n, 0.0f);
+    return;
+  }
+  if (!(temp > 0.0f)) {
+    std::fill(w, w + n, 0.0f);
+    w[argmax_row(x, n)] = 1.0f;
+    return;
+  }
+  const float inv = 1.0f / temp;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (HasLoad16<T>::value) {
+    const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv), ninf = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = load16(x + i);
+      const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ);
+      _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(live, exp512(_mm512_mul_ps(_mm512_sub_ps(v, vmx), vinv))));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    w[i] = v > -INFINITY ? std::exp((v - mx) * inv) : 0.0f;
+  }
+  float t = 0.0f;
+  if (top_k > 0 && top_k < n) t = cut_bisect([&](float c) { return cut_count_ge(w, n, c) >= top_k; });
+  if (top_p < 1.0f) {
+    const float target = top_p * cut_mass_ge(w, n, t);
+    const float floor = t;
+    t = cut_bisect([&](float c) { return cut_mass_ge(w, n, std::max(c, floor)) >= target; });
+    t = std::max(t, floor);
+  }
+  if (min_p > 0.0f) t = std::max(t, min_p);  // the largest weight is exp(0) = 1
+  if (t > 0.0f)
+    for (int64_t j = 0; j < n; ++j)
+      if (w[j] < t) w[j] = 0.0f;
+}
+
+at::Tensor cut_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& top_k,
+                    const at::Tensor& top_p, const at::Tensor& min_p) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "cut_rows needs a contiguous [N, V] tensor");
+  const int64_t N = x.size(0), V = x.size(1);
+  for (const at::Tensor* a : {&temps, &top_p, &min_p})
+    TORCH_CHECK(a->dim() == 1 && a->size(0) == N && a->scalar_type() == at::kFloat && a->is_contiguous(),
+                "cut_rows: temps, top_p and min_p must be [N] float32");
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == N && top_k.scalar_type() == at::kLong && top_k.is_contiguous(),
+              "cut_rows: top_k must be [N] int64");
+  auto out = at::empty({N, V}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const float* tp = temps.data_ptr<float>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  auto run = [&](auto* p) {
+    at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) cut_row(p + r * V, op + r * V, V, tp[r], kp[r], pp[r], mp[r]);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<at::BFloat16>()); break;
+    default: TORCH_CHECK(false, "cut_rows: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
 // ---- A projection on AMX tiles that reads its weight once for all rows ----------------------
 // oneDNN's bf16 matmul blocks the rows of x by 64 and streams the whole weight again for each
 // block, so a decode step's LM head (32000 x 256 at batch 128) reads it twice over, and a
@@ -2304,6 +2426,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, nogil, "row-wise argmax, first index of the maximum (CPU)");
   m.def("race_rows", &race_rows, nogil,
         "one draw per row: the exponential race over exp((x - max) / T) or weights x (CPU)");
+  m.def("cut_rows", &cut_rows, nogil,
+        "per row exp((x - max) / T) cut by top-k, top-p and min-p, unnormalised (CPU)");
   m.def("linear_bf16", &linear_bf16, nogil, "x @ w.T for bf16 with few rows (AVX512-BF16)");
   m.def("prefill_bf16", &prefill_bf16, nogil, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
   m.def("prefill_amx_available", &prefill_amx_available,

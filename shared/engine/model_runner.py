@@ -278,6 +278,7 @@ class ModelRunner:
             seed,
             argmax_rows=self.backend.argmax_rows,
             race_rows=getattr(self.backend, "race_rows", None),
+            cut_rows=getattr(self.backend, "cut_rows", None),
         )
         self.block_size = cache_config.block_size
         self.drafter = None  # DraftModelProposer (shared/engine/draft_model.py) when configured

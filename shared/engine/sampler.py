@@ -100,9 +100,10 @@ def _note_bans(
 
 class Sampler:
     """``argmax_rows`` is the attention backend's greedy argmax (``kernels`` contract);
-    ``race_rows`` (optional, the CPU backend's ``kernels.cpu_paged.race_rows``) draws a batch's
-    rows in one pass each, the noise made in the kernel from a key per row; the sampler uses
-    nothing else of the backend."""
+    ``race_rows`` and ``cut_rows`` (optional, the CPU backend's ``kernels.cpu_paged``) draw a
+    batch's rows in one pass each, the noise made in the kernel from a key per row, and make
+    the top-k / top-p / min-p rows' weights without a sort; the sampler uses nothing else of the
+    backend."""
 
     def __init__(
         self,
@@ -112,11 +113,13 @@ class Sampler:
         argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
         race_rows: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
         | None = None,
+        cut_rows: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self._argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
         self._race_rows = race_rows if device.type == "cpu" else None
+        self._cut_rows = cut_rows if self._race_rows is not None else None
         self.generator = torch.Generator(device=device)
         self.matchers = Matchers()  # structured outputs: one grammar matcher per sequence
         self._token_tensors: dict[int, tuple[list[int], torch.Tensor]] = {}
@@ -162,17 +165,11 @@ class Sampler:
         if self.plain_greedy(rows):
             return [SampledToken(t) for t in self._greedy(logits).tolist()]
         if (
-            self._racing(logits)
+            self._racing(logits, rows)
             and not any(want_lp)
-            and not any(self._needs_processing(r) or _cuts(r) for r in rows)
-        ):  # temperature alone (or greedy): one pass per row over the logits as they are
-            temps = torch.tensor(
-                [0.0 if r.params.greedy else r.params.temperature for r in rows],
-                dtype=torch.float32,
-            )
-            assert self._race_rows is not None
-            tokens = self._race_rows(logits, temps, self._keys(rows))
-            return [SampledToken(t) for t in tokens.tolist()]
+            and not any(self._needs_processing(r) for r in rows)
+        ):  # no rule of a row's own: the kernels read the logits as they are (greedy rows too)
+            return [SampledToken(t) for t in self._race_logits(logits, rows).tolist()]
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = logits.clone() if any(self._needs_processing(r) for r in rows) else logits
@@ -443,19 +440,39 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         # logits: [M, V] for non-greedy rows -> sampled ids [M]
-        if self._racing(logits) and not any(_cuts(r) for r in rows):
-            assert self._race_rows is not None
-            temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-            return self._race_rows(logits, temps, self._keys(rows))
+        if self._racing(logits, rows):
+            return self._race_logits(logits, rows)
         return self._race(self._probs(logits, rows), rows)
 
-    def _racing(self, x: torch.Tensor) -> bool:
-        """Whether ``x``'s rows go to the backend's one-pass race (``race_rows``)."""
+    def _racing(self, x: torch.Tensor, rows: list[SampleSpec] | None = None) -> bool:
+        """Whether ``x``'s rows (logits of ``rows``; weights when ``None``) go to the backend's
+        kernels (``race_rows``, and ``cut_rows`` for top-k / top-p / min-p rows)."""
         return (
             self._race_rows is not None
             and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.bfloat16)
+            and (rows is None or self._cut_rows is not None or not any(map(_cuts, rows)))
         )
+
+    def _race_logits(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
+        """Each row's draw from its logits by the backend's kernels: temperature (0: the
+        argmax), then top-k / top-p / min-p where a row asks (``cut_rows``), then the race."""
+        assert self._race_rows is not None
+        temps = torch.tensor(
+            [0.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32
+        )
+        keys = self._keys(rows)
+        if not any(map(_cuts, rows)):
+            return self._race_rows(logits, temps, keys)
+        assert self._cut_rows is not None
+        weights = self._cut_rows(
+            logits,
+            temps,
+            torch.tensor([r.params.top_k for r in rows], dtype=torch.long),
+            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32),
+            torch.tensor([r.params.min_p for r in rows], dtype=torch.float32),
+        )
+        return self._race_rows(weights, None, keys)
 
     def _keys(self, rows: list[SampleSpec], salt: int = 0) -> torch.Tensor:
         """Each row's noise key for ``race_rows``: a seeded row's from (seed, position, salt),

@@ -21,12 +21,18 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(params=["kernel", "torch"])
 def make(request):
-    """``make(vocab, seed)``: a CPU sampler with the backend's race kernel, or without it."""
+    """``make(vocab, seed)``: a CPU sampler with the backend's race and cut kernels, or
+    without them."""
     if request.param == "kernel" and not cpu_paged.available():
         pytest.skip("no C++ extension here")
-    race = cpu_paged.race_rows if request.param == "kernel" else None
+    kernel = request.param == "kernel"
     return lambda vocab, seed: Sampler(
-        vocab, torch.device("cpu"), seed=seed, argmax_rows=cpu_paged.argmax_rows, race_rows=race
+        vocab,
+        torch.device("cpu"),
+        seed=seed,
+        argmax_rows=cpu_paged.argmax_rows,
+        race_rows=cpu_paged.race_rows if kernel else None,
+        cut_rows=cpu_paged.cut_rows if kernel else None,
     )
 
 
@@ -112,3 +118,34 @@ def test_a_batch_of_greedy_and_sampled_rows_in_one_pass(make):
     counts = torch.bincount(torch.tensor([t.token_id for t in out]), minlength=5).double() / n
     assert counts[4] == 0
     assert torch.allclose(counts, w.double(), atol=0.017), counts
+
+
+def test_top_p_and_min_p_draws_follow_the_cut_distribution(make):
+    """Top-p keeps the smallest set of the largest weights whose mass reaches p, min-p the
+    tokens of at least min_p times the largest; the draws follow the kept weights
+    renormalised, in a batch that also has greedy and plain rows (bf16 logits)."""
+    n = 30_000
+    w = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    logits = w.log().expand(n + 2, 5).contiguous().bfloat16()
+    nucleus = [
+        SampleSpec(f"p{i}", SamplingParams(temperature=1.0, top_p=0.8), 0, ()) for i in range(n)
+    ]
+    rows = [SampleSpec("g", SamplingParams(temperature=0.0), 0, ()), *nucleus]
+    rows.append(SampleSpec("u", SamplingParams(temperature=1.0), 0, ()))
+    out = make(5, 6)(logits, rows)
+    assert out[0].token_id == 1
+    ids = torch.tensor([t.token_id for t in out[1:-1]])
+    counts = torch.bincount(ids, minlength=5).double() / n
+    kept = logits[0].float().exp()  # the bf16 weights: 0.4, 0.25, 0.2 reach 0.8
+    kept[[0, 4]] = 0
+    assert counts[0] == 0 and counts[4] == 0
+    assert torch.allclose(counts, (kept / kept.sum()).double(), atol=0.015), counts
+    floor = [
+        SampleSpec(f"m{i}", SamplingParams(temperature=1.0, min_p=0.3), 0, ()) for i in range(n)
+    ]
+    ids = torch.tensor([t.token_id for t in make(5, 7)(logits[:n], floor)])
+    counts = torch.bincount(ids, minlength=5).double() / n
+    kept = logits[0].float().exp()  # at least 0.3 x 0.4: 0.4, 0.25, 0.2
+    kept[[0, 4]] = 0
+    assert counts[0] == 0 and counts[4] == 0
+    assert torch.allclose(counts, (kept / kept.sum()).double(), atol=0.015), counts

@@ -104,6 +104,13 @@ def test_race_rows_releases_the_gil():
     assert _ran_beside(lambda: ext.race_rows(logits, temps, keys, False))
 
 
+def test_cut_rows_releases_the_gil():
+    logits = torch.randn(64, 32000).bfloat16()
+    ones, k = torch.ones(64), torch.full((64,), 50)
+    ext = cpu_paged._load()
+    assert _ran_beside(lambda: ext.cut_rows(logits, ones, k, ones * 0.9, ones * 0))
+
+
 def _needs_bf16():
     """The extension's bf16 kernels, or a skip where this CPU has no AVX512-BF16."""
     ext = cpu_paged._bf16_ext()

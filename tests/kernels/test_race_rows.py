@@ -113,3 +113,69 @@ def test_a_rows_draw_depends_on_its_key_and_values_alone():
     # another key draws otherwise (40 rows of 4,099 tokens: some differ)
     other = cpu_paged.race_rows(x, temps, keys + 1)
     assert not torch.equal(other, whole)
+
+
+def _kept_reference(x: torch.Tensor, temp: float, k: int, p: float, min_p: float) -> torch.Tensor:
+    """The tokens the sampler's torch path keeps (``Sampler._probs``), in float64."""
+    lg = x.double() / temp
+    if k > 0:
+        kth = lg.sort(descending=True).values[k - 1]
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    pr = torch.softmax(lg, dim=-1)
+    if p < 1:
+        sp, si = pr.sort(descending=True)
+        sp = sp.masked_fill(sp.cumsum(-1) - sp > p, 0.0)
+        pr = torch.zeros_like(pr).scatter(0, si, sp)
+    if min_p > 0:
+        pr = pr.masked_fill(pr < min_p * pr.max(), 0.0)
+    return pr > 0
+
+
+@pytest.mark.parametrize(
+    "k,p,min_p",
+    [
+        (50, 1.0, 0.0),
+        (1, 1.0, 0.0),
+        (0, 0.9, 0.0),
+        (0, 0.3, 0.0),
+        (0, 1.0, 0.05),
+        (50, 0.5, 0.0),
+        (20, 0.9, 0.1),
+        (900, 0.99, 0.0),
+    ],
+)
+def test_cut_rows_keeps_what_the_sort_kept(k, p, min_p):
+    """Top-k, top-p and min-p by bisection keep the same tokens as the sort they replace
+    (distinct float32 logits: no ties), and the weights are exp((x - max) / T) on them."""
+    g = torch.Generator().manual_seed(k + int(p * 100) + int(min_p * 1000))
+    n, v = 12, 1003
+    x = torch.randn(n, v, generator=g) * 2
+    x[:, 5] = float("-inf")
+    temps = torch.rand(n, generator=g) + 0.5
+    w = cpu_paged.cut_rows(
+        x, temps, torch.full((n,), k), torch.full((n,), p), torch.full((n,), min_p)
+    )
+    for r in range(n):
+        kept = _kept_reference(x[r], float(temps[r]), k, p, min_p)
+        assert torch.equal(w[r] > 0, kept), r
+        full = torch.exp((x[r] - x[r].max()) / temps[r])
+        assert torch.allclose(w[r][kept], full[kept], rtol=1e-5)
+        assert w[r, 5] == 0
+
+
+def test_cut_rows_ties_temperature_zero_and_bf16():
+    v = 300
+    x = torch.arange(v, dtype=torch.float32) / 100
+    x[[10, 20, 30]] = 10.0  # three tokens tie for the largest: top-k 2 keeps all three
+    w = cpu_paged.cut_rows(
+        x.expand(2, v).contiguous(),
+        torch.tensor([1.0, 0.0]),  # row 1: temperature 0, the argmax alone (first index)
+        torch.tensor([2, 2]),
+        torch.ones(2),
+        torch.zeros(2),
+    )
+    assert (w[0] > 0).nonzero().flatten().tolist() == [10, 20, 30]
+    assert (w[1] > 0).nonzero().flatten().tolist() == [10] and w[1, 10] == 1
+    xb = (torch.randn(4, 4099, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    args = (torch.ones(4), torch.full((4,), 40), torch.full((4,), 0.8), torch.full((4,), 0.02))
+    assert torch.equal(cpu_paged.cut_rows(xb, *args), cpu_paged.cut_rows(xb.float(), *args))
