@@ -21,6 +21,10 @@ over); the two systems get the same seeds, each on a freshly started server.
     .venv/bin/python bench/compare_vllm.py --quick          # the 3 x n=64 runs per system
     .venv/bin/python bench/compare_vllm.py                  # the whole suite, 3 seeds each
     .venv/bin/python bench/compare_vllm.py --skip-vllm      # reuse the saved vLLM half
+    .venv/bin/python bench/compare_vllm.py --temperature 1 --top-p 0.9   # sampled, both systems
+
+The suite is greedy (``--temperature 0``, as vLLM's); ``--temperature`` and ``--top-p`` send
+other sampling settings with every timed request, to both systems (the warm-up stays greedy).
 
 The server start/stop helpers here are reused by ``bench/interference.py``.
 """
