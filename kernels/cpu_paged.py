@@ -275,10 +275,9 @@ def race_rows(x: torch.Tensor, temps: torch.Tensor | None, keys: torch.Tensor) -
     ext = _load()
     if ext is None:
         raise RuntimeError(f"the CPU extension is unavailable: {_failed}")
-    keys = keys.to(torch.long).contiguous()
-    if temps is None:
-        return ext.race_rows(x.contiguous(), keys, keys, True)
-    return ext.race_rows(x.contiguous(), temps.to(torch.float32).contiguous(), keys, False)
+    if temps is not None:
+        temps = temps.to(torch.float32).contiguous()
+    return ext.race_rows(x.contiguous(), temps, keys.to(torch.long).contiguous())
 
 
 def cut_rows(

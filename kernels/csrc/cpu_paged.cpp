@@ -1669,6 +1669,33 @@ static inline float race_uniform(uint64_t key, int64_t i) {
   return static_cast<float>(2 * r + 1) * (1.0f / 16777216.0f);
 }
 
+// The largest value of a row (-inf for none; exact in any order), for race_row and cut_row.
+template <typename T>
+static float row_max(const T* x, int64_t n) {
+  float mx = -INFINITY;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  if constexpr (HasLoad16<T>::value) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, load16(x + i));
+    mx = _mm512_reduce_max_ps(vm);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, static_cast<float>(x[i]));
+  return mx;
+}
+
+// A logit's sampling weight exp((x - mx) * inv): 0 for -inf (a banned token).
+static inline float logit_weight(float x, float mx, float inv) {
+  return x > -INFINITY ? std::exp((x - mx) * inv) : 0.0f;
+}
+#ifdef __AVX512F__
+static inline __m512 logit_weight16(__m512 x, __m512 vmx, __m512 vinv) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+  return _mm512_maskz_mov_ps(live, exp512(_mm512_mul_ps(_mm512_sub_ps(x, vmx), vinv)));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 static inline __m512 masked_load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 static inline __m512 masked_load16(const at::BFloat16* p, __mmask16 k) {
@@ -1724,17 +1751,8 @@ static inline __m512 neg_ln16(__m512 u) {
 template <typename T>
 static int64_t race_row(const T* row, int64_t n, float temp, uint64_t key, bool weights) {
   if (!weights && !(temp > 0.0f)) return argmax_row(row, n);
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  float mx = 0.0f;
-  if (!weights) {
-    __m512 vm = ninf;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-      vm = _mm512_mask_max_ps(vm, k, vm, masked_load16(row + i, k));
-    }
-    mx = _mm512_reduce_max_ps(vm);
-    if (!(mx > -INFINITY)) return 0;  // nothing to draw from (NaN or every logit -inf)
-  }
+  const float mx = weights ? 0.0f : row_max(row, n);
+  if (!(mx > -INFINITY)) return 0;  // nothing to draw from (NaN or every logit -inf)
   const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(weights ? 1.0f : 1.0f / temp);
   __m512 best = _mm512_set1_ps(-1.0f);
   __m512i best_i = _mm512_setzero_si512();
@@ -1751,13 +1769,9 @@ static int64_t race_row(const T* row, int64_t n, float temp, uint64_t key, bool 
     const __m512 u = race_uniform16(lo, hi);
     lo = _mm512_add_epi64(lo, step);
     hi = _mm512_add_epi64(hi, step);
-    __m512 w;
-    if (weights) {
-      w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), x);
-    } else {
-      const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_GT_OQ);
-      w = _mm512_maskz_mov_ps(live, exp512(_mm512_mul_ps(_mm512_sub_ps(x, vmx), vinv)));
-    }
+    const __m512 w = weights
+                         ? _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), x)
+                         : logit_weight16(x, vmx, vinv);
     const __m512 s = _mm512_mul_ps(w, recip16(neg_ln16(u)));
     const __mmask16 gt = _mm512_mask_cmp_ps_mask(k, s, best, _CMP_GT_OQ);
     best = _mm512_mask_blend_ps(gt, best, s);
@@ -1778,18 +1792,14 @@ static int64_t race_row(const T* row, int64_t n, float temp, uint64_t key, bool 
 template <typename T>
 static int64_t race_row(const T* row, int64_t n, float temp, uint64_t key, bool weights) {
   if (!weights && !(temp > 0.0f)) return argmax_row(row, n);
-  float mx = 0.0f;
-  if (!weights) {
-    mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<float>(row[i]));
-    if (!(mx > -INFINITY)) return 0;
-  }
+  const float mx = weights ? 0.0f : row_max(row, n);
+  if (!(mx > -INFINITY)) return 0;
   const float inv = weights ? 1.0f : 1.0f / temp;
   float b = -1.0f;
   int64_t bi = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float x = static_cast<float>(row[i]);
-    const float w = weights ? (x > 0.0f ? x : 0.0f) : (x > -INFINITY ? std::exp((x - mx) * inv) : 0.0f);
+    const float w = weights ? (x > 0.0f ? x : 0.0f) : logit_weight(x, mx, inv);
     const float s = w / -std::log(race_uniform(key, i));
     if (s > b) { b = s; bi = i; }
   }
@@ -1797,18 +1807,20 @@ static int64_t race_row(const T* row, int64_t n, float temp, uint64_t key, bool 
 }
 #endif
 
-at::Tensor race_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& keys, bool weights) {
+// temps: [N] float32 (x holds logits), or none (x holds the weights).
+at::Tensor race_rows(const at::Tensor& x, const std::optional<at::Tensor>& temps, const at::Tensor& keys) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "race_rows needs a contiguous [N, V] tensor");
   const int64_t N = x.size(0), V = x.size(1);
   TORCH_CHECK(keys.dim() == 1 && keys.size(0) == N && keys.scalar_type() == at::kLong && keys.is_contiguous(),
               "race_rows: keys must be [N] int64");
-  TORCH_CHECK(weights || (temps.dim() == 1 && temps.size(0) == N && temps.scalar_type() == at::kFloat &&
-                          temps.is_contiguous()),
+  const bool weights = !temps.has_value();
+  TORCH_CHECK(weights || (temps->dim() == 1 && temps->size(0) == N && temps->scalar_type() == at::kFloat &&
+                          temps->is_contiguous()),
               "race_rows: temps must be [N] float32");
   auto out = at::empty({N}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t* kp = keys.data_ptr<int64_t>();
-  const float* tp = weights ? nullptr : temps.data_ptr<float>();
+  const float* tp = weights ? nullptr : temps->data_ptr<float>();
   auto run = [&](auto* p) {
     at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r)
@@ -1876,8 +1888,7 @@ static inline float cut_bisect(Pred pred) {
 
 template <typename T>
 static void cut_row(const T* x, float* w, int64_t n, float temp, int64_t top_k, float top_p, float min_p) {
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<float>(x[i]));
+  const float mx = row_max(x, n);
   if (!(mx > -INFINITY)) {  // nothing to draw from: the race then takes index 0
     std::fill(w, w + n, 0.0f);
     return;
@@ -1891,18 +1902,11 @@ static void cut_row(const T* x, float* w, int64_t n, float temp, int64_t top_k, 
   int64_t i = 0;
 #ifdef __AVX512F__
   if constexpr (HasLoad16<T>::value) {
-    const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv), ninf = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = load16(x + i);
-      const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_GT_OQ);
-      _mm512_storeu_ps(w + i, _mm512_maskz_mov_ps(live, exp512(_mm512_mul_ps(_mm512_sub_ps(v, vmx), vinv))));
-    }
+    const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(w + i, logit_weight16(load16(x + i), vmx, vinv));
   }
 #endif
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    w[i] = v > -INFINITY ? std::exp((v - mx) * inv) : 0.0f;
-  }
+  for (; i < n; ++i) w[i] = logit_weight(static_cast<float>(x[i]), mx, inv);
   float t = 0.0f;
   if (top_k > 0 && top_k < n) t = cut_bisect([&](float c) { return cut_count_ge(w, n, c) >= top_k; });
   if (top_p < 1.0f) {

@@ -101,7 +101,7 @@ def test_race_rows_releases_the_gil():
     logits = torch.randn(64, 32000).bfloat16()
     temps, keys = torch.ones(64), torch.arange(64)
     ext = cpu_paged._load()
-    assert _ran_beside(lambda: ext.race_rows(logits, temps, keys, False))
+    assert _ran_beside(lambda: ext.race_rows(logits, temps, keys))
 
 
 def test_cut_rows_releases_the_gil():
