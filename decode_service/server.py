@@ -100,17 +100,10 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         self.channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self.fallbacks = 0
         runtime.role_hook = self._on_step
-        # right after the schedule that reserved the blocks, not after that step's forward
-        # pass: P's prefill overlaps this step (a decode step at batch 64, or a local prefill
-        # chunk, is 10-100 ms here), and _on_step picks up any job left over
-        runtime.engine.on_scheduled = self._start_remote_jobs
         runtime.on_hang.append(self._fail_inflight)
 
     # ---- engine thread -----------------------------------------------------------------
     def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
-        self._start_remote_jobs(engine)
-
-    def _start_remote_jobs(self, engine: EngineCore) -> None:
         for job in engine.take_remote_prefills():
             if self.aloop is None:  # cannot happen (Generate set it); never leak the pin
                 engine.unpin(job.pin_id)

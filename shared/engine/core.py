@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -156,10 +156,6 @@ class EngineCore:
         self.last_step_tokens = 0
         self._inflight: deque[tuple[SchedulerOutput, object]] = deque()
         self.max_inflight_steps = 0  # the most steps in flight at once so far
-        # called on the engine thread right after each schedule, before the forward pass: a
-        # decode worker starts the remote prefills that schedule reserved blocks for (P then
-        # computes during this step instead of after it)
-        self.on_scheduled: Callable[[EngineCore], None] | None = None
         try:
             self._set_up(connector)
         except BaseException:
@@ -473,8 +469,6 @@ class EngineCore:
         if self._depth > 1:
             return self._step_pipelined()
         out = self.scheduler.schedule()
-        if self.on_scheduled is not None:
-            self.on_scheduled(self)
         if out.is_empty:
             return []
         self.last_step_tokens = out.num_batched_tokens
@@ -486,8 +480,6 @@ class EngineCore:
             # an equal share of the running sequences per step in flight: the micro-batches
             share = max(1, -(-len(self.scheduler.running) // self._depth))
             out = self.scheduler.schedule(skip=busy, max_running=share)
-            if self.on_scheduled is not None:
-                self.on_scheduled(self)
             if not out.is_empty:
                 self.last_step_tokens = out.num_batched_tokens
                 self._inflight.append((out, self.runner.dispatch(out)))  # type: ignore[attr-defined]

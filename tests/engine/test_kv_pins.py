@@ -163,29 +163,3 @@ def test_when_every_candidate_holds_a_pin_the_pinned_blocks_survive_its_preempti
     assert not e.has_unfinished_requests() and e.scheduler.num_preemptions >= 1
     e.check_integrity()
     assert e.kv.pool.num_free_blocks == 5 and e.kv.num_pinned_blocks == 0
-
-
-def test_remote_prefill_job_is_handed_out_before_the_step_computes(tmp_path):
-    """A decode worker starts P's prefill as soon as the schedule reserved its blocks: the
-    ``on_scheduled`` hook gets the job before the step's forward pass runs (it came after it
-    before, so P waited one D step, a local prefill chunk of 25-100 ms on a busy D)."""
-    e = fake_engine(tmp_path, num_blocks=16, role="decode", block_size=16)
-    e.add_request("busy", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=8))
-    e.step()  # "busy" is running: the next step has a forward pass
-    events: list[tuple[str, object]] = []
-    execute = e.runner.execute
-
-    def counted(out):
-        events.append(("execute", len(out.scheduled)))
-        return execute(out)
-
-    e.runner.execute = counted
-    e.on_scheduled = lambda eng: events.extend(("job", j) for j in eng.take_remote_prefills())
-    e.add_request("a", list(range(50, 90)), GREEDY, kv_transfer=RemotePrefillParams())
-    e.step()
-    kinds = [k for k, _ in events]
-    assert kinds == ["job", "execute"], events
-    job = events[0][1]
-    assert job.request_id == "a" and len(job.block_ids) == 3
-    assert e.take_remote_prefills() == []  # handed out once
-    assert e.unpin(job.pin_id)
