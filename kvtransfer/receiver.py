@@ -335,6 +335,14 @@ class Receiver(TransferEnd, KVReceiver):
             il.peer,
             self._hello_timeout_s,
         )
+        self._drop(il, "no valid hello in time")
+
+    def _drop(self, il: InboundLink, why: str) -> None:
+        """Close a link that never finished its handshake (no transfers), and take it out of
+        the table now: the transport reports the close later, from another turn of the
+        reactor, and until then the link counted against ``max_connections`` and in
+        ``num_connections`` although the peer already saw it closed."""
+        self._on_link_closed(il, ConnectionAbortedError(why))
         il.link.close()
 
     def _on_link_closed(self, il: InboundLink, error: BaseException) -> None:
@@ -377,7 +385,7 @@ class Receiver(TransferEnd, KVReceiver):
             if not il.ready and not isinstance(op, (Hello, Error)):
                 # an honest sender never does this: close rather than answer an unknown peer
                 self._reject(il, f"{type(op).__name__.lower()} op before the handshake")
-                il.link.close()
+                self._drop(il, "op before the handshake")
                 return
             elif isinstance(op, Hello):
                 self._on_hello(il, op)

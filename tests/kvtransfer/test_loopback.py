@@ -543,6 +543,43 @@ def test_silent_peers_are_dropped_and_the_connection_cap_holds(geometry):
         receiver.close()
 
 
+def test_a_connection_dropped_for_no_hello_leaves_the_table_at_once(geometry):
+    """The receiver counted a link it dropped (no hello in time) in ``num_connections`` and
+    against ``max_connections`` until the transport's close callback ran on a later turn of its
+    reactor, while the peer already saw the link closed: a new sender in that window was
+    refused at the cap, and the test above failed once in CI (``dropped_connections == 3``,
+    ``num_connections == 2``). The drop and the table change now happen in one step."""
+    from kvtransfer import LoopbackNetwork, create_receiver
+
+    net = LoopbackNetwork()
+    dst = np.zeros_like(random_pool(4, geometry, seed=3))
+    receiver = create_receiver(
+        "loopback", dst, geometry, network=net, hello_timeout_s=60, max_connections=1
+    )
+    raws = [_raw_link(net, receiver, [])]
+    try:
+        deadline = time.monotonic() + 5
+        while receiver.num_connections < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (il,) = receiver._links.values()
+
+        def time_out_and_count() -> tuple[int, int]:
+            receiver._on_hello_timeout(il)  # the timer firing, on the reactor thread
+            return receiver.dropped_connections, receiver.num_connections
+
+        assert receiver._reactor.run_sync(time_out_and_count) == (1, 0)
+        raws.append(_raw_link(net, receiver, []))  # the cap has room for it at once
+        deadline = time.monotonic() + 5
+        while receiver.num_connections < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.num_connections == 1 and raws[1][1].alive
+        assert receiver.dropped_connections == 1
+    finally:
+        for t, _ in raws:
+            t.close()
+        receiver.close()
+
+
 def test_malformed_messages_to_sender_are_rejected_and_connection_survives(loopback_pair, geometry):
     from kvtransfer.protocol import Done, Error
 
