@@ -33,6 +33,33 @@ for i, key in ipairs(KEYS) do
 end
 return removed
 """
+# One step of the janitor's pass, server-side: SCAN from ARGV[1] (MATCH ARGV[2], COUNT ARGV[3]),
+# then drop each member of the keys found whose worker lease (ARGV[4] .. worker id) is gone or
+# carries another generation, each worker's lease read once. Returns {next cursor, removed}:
+# the router parses two values however many keys the step visits, where reading every member
+# set back (a pipeline of SMEMBERS) held its event loop for milliseconds a step.
+_SWEEP_LUA = """
+local scan = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
+local gens = {}
+local removed = 0
+for _, key in ipairs(scan[2]) do
+  for _, member in ipairs(redis.call('SMEMBERS', key)) do
+    local sep = string.find(member, ":[^:]*$")
+    if sep then
+      local wid = string.sub(member, 1, sep - 1)
+      local cur = gens[wid]
+      if cur == nil then
+        cur = redis.call('HGET', ARGV[4] .. wid, 'generation')
+        gens[wid] = cur
+      end
+      if cur ~= string.sub(member, sep + 1) then
+        removed = removed + redis.call('SREM', key, member)
+      end
+    end
+  end
+end
+return {scan[1], removed}
+"""
 # Longest cached prefix per live member, scanned server-side: KEYS = the chain's block keys in
 # order, ARGV = live members. Stops at the first block no still-matching member holds. Returns
 # {member, count, ...} for members with count > 0, then "", then up to 256 (key, member) pairs
@@ -84,6 +111,7 @@ class DirectoryReader:
         self.keys = keys or DirectoryKeys()
         self._remove_stale = client.register_script(_REMOVE_STALE_LUA)
         self._prefix_match = client.register_script(_PREFIX_MATCH_LUA)
+        self._sweep = client.register_script(_SWEEP_LUA)
 
     async def live_workers(self, roles: Iterable[str] = ROLES) -> list[WorkerRecord]:
         """Every worker whose lease exists, in the given roles (two round trips).
@@ -164,19 +192,10 @@ class DirectoryReader:
         """Clean stale members from about ``count`` block keys; returns (next cursor, removed).
 
         Call repeatedly with the returned cursor (0 = a full pass finished). Bounded work per
-        call, for a periodic janitor.
+        call, for a periodic janitor; one script call, done inside Redis (the same check as
+        :meth:`remove_stale`, atomically).
         """
-        cursor, keys = await self.client.scan(
-            cursor, match=self.keys.block_pattern(model), count=count
+        next_cursor, removed = await self._sweep(
+            args=[cursor, self.keys.block_pattern(model), count, self.keys.worker("")]
         )
-        if not keys:
-            return int(cursor), 0
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.smembers(k)
-        member_sets = await pipe.execute()
-        pairs = [(as_str(k), as_str(m)) for k, ms in zip(keys, member_sets) for m in ms]
-        removed = 0
-        for i in range(0, len(pairs), 1000):
-            removed += await self.remove_stale(pairs[i : i + 1000])
-        return int(cursor), removed
+        return int(next_cursor), int(removed)

@@ -250,6 +250,45 @@ def test_sweep_removes_members_of_dead_workers(redis_server, keys):
     assert b.client.smembers(keys.block(MODEL, h[20])) == set()
 
 
+def test_a_sweep_step_drops_older_generations_in_one_round_trip(redis_server, keys):
+    """A live worker's members of an earlier incarnation go, its current ones stay; and each
+    step is one script call: the router's event loop parses two values, not every member set
+    of the keys it visits (a pipeline of SMEMBERS, then the removal, held it for milliseconds
+    a step at 500 keys)."""
+    b, pb = make_worker(redis_server.url, keys, "b")
+    b.register()
+    h = chain(30, salt=5)
+    pb.publish([BlockStored(tuple(h))])
+    old = make_member("b", "0" * 16)
+    for x in h[:12]:
+        b.client.sadd(keys.block(MODEL, x), old)
+
+    async def sweep_all(reader):
+        calls = []
+        execute = reader.client.execute_command
+
+        async def counted(*args, **kw):
+            calls.append(args[0])
+            return await execute(*args, **kw)
+
+        reader.client.execute_command = counted
+        reader.client.pipeline = lambda *a, **kw: calls.append("pipeline")
+        cursor, total, steps = 0, 0, 0
+        while True:
+            cursor, removed = await reader.sweep(MODEL, cursor, count=5)
+            total += removed
+            steps += 1
+            if cursor == 0:
+                return total, steps, calls
+
+    total, steps, calls = read(redis_server.url, keys, sweep_all)
+    assert total == 12
+    # (the first call of a fresh server loads the script: EVALSHA, SCRIPT LOAD, EVALSHA)
+    assert calls.count("EVALSHA") - calls.count("SCRIPT LOAD") == steps
+    assert set(calls) <= {"EVALSHA", "SCRIPT LOAD"}
+    assert all(b.client.smembers(keys.block(MODEL, x)) == {b.member} for x in h)
+
+
 def test_lease_loss_renews_generation_and_publisher_republishes(redis_server, keys):
     a, pa = make_worker(redis_server.url, keys, "a", ttl=0.3)
     a.register()
