@@ -239,6 +239,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str  # "recompute" | "swap"
     long_prefill_token_threshold: int
+    # while any sequence is decoding, a step computes at most this many prompt tokens
+    # (0: up to max_num_batched_tokens); pdserve up sets it on a disaggregated cluster's
+    # decode workers, whose local prefills stall the streams they decode
+    max_prefill_tokens_while_decoding: int = 0
 
 
 @dataclass(frozen=True)
@@ -430,6 +434,8 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
+    # tokens, or below 1 a fraction of the step budget; None: 0 (pdserve up: see its launcher)
+    max_prefill_tokens_while_decoding: float | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: str | int | None = None
     kv_cache_dtype: str = "auto"
@@ -482,6 +488,16 @@ class EngineArgs:
         g.add_argument("--max-num-seqs", type=int, default=None)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+        g.add_argument(
+            "--max-prefill-tokens-while-decoding",
+            type=float,
+            default=None,
+            help="while any sequence is decoding, a step computes at most this many prompt "
+            "tokens, or this fraction of --max-num-batched-tokens when below 1 (pdserve's "
+            "flag; 0, the default: no bound but the step budget). pdserve up gives a "
+            "cluster's decode workers 0.5 when it has prefill workers: their local prefills "
+            "(overflow) then stall the streams they decode for half as long",
+        )
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument(
             "--kv-cache-memory",
@@ -681,6 +697,13 @@ class EngineArgs:
             max_tokens = max(max_tokens, model_config.max_model_len)
         if max_seqs < 1 or max_tokens < 1:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        room = self.max_prefill_tokens_while_decoding or 0
+        if not 0 <= room < float("inf") or (room >= 1 and room != int(room)):
+            raise ConfigError(
+                "--max-prefill-tokens-while-decoding must be a whole number of tokens, or a "
+                "fraction below 1 of --max-num-batched-tokens"
+            )
+        room = int(room) if room >= 1 else max(1, int(max_tokens * room)) if room else 0
         if max_tokens < max_seqs and self.max_num_batched_tokens:
             raise ConfigError(
                 f"--max-num-batched-tokens ({max_tokens}) must be >= --max-num-seqs ({max_seqs})"
@@ -692,6 +715,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode or "recompute",
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_prefill_tokens_while_decoding=room,
         )
 
 

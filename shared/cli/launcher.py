@@ -171,6 +171,12 @@ def resolve_topology(args: argparse.Namespace) -> str | None:
     return f"[pdserve] {cores} cores: {args.prefill} prefill + {args.decode} decode worker(s)"
 
 
+# a disaggregated cluster's decode workers compute at most this share of a step's token budget
+# of prompts while they decode (--max-prefill-tokens-while-decoding, unless it was given): the
+# prompts they prefill themselves are the router's overflow, and each chunk stalls every stream
+# in the step (docs/benchmarks.md, "Local prefills on a decode worker")
+DISAGG_DECODE_PREFILL_SHARE = 0.5
+
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # up this long: the next exit restarts after the initial backoff again
 
@@ -406,6 +412,8 @@ class Cluster:
         engine = EngineArgs.from_cli_args(a)
         engine.model = self.model
         engine.served_model_name = self.served_model_name
+        if role == "decode" and a.prefill and engine.max_prefill_tokens_while_decoding is None:
+            engine.max_prefill_tokens_while_decoding = DISAGG_DECODE_PREFILL_SHARE
         role_args = a.prefill_arg if role == "prefill" else a.decode_arg
         threads = a.threads_per_worker or max(1, usable_cores() // self.num_ranks())
         env: dict[str, str] = {}

@@ -109,6 +109,7 @@ class Scheduler:
         self.pending_copies = []
         out.finished_seq_ids, self.finished_since = self.finished_since, []
         budget = self.config.max_num_batched_tokens
+        room = self._prefill_room()
         scheduled: dict[str, ScheduledSeq] = {}
         preempted = False
 
@@ -123,6 +124,8 @@ class Scheduler:
             if max_running is not None and len(scheduled) >= max_running:
                 break
             num_new = self._num_new_tokens(req, budget)
+            if room is not None and num_new > 1:  # a prompt chunk while others decode
+                num_new = min(num_new, room)
             if num_new <= 0:
                 i += 1
                 continue
@@ -155,6 +158,8 @@ class Scheduler:
                 break
             scheduled[req.request_id] = self._scheduled(req, num_new)
             budget -= num_new
+            if room is not None and num_new > 1:
+                room -= num_new
             i += 1
         # Recount: preemption may have removed already-scheduled requests from the budget.
         budget = self.config.max_num_batched_tokens - sum(
@@ -164,7 +169,7 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_swapped(out, scheduled, budget)
             if not self.swapped:
-                self._schedule_waiting(out, scheduled, budget)
+                self._schedule_waiting(out, scheduled, budget, room)
 
         out.scheduled = list(scheduled.values())
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
@@ -281,8 +286,26 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _prefill_room(self) -> int | None:
+        """Prompt tokens this step may compute: ``max_prefill_tokens_while_decoding`` while a
+        running sequence is decoding (one token to compute), else no bound beyond the budget
+        (None). A prompt chunk in a step stalls every sequence decoding in it; a decode worker
+        of a disaggregated cluster prefills locally only as overflow, so it bounds that stall
+        (the rest of the prompt follows in later steps)."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if not cap or not self.config.enable_chunked_prefill:
+            return None
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                return cap
+        return None
+
     def _schedule_waiting(
-        self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int
+        self,
+        out: SchedulerOutput,
+        scheduled: dict[str, ScheduledSeq],
+        budget: int,
+        room: int | None = None,
     ) -> None:
         cfg = self.config
         while self.waiting and budget > 0 and self.num_running < cfg.max_num_seqs:
@@ -307,6 +330,10 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._num_new_tokens_from(req, num_computed, budget)
+            if room is not None and num_new > 1:
+                if room <= 0:
+                    break
+                num_new = min(num_new, room)
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 break
             self.waiting.popleft()
@@ -315,6 +342,8 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._scheduled(req, num_new)
             budget -= num_new
+            if room is not None and num_new > 1:
+                room -= num_new
 
     def _num_new_tokens_from(self, req: Request, num_computed: int, budget: int) -> int:
         num_new = req.num_tokens - num_computed

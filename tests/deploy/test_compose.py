@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.cli.launcher import DISAGG_DECODE_PREFILL_SHARE
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -200,6 +202,8 @@ def test_workers_can_be_scaled(name):
     assert flag(cmd, "--metrics-port") == "9100"
     if role == "decode":
         assert flag(cmd, "--kv-port") == "13337"
+        # the same bound on local prefills `pdserve up` gives a disaggregated decode worker
+        assert flag(cmd, "--max-prefill-tokens-while-decoding") == str(DISAGG_DECODE_PREFILL_SHARE)
     assert flag(cmd, "--advertise-host") is None
     assert flag(cmd, "--redis-url") == "redis://redis:6379/0"
 

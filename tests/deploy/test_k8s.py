@@ -31,6 +31,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from shared.cli.launcher import DISAGG_DECODE_PREFILL_SHARE
 from tests.deploy.k8s_render import RenderError, build, pod_spec, render, strategic_merge
 from tests.deploy.test_compose import exported_series, promql_metric_names
 
@@ -466,6 +467,10 @@ def test_every_pdserve_container_passes_pdserve_own_parser(target):
             assert ns.port and ns.metrics_port, name  # fixed: probes and policies name them
         if name == "decode":
             assert ns.kv_port, name
+            # local prefills bounded while streams decode, as `pdserve up` does (README)
+            assert ns.max_prefill_tokens_while_decoding == DISAGG_DECODE_PREFILL_SHARE, target
+        elif name == "prefill":
+            assert ns.max_prefill_tokens_while_decoding is None, target
     # one model, one name (it seeds the prefix-cache hashes), one Redis for every process
     assert len(models) == len(names) == len(redis) == 1, (models, names, redis)
     assert names != {None}

@@ -24,6 +24,8 @@ CONFIGS = {
     "default": {},
     "chunked_budget_64": dict(max_num_batched_tokens=64, max_num_seqs=32),
     "max_num_seqs_1": dict(max_num_seqs=1),
+    # prompts chunked to 48 tokens a step while others decode (a disaggregated decode worker)
+    "prefill_while_decoding_48": dict(max_prefill_tokens_while_decoding=48, max_num_seqs=32),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "preempt_recompute": dict(num_gpu_blocks_override=100, max_model_len=1100),
     "preempt_swap": dict(

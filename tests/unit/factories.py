@@ -61,6 +61,7 @@ def make_scheduler(
     connector: KVConnector | None = None,
     max_model_len: int = 64,
     long_prefill: int = 0,
+    prefill_while_decoding: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, caching, host_blocks)
     cfg = SchedulerConfig(
@@ -70,6 +71,7 @@ def make_scheduler(
         enable_chunked_prefill=True,
         preemption_mode=mode,
         long_prefill_token_threshold=long_prefill,
+        max_prefill_tokens_while_decoding=prefill_while_decoding,
     )
     return Scheduler(cfg, kv, connector)
 

@@ -46,6 +46,47 @@ def test_long_prefill_token_threshold_caps_one_request_per_step():
     assert [new_tokens(step(s)[0])["a"] for _ in range(3)] == [4, 4, 2]
 
 
+def test_prompt_tokens_while_decoding_are_capped_and_the_rest_follows():
+    s = make_scheduler(num_blocks=32, budget=64, max_model_len=128, prefill_while_decoding=8)
+    s.add(make_request("a", 5))
+    assert new_tokens(step(s)[0]) == {"a": 5}  # nothing decodes yet: the whole budget
+    s.add(make_request("b", 12))
+    s.add(make_request("c", 6))
+    # a decodes: b and c share 8 prompt tokens a step, in arrival order, until both are in
+    assert new_tokens(step(s)[0]) == {"a": 1, "b": 8}
+    assert new_tokens(step(s)[0]) == {"a": 1, "b": 4, "c": 4}
+    assert new_tokens(step(s)[0]) == {"a": 1, "b": 1, "c": 2}
+    assert new_tokens(step(s)[0]) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_request_waits_while_the_prompt_room_is_spent_and_a_cached_prompt_does_not():
+    s = make_scheduler(num_blocks=32, budget=64, max_model_len=128, prefill_while_decoding=4)
+    s.add(make_request("a", 3))
+    step(s)
+    s.add(make_request("b", 4))
+    s.add(make_request("c", 9))
+    out, _ = step(s)
+    assert new_tokens(out) == {"a": 1, "b": 4} and s.num_waiting == 1  # c: no room left
+    assert new_tokens(step(s)[0]) == {"a": 1, "b": 1, "c": 4}
+    # a prompt whose every token but the last is cached computes one token: no room needed
+    prompt = list(range(40, 40 + 2 * BLOCK + 1))
+    s.add(make_request("d", prompt))
+    for _ in range(3):
+        step(s)
+    s.add(make_request("e", list(prompt)))
+    s.add(make_request("f", 30))
+    out, _ = step(s)
+    assert new_tokens(out)["e"] == 1 and new_tokens(out)["f"] == 4
+
+
+def test_without_the_cap_a_decoding_step_takes_the_whole_budget():
+    s = make_scheduler(num_blocks=32, budget=64, max_model_len=128)
+    s.add(make_request("a", 5))
+    step(s)
+    s.add(make_request("b", 40))
+    assert new_tokens(step(s)[0]) == {"a": 1, "b": 40}
+
+
 def test_the_scheduled_item_is_plain_data_with_the_whole_block_table():
     s = make_scheduler()
     s.add(make_request("a", list(range(100, 106)), max_tokens=3, repetition_penalty=1.5))
