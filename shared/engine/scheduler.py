@@ -124,7 +124,9 @@ class Scheduler:
             if max_running is not None and len(scheduled) >= max_running:
                 break
             num_new = self._num_new_tokens(req, budget)
+            chunk = False
             if room is not None and num_new > 1:  # a prompt chunk while others decode
+                chunk = True
                 num_new = min(num_new, room)
             if num_new <= 0:
                 i += 1
@@ -158,7 +160,7 @@ class Scheduler:
                 break
             scheduled[req.request_id] = self._scheduled(req, num_new)
             budget -= num_new
-            if room is not None and num_new > 1:
+            if chunk and room is not None:
                 room -= num_new
             i += 1
         # Recount: preemption may have removed already-scheduled requests from the budget.
@@ -330,9 +332,11 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._num_new_tokens_from(req, num_computed, budget)
+            chunk = False
             if room is not None and num_new > 1:
                 if room <= 0:
                     break
+                chunk = True
                 num_new = min(num_new, room)
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 break
@@ -342,7 +346,7 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = self._scheduled(req, num_new)
             budget -= num_new
-            if room is not None and num_new > 1:
+            if chunk and room is not None:
                 room -= num_new
 
     def _num_new_tokens_from(self, req: Request, num_computed: int, budget: int) -> int:

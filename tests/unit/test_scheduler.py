@@ -79,6 +79,16 @@ def test_a_request_waits_while_the_prompt_room_is_spent_and_a_cached_prompt_does
     assert new_tokens(out)["e"] == 1 and new_tokens(out)["f"] == 4
 
 
+def test_a_chunk_cut_to_one_token_spends_the_last_of_the_room():
+    s = make_scheduler(num_blocks=32, budget=64, max_model_len=128, prefill_while_decoding=9)
+    s.add(make_request("a", 3))
+    step(s)
+    for rid, n in (("b", 8), ("c", 6), ("d", 5)):
+        s.add(make_request(rid, n))
+    out, _ = step(s)
+    assert new_tokens(out) == {"a": 1, "b": 8, "c": 1} and s.num_waiting == 1  # d: none left
+
+
 def test_without_the_cap_a_decoding_step_takes_the_whole_budget():
     s = make_scheduler(num_blocks=32, budget=64, max_model_len=128)
     s.add(make_request("a", 5))
