@@ -703,7 +703,9 @@ class EngineArgs:
                 "--max-prefill-tokens-while-decoding must be a whole number of tokens, or a "
                 "fraction below 1 of --max-num-batched-tokens"
             )
-        room = int(room) if room >= 1 else max(1, int(max_tokens * room)) if room else 0
+        if 0 < room < 1:  # a share of the step budget, at least one token
+            room = max(1, int(max_tokens * room))
+        room = int(room)
         if max_tokens < max_seqs and self.max_num_batched_tokens:
             raise ConfigError(
                 f"--max-num-batched-tokens ({max_tokens}) must be >= --max-num-seqs ({max_seqs})"

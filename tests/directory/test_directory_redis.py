@@ -48,6 +48,20 @@ def read(url: str, keys: DirectoryKeys, fn):
     return asyncio.run(main())
 
 
+def record_commands(client) -> list[str]:
+    """From now on, the name of every command ``client`` sends on its own (a round trip each;
+    pipelines go their own way), in order."""
+    calls: list[str] = []
+    execute = client.execute_command
+
+    async def recorded(*args, **kw):
+        calls.append(args[0])
+        return await execute(*args, **kw)
+
+    client.execute_command = recorded
+    return calls
+
+
 def make_worker(url, keys, wid, role="decode", ttl=3.0, num_blocks=100):
     info = WorkerInfo(
         worker_id=wid,
@@ -174,14 +188,7 @@ def test_prefix_match_is_one_round_trip(redis_server, keys):
 
     async def counted(reader):
         await reader.prefix_match(MODEL, h, live)  # loads the script once
-        calls = []
-        orig = reader.client.execute_command
-
-        async def execute_command(*args, **kw):
-            calls.append(args[0])
-            return await orig(*args, **kw)
-
-        reader.client.execute_command = execute_command
+        calls = record_commands(reader.client)
         m = await reader.prefix_match(MODEL, h, live)
         return m, calls
 
@@ -264,14 +271,7 @@ def test_a_sweep_step_drops_older_generations_in_one_round_trip(redis_server, ke
         b.client.sadd(keys.block(MODEL, x), old)
 
     async def sweep_all(reader):
-        calls = []
-        execute = reader.client.execute_command
-
-        async def counted(*args, **kw):
-            calls.append(args[0])
-            return await execute(*args, **kw)
-
-        reader.client.execute_command = counted
+        calls = record_commands(reader.client)
         reader.client.pipeline = lambda *a, **kw: calls.append("pipeline")
         cursor, total, steps = 0, 0, 0
         while True:
