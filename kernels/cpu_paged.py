@@ -67,6 +67,11 @@ def _load():
                     "CPU paged-attention extension unavailable (%s); using the torch reference",
                     _failed.splitlines()[0],
                 )
+    if _ext is not None and _decode_amx is None and not _choosing_decode:
+        try:
+            decode_uses_amx()
+        except (ValueError, RuntimeError):
+            pass  # a bad PDSERVE_CPU_DECODE: the model's load reports it (off until then)
     return _ext
 
 
@@ -383,6 +388,45 @@ def prefill_uses_amx() -> bool:
             want,
         )
     return _prefill_amx
+
+
+DECODE_ENV = "PDSERVE_CPU_DECODE"
+DECODE_PATHS = ("auto", "amx", "avx512")
+_decode_amx: bool | None = None
+_choosing_decode = False  # decode_uses_amx is loading the extension (no second choice)
+
+
+def decode_uses_amx() -> bool:
+    """Whether bf16 decode attention runs the groups of a shared prefix on AMX tiles: ``auto``
+    (``PDSERVE_CPU_DECODE``, default) where the CPU has AMX-BF16 and the extension built the
+    tile step, else on ``vdpbf16ps``; ``amx`` / ``avx512`` force one (``amx`` where it cannot
+    run is an error). On tiles, a member of a shared prefix gets its output within bf16
+    rounding of its walk alone instead of the same bits. Read once; logged at first use."""
+    global _decode_amx, _choosing_decode
+    if _decode_amx is None:
+        want = (os.environ.get(DECODE_ENV) or "auto").lower()
+        if want not in DECODE_PATHS:
+            raise ValueError(f"{DECODE_ENV}={want!r}: expected one of {', '.join(DECODE_PATHS)}")
+        _choosing_decode = True
+        try:
+            ext = _load()
+        finally:
+            _choosing_decode = False
+        probe = getattr(ext, "decode_amx_available", None)  # None: an older build (benches)
+        can = probe is not None and bool(probe())
+        if want == "amx" and not can:
+            raise RuntimeError(f"{DECODE_ENV}=amx: this CPU or build has no AMX tiles")
+        on = can and want != "avx512"
+        if probe is not None:
+            on = bool(ext.set_decode_amx(on))
+        _decode_amx = on
+        logger.info(
+            "bf16 decode attention over shared prefixes on %s (%s=%s)",
+            "AMX tiles" if on else "AVX512-BF16 dot products",
+            DECODE_ENV,
+            want,
+        )
+    return _decode_amx
 
 
 def attend_prefill(

@@ -11,6 +11,16 @@
 
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
 
+// AMX tiles for the decode kernel's shared groups (see bf16_amx_group): built where the
+// compiler targets AMX-BF16 (-march=native on such a CPU), used where Linux grants the tile
+// state and the process asked for them (set_decode_amx; kernels/cpu_paged.py reads
+// PDSERVE_CPU_DECODE).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PD_DECODE_AMX 1
+static bool pf_amx_permitted();
+#endif
+static std::atomic<bool> g_decode_amx{false};
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 // 16 consecutive K/V elements as fp32 lanes.
@@ -584,6 +594,207 @@ static inline void bf16_prepared_block(Member* mb, int64_t nm, const __m512i* kt
   }
 }
 
+#ifdef PD_DECODE_AMX
+// The groups of a shared prefix on AMX tiles, for every member at once: the members' query
+// rows (member i's head g is row i G + g) stacked 16 to a tile, four 16-token groups at a time
+// (a chunk of 64 keys, as the prefill tiles take them). Each group is prepared as for
+// bf16_prepared_block (bf16_prepare: its kt is the B tile of 16 dim pairs x 16 tokens, its vp's
+// interleaved token pairs the B tile of 8 pairs x 16 dims, columns in bf16_step's accumulator
+// order); per chunk, S = Q K^T on the tiles, the rows' online softmax over the 64 scores in
+// base 2 (the rows' maxima and rescale factors at once, rows_new_max), and P V on the tiles,
+// added into O at the next chunk's rescale (the prefill tile's order). After the last shared
+// group each member's accumulator, running max and sum start from the tile's, and its own
+// groups follow in bf16_step. The dot products' order is the tile's, so a member's output is
+// within bf16 rounding of its walk alone, not the same bits (the AVX-512 paths keep those).
+struct AmxGroupState {
+  std::vector<uint16_t> qs;  // [nh][blocks][16][D] the stacked query rows
+  std::vector<float> o, pv;  // [nh][blocks][16][D] in bf16_step's accumulator order
+  std::vector<float> m, l;   // [nh][blocks][16] running max (base 2); [..][16][16] lane sums
+  std::vector<float> s;      // [16][64] a block's scores of one chunk
+  std::vector<uint16_t> pb;  // [16][64] its probabilities, bf16 (+ room to align)
+  std::vector<__m512i> prep; // [4][nh] prepared groups (bf16_prepare's kt, then vp)
+  int64_t done = 0;          // shared groups seen so far in this item
+};
+
+struct alignas(64) DecTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static void dec_amx_configure() {
+  DecTileConfig c{};
+  c.palette = 1;
+  auto set = [&](int t, int rows, int colsb) { c.rows[t] = uint8_t(rows); c.colsb[t] = uint16_t(colsb); };
+  set(0, 16, 64);                             // Q: 16 rows x 32 dims
+  set(1, 16, 64);                             // K: 16 dim pairs x 16 tokens
+  for (int t = 2; t < 6; ++t) set(t, 16, 64);  // S of 16 tokens, or a 16-dim slice of P V
+  set(6, 16, 32);                             // P: 16 rows x 16 tokens (bf16)
+  set(7, 8, 64);                              // V: 8 token pairs x 16 dims
+  asm volatile("" : : "r"(&c) : "memory");  // the config's stores before ldtilecfg reads it
+  _tile_loadconfig(&c);
+}
+
+#define PD_TILE4(b, expr)    \
+  switch (b) {               \
+    case 0: expr(2); break;  \
+    case 1: expr(3); break;  \
+    case 2: expr(4); break;  \
+    default: expr(5); break; \
+  }
+
+// One chunk of ``ng`` (<= 4) prepared groups for every block of rows.
+static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh, int64_t ng,
+                      float c, AmxGroupState& st) {
+  const int64_t D = W * 32, nblk = (rows + 15) / 16, per = 16 * D;
+  const __m512i* kt[4];
+  const __m512i* vp[4];
+  for (int64_t g = 0; g < ng; ++g) {
+    kt[g] = st.prep.data() + g * nh * W * 32;
+    vp[g] = kt[g] + nh * W * 16;
+  }
+  float* sm = st.s.data();
+  uint16_t* pm = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(st.pb.data()) + 63) & ~uintptr_t(63));
+  for (int64_t b = 0; b < nh * nblk; ++b) {
+    const int64_t hh = b / nblk, r0 = (b % nblk) * 16, n = std::min<int64_t>(16, rows - r0);
+    const uint16_t* qb = st.qs.data() + b * per;
+    for (int64_t g = 0; g < ng; ++g) {
+#define PD_ZERO(t) _tile_zero(t)
+      PD_TILE4(g, PD_ZERO)
+#undef PD_ZERO
+    }
+    for (int64_t w = 0; w < W; ++w) {
+      _tile_loadd(0, qb + w * 32, int(D * sizeof(uint16_t)));
+      for (int64_t g = 0; g < ng; ++g) {
+        _tile_loadd(1, kt[g] + (hh * W + w) * 16, 64);
+#define PD_DOT(t) _tile_dpbf16ps(t, 0, 1)
+        PD_TILE4(g, PD_DOT)
+#undef PD_DOT
+      }
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+#define PD_STORE(t) _tile_stored(t, sm + g * 16, 64 * int(sizeof(float)))
+      PD_TILE4(g, PD_STORE)
+#undef PD_STORE
+    }
+    // the rows' new maxima and rescale factors at once, then each row's probabilities
+    alignas(64) float m[16], alpha[16];  // rows_new_max's aligned loads
+    float* mb_ = st.m.data() + b * 16;
+    std::memcpy(m, mb_, sizeof(m));
+    float* l = st.l.data() + b * 256;
+    __m512 mx[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      __m512 x = _mm512_set1_ps(-INFINITY);
+      if (r < n)
+        for (int64_t g = 0; g < ng; ++g) x = _mm512_max_ps(x, _mm512_loadu_ps(sm + r * 64 + g * 16));
+      mx[r] = x;
+    }
+    rows_new_max(mx, c, m, alpha);
+    std::memcpy(mb_, m, sizeof(m));
+    const __m512 cv = _mm512_set1_ps(c);
+    float* o = st.o.data() + b * per;
+    const float* pv = st.pv.data() + b * per;
+    for (int64_t r = 0; r < n; ++r) {
+      const __m512 mr = _mm512_set1_ps(m[r]);
+      __m512 pr[4], psum = _mm512_setzero_ps();
+      for (int64_t g = 0; g < 4; ++g) {
+        pr[g] = g < ng ? exp2_p4(_mm512_fmsub_ps(_mm512_loadu_ps(sm + r * 64 + g * 16), cv, mr))
+                       : _mm512_setzero_ps();
+        psum = _mm512_add_ps(psum, pr[g]);
+      }
+      const __m512 av = _mm512_set1_ps(alpha[r]);
+      _mm512_storeu_ps(l + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * 16), av, psum));
+      for (int64_t j = 0; j < 2 * W; ++j) {
+        float* oj = o + r * D + j * 16;
+        _mm512_storeu_ps(oj, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(oj),
+                                                         _mm512_loadu_ps(pv + r * D + j * 16)), av));
+      }
+      _mm512_store_si512(pm + r * 64, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
+      _mm512_store_si512(pm + r * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
+    }
+    // P V from zero, 4 16-dim slices (2 of a 32-dim chunk: lo, hi) at a time
+    float* pvw = st.pv.data() + b * per;
+    for (int64_t j0 = 0; j0 < 2 * W; j0 += 4) {
+      const int64_t ns = std::min<int64_t>(4, 2 * W - j0);
+      for (int64_t j = 0; j < ns; ++j) {
+#define PD_ZERO(t) _tile_zero(t)
+        PD_TILE4(j, PD_ZERO)
+#undef PD_ZERO
+      }
+      for (int64_t g = 0; g < ng; ++g) {
+        _tile_loadd(6, pm + g * 16, 64 * int(sizeof(uint16_t)));
+        for (int64_t j = 0; j < ns; ++j) {
+          // slice j0 + j: chunk w = (j0 + j) / 2, lo / hi = (j0 + j) % 2
+          _tile_loadd(7, vp[g] + hh * 8 * W * 2 + (j0 + j), int(W * 2 * 64));
+#define PD_PV(t) _tile_dpbf16ps(t, 6, 7)
+          PD_TILE4(j, PD_PV)
+#undef PD_PV
+        }
+      }
+      for (int64_t j = 0; j < ns; ++j) {
+#define PD_STORE(t) _tile_stored(t, pvw + (j0 + j) * 16, int(D * sizeof(float)))
+        PD_TILE4(j, PD_STORE)
+#undef PD_STORE
+      }
+    }
+  }
+}
+#undef PD_TILE4
+
+// The walk's shared group (rows, 16 tokens): prepared into the next slot of a chunk; a full
+// chunk (or the last shared group) runs through amx_chunk.
+template <int W>
+static void bf16_amx_group(Member* mb, int64_t nm, int64_t G, const at::BFloat16* grows,
+                           int64_t s_tok, int64_t s_vk, int64_t h0, int64_t nh, float c,
+                           int64_t n_groups, AmxGroupState& st) {
+  constexpr int64_t D = W * 32;
+  const int64_t rows = nm * G, nblk = (rows + 15) / 16, nb = nh * nblk, per = 16 * D;
+  if (st.done == 0) {
+    dec_amx_configure();
+    st.qs.assign(nb * per, 0);
+    st.o.assign(nb * per, 0.f);
+    st.pv.assign(nb * per, 0.f);
+    st.l.assign(nb * 256, 0.f);
+    st.m.resize(nb * 16);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t r = 0; r < 16; ++r)  // rows past the members: 0, so that nothing is NaN
+        st.m[b * 16 + r] = (b % nblk) * 16 + r < rows ? -INFINITY : 0.f;
+    st.s.resize(16 * 64);
+    st.pb.assign(16 * 64 + 32, 0);
+    st.prep.resize(4 * nh * W * 32);
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(st.qs.data() + hh * nblk * per + r * D,
+                    static_cast<const at::BFloat16*>(mb[r / G].q) + (hh * G + r % G) * D,
+                    D * sizeof(uint16_t));
+  }
+  const int64_t slot = st.done % 4;
+  __m512i* kt = st.prep.data() + slot * nh * W * 32;
+  bf16_prepare<W>(grows, 16, s_tok, s_vk, h0, nh, kt, kt + nh * W * 16);
+  ++st.done;
+  if (slot == 3 || st.done == n_groups) amx_chunk(mb, G, W, rows, nh, slot + 1, c, st);
+  if (st.done < n_groups) return;
+  _tile_release();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t hh = b / nblk;
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t r = (b % nblk) * 16 + i;
+      if (r >= rows) break;
+      const int64_t k = r / G, g = r % G;
+      float* acc = mb[k].acc + (hh * G + g) * D;
+      const float* o = st.o.data() + b * per + i * D;
+      const float* pv = st.pv.data() + b * per + i * D;
+      for (int64_t j = 0; j < 2 * W; ++j)
+        _mm512_storeu_ps(acc + j * 16, _mm512_add_ps(_mm512_loadu_ps(o + j * 16),
+                                                     _mm512_loadu_ps(pv + j * 16)));
+      mb[k].m[hh * G + g] = st.m[b * 16 + i];
+      mb[k].l[hh * G + g] = _mm512_reduce_add_ps(_mm512_loadu_ps(st.l.data() + b * 256 + i * 16));
+    }
+  }
+}
+#endif
+
 // Members from which a shared group is prepared (the gathers cost about what a few members'
 // per-token reductions do); fewer run bf16_step over it. Either way, the same bits.
 constexpr int64_t kPrepareMembers = 4;
@@ -596,6 +807,20 @@ static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
   const float c = scale * 1.44269504088896341f;  // bf16_softmax_row's base-2 units
   bool found = false;
   if (shared > 0 && nmem >= kPrepareMembers) prep.resize(nh * W * 32);
+#ifdef PD_DECODE_AMX
+  // the shared groups on AMX tiles: whole 16-token groups only (16-token blocks or larger)
+  const bool amx = shared > 0 && nmem >= kPrepareMembers && w.BS % 16 == 0 &&
+                   g_decode_amx.load(std::memory_order_relaxed);
+  static thread_local AmxGroupState amx_state;
+  amx_state.done = 0;
+#define PDS_AMX_GROUP(WW)                                                                    \
+  if (amx) {                                                                                 \
+    bf16_amx_group<WW>(mem, nmem, G, rows, w.s_tok, s_vk, h0, nh, c, shared / 16, amx_state); \
+    return;                                                                                  \
+  }
+#else
+#define PDS_AMX_GROUP(WW)
+#endif
 #define PDS_CASE(WW, GG)                                                                     \
   if (!found && W == WW && G == GG) {                                                        \
     auto step = [&](const Member& mb, const at::BFloat16* rows, int64_t ntok) {              \
@@ -607,6 +832,7 @@ static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
             for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, ntok);                     \
             return;                                                                          \
           }                                                                                  \
+          PDS_AMX_GROUP(WW)                                                                  \
           __m512i* kt = prep.data();                                                         \
           __m512i* vp = kt + nh * WW * 16;                                                   \
           bf16_prepare<WW>(rows, ntok, w.s_tok, s_vk, h0, nh, kt, vp);                       \
@@ -621,6 +847,7 @@ static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
   PDS_GROUPS(1) PDS_GROUPS(2) PDS_GROUPS(4) PDS_GROUPS(8)
 #undef PDS_GROUPS
 #undef PDS_CASE
+#undef PDS_AMX_GROUP
   if (found)
     for (int64_t i = 0; i < nmem; ++i) bf16_dim_order(mem[i].acc, nh * G, W);
   return found;
@@ -1107,6 +1334,7 @@ static void pf_amx_configure() {
   for (int t = 2; t < 6; ++t) set(t, 16, 64);  // S of 16 keys, or a 16-dim slice of O (fp32)
   set(6, 16, 32);                             // P: 16 rows x 16 keys (bf16)
   set(7, 8, 64);                              // V: 8 key pairs x 16 dims
+  asm volatile("" : : "r"(&c) : "memory");  // the config's stores before ldtilecfg reads it
   _tile_loadconfig(&c);
 }
 
@@ -1239,6 +1467,23 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
 }
 #undef PF_S_TILE
 #endif
+
+// Whether the decode kernel's AMX shared-group step was built and may run here.
+static bool decode_amx_available() {
+#ifdef PD_DECODE_AMX
+  return pf_amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Turns the decode kernel's AMX shared-group step on or off (off until asked); returns
+// whether it is on (false where it cannot run).
+static bool set_decode_amx(bool on) {
+  const bool v = on && decode_amx_available();
+  g_decode_amx.store(v);
+  return v;
+}
 
 // Whether the AMX prefill tile was built and this process may use the tile registers.
 static bool prefill_amx_available() {
@@ -1965,6 +2210,7 @@ static void al_configure() {
   PfTileConfig c{};
   c.palette = 1;
   for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  asm volatile("" : : "r"(&c) : "memory");  // the config's stores before ldtilecfg reads it
   _tile_loadconfig(&c);
 }
 
@@ -2426,6 +2672,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers_bf16", &decode_layers_bf16, nogil,
         "a decode step's decoder layers in one call (bf16, packed projections, fused ops)");
   m.def("paged_decode", &paged_decode, nogil, "paged decode attention (CPU)");
+  m.def("decode_amx_available", &decode_amx_available,
+        "whether decode attention can run shared groups on AMX tiles here");
+  m.def("set_decode_amx", &set_decode_amx,
+        "shared groups of decode attention on AMX tiles (true) or AVX-512 (false); returns the state");
   m.def("write_kv", &write_kv, "store a layer's new K / V rows into their slots (CPU)");
   m.def("argmax_rows", &argmax_rows, nogil, "row-wise argmax, first index of the maximum (CPU)");
   m.def("race_rows", &race_rows, nogil,

@@ -182,17 +182,20 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
 
 
 def _plan_prefill(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
-    """Choose the bf16 prefill attention tile now (``PDSERVE_CPU_PREFILL``; logged), so a bad
-    setting fails the start instead of the first prefill."""
+    """Choose the bf16 prefill attention tile and the decode kernel's shared-group step now
+    (``PDSERVE_CPU_PREFILL``, ``PDSERVE_CPU_DECODE``; logged), so a bad setting fails the start
+    instead of the first step."""
     if dtype != torch.bfloat16 or device != "cpu" or not len(model.layers):
         return
-    choose = getattr(model.layers[0].self_attn.backend, "prefill_uses_amx", None)
-    if choose is None:
-        return
-    try:
-        choose()
-    except (ValueError, RuntimeError) as e:
-        raise ConfigError(str(e)) from e
+    backend = model.layers[0].self_attn.backend
+    for name in ("prefill_uses_amx", "decode_uses_amx"):
+        choose = getattr(backend, name, None)
+        if choose is None:
+            continue
+        try:
+            choose()
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(str(e)) from e
 
 
 def _known(name: str, cfg: ModelConfig) -> bool:

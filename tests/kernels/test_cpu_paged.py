@@ -115,13 +115,31 @@ def _shared_prefix_case(seed, dtype, bs, lens, prefix_blocks, groups):
     return q, kv, tables, torch.tensor(lens, dtype=torch.int32)
 
 
+def _decode_amx_here() -> bool:
+    return bool(cpu_paged._load().decode_amx_available())
+
+
+class _DecodeAmx:
+    """The decode kernel's AMX shared-group step on or off for a block (restored after)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        assert cpu_paged._load().set_decode_amx(self.on) == self.on
+
+    def __exit__(self, *exc):
+        cpu_paged._load().set_decode_amx(cpu_paged.decode_uses_amx())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bs", [8, 16])
 def test_sequences_sharing_prefix_blocks_read_them_once_and_get_their_own_bits(dtype, bs):
     """Sequences whose tables begin with the same blocks go through the kernel in chunks that
     read each shared group once for every member: each still gets the same bits as alone (one
     sequence: the per-head walk, nothing shared) and the reference's values. Lengths cover a
-    sequence ending inside the shared blocks, at their end, one past it, and far past it."""
+    sequence ending inside the shared blocks, at their end, one past it, and far past it.
+    (The AVX-512 step; the AMX tiles round differently: the next test.)"""
     p = 40  # shared blocks per group
     lens = [p * bs - 5, p * bs, p * bs + 1, 3, 2 * p * bs + 7] + [p * bs + 9 * i for i in range(35)]
     q, kv, tables, lens_t = _shared_prefix_case(bs + 3, dtype, bs, lens, p, groups=3)
@@ -130,19 +148,80 @@ def test_sequences_sharing_prefix_blocks_read_them_once_and_get_their_own_bits(d
         if n % bs and n // bs >= p:
             kv[tables[i, n // bs], 1, :, n % bs :] = float("nan")
     with_threads = torch.get_num_threads()
-    try:
-        for threads in (1, 2):  # chunks of up to 16 and of up to 10 members
-            torch.set_num_threads(threads)
-            batch = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, 0.17)
-            for i in range(len(lens)):
-                alone = cpu_paged.paged_decode_attention(
-                    q[i : i + 1], kv, 1, tables[i : i + 1], lens_t[i : i + 1], 0.17
-                )
-                assert torch.equal(batch[i : i + 1], alone), (threads, i, lens[i])
-    finally:
-        torch.set_num_threads(with_threads)
+    with _DecodeAmx(False):
+        try:
+            for threads in (1, 2):  # chunks of up to 16 and of up to 10 members
+                torch.set_num_threads(threads)
+                batch = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, 0.17)
+                for i in range(len(lens)):
+                    alone = cpu_paged.paged_decode_attention(
+                        q[i : i + 1], kv, 1, tables[i : i + 1], lens_t[i : i + 1], 0.17
+                    )
+                    assert torch.equal(batch[i : i + 1], alone), (threads, i, lens[i])
+        finally:
+            torch.set_num_threads(with_threads)
     assert bool(torch.isfinite(batch).all())
     torch.testing.assert_close(batch.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.skipif(
+    not cpu_paged.available() or not _decode_amx_here(), reason="no AMX tiles on this CPU or build"
+)
+@pytest.mark.parametrize(
+    "hq,hkv,d,prefix_blocks",
+    [
+        (8, 4, 32, 40),  # the small model's heads; 40 groups: whole chunks of 4
+        (8, 4, 32, 3),  # one partial chunk
+        (8, 1, 64, 7),  # G = 8 (a member is half a tile), 2 chunks of 32 dims, partial chunk
+        (4, 2, 128, 6),  # 4 chunks of 32 dims (two passes of 4 P V slices)
+    ],
+)
+def test_shared_groups_on_amx_tiles_match_the_walk_alone_within_bf16_rounding(
+    hq, hkv, d, prefix_blocks
+):
+    """On a CPU with AMX, the groups of a shared prefix run on tiles for every member at once
+    (16 query rows per tile, 64 keys per softmax step). Each member's output is then within
+    two bf16 steps (at its row's scale) of its walk alone (the AVX-512 step, which the previous test pins bit for
+    bit) and as close to the fp32 reference; sequences ending inside, at, just past and far
+    past the shared blocks, 1 and 2 threads (chunks of 16 and of up to 10 members)."""
+    bs = 16
+    p = prefix_blocks
+    lens = [p * bs - 5, p * bs, p * bs + 1, 3, 2 * p * bs + 7] + [p * bs + 9 * i for i in range(35)]
+    g = torch.Generator().manual_seed(5)
+    mb = max(-(-n // bs) for n in lens)
+    nb = 3 * p + len(lens) * mb + 3
+    kv = torch.randn(nb, 2, 2, bs, hkv, d, generator=g).to(torch.bfloat16)
+    tables = torch.zeros(len(lens), mb, dtype=torch.int32)
+    own = 3 * p
+    for i, n in enumerate(lens):
+        k = min(p, -(-n // bs))
+        tables[i, :k] = torch.arange(k) + (i % 3) * p
+        tables[i, k:] = torch.arange(mb - k) + own
+        own += mb - k
+    q = torch.randn(len(lens), hq, d, generator=g).to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    scale = d**-0.5
+    want = reference.paged_decode_attention(q.float(), kv.float(), 1, tables, lens_t, scale)
+    with_threads = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with _DecodeAmx(True):
+                tiles = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, scale)
+            with _DecodeAmx(False):
+                walk = cpu_paged.paged_decode_attention(q, kv, 1, tables, lens_t, scale)
+            assert bool(torch.isfinite(tiles).all())
+            assert not torch.equal(tiles, walk)  # the tiles ran (they round differently)
+            # within two bf16 steps at the scale of each head's output row (an element near 0
+            # is the difference of larger terms, rounded at their scale)
+            top = walk.float().abs().amax(dim=-1, keepdim=True).clamp_min(2.0**-20)
+            step = torch.exp2(torch.floor(torch.log2(top)) - 7)
+            assert bool(((tiles.float() - walk.float()).abs() <= 2 * step).all()), threads
+            err_tiles = (tiles.float() - want).abs().max()
+            err_walk = (walk.float() - want).abs().max()
+            assert err_tiles <= 1.25 * err_walk + 1e-3, (threads, err_tiles, err_walk)
+    finally:
+        torch.set_num_threads(with_threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
