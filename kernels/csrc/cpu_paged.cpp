@@ -2674,6 +2674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, nogil, "paged decode attention (CPU)");
   m.def("decode_amx_available", &decode_amx_available,
         "whether decode attention can run shared groups on AMX tiles here");
+  m.def("decode_amx_on", [] { return g_decode_amx.load(); },
+        "whether decode attention runs shared groups on AMX tiles now");
   m.def("set_decode_amx", &set_decode_amx,
         "shared groups of decode attention on AMX tiles (true) or AVX-512 (false); returns the state");
   m.def("write_kv", &write_kv, "store a layer's new K / V rows into their slots (CPU)");

@@ -217,6 +217,42 @@ def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
         assert cpu_paged._prefill_amx is (amx_here and setting != "avx512")
 
 
+def test_a_bad_decode_setting_fails_the_start_and_a_good_one_reaches_the_kernel(
+    monkeypatch, make_model
+):
+    """``PDSERVE_CPU_DECODE`` is read when a bf16 model loads: a bad value (or ``amx`` on a
+    CPU without AMX tiles) is a ConfigError at start; ``avx512`` / ``auto`` set the kernel's
+    shared-group step (``set_decode_amx``), which is what the kernel then runs."""
+    from kernels import cpu_paged
+    from shared.config import ConfigError
+    from shared.engine import LLM
+
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("no AVX512-BF16 build: the C++ decode kernels do not apply")
+    ext = cpu_paged._load()
+    amx_here = bool(ext.decode_amx_available())
+    try:
+        monkeypatch.setattr(cpu_paged, "_decode_amx", None)  # chosen afresh by this load
+        monkeypatch.setenv(cpu_paged.DECODE_ENV, "sse")
+        with pytest.raises(ConfigError, match="PDSERVE_CPU_DECODE='sse': expected one of auto"):
+            LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+        for setting in ("avx512", "amx", "auto"):
+            monkeypatch.setattr(cpu_paged, "_decode_amx", None)
+            monkeypatch.setenv(cpu_paged.DECODE_ENV, setting)
+            if setting == "amx" and not amx_here:
+                with pytest.raises(ConfigError, match="no AMX tiles"):
+                    LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+                continue
+            LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+            want = amx_here and setting != "avx512"
+            assert cpu_paged._decode_amx is want
+            assert ext.decode_amx_on() is want  # what the kernel runs
+    finally:
+        monkeypatch.setattr(cpu_paged, "_decode_amx", None)
+        monkeypatch.delenv(cpu_paged.DECODE_ENV, raising=False)
+        cpu_paged.decode_uses_amx()  # back to the default for the tests after this one
+
+
 @pytest.mark.parametrize("head", ["amx", "avx512"])
 def test_greedy_draws_on_the_one_pass_head_match_the_logits_path(monkeypatch, make_model, head):
     """A step whose rows are all plain greedy takes its tokens from the fused head + argmax
