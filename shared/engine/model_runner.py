@@ -162,6 +162,24 @@ def small_step_tokens(device: torch.device, threads: int) -> int:
     return SMALL_STEP_TOKENS if threads >= usable_cores() else 0
 
 
+SPILL_KV_TOKENS = 49152
+
+
+def spill_kv_tokens() -> int:
+    """A step small enough for one thread (``small_step_tokens``) still takes every thread when
+    its attention reads at least this many distinct cached tokens (``ModelRunner._reads_much_kv``;
+    0: never). A decode step of many long sequences is bound by reading their K/V, and one
+    core draws about half of this machine's memory bandwidth: vLLM's r1088_n64 (64 x 1,088
+    tokens, colocated) ran 3.8-9.6 % faster with such steps on both cores in three A/Bs
+    (docs/benchmarks.md, "Long decode steps on both cores"). Above the largest decode step of
+    256-token prompts (128 x ~320 tokens), which gained nothing from it.
+    ``PDSERVE_SPILL_KV_TOKENS`` overrides."""
+    env = os.environ.get("PDSERVE_SPILL_KV_TOKENS")
+    if env is not None:
+        return max(0, int(env))
+    return SPILL_KV_TOKENS
+
+
 class ModelRunner:
     """One rank's model, KV pool and (on rank 0) sampler. With ``parallel`` of more than one
     rank, rank 0 (the serving process) starts the others (shared/engine/distributed.py) and
@@ -229,6 +247,7 @@ class ModelRunner:
                 torch.set_num_threads(max(1, usable_cores() // pc.local_world_size))
         self._threads = self._threads_now = torch.get_num_threads()
         self._small_step_tokens = small_step_tokens(self.device, self._threads)
+        self._spill_kv_tokens = spill_kv_tokens()
         # with spill CPUs (shared/cpu_bind.py) short steps run on the worker's own CPUs, one
         # thread each, the engine thread pinned there; long steps widen it to the spill CPUs
         # first, so the thread pool they start may run there too
@@ -257,20 +276,24 @@ class ModelRunner:
         )
         if self._cpus_small is not None:
             logger.info(
-                "torch threads: %d on CPU %s for steps of at most %d tokens, %d on CPU %s for "
-                "longer ones (PDSERVE_CPU_SPILL_BIND; PDSERVE_SMALL_STEP_TOKENS sets the size)",
+                "torch threads: %d on CPU %s for steps of at most %d tokens over fewer than %d "
+                "cached ones, %d on CPU %s for the others (PDSERVE_CPU_SPILL_BIND; "
+                "PDSERVE_SMALL_STEP_TOKENS and PDSERVE_SPILL_KV_TOKENS set the sizes, 0: off)",
                 self._small_threads,
                 format_cpu_list(self._cpus_small),
                 self._small_step_tokens,
+                self._spill_kv_tokens,
                 self._threads,
                 format_cpu_list(self._cpus_large or []),
             )
         elif self._small_step_tokens:
             logger.info(
-                "torch threads: %d; steps of at most %d tokens on 1 (the worker's threads "
-                "take every core; PDSERVE_SMALL_STEP_TOKENS=0 turns this off)",
+                "torch threads: %d; steps of at most %d tokens over fewer than %d cached ones "
+                "on 1 (the worker's threads take every core; PDSERVE_SMALL_STEP_TOKENS=0 turns "
+                "this off, PDSERVE_SPILL_KV_TOKENS sets the cached tokens, 0: any)",
                 self._threads,
                 self._small_step_tokens,
+                self._spill_kv_tokens,
             )
         self.sampler = Sampler(
             model_config.vocab_size,
@@ -541,6 +564,16 @@ class ModelRunner:
             )
         return result
 
+    def _reads_much_kv(self, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> bool:
+        """Whether the step's attention reads at least ``spill_kv_tokens`` distinct cached
+        tokens: the sequences' lengths, and where they add up to that, their distinct blocks
+        (a prefix that several sequences share is read once for all of them, so a batch
+        sharing long prompts reads little and stays on one thread)."""
+        limit = self._spill_kv_tokens
+        if sum(c + len(toks) for _, c, toks in chunks) < limit:
+            return False
+        return len(set().union(*(b for b, _, _ in chunks))) * self.block_size >= limit
+
     @torch.inference_mode()
     def run_step(
         self,
@@ -570,6 +603,8 @@ class ModelRunner:
         t = int(input_ids.shape[0])
         if self._threads > 1 and (self._small_step_tokens or self._cpus_small is not None):
             small = t <= self._small_step_tokens
+            if small and self._spill_kv_tokens:  # long contexts: reading K/V needs both
+                small = not self._reads_much_kv(chunks)
             want = self._small_threads if small else self._threads
             if want != self._threads_now:
                 if self._cpus_small is not None:  # this (the engine) thread, not the process

@@ -47,6 +47,49 @@ def test_switching_threads_keeps_transformers_tokens(tiny_llama, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_small_steps_over_many_cached_tokens_take_every_thread(tiny_llama, monkeypatch):
+    """A step of few tokens whose attention reads ``PDSERVE_SPILL_KV_TOKENS`` or more distinct
+    cached tokens (a decode step of long contexts, bound by reading their K/V) runs on every
+    thread; one over fewer on one (counting a shared prefix once); transformers' tokens either
+    way."""
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
+    monkeypatch.setenv("PDSERVE_SPILL_KV_TOKENS", "160")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(tiny_llama), device="cpu", kv_cache_memory="64MiB", max_num_seqs=3)
+        runner = llm.engine.runner
+        seen: list[tuple[int, int, int]] = []  # (tokens, cached tokens read, threads)
+        forward = runner.model.forward
+
+        def watched(input_ids, positions, kv_cache, meta, *a, **k):
+            kv = int(meta.seq_lens.sum())
+            seen.append((int(input_ids.shape[0]), kv, torch.get_num_threads()))
+            return forward(input_ids, positions, kv_cache, meta, *a, **k)
+
+        monkeypatch.setattr(runner.model, "forward", watched)
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 2048) for _ in range(rng.randint(20, 90))] for _ in range(5)]
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        )
+        got = [o.outputs[0].token_ids for o in outs]
+        assert mismatches(got, hf_greedy(tiny_llama, prompts, 24)) == []
+        small = [(kv, th) for t, kv, th in seen if t <= 4]
+        assert {th for kv, th in small if kv >= 160} == {2}
+        assert {th for kv, th in small if kv < 160} == {1}
+        # a prefix that several sequences share is read once: three decode rows of 100 tokens
+        # (7 blocks of 16) sharing their first 6 blocks read 9 distinct blocks (144 tokens)
+        shared = [([0, 1, 2, 3, 4, 5, 6 + i], 99, [7]) for i in range(3)]
+        alone = [([7 * i + j for j in range(7)], 99, [7]) for i in range(3)]
+        assert runner.block_size == 16
+        assert not runner._reads_much_kv(shared)
+        assert runner._reads_much_kv(alone)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _spilled_steps(tiny_llama, monkeypatch) -> set[tuple[int, frozenset[int]]]:
     """Generate on a thread of its own (the engine thread's affinity changes stay there) with a
     lone bound worker's settings; transformers' tokens; the (threads, CPUs) of every forward."""
