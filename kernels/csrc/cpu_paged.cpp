@@ -17,7 +17,42 @@ template <typename T> static inline float to_f(T x) { return static_cast<float>(
 // PDSERVE_CPU_DECODE).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PD_DECODE_AMX 1
-static bool pf_amx_permitted();
+#include <sys/syscall.h>
+#include <unistd.h>
+// The AMX tiles' shared set-up (the prefill tile and the decode kernel's shared groups): Linux's
+// permission for the tile state, and one tile configuration for both.
+static bool pf_amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) PfTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static void pf_amx_configure() {
+  PfTileConfig c{};
+  c.palette = 1;
+  auto set = [&](int t, int rows, int colsb) { c.rows[t] = uint8_t(rows); c.colsb[t] = uint16_t(colsb); };
+  set(0, 16, 64);                             // Q: 16 rows x 32 dims
+  set(1, 16, 64);                             // K: 16 dim pairs x 16 keys
+  for (int t = 2; t < 6; ++t) set(t, 16, 64);  // S of 16 keys, or a 16-dim slice of O (fp32)
+  set(6, 16, 32);                             // P: 16 rows x 16 keys (bf16)
+  set(7, 8, 64);                              // V: 8 key pairs x 16 dims
+  asm volatile("" : : "r"(&c) : "memory");  // the config's stores before ldtilecfg reads it
+  _tile_loadconfig(&c);
+}
+
+#define PF_S_TILE(b, expr)   \
+  switch (b) {               \
+    case 0: expr(2); break;  \
+    case 1: expr(3); break;  \
+    case 2: expr(4); break;  \
+    default: expr(5); break; \
+  }
 #endif
 static std::atomic<bool> g_decode_amx{false};
 
@@ -616,33 +651,6 @@ struct AmxGroupState {
   int64_t done = 0;          // shared groups seen so far in this item
 };
 
-struct alignas(64) DecTileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static void dec_amx_configure() {
-  DecTileConfig c{};
-  c.palette = 1;
-  auto set = [&](int t, int rows, int colsb) { c.rows[t] = uint8_t(rows); c.colsb[t] = uint16_t(colsb); };
-  set(0, 16, 64);                             // Q: 16 rows x 32 dims
-  set(1, 16, 64);                             // K: 16 dim pairs x 16 tokens
-  for (int t = 2; t < 6; ++t) set(t, 16, 64);  // S of 16 tokens, or a 16-dim slice of P V
-  set(6, 16, 32);                             // P: 16 rows x 16 tokens (bf16)
-  set(7, 8, 64);                              // V: 8 token pairs x 16 dims
-  asm volatile("" : : "r"(&c) : "memory");  // the config's stores before ldtilecfg reads it
-  _tile_loadconfig(&c);
-}
-
-#define PD_TILE4(b, expr)    \
-  switch (b) {               \
-    case 0: expr(2); break;  \
-    case 1: expr(3); break;  \
-    case 2: expr(4); break;  \
-    default: expr(5); break; \
-  }
-
 // One chunk of ``ng`` (<= 4) prepared groups for every block of rows.
 static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh, int64_t ng,
                       float c, AmxGroupState& st) {
@@ -661,7 +669,7 @@ static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh
     const uint16_t* qb = st.qs.data() + b * per;
     for (int64_t g = 0; g < ng; ++g) {
 #define PD_ZERO(t) _tile_zero(t)
-      PD_TILE4(g, PD_ZERO)
+      PF_S_TILE(g, PD_ZERO)
 #undef PD_ZERO
     }
     for (int64_t w = 0; w < W; ++w) {
@@ -669,13 +677,13 @@ static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh
       for (int64_t g = 0; g < ng; ++g) {
         _tile_loadd(1, kt[g] + (hh * W + w) * 16, 64);
 #define PD_DOT(t) _tile_dpbf16ps(t, 0, 1)
-        PD_TILE4(g, PD_DOT)
+        PF_S_TILE(g, PD_DOT)
 #undef PD_DOT
       }
     }
     for (int64_t g = 0; g < ng; ++g) {
 #define PD_STORE(t) _tile_stored(t, sm + g * 16, 64 * int(sizeof(float)))
-      PD_TILE4(g, PD_STORE)
+      PF_S_TILE(g, PD_STORE)
 #undef PD_STORE
     }
     // the rows' new maxima and rescale factors at once, then each row's probabilities
@@ -719,7 +727,7 @@ static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh
       const int64_t ns = std::min<int64_t>(4, 2 * W - j0);
       for (int64_t j = 0; j < ns; ++j) {
 #define PD_ZERO(t) _tile_zero(t)
-        PD_TILE4(j, PD_ZERO)
+        PF_S_TILE(j, PD_ZERO)
 #undef PD_ZERO
       }
       for (int64_t g = 0; g < ng; ++g) {
@@ -728,19 +736,18 @@ static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh
           // slice j0 + j: chunk w = (j0 + j) / 2, lo / hi = (j0 + j) % 2
           _tile_loadd(7, vp[g] + hh * 8 * W * 2 + (j0 + j), int(W * 2 * 64));
 #define PD_PV(t) _tile_dpbf16ps(t, 6, 7)
-          PD_TILE4(j, PD_PV)
+          PF_S_TILE(j, PD_PV)
 #undef PD_PV
         }
       }
       for (int64_t j = 0; j < ns; ++j) {
 #define PD_STORE(t) _tile_stored(t, pvw + (j0 + j) * 16, int(D * sizeof(float)))
-        PD_TILE4(j, PD_STORE)
+        PF_S_TILE(j, PD_STORE)
 #undef PD_STORE
       }
     }
   }
 }
-#undef PD_TILE4
 
 // The walk's shared group (rows, 16 tokens): prepared into the next slot of a chunk; a full
 // chunk (or the last shared group) runs through amx_chunk.
@@ -751,7 +758,7 @@ static void bf16_amx_group(Member* mb, int64_t nm, int64_t G, const at::BFloat16
   constexpr int64_t D = W * 32;
   const int64_t rows = nm * G, nblk = (rows + 15) / 16, nb = nh * nblk, per = 16 * D;
   if (st.done == 0) {
-    dec_amx_configure();
+    pf_amx_configure();
     st.qs.assign(nb * per, 0);
     st.o.assign(nb * per, 0.f);
     st.pv.assign(nb * per, 0.f);
@@ -1312,39 +1319,6 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
 #include <sys/syscall.h>
 #include <unistd.h>
 static constexpr int PF_AMX_ROWS = 16;
-
-static bool pf_amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) PfTileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-static void pf_amx_configure() {
-  PfTileConfig c{};
-  c.palette = 1;
-  auto set = [&](int t, int rows, int colsb) { c.rows[t] = uint8_t(rows); c.colsb[t] = uint16_t(colsb); };
-  set(0, 16, 64);                             // Q: 16 rows x 32 dims
-  set(1, 16, 64);                             // K: 16 dim pairs x 16 keys
-  for (int t = 2; t < 6; ++t) set(t, 16, 64);  // S of 16 keys, or a 16-dim slice of O (fp32)
-  set(6, 16, 32);                             // P: 16 rows x 16 keys (bf16)
-  set(7, 8, 64);                              // V: 8 key pairs x 16 dims
-  asm volatile("" : : "r"(&c) : "memory");  // the config's stores before ldtilecfg reads it
-  _tile_loadconfig(&c);
-}
-
-#define PF_S_TILE(b, expr)   \
-  switch (b) {               \
-    case 0: expr(2); break;  \
-    case 1: expr(3); break;  \
-    case 2: expr(4); break;  \
-    default: expr(5); break; \
-  }
 
 template <typename UnitFn>
 static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D,
