@@ -53,6 +53,63 @@ static void pf_amx_configure() {
     case 2: expr(4); break;  \
     default: expr(5); break; \
   }
+
+// The two tile products of an attention chunk of up to 4 units of 16 keys (the prefill tile
+// and the decode kernel's shared groups run the same ones). amx_scores: S = Q K^T for 16
+// query rows q (bf16, D a row) against unit b's K, whose 32-dim slices are B tiles of 16 dim
+// pairs x 16 keys 256 dwords apart from kb[b]; into sm, row r's 64 scores at sm + 64 r.
+static inline void amx_scores(const uint16_t* q, int64_t D, const uint32_t* const* kb, int nu,
+                              float* sm) {
+  for (int b = 0; b < nu; ++b) {
+#define PF_ZERO(t) _tile_zero(t)
+    PF_S_TILE(b, PF_ZERO)
+#undef PF_ZERO
+  }
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(0, q + c * 32, int(D * sizeof(uint16_t)));
+    for (int b = 0; b < nu; ++b) {
+      _tile_loadd(1, kb[b] + c * 256, 64);
+#define PF_DOT(t) _tile_dpbf16ps(t, 0, 1)
+      PF_S_TILE(b, PF_DOT)
+#undef PF_DOT
+    }
+  }
+  for (int b = 0; b < nu; ++b) {
+#define PF_STORE(t) _tile_stored(t, sm + b * 16, 64 * int(sizeof(float)))
+    PF_S_TILE(b, PF_STORE)
+#undef PF_STORE
+  }
+}
+
+// amx_pv: P V from zero for the 16 rows' bf16 probabilities pm (row r's 64 at pm + 64 r)
+// against unit b's V, the B tiles of 8 key pairs x 16 dims at vb[b] (a pair's row D dwords
+// long, 16-dim slice j 16 dwords in); into pv, row r's D floats at pv + D r.
+static inline void amx_pv(const uint16_t* pm, const uint32_t* const* vb, int nu, int64_t D,
+                          float* pv) {
+  const int64_t C16 = D / 16;
+  for (int64_t c0 = 0; c0 < C16; c0 += 4) {  // up to 4 16-dim slices of P V at a time
+    const int ns = int(std::min<int64_t>(4, C16 - c0));
+    for (int j = 0; j < ns; ++j) {
+#define PF_ZERO(t) _tile_zero(t)
+      PF_S_TILE(j, PF_ZERO)
+#undef PF_ZERO
+    }
+    for (int b = 0; b < nu; ++b) {
+      _tile_loadd(6, pm + b * 16, 64 * int(sizeof(uint16_t)));
+      for (int j = 0; j < ns; ++j) {
+        _tile_loadd(7, vb[b] + (c0 + j) * 16, int(D * sizeof(uint32_t)));
+#define PF_PV(t) _tile_dpbf16ps(t, 6, 7)
+        PF_S_TILE(j, PF_PV)
+#undef PF_PV
+      }
+    }
+    for (int j = 0; j < ns; ++j) {
+#define PF_STORE(t) _tile_stored(t, pv + (c0 + j) * 16, int(D * sizeof(float)))
+      PF_S_TILE(j, PF_STORE)
+#undef PF_STORE
+    }
+  }
+}
 #endif
 static std::atomic<bool> g_decode_amx{false};
 
@@ -655,37 +712,20 @@ struct AmxGroupState {
 static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh, int64_t ng,
                       float c, AmxGroupState& st) {
   const int64_t D = W * 32, nblk = (rows + 15) / 16, per = 16 * D;
-  const __m512i* kt[4];
-  const __m512i* vp[4];
-  for (int64_t g = 0; g < ng; ++g) {
-    kt[g] = st.prep.data() + g * nh * W * 32;
-    vp[g] = kt[g] + nh * W * 16;
-  }
+  const __m512i* kt[4];  // each group's prepared K, then its V (bf16_prepare)
+  for (int64_t g = 0; g < ng; ++g) kt[g] = st.prep.data() + g * nh * W * 32;
   float* sm = st.s.data();
   uint16_t* pm = reinterpret_cast<uint16_t*>(
       (reinterpret_cast<uintptr_t>(st.pb.data()) + 63) & ~uintptr_t(63));
   for (int64_t b = 0; b < nh * nblk; ++b) {
     const int64_t hh = b / nblk, r0 = (b % nblk) * 16, n = std::min<int64_t>(16, rows - r0);
-    const uint16_t* qb = st.qs.data() + b * per;
+    const uint32_t* kb[4];  // this KV head's K and V of each group
+    const uint32_t* vb[4];
     for (int64_t g = 0; g < ng; ++g) {
-#define PD_ZERO(t) _tile_zero(t)
-      PF_S_TILE(g, PD_ZERO)
-#undef PD_ZERO
+      kb[g] = reinterpret_cast<const uint32_t*>(kt[g] + hh * W * 16);
+      vb[g] = reinterpret_cast<const uint32_t*>(kt[g] + nh * W * 16 + hh * 8 * W * 2);
     }
-    for (int64_t w = 0; w < W; ++w) {
-      _tile_loadd(0, qb + w * 32, int(D * sizeof(uint16_t)));
-      for (int64_t g = 0; g < ng; ++g) {
-        _tile_loadd(1, kt[g] + (hh * W + w) * 16, 64);
-#define PD_DOT(t) _tile_dpbf16ps(t, 0, 1)
-        PF_S_TILE(g, PD_DOT)
-#undef PD_DOT
-      }
-    }
-    for (int64_t g = 0; g < ng; ++g) {
-#define PD_STORE(t) _tile_stored(t, sm + g * 16, 64 * int(sizeof(float)))
-      PF_S_TILE(g, PD_STORE)
-#undef PD_STORE
-    }
+    amx_scores(st.qs.data() + b * per, D, kb, int(ng), sm);
     // the rows' new maxima and rescale factors at once, then each row's probabilities
     alignas(64) float m[16], alpha[16];  // rows_new_max's aligned loads
     float* mb_ = st.m.data() + b * 16;
@@ -721,31 +761,7 @@ static void amx_chunk(Member* mb, int64_t G, int64_t W, int64_t rows, int64_t nh
       _mm512_store_si512(pm + r * 64, (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
       _mm512_store_si512(pm + r * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
     }
-    // P V from zero, 4 16-dim slices (2 of a 32-dim chunk: lo, hi) at a time
-    float* pvw = st.pv.data() + b * per;
-    for (int64_t j0 = 0; j0 < 2 * W; j0 += 4) {
-      const int64_t ns = std::min<int64_t>(4, 2 * W - j0);
-      for (int64_t j = 0; j < ns; ++j) {
-#define PD_ZERO(t) _tile_zero(t)
-        PF_S_TILE(j, PD_ZERO)
-#undef PD_ZERO
-      }
-      for (int64_t g = 0; g < ng; ++g) {
-        _tile_loadd(6, pm + g * 16, 64 * int(sizeof(uint16_t)));
-        for (int64_t j = 0; j < ns; ++j) {
-          // slice j0 + j: chunk w = (j0 + j) / 2, lo / hi = (j0 + j) % 2
-          _tile_loadd(7, vp[g] + hh * 8 * W * 2 + (j0 + j), int(W * 2 * 64));
-#define PD_PV(t) _tile_dpbf16ps(t, 6, 7)
-          PF_S_TILE(j, PD_PV)
-#undef PD_PV
-        }
-      }
-      for (int64_t j = 0; j < ns; ++j) {
-#define PD_STORE(t) _tile_stored(t, pvw + (j0 + j) * 16, int(D * sizeof(float)))
-        PF_S_TILE(j, PD_STORE)
-#undef PD_STORE
-      }
-    }
+    amx_pv(pm, vb, int(ng), D, st.pv.data() + b * per);
   }
 }
 
@@ -1324,7 +1340,8 @@ template <typename UnitFn>
 static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D,
                                int64_t hq, int64_t r0, int64_t nr, int64_t offset, float sc,
                                const UnitFn& unit) {
-  const int64_t C32 = D / 32, C16 = D / 16;
+  const int64_t C16 = D / 16;
+  static_assert(PF_KEYS == 64, "amx_scores / amx_pv take rows of 64 keys");
   alignas(64) uint16_t qs[PF_AMX_ROWS * PF_MAXD];
   alignas(64) float sm[PF_AMX_ROWS * PF_KEYS];
   alignas(64) uint16_t pm[PF_AMX_ROWS * PF_KEYS];
@@ -1359,25 +1376,7 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
     const uint32_t** ku = kus[ch & 1];
     nus[ch & 1] = nu;
     for (int b = 0; b < nu; ++b) ku[b] = unit(j0 / PF_UNIT + b);
-    for (int b = 0; b < nu; ++b) {
-#define PF_ZERO(t) _tile_zero(t)
-      PF_S_TILE(b, PF_ZERO)
-#undef PF_ZERO
-    }
-    for (int64_t c = 0; c < C32; ++c) {
-      _tile_loadd(0, qs + c * 32, int(D * sizeof(uint16_t)));
-      for (int b = 0; b < nu; ++b) {
-        _tile_loadd(1, ku[b] + c * 256, 64);
-#define PF_DOT(t) _tile_dpbf16ps(t, 0, 1)
-        PF_S_TILE(b, PF_DOT)
-#undef PF_DOT
-      }
-    }
-    for (int b = 0; b < nu; ++b) {
-#define PF_STORE(t) _tile_stored(t, sm + b * 16, PF_KEYS * int(sizeof(float)))
-      PF_S_TILE(b, PF_STORE)
-#undef PF_STORE
-    }
+    amx_scores(qs, D, ku, nu, sm);
   };
   scores(0);
   for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
@@ -1406,28 +1405,9 @@ static inline void pf_tile_amx(const uint16_t* qb, uint16_t* ob, int64_t Hq, int
       _mm512_store_si512(pm + i * PF_KEYS + 32, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
     }
     if ((ch + 1) * PF_KEYS <= last) scores(ch + 1);
-    for (int64_t c0 = 0; c0 < C16; c0 += 4) {  // up to 4 16-dim slices of P V at a time
-      const int ns = int(std::min<int64_t>(4, C16 - c0));
-      for (int j = 0; j < ns; ++j) {
-#define PF_ZERO(t) _tile_zero(t)
-        PF_S_TILE(j, PF_ZERO)
-#undef PF_ZERO
-      }
-      for (int b = 0; b < nu; ++b) {
-        _tile_loadd(6, pm + b * 16, PF_KEYS * int(sizeof(uint16_t)));
-        for (int j = 0; j < ns; ++j) {
-          _tile_loadd(7, ku[b] + 8 * D + (c0 + j) * 16, int(D * sizeof(uint32_t)));
-#define PF_PV(t) _tile_dpbf16ps(t, 6, 7)
-          PF_S_TILE(j, PF_PV)
-#undef PF_PV
-        }
-      }
-      for (int j = 0; j < ns; ++j) {
-#define PF_STORE(t) _tile_stored(t, pv + (c0 + j) * 16, int(D * sizeof(float)))
-        PF_S_TILE(j, PF_STORE)
-#undef PF_STORE
-      }
-    }
+    const uint32_t* vb[4];  // each unit's V after its K (8 D dwords)
+    for (int b = 0; b < nu; ++b) vb[b] = ku[b] + 8 * D;
+    amx_pv(pm, vb, nu, D, pv);
   }
   for (int i = 0; i < nr; ++i) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[i]));
