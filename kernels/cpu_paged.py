@@ -53,7 +53,8 @@ def extension_name() -> str:
     return cpp_build.extension_name("pdserve_cpu_paged", SOURCE, _FLAGS)
 
 
-def _load():
+def _build():
+    """The extension, built (or loaded from the cache) once; ``None`` where it cannot build."""
     global _ext, _failed
     if _ext is not None or _failed is not None:
         return _ext
@@ -67,12 +68,18 @@ def _load():
                     "CPU paged-attention extension unavailable (%s); using the torch reference",
                     _failed.splitlines()[0],
                 )
-    if _ext is not None and _decode_amx is None and not _choosing_decode:
+    return _ext
+
+
+def _load():
+    """The extension with its decode path chosen (``decode_uses_amx``), or ``None``."""
+    ext = _build()
+    if ext is not None and _decode_amx is None:
         try:
             decode_uses_amx()
         except (ValueError, RuntimeError):
             pass  # a bad PDSERVE_CPU_DECODE: the model's load reports it (off until then)
-    return _ext
+    return ext
 
 
 def available() -> bool:
@@ -393,7 +400,6 @@ def prefill_uses_amx() -> bool:
 DECODE_ENV = "PDSERVE_CPU_DECODE"
 DECODE_PATHS = ("auto", "amx", "avx512")
 _decode_amx: bool | None = None
-_choosing_decode = False  # decode_uses_amx is loading the extension (no second choice)
 
 
 def decode_uses_amx() -> bool:
@@ -402,16 +408,12 @@ def decode_uses_amx() -> bool:
     tile step, else on ``vdpbf16ps``; ``amx`` / ``avx512`` force one (``amx`` where it cannot
     run is an error). On tiles, a member of a shared prefix gets its output within bf16
     rounding of its walk alone instead of the same bits. Read once; logged at first use."""
-    global _decode_amx, _choosing_decode
+    global _decode_amx
     if _decode_amx is None:
         want = (os.environ.get(DECODE_ENV) or "auto").lower()
         if want not in DECODE_PATHS:
             raise ValueError(f"{DECODE_ENV}={want!r}: expected one of {', '.join(DECODE_PATHS)}")
-        _choosing_decode = True
-        try:
-            ext = _load()
-        finally:
-            _choosing_decode = False
+        ext = _build()
         probe = getattr(ext, "decode_amx_available", None)  # None: an older build (benches)
         can = probe is not None and bool(probe())
         if want == "amx" and not can:

@@ -19,18 +19,19 @@ from tests.engine.helpers import hf_greedy, mismatches
 pytestmark = pytest.mark.integration
 
 
-def test_switching_threads_keeps_transformers_tokens(tiny_llama, monkeypatch):
-    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
+def _greedy_watching_forwards(tiny_llama, monkeypatch, watch):
+    """Five prompts through the small model on 2 torch threads (3 sequences at most), greedy;
+    ``watch`` sees every forward's positional arguments first; the tokens must be
+    transformers'. Returns the engine's runner."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         llm = LLM(str(tiny_llama), device="cpu", kv_cache_memory="64MiB", max_num_seqs=3)
         runner = llm.engine.runner
-        seen: list[int] = []
         forward = runner.model.forward
 
         def watched(*a, **k):
-            seen.append(torch.get_num_threads())
+            watch(*a)
             return forward(*a, **k)
 
         monkeypatch.setattr(runner.model, "forward", watched)
@@ -42,9 +43,18 @@ def test_switching_threads_keeps_transformers_tokens(tiny_llama, monkeypatch):
         )
         got = [o.outputs[0].token_ids for o in outs]
         assert mismatches(got, hf_greedy(tiny_llama, prompts, 24)) == []
-        assert set(seen) == {1, 2}, "prefills on 2 threads, the last decode steps on 1"
+        return runner
     finally:
         torch.set_num_threads(before)
+
+
+def test_switching_threads_keeps_transformers_tokens(tiny_llama, monkeypatch):
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
+    seen: list[int] = []
+    _greedy_watching_forwards(
+        tiny_llama, monkeypatch, lambda *a: seen.append(torch.get_num_threads())
+    )
+    assert set(seen) == {1, 2}, "prefills on 2 threads, the last decode steps on 1"
 
 
 def test_small_steps_over_many_cached_tokens_take_every_thread(tiny_llama, monkeypatch):
@@ -54,40 +64,22 @@ def test_small_steps_over_many_cached_tokens_take_every_thread(tiny_llama, monke
     way."""
     monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "4")
     monkeypatch.setenv("PDSERVE_SPILL_KV_TOKENS", "160")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(str(tiny_llama), device="cpu", kv_cache_memory="64MiB", max_num_seqs=3)
-        runner = llm.engine.runner
-        seen: list[tuple[int, int, int]] = []  # (tokens, cached tokens read, threads)
-        forward = runner.model.forward
+    seen: list[tuple[int, int, int]] = []  # (tokens, cached tokens read, threads)
 
-        def watched(input_ids, positions, kv_cache, meta, *a, **k):
-            kv = int(meta.seq_lens.sum())
-            seen.append((int(input_ids.shape[0]), kv, torch.get_num_threads()))
-            return forward(input_ids, positions, kv_cache, meta, *a, **k)
+    def watch(input_ids, positions, kv_cache, meta, *rest):
+        seen.append((int(input_ids.shape[0]), int(meta.seq_lens.sum()), torch.get_num_threads()))
 
-        monkeypatch.setattr(runner.model, "forward", watched)
-        rng = random.Random(3)
-        prompts = [[rng.randrange(3, 2048) for _ in range(rng.randint(20, 90))] for _ in range(5)]
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        )
-        got = [o.outputs[0].token_ids for o in outs]
-        assert mismatches(got, hf_greedy(tiny_llama, prompts, 24)) == []
-        small = [(kv, th) for t, kv, th in seen if t <= 4]
-        assert {th for kv, th in small if kv >= 160} == {2}
-        assert {th for kv, th in small if kv < 160} == {1}
-        # a prefix that several sequences share is read once: three decode rows of 100 tokens
-        # (7 blocks of 16) sharing their first 6 blocks read 9 distinct blocks (144 tokens)
-        shared = [([0, 1, 2, 3, 4, 5, 6 + i], 99, [7]) for i in range(3)]
-        alone = [([7 * i + j for j in range(7)], 99, [7]) for i in range(3)]
-        assert runner.block_size == 16
-        assert not runner._reads_much_kv(shared)
-        assert runner._reads_much_kv(alone)
-    finally:
-        torch.set_num_threads(before)
+    runner = _greedy_watching_forwards(tiny_llama, monkeypatch, watch)
+    small = [(kv, th) for t, kv, th in seen if t <= 4]
+    assert {th for kv, th in small if kv >= 160} == {2}
+    assert {th for kv, th in small if kv < 160} == {1}
+    # a prefix that several sequences share is read once: three decode rows of 100 tokens
+    # (7 blocks of 16) sharing their first 6 blocks read 9 distinct blocks (144 tokens)
+    shared = [([0, 1, 2, 3, 4, 5, 6 + i], 99, [7]) for i in range(3)]
+    alone = [([7 * i + j for j in range(7)], 99, [7]) for i in range(3)]
+    assert runner.block_size == 16
+    assert not runner._reads_much_kv(shared)
+    assert runner._reads_much_kv(alone)
 
 
 def _spilled_steps(tiny_llama, monkeypatch) -> set[tuple[int, frozenset[int]]]:

@@ -96,13 +96,13 @@ def test_decode_of_a_sequence_does_not_depend_on_its_batch(dtype):
     assert torch.equal(batch[:1], alone)
 
 
-def _shared_prefix_case(seed, dtype, bs, lens, prefix_blocks, groups):
+def _shared_prefix_case(seed, dtype, bs, lens, prefix_blocks, groups, hq=8, hkv=4, d=32):
     """Tables whose first ``prefix_blocks`` blocks are those of sequence ``i % groups``'s
     group (as prefix caching hands them out), the rest each sequence's own."""
     g = torch.Generator().manual_seed(seed)
     mb = max(-(-n // bs) for n in lens)
     nb = groups * prefix_blocks + len(lens) * mb + 3
-    kv = torch.randn(nb, 2, 2, bs, 4, 32, generator=g).to(dtype)
+    kv = torch.randn(nb, 2, 2, bs, hkv, d, generator=g).to(dtype)
     tables = torch.zeros(len(lens), mb, dtype=torch.int32)
     own = groups * prefix_blocks
     for i, n in enumerate(lens):
@@ -111,7 +111,7 @@ def _shared_prefix_case(seed, dtype, bs, lens, prefix_blocks, groups):
         rest = mb - k
         tables[i, k:] = torch.arange(rest) + own
         own += rest
-    q = torch.randn(len(lens), 8, 32, generator=g).to(dtype)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
     return q, kv, tables, torch.tensor(lens, dtype=torch.int32)
 
 
@@ -187,19 +187,9 @@ def test_shared_groups_on_amx_tiles_match_the_walk_alone_within_bf16_rounding(
     bs = 16
     p = prefix_blocks
     lens = [p * bs - 5, p * bs, p * bs + 1, 3, 2 * p * bs + 7] + [p * bs + 9 * i for i in range(35)]
-    g = torch.Generator().manual_seed(5)
-    mb = max(-(-n // bs) for n in lens)
-    nb = 3 * p + len(lens) * mb + 3
-    kv = torch.randn(nb, 2, 2, bs, hkv, d, generator=g).to(torch.bfloat16)
-    tables = torch.zeros(len(lens), mb, dtype=torch.int32)
-    own = 3 * p
-    for i, n in enumerate(lens):
-        k = min(p, -(-n // bs))
-        tables[i, :k] = torch.arange(k) + (i % 3) * p
-        tables[i, k:] = torch.arange(mb - k) + own
-        own += mb - k
-    q = torch.randn(len(lens), hq, d, generator=g).to(torch.bfloat16)
-    lens_t = torch.tensor(lens, dtype=torch.int32)
+    q, kv, tables, lens_t = _shared_prefix_case(
+        5, torch.bfloat16, bs, lens, p, groups=3, hq=hq, hkv=hkv, d=d
+    )
     scale = d**-0.5
     want = reference.paged_decode_attention(q.float(), kv.float(), 1, tables, lens_t, scale)
     with_threads = torch.get_num_threads()
