@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -740,3 +741,33 @@ def resolve_dtype(requested: str, checkpoint: str | None) -> str:
 def env_flag(name: str, default: bool = False) -> bool:
     v = os.environ.get(name)
     return default if v is None else v.lower() in ("1", "true", "yes", "on")
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """The integer in environment variable ``name``, or ``default`` when it is unset or empty.
+    Anything else (``"1.5"``, ``"abc"``, below ``minimum``) is a :class:`ConfigError` naming
+    the variable, which a worker reports as one line and exit status 2."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected an integer >= {minimum}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+def env_float(name: str, default: float, minimum: float = 0.0) -> float:
+    """As :func:`env_int` for a finite number (seconds, MiB)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{name}={raw!r}: expected a number >= {minimum:g}")
+    return value

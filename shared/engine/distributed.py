@@ -40,13 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, env_float
 
 logger = logging.getLogger(__name__)
 
 #: Bound on one collective (a step's all-reduce, a broadcast while busy). Idle ranks wait on
 #: the control broadcast; a lost peer fails it at once (its sockets close).
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDSERVE_DIST_TIMEOUT_S", 7 * 24 * 3600))
+COLLECTIVE_TIMEOUT_S = env_float("PDSERVE_DIST_TIMEOUT_S", 7 * 24 * 3600, minimum=0.001)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from shared.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    env_int,
     usable_cores,
 )
 from shared.cpu_bind import SPILL_STEP_TOKENS, bound_cpus, format_cpu_list, spill_cpus
@@ -150,9 +151,9 @@ def small_step_tokens(device: torch.device, threads: int) -> int:
     (docs/benchmarks.md, "Topology"). Not for a worker bound to cores of its own
     (``shared/cpu_bind.py``): nothing else runs there. ``PDSERVE_SMALL_STEP_TOKENS`` overrides
     (0: off)."""
-    env = os.environ.get("PDSERVE_SMALL_STEP_TOKENS")
-    if env is not None:
-        return max(0, int(env))
+    env = env_int("PDSERVE_SMALL_STEP_TOKENS", -1)
+    if env >= 0:
+        return env
     if device.type != "cpu" or threads < 2:
         return 0
     if spill_cpus():  # a lone worker's cores plus the router's for long steps only
@@ -174,10 +175,7 @@ def spill_kv_tokens() -> int:
     (docs/benchmarks.md, "Long decode steps on both cores"). Above the largest decode step of
     256-token prompts (128 x ~320 tokens), which gained nothing from it.
     ``PDSERVE_SPILL_KV_TOKENS`` overrides."""
-    env = os.environ.get("PDSERVE_SPILL_KV_TOKENS")
-    if env is not None:
-        return max(0, int(env))
-    return SPILL_KV_TOKENS
+    return env_int("PDSERVE_SPILL_KV_TOKENS", SPILL_KV_TOKENS)
 
 
 class ModelRunner:
@@ -240,9 +238,9 @@ class ModelRunner:
         self.shard = self._shard_of(self.rank, groups[stage] if groups else None, comm)
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            threads = os.environ.get("PDSERVE_NUM_THREADS")
+            threads = env_int("PDSERVE_NUM_THREADS", 0, minimum=1)
             if threads:
-                torch.set_num_threads(int(threads))
+                torch.set_num_threads(threads)
             elif self.world_size > 1:  # the node's cores split between its ranks
                 torch.set_num_threads(max(1, usable_cores() // pc.local_world_size))
         self._threads = self._threads_now = torch.get_num_threads()

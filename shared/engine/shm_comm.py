@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.config import env_float
+
 HEADER = 64  # bytes per rank counter (one cache line: no false sharing)
-SLOT_BYTES = int(float(os.environ.get("PDSERVE_SHM_SLOT_MB", "8")) * (1 << 20))
-WAIT_TIMEOUT_S = float(os.environ.get("PDSERVE_SHM_TIMEOUT_S", "60"))
+SLOT_BYTES = int(env_float("PDSERVE_SHM_SLOT_MB", 8, minimum=0.0625) * (1 << 20))
+WAIT_TIMEOUT_S = env_float("PDSERVE_SHM_TIMEOUT_S", 60, minimum=0.001)
 
 
 class CommTimeoutError(RuntimeError):
@@ -184,7 +186,7 @@ class ShmComm:
         return torch.cat(slots, dim=-1)  # a copy: the slots are reused two collectives on
 
 
-CONTROL_BYTES = int(float(os.environ.get("PDSERVE_SHM_CONTROL_MB", "16")) * (1 << 20))
+CONTROL_BYTES = int(env_float("PDSERVE_SHM_CONTROL_MB", 16, minimum=0.0625) * (1 << 20))
 IDLE_SLEEP_S = 0.0005  # a waiting rank's nap once no message came for BUSY_WAIT_S
 BUSY_WAIT_S = 0.02
 

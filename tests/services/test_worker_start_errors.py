@@ -40,3 +40,24 @@ def test_a_bad_nixl_progress_period_says_why_and_exits_2(tiny_llama, role):
         p.stderr
     ), p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("PDSERVE_SPILL_KV_TOKENS", "1.5"),
+        ("PDSERVE_SMALL_STEP_TOKENS", "many"),
+        ("PDSERVE_NUM_THREADS", "0"),
+    ],
+)
+def test_a_bad_engine_environment_number_says_why_and_exits_2(tiny_llama, var, value):
+    """Found in review: these were read with a bare ``int()``, so a typo was a ValueError
+    traceback from inside the model runner."""
+    argv = [sys.executable, "-m", "shared.cli", "decode", "--model", str(tiny_llama)]
+    env = {**os.environ, var: value}
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"pdserve decode: error: {var}={value!r}: expected an integer" in p.stderr, p.stderr[
+        -2000:
+    ]
+    assert "Traceback" not in p.stderr
