@@ -2185,13 +2185,23 @@ static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t*
   const int stride = int(K * sizeof(uint16_t));
   alignas(64) float cb[32 * 32];
   const int64_t block = 2 * KT * 512;  // bf16 values of one 32-column block
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
+  // Past 32 rows, one block's tiles and every row of x no longer fit in L1 together, and
+  // each row pair's pass reloaded x from L2 for every block. So the blocks go in groups of
+  // about 256 KiB of weight (in L2 after the first pair's pass fetched them): all row pairs
+  // meet a group before the next, each pair's rows staying in L1. The LM head 32000 x 256 on
+  // one thread, interleaved with the previous walk in one process, same bits: 0.88x at 64
+  // rows, 0.92x at 128; 32 rows and fewer walk as before. The epilogue still sees each row's
+  // columns in increasing order.
+  const int64_t group = std::max<int64_t>(1, (256 << 10) / (block * 2));
+  for (int64_t g0 = nb0; g0 < nb1; g0 += group)
+  for (int64_t m0 = 0; m0 < Mp; m0 += 32)
+  for (int64_t nb = g0; nb < std::min(nb1, g0 + group); ++nb) {
     const uint16_t* b0 = wp + nb * block;
     const uint16_t* b1 = b0 + KT * 512;
     // the next block, a K slice per step of the first row pair, fetched while this one is
     // computed on (a tile load that misses to DRAM stalls the tile unit)
     const bool ahead = nb + 1 < nb1;
-    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+    {
       const bool two = m0 + 16 < Mp;
       const uint16_t* a0 = xp + m0 * K;
       _tile_zero(0);
