@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
-from shared.proto.mux import GenerateMuxMixin
+from shared.proto.mux import GenerateMuxMixin, mux_outbox
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
     CLIENT_GRPC_OPTIONS,
@@ -59,6 +60,8 @@ from shared.worker.wire import (
 
 logger = logging.getLogger(__name__)
 ROLE = "decode"
+# PDSERVE_DIRECT_STREAM=0: every output through its request's coroutine (``_direct`` off)
+DIRECT_STREAM = os.environ.get("PDSERVE_DIRECT_STREAM", "1") != "0"
 
 
 @dataclass
@@ -82,6 +85,15 @@ class _Flight:
     blocks_transferred: int = 0
     remote_prefill_s: float = 0.0
     remote_cached_tokens: int = 0
+    # the stream's state (``_stream``, and ``_direct`` for the plain tokens it sends itself)
+    counts: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    prompt_tokens: int = 0
+    cached: int = 0
+    outbox: asyncio.Queue | None = None  # the mux call's, where ``_direct`` may put chunks
+    task: asyncio.Task | None = None  # the handler's task (a cancel stops ``_direct``)
+    direct_ok: bool = False  # set while ``_stream`` reads this flight's queue
 
 
 class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
@@ -99,6 +111,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         self.outputs: AsyncOutputs | None = None
         self.channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self.fallbacks = 0
+        self.direct_tokens = 0  # tokens ``_direct`` streamed
         runtime.role_hook = self._on_step
         runtime.on_hang.append(self._fail_inflight)
 
@@ -130,7 +143,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         rt = self.rt
         if self.outputs is None:
             self.aloop = asyncio.get_running_loop()
-            self.outputs = AsyncOutputs(self.aloop)
+            self.outputs = AsyncOutputs(self.aloop, self._direct if DIRECT_STREAM else None)
             rt.loop.add_batch_sink(self.outputs)
         rid = request.request_id
         if rt.draining:
@@ -155,6 +168,9 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         eid = f"{rid}@{next(self._serial)}"
         flight = _Flight(request, eid, params.n, self.outputs.register(eid))
         flight.done_before = resume_finished
+        flight.counts = [0] * params.n
+        flight.outbox = mux_outbox(context) if params.n == 1 else None
+        flight.task = asyncio.current_task()
         flight.path = "disagg" if remote else "local"
         self.flights[rid] = flight
         self.by_engine_id[eid] = flight
@@ -227,13 +243,13 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         rt = self.rt
         rid = request.request_id
         done: set[int] = set(flight.done_before)
-        counts = [0] * flight.n
-        last_token_time: float | None = None
-        first_token_time: float | None = None
-        prompt_tokens = cached = 0
         timing_src: EngineCoreOutput | None = None
         while len(done) < flight.n:
-            batch = [await flight.queue.get()]
+            flight.direct_ok = True
+            try:
+                batch = [await flight.queue.get()]
+            finally:
+                flight.direct_ok = False
             while not flight.queue.empty():
                 batch.append(flight.queue.get_nowait())
             if any(o is _CLIENT_LEFT for o in batch):  # Abort(whole): end here, normally
@@ -245,18 +261,10 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             for o in batch:
                 if o.failure is not None:  # this request, or the whole engine, failed
                     raise _Failed(o.failure.kind, o.failure.message)
-                d = deltas.setdefault(o.index, pb.SeqDelta(index=o.index))
-                d.token_ids.extend(o.new_token_ids)
-                d.logprobs.extend(logprob_to_proto(lp) for lp in o.new_logprobs)
-                if o.new_token_ids:
-                    counts[o.index] += len(o.new_token_ids)
-                    if first_token_time is None:
-                        first_token_time = now
-                        rt.metrics.ttft.observe(now - flight.arrival)
-                    elif last_token_time is not None:
-                        rt.metrics.itl.observe(now - last_token_time)
-                    last_token_time = now
-                prompt_tokens, cached = o.num_prompt_tokens, max(cached, o.num_cached_tokens)
+                d = deltas.get(o.index)
+                if d is None:
+                    d = deltas[o.index] = pb.SeqDelta(index=o.index)
+                self._add_tokens(flight, o, d, now)
                 if o.finished:
                     d.finish_reason = o.finish_reason
                     if o.stop_token_id is not None:
@@ -269,21 +277,71 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             )
             if len(done) == flight.n:
                 chunk.finished = True
-                completion = sum(counts)
+                completion = sum(flight.counts)
                 chunk.usage.CopyFrom(
                     pb.Usage(
-                        prompt_tokens=prompt_tokens,
+                        prompt_tokens=flight.prompt_tokens,
                         completion_tokens=completion,
-                        cached_tokens=max(cached, flight.remote_cached_tokens),
+                        cached_tokens=max(flight.cached, flight.remote_cached_tokens),
                     )
                 )
-                chunk.timings.CopyFrom(self._timings(flight, timing_src, first_token_time, now))
+                chunk.timings.CopyFrom(
+                    self._timings(flight, timing_src, flight.first_token_time, now)
+                )
                 if chunk.timings.queue_s:
                     rt.metrics.queue.observe(chunk.timings.queue_s)
                 rt.metrics.e2e.observe(now - flight.arrival)
-                rt.metrics.prompt_tokens.inc(prompt_tokens)
+                rt.metrics.prompt_tokens.inc(flight.prompt_tokens)
                 rt.metrics.generation_tokens.inc(completion)
             yield chunk
+
+    def _add_tokens(self, flight: _Flight, o: EngineCoreOutput, d: pb.SeqDelta, now: float) -> None:
+        """``o``'s tokens (and logprobs) into ``d``, and into the stream's counts and token
+        timings."""
+        d.token_ids.extend(o.new_token_ids)
+        if o.new_logprobs:
+            d.logprobs.extend(logprob_to_proto(lp) for lp in o.new_logprobs)
+        if o.new_token_ids:
+            flight.counts[o.index] += len(o.new_token_ids)
+            metrics = self.rt.metrics
+            if flight.first_token_time is None:
+                flight.first_token_time = now
+                metrics.ttft.observe(now - flight.arrival)
+            elif flight.last_token_time is not None:
+                metrics.itl.observe(now - flight.last_token_time)
+            flight.last_token_time = now
+        flight.prompt_tokens = o.num_prompt_tokens
+        flight.cached = max(flight.cached, o.num_cached_tokens)
+
+    def _direct(self, o: EngineCoreOutput) -> bool:
+        """Event loop, once per output of a step: stream a token of a one-sample request on a
+        mux call as its coroutine would (the same chunk, on the same outbox), without waking
+        it. At batch 64 that coroutine's turn per token was most of this loop's per-token cost,
+        on the core the engine steps on. Only while the coroutine waits on an empty queue
+        (``direct_ok``); the last output, a failure, an abort, a cancelled handler, or anything
+        already queued (a deadline, a client gone) go to the queue, and from there the
+        coroutine takes every output in order."""
+        flight = self.by_engine_id.get(o.request_id)
+        if (
+            flight is None
+            or not flight.direct_ok
+            or flight.outbox is None
+            or not flight.queue.empty()
+            or o.finished
+            or o.failure is not None
+            or flight.aborting
+            or (flight.task is not None and flight.task.cancelling())
+        ):
+            return False
+        d = pb.SeqDelta(index=o.index)
+        self._add_tokens(flight, o, d, time.monotonic())
+        self.direct_tokens += len(o.new_token_ids)
+        flight.outbox.put_nowait(
+            pb.GenerateChunk(
+                request_id=flight.request.request_id, outputs=[d], worker_id=self.rt.worker_id
+            )
+        )
+        return True
 
     def _timings(
         self, flight: _Flight, o: EngineCoreOutput | None, first_token: float | None, now: float

@@ -92,6 +92,13 @@ class _MuxContext:
         raise MuxAbort(code, details, tuple(trailing_metadata or ()))
 
 
+def mux_outbox(context: Any) -> asyncio.Queue[Any] | None:
+    """The queue a ``Generate`` handler run on a mux call (``context`` its
+    :class:`_MuxContext`) may put its chunks on directly, in order with what it yields, to
+    stream without a turn of its own coroutine; ``None`` for a plain grpc call."""
+    return context._outbox if isinstance(context, _MuxContext) else None
+
+
 def _end(
     rid: str, code: grpc.StatusCode, details: str = "", md: tuple[tuple[str, Any], ...] = ()
 ) -> pb.MuxEnd:

@@ -227,9 +227,16 @@ class AsyncOutputs:
     """Hands engine outputs to per-request ``asyncio.Queue``s with one event-loop wake-up per
     engine step (not one per request), which matters at hundreds of streams."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        direct: Callable[[EngineCoreOutput], bool] | None = None,
+    ) -> None:
         self.loop = loop
         self.queues: dict[str, asyncio.Queue] = {}
+        # event loop: takes an output itself (True) instead of its request's queue, e.g. the
+        # decode worker streaming a plain token without waking the request's coroutine
+        self.direct = direct
 
     def register(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -245,7 +252,8 @@ class AsyncOutputs:
             self.loop.call_soon_threadsafe(self._put, mine)
 
     def _put(self, outputs: list[EngineCoreOutput]) -> None:  # event loop
+        direct = self.direct
         for o in outputs:
             q = self.queues.get(o.request_id)
-            if q is not None:
+            if q is not None and (direct is None or not direct(o)):
                 q.put_nowait(o)
