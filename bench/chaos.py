@@ -545,7 +545,7 @@ async def soak(cluster, cases: list[Case], n: int, concurrency: int, seed: int) 
             rss.append({"t": round(time.monotonic() - t0, 1), **rss_mib(cluster)})
             try:
                 await asyncio.wait_for(stop.wait(), 5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     stop = asyncio.Event()

@@ -14,7 +14,6 @@ and a few dict lookups; nothing else runs per chunk.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -174,7 +173,7 @@ async def stream_request(
             rec.latency = stream.last - st
     except _StreamError as e:
         rec.error = str(e)[:_ERROR_TEXT_LIMIT]
-    except asyncio.TimeoutError:
+    except TimeoutError:
         rec.error = f"timed out after {time.perf_counter() - st:.1f} s"
     except aiohttp.ClientError as e:
         rec.error = f"{type(e).__name__}: {e}"[:_ERROR_TEXT_LIMIT]

@@ -571,7 +571,7 @@ async def cancel_transfer(handle) -> None:
 
         try:
             await asyncio.wait_for(terminal(), 10.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.error("transfer %s did not settle 10 s after cancel", handle.transfer_id)
 
 
