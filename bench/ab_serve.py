@@ -169,8 +169,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-wait", type=float, default=120.0, help="s to wait for a quiet host")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     a = p.parse_args(argv)
-    a.topo = tuple(int(x) for x in a.topology.lower().split("x"))
-    if len(a.topo) != 2 or a.topo[1] < 1:
+    try:
+        a.topo = tuple(int(x) for x in a.topology.lower().split("x"))
+    except ValueError:
+        a.topo = ()
+    if len(a.topo) != 2 or a.topo[0] < 0 or a.topo[1] < 1:
         p.error("--topology is PxD with D >= 1, e.g. 0x1 (colocated) or 1x1")
     names = [n for n, _ in a.variant]
     if len(names) < 2 or len(set(names)) != len(names):

@@ -67,5 +67,8 @@ def test_arguments():
     assert a.variants["off"] == {"env": {"PDSERVE_X": "0"}, "args": []}
     with pytest.raises(SystemExit):
         parse_args(["--variant", "base", "{}"])  # one variant
+    for topology in ("1x0", "two", "1x1x1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--topology", topology, "--variant", "a", "{}", "--variant", "b", "{}"])
     with pytest.raises(SystemExit):
         parse_args(["--workloads", "nope", "--variant", "a", "{}", "--variant", "b", "{}"])
