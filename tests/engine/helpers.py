@@ -107,23 +107,31 @@ def mismatches(ours: list[list[int]], ref: list[list[int]]) -> list[str]:
 
 def teacher_forced_argmax(model_dir: Path, tokens: list[int], **kw) -> torch.Tensor:
     """Argmax of the next-token logits at every position of ``tokens`` (one prefill)."""
+    return teacher_forced_argmaxes(model_dir, [tokens], **kw)[0]
+
+
+def teacher_forced_argmaxes(model_dir: Path, seqs: list[list[int]], **kw) -> list[torch.Tensor]:
+    """``teacher_forced_argmax`` of each sequence, one prefill each, on one engine."""
     from shared.config import EngineArgs
     from shared.engine.core import EngineCore
     from shared.models.llama import AttentionMetadata
 
     core = EngineCore(EngineArgs(model=str(model_dir), device="cpu", kv_cache_memory="32MiB", **kw))
     runner = core.runner
-    n = len(tokens)
     bs = runner.block_size
-    nb = -(-n // bs)
-    kv = torch.zeros((nb, *runner.block_shape), dtype=runner.kv_dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(nb, dtype=torch.int32).unsqueeze(0),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        decode_only=False,
-    )
-    with torch.inference_mode():
-        h = runner.model(torch.tensor(tokens), torch.arange(n), kv, meta)
-        return runner.model.compute_logits(h).float().argmax(-1)
+    out = []
+    for tokens in seqs:
+        n = len(tokens)
+        nb = -(-n // bs)
+        kv = torch.zeros((nb, *runner.block_shape), dtype=runner.kv_dtype)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n),
+            block_tables=torch.arange(nb, dtype=torch.int32).unsqueeze(0),
+            seq_lens=torch.tensor([n], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            decode_only=False,
+        )
+        with torch.inference_mode():
+            h = runner.model(torch.tensor(tokens), torch.arange(n), kv, meta)
+            out.append(runner.model.compute_logits(h).float().argmax(-1))
+    return out
