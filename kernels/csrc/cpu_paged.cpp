@@ -1194,6 +1194,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
 // packed once from the block pool and shared by every sequence whose table holds the block)
 // gives the same bits as the contiguous one on the gathered K/V.
 static constexpr int PF_ROWS = 8, PF_KEYS = 64, PF_MAXD = 256, PF_UNIT = 16;
+static constexpr int PF_QK_ROWS = 4;  // rows of a tile whose scores are computed together
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // One unit of one KV head: 16 * D uint32 (K: D/2 pairs x 16 keys, then V: 8 key pairs x D).
@@ -1283,15 +1284,27 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
     const bool edge = j0 + PF_KEYS - 1 > offset + r0;  // some key of it hidden from row 0
     const uint32_t* ku[4];
     for (int b = 0; b < 4; ++b) ku[b] = unit(j0 / PF_UNIT + b);
-    for (int i = 0; i < nr; ++i) {
-      __m512* s = sv[i];
-      for (int b = 0; b < 4; ++b) s[b] = _mm512_setzero_ps();
+    // S = Q K^T four rows at a time: each dim pair's four K vectors are loaded once for the
+    // four rows, and the 16 accumulators are independent chains (one row's four alone left
+    // the dot products waiting on each other's latency). Each score's sum runs over the dim
+    // pairs in the same order as row by row: the same bits. Rows past nr repeat row nr - 1
+    // (qr) and are not used.
+    for (int i0 = 0; i0 < nr; i0 += PF_QK_ROWS) {
+      __m512 s[PF_QK_ROWS][4];
+      for (int i = 0; i < PF_QK_ROWS; ++i)
+        for (int b = 0; b < 4; ++b) s[i][b] = _mm512_setzero_ps();
       for (int64_t p = 0; p < P2; ++p) {
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qr[i][p]));
-        for (int b = 0; b < 4; ++b)
-          s[b] = _mm512_dpbf16_ps(s[b], qv, (__m512bh)_mm512_loadu_si512(ku[b] + p * 16));
+        __m512bh kv[4];
+        for (int b = 0; b < 4; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(ku[b] + p * 16);
+        for (int i = 0; i < PF_QK_ROWS; ++i) {
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qr[i0 + i][p]));
+          for (int b = 0; b < 4; ++b) s[i][b] = _mm512_dpbf16_ps(s[i][b], qv, kv[b]);
+        }
       }
-      mx[i] = pf_row_max(s, 4, edge, j0, offset + r0 + i, vis[i]);
+      for (int i = 0; i < PF_QK_ROWS && i0 + i < nr; ++i) {
+        for (int b = 0; b < 4; ++b) sv[i0 + i][b] = s[i][b];
+        mx[i0 + i] = pf_row_max(sv[i0 + i], 4, edge, j0, offset + r0 + i0 + i, vis[i0 + i]);
+      }
     }
     rows_new_max(mx, csc, m, alpha);
     for (int i = 0; i < nr; ++i) {
