@@ -1260,7 +1260,7 @@ template <typename UnitFn>
 static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D, int64_t hq,
                            int64_t r0, int64_t nr, int64_t offset, float sc, const UnitFn& unit) {
   const int64_t P2 = D / 2, C16 = D / 16;
-  alignas(64) uint32_t pb[PF_ROWS][PF_KEYS / 2];
+  alignas(64) uint32_t pb[PF_ROWS][PF_KEYS / 2] = {};  // rows past nr stay 0
   __m512 acc[PF_ROWS][PF_MAXD / 16];
   __m512 sv[PF_ROWS][4];  // a chunk's scores, between the rows' max and their probabilities
   __m512 mx[16];
@@ -1310,19 +1310,35 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
     for (int i = 0; i < nr; ++i) {
       __m512 pr[4];
       pf_row_probs(sv[i], 4, vis[i], csc, m[i], alpha[i], l[i], pr);
-      const __m512 av = _mm512_set1_ps(alpha[i]);
-      for (int64_t c = 0; c < C16; ++c) acc[i][c] = _mm512_mul_ps(acc[i][c], av);
       // P as bf16 pairs: lane j of cvtne2ps(b, a) is a[j] for j < 16, b[j - 16] above
       _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]));
       _mm512_store_si512(pb[i] + 16, (__m512i)_mm512_cvtne2ps_pbh(pr[3], pr[2]));
     }
-    for (int64_t t2 = 0; t2 < PF_KEYS / 2; ++t2) {
-      if (j0 + 2 * t2 > last) break;
-      const uint32_t* vrow = ku[t2 / 8] + 8 * D + (t2 % 8) * D;
-      for (int64_t c = 0; c < C16; ++c) {
-        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vrow + c * 16);
-        for (int i = 0; i < nr; ++i)
-          acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)_mm512_set1_epi32(int(pb[i][t2])), vv);
+    // O = O * alpha + P V, 32 output dims of all 8 rows at a time in registers over the
+    // chunk's key pairs (the accumulators stay out of memory between dot products), each
+    // accumulator's sum in key order as before: the same bits. Rows past nr compute on zeros
+    // (pb) and are not written out.
+    const int64_t nt2 = std::min<int64_t>(PF_KEYS / 2, (last - j0) / 2 + 1);
+    for (int64_t c0 = 0; c0 < C16; c0 += 2) {
+      __m512 a[PF_ROWS][2];
+      for (int i = 0; i < PF_ROWS; ++i) {
+        const __m512 av = _mm512_set1_ps(alpha[i]);
+        a[i][0] = _mm512_mul_ps(acc[i][c0], av);
+        a[i][1] = _mm512_mul_ps(acc[i][c0 + 1], av);
+      }
+      for (int64_t t2 = 0; t2 < nt2; ++t2) {
+        const uint32_t* vrow = ku[t2 / 8] + 8 * D + (t2 % 8) * D + c0 * 16;
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vrow);
+        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vrow + 16);
+        for (int i = 0; i < PF_ROWS; ++i) {
+          const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pb[i][t2]));
+          a[i][0] = _mm512_dpbf16_ps(a[i][0], pv, v0);
+          a[i][1] = _mm512_dpbf16_ps(a[i][1], pv, v1);
+        }
+      }
+      for (int i = 0; i < PF_ROWS; ++i) {
+        acc[i][c0] = a[i][0];
+        acc[i][c0 + 1] = a[i][1];
       }
     }
   }
