@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.config import EngineArgs
 from shared.engine.core import EngineCore
-from shared.models.llama import AttentionMetadata
+from tests.engine.helpers import fresh_cache, one_sequence_meta, prefill_logits
 
 DEFAULT_MODEL = Path.home() / ".cache" / "pdserve" / "bench" / "small-llama"
 
@@ -41,42 +41,23 @@ def _runner(model: Path, **kw):
     return EngineCore(args).runner
 
 
-def _meta(start: int, n: int, blocks: torch.Tensor, decode: bool) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.arange(start, start + n),
-        block_tables=blocks,
-        seq_lens=torch.tensor([start + n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        decode_only=decode,
-    )
-
-
-def _cache(runner, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    nb = -(-n // runner.block_size)
-    kv = torch.zeros((nb, *runner.block_shape), dtype=runner.kv_dtype)
-    return kv, torch.arange(nb, dtype=torch.int32).unsqueeze(0)
-
-
-@torch.inference_mode()
-def prefill_logits(runner, toks: list[int]) -> torch.Tensor:
-    n = len(toks)
-    kv, blocks = _cache(runner, n)
-    h = runner.model(torch.tensor(toks), torch.arange(n), kv, _meta(0, n, blocks, False))
-    return runner.model.compute_logits(h).float()
-
-
 @torch.inference_mode()
 def decode_logits(runner, toks: list[int], prompt_len: int) -> torch.Tensor:
     """Logits predicting tokens ``prompt_len ..`` of ``toks``: the prompt's last row, then one
     decode step per token."""
     n = len(toks)
-    kv, blocks = _cache(runner, n)
+    kv, blocks = fresh_cache(runner, n)
     m = runner.model
-    meta = _meta(0, prompt_len, blocks, False)
+    meta = one_sequence_meta(0, prompt_len, blocks)
     h = m(torch.tensor(toks[:prompt_len]), torch.arange(prompt_len), kv, meta)
     out = [m.compute_logits(h)[-1:].float()]
     for i in range(prompt_len, n - 1):
-        h = m(torch.tensor([toks[i]]), torch.tensor([i]), kv, _meta(i, 1, blocks, True))
+        h = m(
+            torch.tensor([toks[i]]),
+            torch.tensor([i]),
+            kv,
+            one_sequence_meta(i, 1, blocks, decode=True),
+        )
         out.append(m.compute_logits(h).float())
     return torch.cat(out)
 

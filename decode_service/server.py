@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import itertools
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import grpc
 
 from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
+from shared.config import env_flag
 from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
 from shared.engine.connector import RemotePrefillParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
@@ -61,7 +61,7 @@ from shared.worker.wire import (
 logger = logging.getLogger(__name__)
 ROLE = "decode"
 # PDSERVE_DIRECT_STREAM=0: every output through its request's coroutine (``_direct`` off)
-DIRECT_STREAM = os.environ.get("PDSERVE_DIRECT_STREAM", "1") != "0"
+DIRECT_STREAM = env_flag("PDSERVE_DIRECT_STREAM", default=True)
 
 
 @dataclass

@@ -114,24 +114,38 @@ def teacher_forced_argmaxes(model_dir: Path, seqs: list[list[int]], **kw) -> lis
     """``teacher_forced_argmax`` of each sequence, one prefill each, on one engine."""
     from shared.config import EngineArgs
     from shared.engine.core import EngineCore
-    from shared.models.llama import AttentionMetadata
 
     core = EngineCore(EngineArgs(model=str(model_dir), device="cpu", kv_cache_memory="32MiB", **kw))
-    runner = core.runner
-    bs = runner.block_size
-    out = []
-    for tokens in seqs:
-        n = len(tokens)
-        nb = -(-n // bs)
-        kv = torch.zeros((nb, *runner.block_shape), dtype=runner.kv_dtype)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n),
-            block_tables=torch.arange(nb, dtype=torch.int32).unsqueeze(0),
-            seq_lens=torch.tensor([n], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            decode_only=False,
-        )
-        with torch.inference_mode():
-            h = runner.model(torch.tensor(tokens), torch.arange(n), kv, meta)
-            out.append(runner.model.compute_logits(h).float().argmax(-1))
-    return out
+    return [prefill_logits(core.runner, tokens).argmax(-1) for tokens in seqs]
+
+
+def fresh_cache(runner, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed KV cache of just enough blocks for ``n`` tokens of one sequence, and its block
+    table (blocks 0, 1, ...)."""
+    nb = -(-n // runner.block_size)
+    kv = torch.zeros((nb, *runner.block_shape), dtype=runner.kv_dtype)
+    return kv, torch.arange(nb, dtype=torch.int32).unsqueeze(0)
+
+
+def one_sequence_meta(start: int, n: int, blocks: torch.Tensor, decode: bool = False):
+    """Attention metadata of one sequence computing tokens ``[start, start + n)`` in the
+    cache of ``fresh_cache``."""
+    from shared.models.llama import AttentionMetadata
+
+    return AttentionMetadata(
+        slot_mapping=torch.arange(start, start + n),
+        block_tables=blocks,
+        seq_lens=torch.tensor([start + n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        decode_only=decode,
+    )
+
+
+def prefill_logits(runner, tokens: list[int]) -> torch.Tensor:
+    """fp32 next-token logits at every position of ``tokens``, from one prefill of the
+    runner's model on a fresh cache."""
+    n = len(tokens)
+    kv, blocks = fresh_cache(runner, n)
+    with torch.inference_mode():
+        h = runner.model(torch.tensor(tokens), torch.arange(n), kv, one_sequence_meta(0, n, blocks))
+        return runner.model.compute_logits(h).float()
