@@ -243,6 +243,7 @@ def make_cluster(
     for a in router_args:
         argv.append(f"--router-arg={a}")
     c = Cluster(cluster_args(argv))
+    c.listen()  # the router's port held before any worker takes an ephemeral port
     c.redis = EmbeddedRedis(port=_free_port())
     c.redis_url = c.redis.start()
     print(f"[chaos] Redis {c.redis_url} (pid {c.redis.pid})", flush=True)

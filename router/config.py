@@ -145,6 +145,9 @@ class RouterConfig:
     block_size: int = 16  # for static workers the registry does not describe
     host: str = "0.0.0.0"
     port: int = 8000
+    # an inherited listening socket to serve on instead of binding host:port (``pdserve up``
+    # holds the router's port from its start, so that no worker's ephemeral port takes it)
+    fd: int | None = None
     # the accepted API keys (empty: no authentication); never in repr() or a log line. A
     # single str is taken as one key (older callers), None as none
     api_key: tuple[str, ...] = field(default=(), repr=False)
@@ -349,6 +352,13 @@ class RouterConfig:
         g.add_argument("--host", default="0.0.0.0")
         g.add_argument("--port", type=int, default=8000)
         g.add_argument(
+            "--fd",
+            type=int,
+            default=None,
+            help="serve on this inherited listening socket instead of binding --host/--port "
+            "(as uvicorn's --fd; pdserve up passes the port it holds this way)",
+        )
+        g.add_argument(
             "--request-timeout",
             type=float,
             default=600.0,
@@ -525,6 +535,7 @@ class RouterConfig:
             block_size=ns.block_size,
             host=ns.host,
             port=ns.port,
+            fd=ns.fd,
             api_key=collect_api_keys(ns.api_key, ns.api_key_file, os.environ),
             disable_metrics_auth=ns.disable_metrics_auth,
             ssl_keyfile=ns.ssl_keyfile,

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -530,21 +531,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve router: error: {e}", file=sys.stderr)
         return 2
     _log_access_settings(config)
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        ssl_keyfile=config.ssl_keyfile,
-        ssl_certfile=config.ssl_certfile,
-        ssl_ca_certs=config.ssl_ca_certs,
-        ssl_cert_reqs=config.ssl_cert_reqs,
-        log_level=config.uvicorn_log_level,
-        access_log=config.access_log,
-        timeout_keep_alive=30,
-        # uvicorn annotates an int, but uses it as an asyncio timeout: a float works
-        timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs,
+            ssl_cert_reqs=config.ssl_cert_reqs,
+            log_level=config.uvicorn_log_level,
+            access_log=config.access_log,
+            timeout_keep_alive=30,
+            # uvicorn annotates an int, but uses it as an asyncio timeout: a float works
+            timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
+        )
     )
-    return 0
+    sockets = None
+    if config.fd is not None:
+        # the socket's own family (uvicorn's --fd would take it for a Unix socket, and every
+        # client address with it)
+        try:
+            sockets = [socket.socket(fileno=config.fd)]
+        except OSError as e:
+            print(f"pdserve router: error: --fd {config.fd}: {e}", file=sys.stderr)
+            return 2
+        host, port = sockets[0].getsockname()[:2]
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info(
+            "serving on %s://%s:%d (inherited socket, fd %d)", scheme, host, port, config.fd
+        )
+    server.run(sockets=sockets)
+    return 0 if server.started else 3  # uvicorn.run's exit status when it could not start
 
 
 def _log_access_settings(config: RouterConfig) -> None:

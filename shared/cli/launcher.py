@@ -18,11 +18,13 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -195,9 +197,12 @@ class Child:
     backoff_s: float = 0.0  # the next restart's delay (0: the initial backoff)
     restart_at: float | None = None  # when it exited and waits for its restart
     announced_ready: bool = True
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the router's listening socket)
 
 
-def _spawn(argv: list[str], log: Any, env: dict[str, str]) -> subprocess.Popen[Any]:
+def _spawn(
+    argv: list[str], log: Any, env: dict[str, str], pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen[Any]:
     """``python -m shared.cli ARGV`` in its own process group, SIGTERM when ``pdserve up``
     dies (Linux), stdout and stderr to ``log``."""
     return popen_dying_with_parent(
@@ -207,6 +212,7 @@ def _spawn(argv: list[str], log: Any, env: dict[str, str]) -> subprocess.Popen[A
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
+        pass_fds=pass_fds,
     )
 
 
@@ -224,6 +230,7 @@ class Cluster:
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ready: dict[str, dict] = {}
+        self.listener: socket.socket | None = None  # the router's port, held (see listen)
         self.secret_env = self._cluster_secret()
         self.security = ClusterSecurity.from_environ(self.secret_env)  # what the children use
 
@@ -264,6 +271,7 @@ class Cluster:
         threads: int | None = None,
         ready: bool = True,
         env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> Child:
         log = self.run_dir / f"{name}.log"
         ready_file = self.run_dir / f"{name}.ready.json" if ready else None
@@ -273,9 +281,18 @@ class Cluster:
         extra_env = dict(env or {})
         env = self._child_env(threads, extra_env)
         f = open(log, "ab")  # noqa: SIM115 - handed to the child, closed right after
-        proc = _spawn(argv, f, env)
+        proc = _spawn(argv, f, env, pass_fds)
         f.close()
-        child = Child(name, proc, log, ready_file, argv=list(argv), threads=threads, env=extra_env)
+        child = Child(
+            name,
+            proc,
+            log,
+            ready_file,
+            argv=list(argv),
+            threads=threads,
+            env=extra_env,
+            pass_fds=pass_fds,
+        )
         self.children.append(child)
         return child
 
@@ -287,7 +304,7 @@ class Cluster:
         with open(child.log, "ab") as f:
             f.write(f"\n[pdserve] restart {child.restarts}\n".encode())
             f.flush()
-            child.proc = _spawn(child.argv, f, env)
+            child.proc = _spawn(child.argv, f, env, child.pass_fds)
         child.started_at = now
         child.restart_at = None
         child.announced_ready = child.ready_file is None
@@ -339,6 +356,7 @@ class Cluster:
     def start(self) -> str:
         """Start Redis, the workers and the router; return the router's base URL."""
         a = self.args
+        self.listen()
         self.start_redis()
         workers = [self.spawn_worker("prefill", i) for i in range(a.prefill)]
         workers += [self.spawn_worker("decode", i) for i in range(a.decode)]
@@ -458,8 +476,34 @@ class Cluster:
         """Every worker's rank processes together (TP x PP each, the per-role flags too)."""
         return max(1, sum(self.worker_worlds()))
 
+    def listen(self) -> socket.socket:
+        """The router's listening socket, bound (once) before anything else starts and held
+        for the cluster's life; the router serves on it (``--fd``), restarts included.
+
+        Every worker and the embedded Redis bind ephemeral ports. Were the router's port free
+        until the router itself bound it, as it was, a worker could be given that very port
+        whenever it lies in the ephemeral range (as a benchmark's kernel-picked free port
+        did): the router then failed to start, and the start-up check met the worker's gRPC
+        server on the router's URL. Held, it is never free, and a port another server uses
+        is an error at once. Raises RuntimeError."""
+        if self.listener is None:
+            a = self.args
+            family = socket.AF_INET6 if ":" in a.host else socket.AF_INET  # as uvicorn does
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((a.host, a.port))
+                sock.listen(2048)  # uvicorn's backlog
+            except OSError as e:
+                sock.close()
+                raise RuntimeError(f"the router cannot listen on {a.host}:{a.port}: {e}") from None
+            a.port = sock.getsockname()[1]  # --port 0: the port the system chose
+            self.listener = sock
+        return self.listener
+
     def start_router(self, extra: list[str] | None = None) -> str:
         a = self.args
+        fd = self.listen().fileno()
         argv = [
             "router",
             "--model",
@@ -472,6 +516,8 @@ class Cluster:
             a.host,
             "--port",
             str(a.port),
+            "--fd",
+            str(fd),
             *(["--max-logprobs", str(a.max_logprobs)] if a.max_logprobs != 20 else []),
             *(["--max-model-len", str(a.max_model_len)] if a.max_model_len else []),
             *(["--enable-auto-tool-choice"] if a.enable_auto_tool_choice else []),
@@ -486,7 +532,7 @@ class Cluster:
         plan = self.cpu_plan
         if plan is not None and plan.others:
             env[BIND_ENV] = format_cpu_list(plan.others)
-        router = self._spawn("router", argv, ready=False, env=env)
+        router = self._spawn("router", argv, ready=False, env=env, pass_fds=(fd,))
         url = f"http://{a.host}:{a.port}"
         self._wait_http(router, f"{url}/health")
         return url
@@ -533,7 +579,7 @@ class Cluster:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
                         return
-            except OSError:
+            except (OSError, HTTPException):  # not up yet, or not an HTTP server
                 pass
             if child.proc.poll() is not None:
                 raise RuntimeError(
@@ -563,6 +609,9 @@ class Cluster:
                 except ProcessLookupError:
                     pass
                 c.proc.wait(5)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         if self.redis is not None:
             self.redis.stop()
 

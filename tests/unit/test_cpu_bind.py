@@ -142,15 +142,16 @@ def fake_cluster(monkeypatch, argv: list[str], plan) -> tuple[launcher.Cluster, 
     """A ``pdserve up`` cluster whose plan is ``plan(worlds)`` and whose children are not
     started: ``spawned[name]`` records each one's (argv, threads, env)."""
     cluster = launcher.Cluster.__new__(launcher.Cluster)
-    cluster.args = cluster_args(["--model", "m", *argv])
+    cluster.args = cluster_args(["--model", "m", "--port", "0", *argv])
     cluster.secret_env = {}
+    cluster.listener = None  # start_router binds a port the system picks
     spawned: dict[str, tuple] = {}
     monkeypatch.setattr(launcher, "plan_cpus", lambda worlds, threads_per_rank=None: plan(worlds))
     monkeypatch.setattr(cluster, "start_redis", lambda: "redis://127.0.0.1:1")
     monkeypatch.setattr(
         cluster,
         "_spawn",
-        lambda name, argv, threads=None, ready=True, env=None: spawned.setdefault(
+        lambda name, argv, threads=None, ready=True, env=None, pass_fds=(): spawned.setdefault(
             name, (argv, threads, env)
         ),
     )
