@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -55,9 +56,16 @@ def certs(tmp_path_factory) -> Certs:
     return Certs(tmp_path_factory.mktemp("certs"))
 
 
-def start_router(tiny_model, redis_server, prefix, tmp_path, certs, *extra):
-    """``pdserve router`` over HTTPS (the file key and the env key), once it is healthy."""
+def start_router(tiny_model, redis_server, prefix, tmp_path, certs, *extra, inherit=False):
+    """``pdserve router`` over HTTPS (the file key and the env key), once it is healthy;
+    ``inherit``: on a listening socket it inherits (``--fd``, as ``pdserve up`` starts it)."""
     port = free_port()
+    held = None
+    if inherit:
+        held = socket.socket()
+        held.bind(("127.0.0.1", port))
+        held.listen(16)
+        extra = (*extra, "--fd", str(held.fileno()))
     keys = tmp_path / "keys"
     keys.write_text(f"# router keys\n{FILE_KEY}\n")
     keys.chmod(0o600)
@@ -78,7 +86,10 @@ def start_router(tiny_model, redis_server, prefix, tmp_path, certs, *extra):
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            pass_fds=(held.fileno(),) if held else (),
         )
+    if held is not None:
+        held.close()  # the router's copy serves it
     url = f"https://127.0.0.1:{port}"
     ctx = certs.client_context(with_cert=True)
     deadline = time.monotonic() + 30
@@ -160,7 +171,7 @@ def test_mutual_tls_requires_a_client_certificate(
     tiny_model, make_worker, redis_server, prefix, tmp_path, certs
 ):
     make_worker("mtls-d0")
-    proc, url, _ = start_router(
+    proc, url, log = start_router(
         tiny_model,
         redis_server,
         prefix,
@@ -170,6 +181,7 @@ def test_mutual_tls_requires_a_client_certificate(
         str(certs.ca_pem),
         "--ssl-cert-reqs",
         "2",
+        inherit=True,
     )
     try:
         headers = {"Authorization": f"Bearer {FILE_KEY}"}
@@ -186,6 +198,8 @@ def test_mutual_tls_requires_a_client_certificate(
         # a certificate and no key: TLS lets it in, the API key check does not
         resp = httpx.get(f"{url}/v1/models", verify=certs.client_context(True), timeout=10)
         assert resp.status_code == 401
+        # all of it on the socket it inherited (pdserve up's way), and said so
+        assert f"serving on {url} (inherited socket" in log.read_text()
     finally:
         stop(proc)
 
