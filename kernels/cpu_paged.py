@@ -5,10 +5,11 @@ contiguous tensor each layer and step; on a CPU that copy dominates a decode ste
 compiles ``kernels/csrc/cpu_paged.cpp`` (once per source, torch version and CPU model, with
 ``torch.utils.cpp_extension``, cached under ``~/.cache/torch_extensions``) into a decode
 kernel that walks the block table and runs an online softmax over each block where it lies,
-parallel over sequences (every KV head of one in a pass, each 16-token group's rows staged in
-address order; over (sequence, KV head) when sequences are fewer than twice the threads) with
-``at::parallel_for``, on ``vdpbf16ps`` for bf16; sequences whose tables begin with the same
-blocks (a shared prompt prefix) share an item that reads those blocks once for all of them.
+parallel over sequences (every KV head of one in a pass, each 16-token group's rows fetched
+ahead in address order; over (sequence, KV head) when sequences are fewer than twice the
+threads) with ``at::parallel_for``, on ``vdpbf16ps`` for bf16; sequences whose tables begin
+with the same blocks (a shared prompt prefix) share an item that reads those blocks once for
+all of them.
 A step's multi-token prefill chunks over a bf16 pool go to the bf16 prefill kernel (AMX tiles
 where the CPU has AMX-BF16, else AVX512-BF16 dot products: ``prefill_uses_amx``) in one call
 that reads the blocks in place (``paged_prefill_bf16``: each 16-key unit of a block

@@ -222,20 +222,13 @@ static inline __m512 softmax_step(__m512 sc, __mmask16 valid, float& m, float& l
 
 #endif  // __AVX512F__
 
-// Copies a group's K and V rows (whole rows: every KV head) into buf ([2][16][s_tok]) in
-// address order and returns buf, so the kernels read the group from L1 in whatever order they
-// need. Read straight from the cache one head at a time, every 4th line of a block's strip is
-// touched per pass and DRAM serves the strip at about half the rate of an in-order read.
-template <typename KT>
-static inline const KT* stage_group(const KT* rows, int64_t ntok, int64_t s_tok, int64_t s_kv,
-                                    KT* buf) {
-  std::memcpy(buf, rows, ntok * s_tok * sizeof(KT));
-  std::memcpy(buf + 16 * s_tok, rows + s_kv, ntok * s_tok * sizeof(KT));
-  return buf;
-}
-
 // Asks for a group's K and V strips (``bytes`` each, V ``s_vk_bytes`` after K) to be brought
-// into the cache ahead of its stage_group.
+// into the cache ahead of its turn, whole rows (every KV head) in address order. The kernels
+// then read the group one head at a time, every Hkv-th line of a strip per pass: straight
+// from DRAM that order gets about half the rate of an in-order read, from L2 it costs nothing.
+// (The group used to be copied into an L1 buffer instead: the copies were 6 % of a served
+// decode worker's time, and a step over 64 sequences of 1,120 distinct tokens took 0.79x the
+// time without them on one thread, 0.87x on two; see docs/benchmarks.md.)
 static inline void prefetch_group(const void* rows, int64_t bytes, int64_t s_vk_bytes) {
   const char* k = static_cast<const char*>(rows);
   for (int64_t off = 0; off < bytes; off += 64) {
@@ -249,7 +242,7 @@ static inline void prefetch_group(const void* rows, int64_t bytes, int64_t s_vk_
 // An item is one sequence (or one KV head of one, when there are too few sequences to keep
 // every thread busy), or a chunk of sequences whose block tables begin with the same blocks
 // (prefix caching gives every request with the same prompt prefix the same blocks): the walk
-// then reads each group of the shared blocks once, staged in L1, and runs every member's
+// then reads each group of the shared blocks once, while it is in L1, and runs every member's
 // step over it before each member goes on over its own blocks. A member's arithmetic is the
 // same, in the same order, as in a walk of its own (the same groups, the same online-softmax
 // updates), so no output depends on which sequences share an item.
@@ -271,14 +264,14 @@ struct WalkGeometry {
 // is a whole number of blocks, within every member's length.
 template <typename KT, typename Step, typename Group>
 static void walk_item(const KT* kvp, const WalkGeometry& w, Member* mem, int64_t nmem,
-                      int64_t shared, KT* stage, Step&& step, Group&& group) {
+                      int64_t shared, bool ahead, Step&& step, Group&& group) {
   const int64_t grp = std::min<int64_t>(16, w.BS);
   auto addr = [&](const int32_t* table, int64_t base) {
     return kvp + table[base / w.BS] * w.s_block + w.layer_off + (base % w.BS) * w.s_tok;
   };
   // The group after the one at (i, base) in walk order: the shared groups, then each member's
-  // own. Staged walks ask for it to be fetched while the current group is computed on (the
-  // blocks are scattered, so the hardware prefetcher cannot guess the next one).
+  // own. Walks over whole rows (``ahead``) ask for it to be fetched while the current group is
+  // computed on (the blocks are scattered, so the hardware prefetcher cannot guess the next one).
   auto next_of = [&](int64_t i, int64_t base) -> const KT* {
     base += grp;
     if (i < 0) {
@@ -290,29 +283,25 @@ static void walk_item(const KT* kvp, const WalkGeometry& w, Member* mem, int64_t
       if (base < mem[i].len) return addr(mem[i].table, base);
     return nullptr;
   };
-  auto rows_at = [&](const int32_t* table, int64_t base, int64_t ntok, const KT* next) {
-    const KT* rows = addr(table, base);
-    if (!stage) return rows;
-    const KT* staged = stage_group(rows, ntok, w.s_tok, w.s_kv, stage);
+  auto rows_at = [&](const int32_t* table, int64_t base, const KT* next) {
     if (next) prefetch_group(next, grp * w.s_tok * int64_t(sizeof(KT)), w.s_kv * int64_t(sizeof(KT)));
-    return staged;
+    return addr(table, base);
   };
   for (int64_t base = 0; base < shared; base += grp)
-    group(rows_at(mem[0].table, base, grp, stage ? next_of(-1, base) : nullptr), grp);
+    group(rows_at(mem[0].table, base, ahead ? next_of(-1, base) : nullptr), grp);
   for (int64_t i = 0; i < nmem; ++i)
     for (int64_t base = shared; base < mem[i].len; base += grp) {
       const int64_t ntok = std::min<int64_t>({grp, mem[i].len - base, w.BS - base % w.BS});
-      step(mem[i], rows_at(mem[i].table, base, ntok, stage ? next_of(i, base) : nullptr), ntok);
+      step(mem[i], rows_at(mem[i].table, base, ahead ? next_of(i, base) : nullptr), ntok);
     }
 }
 
 #ifdef __AVX512F__
 // One group of one sequence, KV heads [h0, h0 + nh): scores, online softmax, P @ V. D a
 // multiple of 16 (<= 256); the G query heads of a KV head share every K/V row load. Every
-// head is done on the same staged rows: a token's K (and V) rows of all heads are adjacent in
-// the cache, so a walk reads each block's K and V strips front to back, which the hardware
-// prefetcher follows (a pass per head reads every Hkv-th line of them and misses on most once
-// the cache is larger than the L2). V = D / 16 and G are compile-time constants so the head's
+// head of the item is done on the group while it is in the cache (a token's K and V rows of
+// all heads are adjacent, and walk_item fetches the whole group ahead). V = D / 16 and G are
+// compile-time constants so the head's
 // query and accumulators live in registers for a group; between groups they sit in the
 // member's acc / m / l. ``s_vk``: the V rows' offset from the K rows.
 template <typename KT, int V, int G>
@@ -373,14 +362,14 @@ static inline void f32_step(const Member& mb, const KT* rows, int64_t ntok, int6
 template <typename KT>
 static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeometry& w,
                               Member* mem, int64_t nmem, int64_t shared, int64_t h0, int64_t nh,
-                              const float* vscale, float* sbuf, KT* stage) {
-  const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
+                              const float* vscale, float* sbuf, bool ahead) {
+  const int64_t s_vk = w.s_kv;
 #define PDS_CASE(VV, GG)                                                                     \
   if (V == VV && G == GG) {                                                                  \
     auto step = [&](const Member& mb, const KT* rows, int64_t ntok) {                        \
       f32_step<KT, VV, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, vscale, sbuf);             \
     };                                                                                       \
-    walk_item<KT>(kvp, w, mem, nmem, shared, stage, step, [&](const KT* rows, int64_t ntok) { \
+    walk_item<KT>(kvp, w, mem, nmem, shared, ahead, step, [&](const KT* rows, int64_t ntok) { \
       for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, ntok);                           \
     });                                                                                      \
     return true;                                                                             \
@@ -824,9 +813,9 @@ constexpr int64_t kPrepareMembers = 4;
 
 static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
                                const WalkGeometry& w, Member* mem, int64_t nmem, int64_t shared,
-                               int64_t h0, int64_t nh, float scale, at::BFloat16* stage,
+                               int64_t h0, int64_t nh, float scale, bool ahead,
                                std::vector<__m512i>& prep) {
-  const int64_t s_vk = stage ? 16 * w.s_tok : w.s_kv;
+  const int64_t s_vk = w.s_kv;
   const float c = scale * 1.44269504088896341f;  // bf16_softmax_row's base-2 units
   bool found = false;
   if (shared > 0 && nmem >= kPrepareMembers) prep.resize(nh * W * 32);
@@ -850,7 +839,7 @@ static bool bf16_item_dispatch(int64_t W, int64_t G, const at::BFloat16* kvp,
       bf16_step<WW, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, c);                           \
     };                                                                                       \
     walk_item<at::BFloat16>(                                                                 \
-        kvp, w, mem, nmem, shared, stage, step, [&](const at::BFloat16* rows, int64_t ntok) { \
+        kvp, w, mem, nmem, shared, ahead, step, [&](const at::BFloat16* rows, int64_t ntok) { \
           if (nmem < kPrepareMembers) {                                                      \
             for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, ntok);                     \
             return;                                                                          \
@@ -942,8 +931,8 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   QT* op = out.data_ptr<QT>();
   const float sc = static_cast<float>(scale);
   const WalkGeometry geo{BS, s_tok, s_kv, s_block, layer * s_layer};
-  // Work items. A sequence's heads go together (one walk over its blocks, its rows staged
-  // group by group) unless there are too few sequences to keep every thread busy; then each
+  // Work items. A sequence's heads go together (one walk over its blocks, each group fetched
+  // ahead of its turn) unless there are too few sequences to keep every thread busy; then each
   // head is an item of its own. Sequences sharing leading blocks go in chunks (see walk_item)
   // small enough to leave every thread two items or more, largest items first.
   const int64_t T = at::get_num_threads();
@@ -973,9 +962,8 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     std::vector<__m512i> prep;  // a shared group prepared for every member (bf16_prepare)
 #endif
-    // whole rows (every head of a sequence in one item) are staged per group, see stage_group
-    std::vector<KT> stage(HC == Hkv ? 2 * 16 * s_tok : 0);
-    KT* stage_p = stage.empty() ? nullptr : stage.data();
+    // whole rows (every head of a sequence in one item): the next group fetched ahead
+    const bool ahead = HC == Hkv;
     for (int64_t ii; (ii = next.fetch_add(1)) < n_items;) {
       const DecodeItem& it = items[ii];
       const int64_t h0 = it.h0 * HC, nmem = it.count;
@@ -996,7 +984,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
           for (int64_t k = 0; k < nmem; ++k)
             mem[k].q = qp + (order[it.first + k] * Hq + h0 * G) * D;
           done = bf16_item_dispatch(D / 32, G, kvp, geo, mem.data(), nmem, it.shared, h0, HC,
-                                    sc, stage_p, prep);
+                                    sc, ahead, prep);
         }
       }
 #endif
@@ -1019,7 +1007,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
       if constexpr (HasLoad16<KT>::value) {
         done = done || D % 16 == 0 && (BS % 16 == 0 || BS < 16) && fits &&
                f32_item_dispatch<KT>(D / 16, G, kvp, geo, mem.data(), nmem, it.shared, h0, HC,
-                                     vsc.data(), sbuf.data(), stage_p);
+                                     vsc.data(), sbuf.data(), ahead);
       }
 #endif
       for (int64_t k = 0; k < nmem && !done; ++k) {  // portable: each member over its blocks
