@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from bench.compare_vllm import (
     wait_quiet,
     warmup,
 )
+from shared.ports import free_port
 
 #: (key in vllm bench's JSON, label, higher is better)
 METRICS = [
@@ -135,12 +135,6 @@ def format_summary(summary: dict, names: list[str]) -> str:
                 cells.append(txt)
             lines.append(f"  {n:<12} " + " | ".join(cells))
     return "\n".join(lines)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

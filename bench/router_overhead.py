@@ -40,7 +40,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,12 +49,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_s(pid: int) -> float:
@@ -216,6 +209,7 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
     import httpx
 
     from router.tokenizer import RouterTokenizer
+    from shared.ports import free_port
     from shared.proto import pdserve_pb2 as pb
     from shared.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -246,7 +240,7 @@ async def overhead(args, model_dir: Path, redis_url: str) -> dict:
     try:
         for name, root in roots.items():
             extra = args.baseline_args.split() if name == "baseline" and args.baseline_args else []
-            port = _free_port()
+            port = free_port()
             proc, _ = _start(
                 [
                     sys.executable,
