@@ -19,6 +19,9 @@ injected while streams are mid-flight, then the load goes on until the cluster r
   stop-prefill     SIGSTOP the prefill worker for --freeze seconds
   slow-readers     8 clients stop reading their streams for --slow-read seconds
   drain            SIGTERM a decode worker (it drains; the supervisor starts it again)
+  kill-router      kill -9 the router; the supervisor starts it again on the listening socket
+                   pdserve up holds, so requests sent meanwhile wait instead of being refused
+                   (streams through the killed router end with it: counted as cut, not lost)
 
 Per fault: streams started, completed identical to the undisturbed output, lost (an error or a
 cut stream), duplicated (a token sent twice), wrong (any other difference), and the longest
@@ -55,6 +58,7 @@ FAULTS = (
     "stop-prefill",
     "slow-readers",
     "drain",
+    "kill-router",
 )
 
 
@@ -76,6 +80,7 @@ class Result:
     seconds: float
     status: int = 200
     detail: str = ""
+    started_at: float = 0.0  # time.monotonic() when the request was sent
 
 
 def classify(got: list[int], want: tuple[int, ...], error: str | None) -> str:
@@ -152,7 +157,7 @@ async def stream_one(
         error = repr(e)[:200]
     kind = "slow" if pause_s else "stream"
     return Result(
-        kind, classify(got, case.expected, error), time.monotonic() - t0, status, error or ""
+        kind, classify(got, case.expected, error), time.monotonic() - t0, status, error or "", t0
     )
 
 
@@ -393,6 +398,7 @@ def summarize(results: list[Result]) -> dict:
         "duplicated": outcomes.get("duplicated", 0),
         "wrong": outcomes.get("wrong", 0),
         "cancelled": outcomes.get("cancelled", 0),
+        "cut": outcomes.get("cut", 0),
         "longest_s": round(max((r.seconds for r in results), default=0.0), 2),
         "p50_s": round(statistics.median([r.seconds for r in results]), 3) if results else 0.0,
         "statuses": dict(Counter(r.status for r in results)),
@@ -400,7 +406,7 @@ def summarize(results: list[Result]) -> dict:
             {
                 f"{r.outcome}: {r.status} {r.detail}"
                 for r in results
-                if r.outcome not in ("identical", "cancelled")
+                if r.outcome not in ("identical", "cancelled", "cut")
             }
         )[:5],
     }
@@ -448,6 +454,13 @@ async def inject(fault: str, cluster, sup: Supervisor, args) -> str:
         pid = worker_pid(cluster, "decode-1")
         os.kill(pid, signal.SIGTERM)
         return f"SIGTERM decode-1 (pid {pid}): drain, then the supervisor starts it again"
+    if fault == "kill-router":
+        pid = worker_pid(cluster, "router")
+        os.kill(pid, signal.SIGKILL)
+        return (
+            f"kill -9 the router (pid {pid}); the supervisor starts it again on the socket "
+            "pdserve up holds"
+        )
     raise ValueError(fault)
 
 
@@ -472,7 +485,17 @@ async def run_fault(fault: str, cluster, sup: Supervisor, cases: list[Case], arg
     recovered_s = await asyncio.get_running_loop().run_in_executor(None, wait_healthy, cluster)
     stop.set()
     await runner
+    if fault == "kill-router":
+        # a stream whose HTTP connection was to the killed router ends with it: no server
+        # can resume it (the client retries). Every request sent at or after the kill must
+        # be served whole: while the router restarts, connections wait in the backlog of
+        # the socket pdserve up holds (before, they were refused).
+        for r in load.results:
+            if r.outcome == "lost" and r.started_at < t0 < r.started_at + r.seconds:
+                r.outcome = "cut"
     summary = summarize(load.results)
+    if summary["cut"]:
+        did += f" ({summary['cut']} streams in flight through it cut)"
     summary.update(
         fault=fault, did=did, fault_s=round(fault_s, 1), recovered_s=round(recovered_s, 1)
     )
