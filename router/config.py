@@ -13,7 +13,7 @@ from typing import cast
 
 from router.policy import PolicyConfig
 from router.tool_calls import TOOL_CALL_PARSERS, ToolSettings
-from shared.config import parse_bytes
+from shared.config import int_at_least, parse_bytes, port_number
 from shared.directory import DEFAULT_PREFIX
 from shared.security import ClusterSecurity
 
@@ -350,10 +350,10 @@ class RouterConfig:
         )
         g = parser.add_argument_group("server")
         g.add_argument("--host", default="0.0.0.0")
-        g.add_argument("--port", type=int, default=8000)
+        g.add_argument("--port", type=port_number, default=8000)
         g.add_argument(
             "--fd",
-            type=int,
+            type=int_at_least(0),
             default=None,
             help="serve on this inherited listening socket instead of binding --host/--port "
             "(as uvicorn's --fd; pdserve up passes the port it holds this way)",

@@ -28,7 +28,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
-from shared.config import EngineArgs, usable_cores
+from shared.config import EngineArgs, int_at_least, port_number, usable_cores
 from shared.cpu_bind import (
     BIND_ENV,
     SPILL_ENV,
@@ -52,18 +52,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster")
     g.add_argument(
         "--prefill",
-        type=int,
+        type=int_at_least(0),
         default=None,
         help="number of prefill workers (0 = colocated). Default: from the core count, "
         f"0 up to {COLOCATED_MAX_CORES} cores (one worker is faster there, "
         "docs/benchmarks.md), else 1",
     )
-    g.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    g.add_argument("--decode", type=int_at_least(1), default=1, help="number of decode workers")
     g.add_argument(
         "--redis-url", default=None, help="use this Redis (default: start an embedded one)"
     )
     g.add_argument("--host", default="127.0.0.1", help="address the router listens on (its --host)")
-    g.add_argument("--port", type=int, default=8000, help="router port")
+    g.add_argument("--port", type=port_number, default=8000, help="router port (0: any free one)")
     g.add_argument(
         "--worker-host",
         default="127.0.0.1",
@@ -92,7 +92,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--threads-per-worker",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="torch threads per worker rank (default: cores / (workers x TP x PP), at least 1)",
     )

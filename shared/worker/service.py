@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.config import ConfigError, EngineArgs
+from shared.config import ConfigError, EngineArgs, port_number
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
@@ -52,9 +52,11 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="address other processes use to reach this worker (default: --host)",
     )
-    g.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
-    g.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = any)")
-    g.add_argument("--kv-port", type=int, default=0, help="UCX listener port (decode role)")
+    g.add_argument("--port", type=port_number, default=0, help="gRPC port (0 = any free port)")
+    g.add_argument(
+        "--metrics-port", type=port_number, default=0, help="Prometheus /metrics port (0 = any)"
+    )
+    g.add_argument("--kv-port", type=port_number, default=0, help="UCX listener port (decode role)")
     g.add_argument(
         "--kv-transport",
         default="ucx",

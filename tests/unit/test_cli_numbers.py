@@ -1,0 +1,56 @@
+"""Counts and ports on the command lines are checked where they are parsed: a negative worker
+count or a port past 65535 is the usual one-line ``argument --x`` error (exit 2), not a cluster
+started with nonsense (``pdserve up --prefill -1`` used to start and serve) or a traceback
+from ``bind()`` (``--port 70000``)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router.config import RouterConfig
+from shared.cli.launcher import cluster_args
+from shared.worker.service import add_worker_cli_args
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "70000"], "argument --port: 70000 is not a port number (0 to 65535)"),
+        (["--port", "-1"], "argument --port: -1 is not a port number"),
+        (["--port", "http"], "argument --port: 'http' is not a port number"),
+        (["--prefill", "-1"], "argument --prefill: -1 is below 0"),
+        (["--decode", "0"], "argument --decode: 0 is below 1"),
+        (["--threads-per-worker", "0"], "argument --threads-per-worker: 0 is below 1"),
+        (["--decode", "two"], "argument --decode: 'two' is not an integer"),
+    ],
+)
+def test_pdserve_up_refuses_bad_numbers(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cluster_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pdserve_up_takes_the_edges():
+    a = cluster_args(["--port", "0", "--prefill", "0", "--decode", "1"])
+    assert (a.port, a.prefill, a.decode) == (0, 0, 1)
+    assert cluster_args(["--port", "65535"]).port == 65535
+
+
+def test_router_and_worker_ports_are_checked(capsys):
+    p = argparse.ArgumentParser()
+    RouterConfig.add_cli_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--port", "65536"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--fd", "-3"])
+    assert "--fd: -3 is below 0" in capsys.readouterr().err
+    w = argparse.ArgumentParser()
+    add_worker_cli_args(w, "decode")
+    with pytest.raises(SystemExit):
+        w.parse_args(["--model", "m", "--metrics-port", "100000"])
+    assert "--metrics-port: 100000 is not a port number" in capsys.readouterr().err
