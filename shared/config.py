@@ -632,6 +632,11 @@ class EngineArgs:
             )
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"))
         native_len = int(hf.get("max_position_embeddings", 2048))
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len}: must be positive (leave it out for the "
+                f"model's {native_len})"
+            )
         max_len = self.max_model_len or native_len
         window = hf.get("sliding_window")
         if window and hf.get("use_sliding_window", True) and int(window) < native_len:
@@ -691,6 +696,14 @@ class EngineArgs:
         )
 
     def create_scheduler_config(self, model_config: ModelConfig, device: str) -> SchedulerConfig:
+        for flag, value in (
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        ):
+            if value is not None and value < 1:  # 0 had silently meant the default
+                raise ConfigError(
+                    f"{flag} {value}: must be positive (leave it out for the default)"
+                )
         # vLLM's usage-context defaults: CPU 128 seqs / 2048 tokens per step; CUDA 256 / 8192.
         max_seqs = self.max_num_seqs or (128 if device == "cpu" else 256)
         default_tokens = 2048 if device == "cpu" else 8192
@@ -785,6 +798,23 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
+
+
+def float_at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``minimum`` (seconds)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value:g} is below {minimum:g}")
         return value
 
     return parse

@@ -28,7 +28,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
-from shared.config import EngineArgs, int_at_least, port_number, usable_cores
+from shared.config import EngineArgs, float_at_least, int_at_least, port_number, usable_cores
 from shared.cpu_bind import (
     BIND_ENV,
     SPILL_ENV,
@@ -107,7 +107,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument(
         "--restart-backoff",
-        type=float,
+        type=float_at_least(0.1),
         default=1.0,
         help="seconds before a child that exited is started again (doubles per restart, up "
         "to 30 s; resets after a minute up)",

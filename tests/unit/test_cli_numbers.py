@@ -11,6 +11,7 @@ import pytest
 
 from router.config import RouterConfig
 from shared.cli.launcher import cluster_args
+from shared.config import ConfigError, EngineArgs
 from shared.worker.service import add_worker_cli_args
 
 pytestmark = pytest.mark.unit
@@ -54,3 +55,28 @@ def test_router_and_worker_ports_are_checked(capsys):
     with pytest.raises(SystemExit):
         w.parse_args(["--model", "m", "--metrics-port", "100000"])
     assert "--metrics-port: 100000 is not a port number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--restart-backoff", "-1"], ["--restart-backoff", "nan"]])
+def test_a_negative_or_nan_restart_backoff_is_refused(argv, capsys):
+    """A negative backoff was accepted: a crashing child restarted with no pause at all."""
+    with pytest.raises(SystemExit):
+        cluster_args(argv)
+    assert "argument --restart-backoff" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "field"),
+    [
+        ("--max-model-len", "max_model_len"),
+        ("--max-num-seqs", "max_num_seqs"),
+        ("--max-num-batched-tokens", "max_num_batched_tokens"),
+    ],
+)
+def test_zero_engine_sizes_are_an_error_not_the_default(flag, field, tiny_llama):
+    """0 had silently meant the default (``x or default``): ``pdserve up --max-num-seqs 0``
+    started a cluster with 128 sequences a step."""
+    args = EngineArgs(model=str(tiny_llama), **{field: 0})
+    with pytest.raises(ConfigError, match=f"{flag} 0: must be positive"):
+        mc = args.create_model_config()
+        args.create_scheduler_config(mc, "cpu")
