@@ -216,6 +216,10 @@ def _spawn(
     )
 
 
+class StartInterrupted(Exception):
+    """A stop was asked for (Ctrl-C, SIGTERM) while the cluster was still starting."""
+
+
 class Cluster:
     """The processes of one local cluster; ``start()`` then ``stop()``."""
 
@@ -231,6 +235,9 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ready: dict[str, dict] = {}
         self.listener: socket.socket | None = None  # the router's port, held (see listen)
+        # set from a signal handler: the start-up waits give up at their next poll (a large
+        # model's workers load for minutes, and Ctrl-C used to wait for all of it)
+        self.stop_requested = False
         self.secret_env = self._cluster_secret()
         self.security = ClusterSecurity.from_environ(self.secret_env)  # what the children use
 
@@ -542,6 +549,7 @@ class Cluster:
         pending = list(workers)
         t0 = time.monotonic()
         while pending:
+            self._check_stop(", ".join(c.name for c in pending))
             for c in list(pending):
                 if c.ready_file is not None and c.ready_file.exists():
                     info = json.loads(c.ready_file.read_text())
@@ -575,6 +583,7 @@ class Cluster:
     def _wait_http(self, child: Child, url: str) -> None:
         deadline = time.monotonic() + self.args.startup_timeout
         while True:
+            self._check_stop(child.name)
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -588,6 +597,10 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{child.name} not healthy at {url}")
             time.sleep(0.2)
+
+    def _check_stop(self, waiting_for: str) -> None:
+        if self.stop_requested:
+            raise StartInterrupted(f"stop asked for while starting ({waiting_for} not ready yet)")
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM everyone (router first, so no new work reaches the workers), then KILL
@@ -642,6 +655,7 @@ def run(args: argparse.Namespace) -> int:
 
     def on_signal(signum, frame):
         stop["flag"] = True
+        cluster.stop_requested = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -658,6 +672,9 @@ def run(args: argparse.Namespace) -> int:
         while not stop["flag"]:
             cluster.supervise()  # a child that exits is restarted; the rest keeps serving
             time.sleep(0.5)
+        return 0
+    except StartInterrupted as e:
+        print(f"[pdserve] {e}", flush=True)
         return 0
     except (RuntimeError, TimeoutError, CpuBindError) as e:
         print(f"[pdserve] failed to start: {e}", file=sys.stderr, flush=True)

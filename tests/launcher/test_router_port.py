@@ -5,7 +5,9 @@ taken is a clear start-up error before any worker starts.
 Found in a benchmark run (2026-12-05): ``--port`` had been picked free from the ephemeral
 range, the decode worker's gRPC server was then given that same port by the kernel, the
 router could not bind it, and ``pdserve up`` died with ``http.client.BadStatusLine`` from its
-health check, which had reached the worker's HTTP/2 server."""
+health check, which had reached the worker's HTTP/2 server.
+
+Also here, the start-up's other wait: a stop asked for while the workers load ends it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -153,3 +156,56 @@ def test_pdserve_up_on_a_taken_port_fails_at_once_and_starts_no_worker(tmp_path)
     assert f"failed to start: the router cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     assert not list(run.glob("decode-*.log")) and not list(run.glob("prefill-*.log"))
+
+
+def test_a_stop_asked_for_while_workers_start_ends_the_wait_at_once(tmp_path):
+    """Ctrl-C while the workers loaded used to wait for every one of them to be ready (and
+    for the router), minutes for a large model; now the wait ends at its next poll."""
+    c = Cluster(cluster_args(["--run-dir", str(tmp_path), "--startup-timeout", "20"]))
+    loading = Child(
+        "decode-0",
+        FakeProc(7),  # type: ignore[arg-type]
+        tmp_path / "decode-0.log",
+        tmp_path / "decode-0.ready.json",  # never written: still loading
+    )
+    timer = threading.Timer(0.3, lambda: setattr(c, "stop_requested", True))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(launcher.StartInterrupted, match="decode-0 not ready yet"):
+            c.wait_ready([loading])
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 3.0
+    c.stop_requested = True
+    with pytest.raises(launcher.StartInterrupted, match="router not ready yet"):
+        c._wait_http(Child("router", FakeProc(8), tmp_path / "r.log"), "http://127.0.0.1:1/")  # type: ignore[arg-type]
+
+
+@pytest.mark.integration
+def test_pdserve_up_stops_at_once_when_interrupted_while_starting(tmp_path):
+    """SIGINT to ``pdserve up`` while its worker starts: it stops then, without starting the
+    router, and exits 0."""
+    import signal
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--port", "0", "--run-dir", str(run)]
+        + ["--kv-cache-memory", "64MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "decode-0.log").exists():  # the worker has been started
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "stop asked for while starting (decode-0 not ready yet)" in out
+    assert "Ctrl-C to stop" not in out and not (run / "router.log").exists()
