@@ -6,8 +6,10 @@ worker's KV capacity, and stops everything on Ctrl-C / SIGTERM. It supervises it
 that exits or is killed is started again (the same name and flags, after a backoff that doubles
 from ``--restart-backoff`` up to 30 s and resets once a child stayed up a minute), and the rest
 of the cluster keeps serving meanwhile; ``pdserve up`` itself exits only on Ctrl-C / SIGTERM or
-when a process cannot start in the first place. Children die with the launcher
-(PR_SET_PDEATHSIG), so nothing is left behind even if it is killed.
+when a process cannot start in the first place (Ctrl-C while it starts stops it at once).
+Children die with the launcher (PR_SET_PDEATHSIG), so nothing is left behind even if it is
+killed. The router's listening socket is the launcher's, bound before anything else starts
+and handed to each router process it starts (``Cluster.listen``).
 """
 
 from __future__ import annotations
