@@ -653,11 +653,9 @@ def ensure_test_model(preset: str = "tiny") -> str:
 
 def run(args: argparse.Namespace) -> int:
     cluster = Cluster(args)
-    stop = {"flag": False}
 
     def on_signal(signum, frame):
-        stop["flag"] = True
-        cluster.stop_requested = True
+        cluster.stop_requested = True  # ends start-up's waits, or the supervision loop
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -671,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[pdserve] dashboard  {url}/dashboard")
         print(f"[pdserve] metrics    {url}/metrics   logs in {cluster.run_dir}")
         print("[pdserve] Ctrl-C to stop", flush=True)
-        while not stop["flag"]:
+        while not cluster.stop_requested:
             cluster.supervise()  # a child that exits is restarted; the rest keeps serving
             time.sleep(0.5)
         return 0
