@@ -100,7 +100,15 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
-        except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
+        except (
+            TypeError,
+            KeyError,
+            AttributeError,
+            ValueError,
+            IndexError,
+            ArithmeticError,
+            RecursionError,
+        ) as e:
             raise ChatTemplateError(f"chat template could not render these messages: {e!r}") from e
         if continue_final_message:
             final = messages[-1].get("content") if messages else None

@@ -136,6 +136,7 @@ class RouterConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
     max_model_len: int | None = None
     tools: ToolSettings = field(default_factory=ToolSettings)  # tool calling (vLLM's flags)
     redis_url: str | None = None
@@ -249,6 +250,13 @@ class RouterConfig:
         )
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
         g.add_argument("--chat-template", default=None, help="chat template file or inline text")
+        g.add_argument(
+            "--trust-request-chat-template",
+            action="store_true",
+            help="let a request bring its own chat_template (without it such a request is "
+            "refused with 400, as in vLLM); a template runs as Python-like code in the router, "
+            "so only for trusted clients",
+        )
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument(
             "--enable-auto-tool-choice",
@@ -522,6 +530,7 @@ class RouterConfig:
             served_model_name=ns.served_model_name,
             tokenizer=ns.tokenizer,
             chat_template=ns.chat_template,
+            trust_request_chat_template=ns.trust_request_chat_template,
             max_model_len=ns.max_model_len,
             tools=ToolSettings(
                 ns.enable_auto_tool_choice,

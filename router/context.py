@@ -33,6 +33,7 @@ class ServingContext:
     inflight: int = 0
     live: RequestObserver | None = None  # the dashboard's sliding windows and recent requests
     tools: ToolSettings = field(default_factory=ToolSettings)  # tool calling (--tool-call-parser)
+    trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its own template
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

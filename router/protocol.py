@@ -119,6 +119,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     # accepted, no effect on the output: completions are never stored
     store: bool | None = None
@@ -170,6 +171,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

@@ -253,6 +253,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 config.max_inflight_requests,
                 live=live,
                 tools=config.tools,
+                trust_request_chat_template=config.trust_request_chat_template,
             )
             app.state.pool = pool
             # Everything built so far lives as long as the router: move it out of the GC's

@@ -97,13 +97,16 @@ async def render_chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, Any]] | None = None,
     kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
+    template, kwargs = request_chat_template(ctx, chat_template, kwargs)
 
     def render() -> str:
         return ctx.tokenizer.apply_chat_template(
             template_messages(messages, ctx.limits.max_json_depth),
+            template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
@@ -113,17 +116,44 @@ async def render_chat_prompt(
 
     try:
         # flattening and rendering are Python (Jinja), per message: off the loop for long
-        # conversations (the GIL still gives the loop its turns between bytecodes)
+        # conversations (the GIL still gives the loop its turns between bytecodes), and for
+        # a request's own template, whose cost nobody here knows
         if (
-            len(messages) > 64
+            template is not None
+            or len(messages) > 64
             or sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192
         ):
             text = await asyncio.to_thread(render)
         else:
             text = render()
     except ChatTemplateError as e:
-        raise InvalidRequestError(str(e), param="messages") from e
+        param = "chat_template" if template is not None else "messages"
+        raise InvalidRequestError(str(e), param=param) from e
     return await ctx.encode(text, add_special_tokens)
+
+
+def request_chat_template(
+    ctx: ServingContext, chat_template: str | None, kwargs: dict[str, Any] | None
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The request's own template (``chat_template``, or ``chat_template_kwargs``'s
+    ``chat_template`` key as ``transformers`` takes it) and the kwargs left for the template.
+    Refused unless the router trusts request templates (vLLM's rule and message)."""
+    in_kwargs = kwargs.get("chat_template") if kwargs else None
+    if chat_template is None and in_kwargs is None:
+        return None, kwargs
+    if not ctx.trust_request_chat_template:
+        raise InvalidRequestError(
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+            param="chat_template",
+        )
+    template = chat_template if chat_template is not None else in_kwargs
+    if not isinstance(template, str):
+        raise InvalidRequestError(
+            "chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs"
+        )
+    rest = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
+    return template, rest
 
 
 async def create_chat_completion(
@@ -162,6 +192,7 @@ async def prepare_chat(
         tools=plan.tools,
         documents=req.documents,
         kwargs=req.chat_template_kwargs,
+        chat_template=req.chat_template,
     )
     return plan, [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
 

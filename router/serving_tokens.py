@@ -35,6 +35,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
             continue_final_message=req.continue_final_message,
             add_special_tokens=bool(req.add_special_tokens),
             kwargs=req.chat_template_kwargs,
+            chat_template=req.chat_template,
         )
     strs = None
     if req.return_token_strs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -18,6 +19,8 @@ from tokenizers import Tokenizer, decoders
 from tokenizers.decoders import DecodeStream
 
 from router.chat_template import ChatTemplate, ChatTemplateError
+
+_REQUEST_TEMPLATES = 16  # compiled request templates kept (--trust-request-chat-template)
 
 _SPECIAL_NAMES = (
     "bos_token",
@@ -85,6 +88,8 @@ class RouterTokenizer:
         self._chat_template = (
             ChatTemplate(chat_template, self.special_tokens) if chat_template else None
         )
+        self._request_templates: dict[str, ChatTemplate] = {}  # oldest first
+        self._request_templates_lock = threading.Lock()
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._bytes_of_char = _byte_decoder() if self._byte_level else {}
         self.token_str = functools.lru_cache(maxsize=1 << 16)(self._token_str)
@@ -184,10 +189,28 @@ class RouterTokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
-        """Render the chat prompt (see :meth:`ChatTemplate.render` for the keyword arguments)."""
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], template: str | None = None, **kwargs: Any
+    ) -> str:
+        """Render the chat prompt (see :meth:`ChatTemplate.render` for the keyword arguments);
+        ``template``, a request's own template source, replaces the router's."""
+        if template is not None:
+            return self._request_template(template).render(messages, **kwargs)
         if self._chat_template is None:
             raise ChatTemplateError(
                 "this model has no chat template; start the router with --chat-template"
             )
         return self._chat_template.render(messages, **kwargs)
+
+    def _request_template(self, source: str) -> ChatTemplate:
+        """A request's template, compiled once per distinct source (clients that send one
+        send the same one with every request)."""
+        with self._request_templates_lock:  # rendering may run in threads (long chats)
+            t = self._request_templates.get(source)
+        if t is None:
+            t = ChatTemplate(source, self.special_tokens)  # ChatTemplateError if it does not parse
+            with self._request_templates_lock:
+                if len(self._request_templates) >= _REQUEST_TEMPLATES:
+                    self._request_templates.pop(next(iter(self._request_templates)))
+                self._request_templates[source] = t
+        return t

@@ -128,6 +128,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--chat-template", default=None, help="the router's chat template override")
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="the router renders a request's own chat_template (vLLM's flag; without it such "
+        "a request gets a 400)",
+    )
+    g.add_argument(
         "--router-arg",
         action="append",
         default=[],
@@ -532,6 +538,7 @@ class Cluster:
             *(["--enable-auto-tool-choice"] if a.enable_auto_tool_choice else []),
             *(["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []),
             *(["--chat-template", a.chat_template] if a.chat_template else []),
+            *(["--trust-request-chat-template"] if a.trust_request_chat_template else []),
             *a.router_arg,
             *(extra or []),
         ]

@@ -1,0 +1,38 @@
+"""Flags ``pdserve up`` passes on to the router (vLLM's names), read back by the router's own
+parser: what the launcher writes is what the router runs with."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router.config import RouterConfig
+from shared.cli import launcher
+from shared.cli.launcher import cluster_args
+from shared.cpu_bind import BIND_ENV
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_pdserve_up_passes_trust_request_chat_template_to_the_router(monkeypatch, tmp_path, trust):
+    monkeypatch.setenv(BIND_ENV, "nobind")
+    flag = ["--trust-request-chat-template"] if trust else []
+    cluster = launcher.Cluster(
+        cluster_args(
+            ["--model", "m", "--port", "0", "--host", "127.0.0.1", "--run-dir", str(tmp_path)]
+            + flag
+        )
+    )
+    spawned: dict = {}
+    monkeypatch.setattr(cluster, "_spawn", lambda name, argv, **kw: spawned.setdefault(name, argv))
+    monkeypatch.setattr(cluster, "_wait_http", lambda child, url: None)
+    try:
+        cluster.start_router()
+    finally:
+        cluster.listener.close()
+    p = argparse.ArgumentParser()
+    RouterConfig.add_cli_args(p)
+    ns = p.parse_args(spawned["router"][1:])
+    assert RouterConfig.from_cli_args(ns).trust_request_chat_template is trust
