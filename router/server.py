@@ -452,8 +452,20 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
         return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
         errors = e.errors()
+        if errors and tuple(errors[0].get("loc", ())) == ("body",):
+            # the body as a whole: a JSON array / null / string, or not sent as JSON at all
+            # (curl's -d without -H sends a form type, which FastAPI does not parse)
+            ctype = request.headers.get("content-type", "")
+            why = (
+                f" (it was sent as {ctype!r}: send Content-Type: application/json)"
+                if "json" not in ctype.lower()
+                else ""
+            )
+            err = InvalidRequestError("the request body must be a JSON object" + why, param="body")
+            metrics.error(err.status)
+            return JSONResponse(err.to_dict(), status_code=err.status)
         parts = [
             f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
             for err in errors[:5]

@@ -132,6 +132,22 @@ def test_malformed_bodies_are_400s(router, content, contains):
     assert_error(raw(router, content), 400, param="body", contains=contains)
 
 
+@pytest.mark.parametrize("content", [b"[]", b"null", b'"hi"', b"3"])
+def test_a_body_that_is_not_an_object_says_so(router, content):
+    # was "invalid request: : Input should be a valid dictionary ..." with no param
+    assert_error(raw(router, content), 400, param="body", contains="must be a JSON object")
+
+
+def test_a_json_body_sent_as_a_form_names_the_content_type(router):
+    # curl -d without -H: a JSON body under application/x-www-form-urlencoded
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    err = assert_error(
+        raw(router, body, ctype="application/x-www-form-urlencoded"), 400, param="body"
+    )
+    assert "Content-Type: application/json" in err["message"]
+    assert "x-www-form-urlencoded" in err["message"]
+
+
 def test_deep_nesting_is_refused_where_it_could_hurt(router):
     deep = {"a": 1}
     for _ in range(20):
