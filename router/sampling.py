@@ -180,8 +180,6 @@ def check_unsupported(req: SamplingFields) -> None:
         if req.suffix:
             raise _bad("suffix is not supported", "suffix")
     if isinstance(req, ChatCompletionRequest):
-        if req.echo:
-            raise _bad("echo is not supported", "echo")
         extra = req.model_extra or {}
         for name, why in _CHAT_UNSUPPORTED.items():
             if extra.get(name) is not None:

@@ -163,6 +163,9 @@ async def create_chat_completion(
     warn_unknown_fields(req)
     ctx.check_model(req.model)
     plan, prompts = await prepare_chat(ctx, req)
+    role, echo = response_role(req), ""
+    if req.echo and req.messages[-1].role == role:
+        echo = message_text(req.messages[-1].content)
     return await serve(
         ctx,
         req,
@@ -170,9 +173,23 @@ async def create_chat_completion(
         prompts,
         arrival,
         "chatcmpl",
-        functools.partial(_stream, plan=plan),
-        lambda *a: _body(ctx, plan, *a),
+        functools.partial(_stream, plan=plan, role=role, echo=echo),
+        lambda *a: _body(ctx, plan, role, echo, *a),
     )
+
+
+def response_role(req: ChatCompletionRequest) -> str:
+    """The answer's role, as vLLM names it: the assistant's after a generation prompt, else
+    (the model continuing a message) the last message's."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def message_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text: its string, or its text parts joined by newlines (what ``echo``
+    repeats; the parts were checked when the prompt was rendered)."""
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content)  # text parts only (template_messages)
+    return content or ""
 
 
 async def prepare_chat(
@@ -224,6 +241,8 @@ def tool_finish_reason(plan: ToolPlan, tools: ToolStream, finish_reason: str | N
 def _body(
     ctx: ServingContext,
     plan: ToolPlan,
+    role: str,
+    echo: str,
     gen: Generation,
     params: OutputParams,
     entries: dict[int, list[TokenEntry]],
@@ -233,12 +252,14 @@ def _body(
     parsed = parse_all(plan, [s.text for s in gen.samples]) if plan.parses else None
     choices = []
     for s in gen.samples:
-        message = ChatResponseMessage(content=s.text)
+        message = ChatResponseMessage(role=role, content=echo + s.text)
         finish = s.finish_reason
         if parsed is not None:
             tools = parsed[s.index]
             content, calls = tools.message()
-            message = ChatResponseMessage(content=content, tool_calls=calls)
+            if echo:
+                content = echo + (content or "")
+            message = ChatResponseMessage(role=role, content=content, tool_calls=calls)
             finish = tool_finish_reason(plan, tools, finish)
         choices.append(
             ChatChoice(
@@ -267,9 +288,12 @@ def _stream(
     close: Callable[[], Awaitable[None]],
     *,
     plan: ToolPlan = NO_TOOLS,
+    role: str = "assistant",
+    echo: str = "",
 ) -> AsyncGenerator[str, None]:
     """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`); with a tool plan,
-    each choice's text goes through its :class:`ToolStream` (content and ``tool_calls``)."""
+    each choice's text goes through its :class:`ToolStream` (content and ``tool_calls``).
+    ``echo`` (the request's last message, for ``echo``) follows each choice's role chunk."""
     head = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -318,11 +342,13 @@ def _stream(
                 delta["tool_calls"] = out.tool_calls
         else:
             delta = {"content": d.text} if d.text or finish is None else {}
-        role = ""
+        first = ""
         if d.index not in role_sent:
             role_sent.add(d.index)
-            role = chunk(d.index, {"role": "assistant", "content": ""})
-        return role + chunk(
+            first = chunk(d.index, {"role": role, "content": ""})
+            if echo:
+                first += chunk(d.index, {"content": echo})
+        return first + chunk(
             d.index,
             delta,
             chat_logprobs(ctx, params, d.tokens) if want_lp else None,

@@ -155,6 +155,52 @@ def test_chat_non_stream_shape(cluster, tok):
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
 
 
+def test_chat_echo_repeats_the_continued_message(cluster, tok):
+    # vLLM's chat echo: the answer starts with the last message when it has the answer's role
+    # (the assistant's, or with add_generation_prompt false the last message's). Was a 400.
+    client = cluster.openai()
+    msgs = [{"role": "user", "content": "tell a story"}, {"role": "assistant", "content": "Once"}]
+    cont = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    ids = tok.encode(
+        tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True),
+        False,
+    )
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=msgs, max_tokens=6, n=2, extra_body={"ignore_eos": True, **cont}
+    )
+    for c in out.choices:
+        assert c.message.role == "assistant"
+        assert c.message.content == "Once" + expect(tok, ids, 6, index=c.index, ignore_eos=True)[1]
+    assert out.usage.completion_tokens == 12  # the echo is not generated
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=msgs,
+        max_tokens=6,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True, **cont},
+    )
+    deltas: dict[int, list] = {0: [], 1: []}
+    for chunk in stream:
+        for c in chunk.choices:
+            deltas[c.index].append(c.delta)
+    for i, ds in deltas.items():
+        assert ds[0].role == "assistant" and ds[0].content == ""
+        assert ds[1].content == "Once"  # the echo, its own chunk before the first token
+        text = "".join(d.content or "" for d in ds)
+        assert text == "Once" + expect(tok, ids, 6, index=i, ignore_eos=True)[1]
+    # a user's last message is not the answer's role: nothing echoed
+    user_only = [{"role": "user", "content": "tell a story"}]
+    uids = tok.encode(tok.apply_chat_template(user_only, add_generation_prompt=True), False)
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user_only,
+        max_tokens=6,
+        extra_body={"ignore_eos": True, "echo": True},
+    )
+    assert out.choices[0].message.content == expect(tok, uids, 6, ignore_eos=True)[1]
+
+
 def test_n2_gives_two_distinct_choices(cluster, tok):
     client = cluster.openai()
     out = client.completions.create(
