@@ -164,7 +164,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already in flight"
             )
         prompt = request.prompt_token_ids  # validated (and copied) by add_request
-        remote = bool(request.prefill_address) and resume is None
+        # prompt logprobs need the prompt's logits: computed here, whatever the router said
+        remote = bool(request.prefill_address) and resume is None and params.prompt_logprobs is None
         eid = f"{rid}@{next(self._serial)}"
         flight = _Flight(request, eid, params.n, self.outputs.register(eid))
         flight.done_before = resume_finished
@@ -258,9 +259,12 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 raise _DeadlineExceeded(rid)
             deltas: dict[int, pb.SeqDelta] = {}
             now = time.monotonic()
+            prompt_lps = None
             for o in batch:
                 if o.failure is not None:  # this request, or the whole engine, failed
                     raise _Failed(o.failure.kind, o.failure.message)
+                if o.prompt_logprobs is not None:
+                    prompt_lps = o.prompt_logprobs
                 d = deltas.get(o.index)
                 if d is None:
                     d = deltas[o.index] = pb.SeqDelta(index=o.index)
@@ -275,6 +279,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             chunk = pb.GenerateChunk(
                 request_id=rid, outputs=list(deltas.values()), worker_id=rt.worker_id
             )
+            if prompt_lps is not None:
+                chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in prompt_lps)
             if len(done) == flight.n:
                 chunk.finished = True
                 completion = sum(flight.counts)
@@ -329,6 +335,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             or not flight.queue.empty()
             or o.finished
             or o.failure is not None
+            or o.prompt_logprobs is not None
             or flight.aborting
             or (flight.task is not None and flight.task.cancelling())
         ):

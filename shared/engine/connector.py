@@ -152,7 +152,11 @@ class DecodeConnector(KVConnector):
             self._wanted.add(request.request_id)
 
     def num_external_tokens(self, request: Request, num_computed: int) -> int:
-        if request.request_id not in self._wanted or request.num_output_tokens:
+        if (
+            request.request_id not in self._wanted
+            or request.num_output_tokens
+            or request.wants_prompt_logprobs  # their logits are computed here
+        ):
             return 0
         return request.num_tokens - num_computed
 

@@ -34,7 +34,7 @@ from shared.engine.outputs import (
     FailureKind,
     RequestFailure,
 )
-from shared.engine.request import Request, RequestStatus
+from shared.engine.request import Logprob, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.engine.scheduler import SampledToken, Scheduler, SeqFailure, SeqUpdate
 from shared.engine.scheduler_output import SampleResult, SchedulerOutput
@@ -81,6 +81,8 @@ class Runner(Protocol):
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None: ...
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]: ...
+
+    def take_prompt_logprobs(self) -> dict[str, list[Logprob]]: ...
 
 
 @dataclass
@@ -494,7 +496,9 @@ class EngineCore:
     def _finish_step(
         self, out: SchedulerOutput, sampled: dict[str, SampleResult]
     ) -> list[EngineCoreOutput]:
-        updates, failures = self.scheduler.update_from_output(out, sampled)
+        updates, failures = self.scheduler.update_from_output(
+            out, sampled, self.runner.take_prompt_logprobs()
+        )
         if self._export is not None:
             ready = [b for u in updates for _, b in u.kv_blocks_ready]
             if ready:
@@ -524,6 +528,14 @@ class EngineCore:
         failure = None
         if u.finished and r.status == RequestStatus.FINISHED_ERROR:
             failure = RequestFailure(FailureKind.REQUEST, r.error or "the request failed")
+        prompt_lps = None
+        if (
+            u.new_token_ids
+            and r.sampling_params.prompt_logprobs is not None
+            and not r.prompt_logprobs_sent
+        ):
+            prompt_lps, r.prompt_logprobs = r.prompt_logprobs, []
+            r.prompt_logprobs_sent = True
         return EngineCoreOutput(
             request_id=r.parent_id,
             index=r.index,
@@ -540,6 +552,7 @@ class EngineCore:
             first_scheduled_time=r.first_scheduled_time,
             first_token_time=r.first_token_time,
             finished_time=r.finished_time,
+            prompt_logprobs=prompt_lps,
         )
 
     def _forget_finished(self, parent_ids: Iterable[str]) -> None:

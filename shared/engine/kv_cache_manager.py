@@ -53,8 +53,8 @@ class KVCacheManager:
         cached prompt reuses all but its last block. Counts the lookup in the hit-rate stats.
         Does not take references: pass the blocks to ``allocate_slots``.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return [], 0  # prompt logprobs need every prompt position's logits
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for h in request.block_hashes[:max_blocks]:

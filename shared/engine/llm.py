@@ -79,6 +79,7 @@ class LLM:
     ) -> list[RequestOutput]:
         acc: dict[str, dict[int, dict[str, Any]]] = {rid: {} for rid in ids}
         cached: dict[str, int] = {}
+        prompt_lps: dict[str, list[Logprob]] = {}
         pending = set(ids)
         bar = None
         if use_tqdm:
@@ -95,6 +96,8 @@ class LLM:
                 seq["ids"] += o.new_token_ids
                 seq["lps"] += o.new_logprobs
                 cached[o.request_id] = o.num_cached_tokens
+                if o.prompt_logprobs is not None:
+                    prompt_lps[o.request_id] = o.prompt_logprobs
                 if o.finished:
                     seq["finish"], seq["stop"] = o.finish_reason, o.stop_token_id
                     if o.failure is not None:
@@ -132,5 +135,8 @@ class LLM:
                         error=s["error"],
                     )
                 )
-            results.append(RequestOutput(rid, text, toks, outs, True, cached.get(rid, 0)))
+            plp: list[Logprob | None] | None = None
+            if sp.prompt_logprobs is not None and rid in prompt_lps:
+                plp = [None, *prompt_lps[rid]]
+            results.append(RequestOutput(rid, text, toks, outs, True, cached.get(rid, 0), plp))
         return results

@@ -12,7 +12,7 @@ import logging
 import mmap
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from shared.config import (
     usable_cores,
 )
 from shared.cpu_bind import SPILL_STEP_TOKENS, bound_cpus, format_cpu_list, spill_cpus
+from shared.engine.request import Logprob
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
     SampledToken,
@@ -138,9 +139,38 @@ class _Dispatched:
     rows: list[SampleSpec]
     verify: list[tuple[str, list[int], int]]
     draft_probs: dict[str, torch.Tensor]
+    # prompt_logprobs: (seq id, targets, top-N) per chunk, their logit rows after ``rows``'
+    prompt_rows: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
 
 
 SMALL_STEP_TOKENS = 4
+PROMPT_LOGPROB_ROWS = 256  # rows per log_softmax pass (a 2,048-token chunk: 8 passes)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, items: Sequence[tuple[str, tuple[int, ...], int]]
+) -> dict[str, list[Logprob]]:
+    """Each item's logprobs (``items``: seq id, prompt targets, top-N; their rows follow one
+    another in ``logits``): the raw model's log-softmax at each row, the target token's value
+    and 1-based rank, and the top N, as the sampler gives a sampled token's."""
+    out: dict[str, list[Logprob]] = {}
+    row = 0
+    for seq_id, targets, top in items:
+        lps: list[Logprob] = []
+        for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            part = targets[a : a + PROMPT_LOGPROB_ROWS]
+            raw = torch.log_softmax(logits[row + a : row + a + len(part)].float(), dim=-1)
+            tgt = torch.tensor(part, device=raw.device)
+            lp = raw.gather(1, tgt[:, None])
+            ranks = ((raw > lp).sum(dim=1) + 1).tolist()
+            tops: list[list[tuple[int, float]]] = [[] for _ in part]
+            if top:
+                vals, ids = raw.topk(top, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+            lps += [Logprob(v, r, t) for v, r, t in zip(lp[:, 0].tolist(), ranks, tops)]
+        out[seq_id] = lps
+        row += len(targets)
+    return out
 
 
 def small_step_tokens(device: torch.device, threads: int) -> int:
@@ -309,6 +339,7 @@ class ModelRunner:
         self.v_scale: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # rank 0 of several: canonical transfer pool
         self._sends: list = []  # pipeline hand-offs in flight (isend works)
+        self._prompt_logprobs: dict[str, list[Logprob]] = {}  # the last collected step's
 
     def _shard_of(self, rank: int, group: object = None, comm: object = None) -> Shard:
         """What rank ``rank`` of this worker holds (global rank ``pp_rank * TP + tp_rank``)."""
@@ -484,6 +515,11 @@ class ModelRunner:
         ``SampleSpec``; returns the draws by ``seq_id`` (rank 0)."""
         return self.collect(self.dispatch(out))
 
+    def take_prompt_logprobs(self) -> dict[str, list[Logprob]]:
+        """The prompt logprobs of the last collected step, by seq id (then forgotten)."""
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
+
     @property
     def pipeline_depth(self) -> int:
         """Steps that may be in flight at once: the pipeline stages (``dispatch`` returns
@@ -499,7 +535,7 @@ class ModelRunner:
         moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
             self.run_step(moves, [], [])
-            return _Dispatched(None, [], [], {})
+            return _Dispatched(None, [], [], {}, [])
         drafted: dict[str, list[int]] = {}  # draft-model drafts, by seq id
         draft_probs: dict[str, torch.Tensor] = {}
         if self.drafter is not None and any(s.num_lookahead for s in out.scheduled):
@@ -509,6 +545,8 @@ class ModelRunner:
         rows: list[SampleSpec] = []
         t = 0
         verify: list[tuple[str, list[int], int]] = []  # (seq id, drafts, first row index)
+        prompt_rows: list[tuple[str, tuple[int, ...], int]] = []
+        prompt_logit_rows: list[int] = []  # packed after the sampling rows
         for s in out.scheduled:
             token_ids = s.token_ids
             drafts = list(s.draft_token_ids)
@@ -516,6 +554,9 @@ class ModelRunner:
                 drafts = drafted[s.seq_id]
                 token_ids = [*s.token_ids, *drafts]
             chunks.append((s.block_ids, s.start, token_ids))
+            if s.prompt_logprob_targets:  # the chunk's first positions predict these
+                prompt_rows.append((s.seq_id, s.prompt_logprob_targets, s.prompt_logprobs_top))
+                prompt_logit_rows.extend(range(t, t + len(s.prompt_logprob_targets)))
             t += len(token_ids)
             if drafts:  # one row per verified position: the last token's and each draft's
                 (spec,) = s.samples
@@ -527,18 +568,29 @@ class ModelRunner:
             for spec in s.samples:
                 logit_rows.append(t - 1)
                 rows.append(spec)
-        greedy = not verify and self.sampler.plain_greedy(rows)
+        greedy = not verify and not prompt_rows and self.sampler.plain_greedy(rows)
         return _Dispatched(
-            self.run_step(moves, chunks, logit_rows, greedy), rows, verify, draft_probs
+            self.run_step(moves, chunks, logit_rows + prompt_logit_rows, greedy),
+            rows,
+            verify,
+            draft_probs,
+            prompt_rows,
         )
 
     @torch.inference_mode()
     def collect(self, d: _Dispatched) -> dict[str, SampleResult]:
         """Finish a dispatched step: wait for its logits, draw; the draws by ``seq_id``."""
         logits = d.logits.wait() if isinstance(d.logits, PendingLogits) else d.logits
+        self._prompt_logprobs = {}
         if logits is None:
             return {}
         rows, verify, draft_probs = d.rows, d.verify, d.draft_probs
+        if d.prompt_rows:
+            assert isinstance(logits, torch.Tensor)  # no greedy-only draw with prompt rows
+            self._prompt_logprobs = prompt_logprobs(logits[len(rows) :], d.prompt_rows)
+            if not rows:
+                return {}
+            logits = logits[: len(rows)]
         if isinstance(logits, GreedyTokens):
             return {r.seq_id: SampledToken(t) for r, t in zip(rows, logits.ids.tolist())}
         dev = self.device

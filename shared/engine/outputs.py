@@ -40,6 +40,8 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # prompt_logprobs: one per prompt token after the first, once, with the first token
+    prompt_logprobs: list[Logprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -70,3 +72,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # vLLM's: None for the first prompt token, then one per token (with prompt_logprobs)
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -77,6 +77,9 @@ class Request:
     finished_time: float | None = None
     error: str | None = None  # why it ended in FINISHED_ERROR
     grammar: object | None = None  # compiled structured-outputs grammar (opaque to the core)
+    # prompt_logprobs: one entry per prompt token after the first, filled chunk by chunk
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # with the first token (a sibling never sends them)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -107,6 +110,12 @@ class Request:
         self.block_hashes.extend(
             block_hashes(self.all_token_ids, self.block_size, self.hash_seed, parent, done)
         )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """``prompt_logprobs`` asked for and not yet delivered (they go out with the first
+        token): the prompt is computed here in full, none of it read from a cache."""
+        return self.sampling_params.prompt_logprobs is not None and self.first_token_time is None
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -114,6 +114,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = sampled token only)
+    # vLLM's prompt_logprobs: top-N logprobs of every prompt token after the first (0 = the
+    # prompt token's own only); the prompt is then computed in full, never read from a cache
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # OpenAI's logit_bias: token id -> value added to its logit before sampling; vLLM's
     # allowed_token_ids: only these ids may be sampled (see shared/engine/sampler.py)
@@ -182,18 +185,18 @@ class SamplingParams:
             or (self.max_tokens is not None and self.min_tokens > self.max_tokens)
         ):
             raise bad("min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs)
-            or self.logprobs < 0
-            or (max_logprobs is not None and self.logprobs > max_logprobs)
-        ):
-            raise bad(
-                "logprobs",
-                self.logprobs,
-                "an integer >= 0"
-                if max_logprobs is None
-                else f"an integer in [0, {max_logprobs}] (--max-logprobs)",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (
+                not _is_int(v) or v < 0 or (max_logprobs is not None and v > max_logprobs)
+            ):
+                raise bad(
+                    name,
+                    v,
+                    "an integer >= 0"
+                    if max_logprobs is None
+                    else f"an integer in [0, {max_logprobs}] (--max-logprobs)",
+                )
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", self.structured_outputs, "StructuredOutputsParams")

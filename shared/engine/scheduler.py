@@ -22,7 +22,7 @@ from typing import cast
 from shared.config import SchedulerConfig
 from shared.engine.connector import KVConnector
 from shared.engine.kv_cache_manager import KVCacheManager, cdiv
-from shared.engine.request import Request, RequestStatus
+from shared.engine.request import Logprob, Request, RequestStatus
 from shared.engine.scheduler_output import (
     SampledToken,
     SampleError,
@@ -236,6 +236,11 @@ class Scheduler:
         tokens = req.all_token_ids[c : c + num_new]
         if drafts:
             tokens = [*tokens, *drafts]
+        targets: tuple[int, ...] = ()
+        if req.wants_prompt_logprobs and c < req.num_prompt_tokens - 1:
+            # position p's logits give the logprob of prompt token p + 1
+            end = min(c + num_new, req.num_prompt_tokens - 1)
+            targets = tuple(req.prompt_token_ids[c + 1 : end + 1])
         return ScheduledSeq(
             req.request_id,
             c,
@@ -245,6 +250,8 @@ class Scheduler:
             tuple(drafts or ()),
             lookahead,
             req.all_token_ids if lookahead else (),
+            targets,
+            req.sampling_params.prompt_logprobs or 0,
         )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -263,6 +270,8 @@ class Scheduler:
         else:
             self.kv.free(req)
             req.num_computed_tokens = 0
+            if req.wants_prompt_logprobs:
+                req.prompt_logprobs.clear()  # the recompute gives them again
             req.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(req)
             logger.debug("request %s preempted for recompute", req.request_id)
@@ -361,6 +370,7 @@ class Scheduler:
         self,
         out: SchedulerOutput,
         sampled: dict[str, SampleResult],
+        prompt_logprobs: dict[str, list[Logprob]] | None = None,
     ) -> tuple[list[SeqUpdate], list[SeqFailure]]:
         """Advance every scheduled request by its computed tokens and append sampled ones.
 
@@ -389,6 +399,14 @@ class Scheduler:
                             update.kv_pin_id = self.connector.pin_of(req)
                     updates.append(update)
                     continue
+                if s.prompt_logprob_targets:
+                    got = (prompt_logprobs or {}).get(req.request_id)
+                    if got is None or len(got) != len(s.prompt_logprob_targets):
+                        raise ValueError(
+                            f"the step returned {0 if got is None else len(got)} prompt "
+                            f"logprobs for {len(s.prompt_logprob_targets)} positions"
+                        )
+                    req.prompt_logprobs.extend(got)
                 req.num_computed_tokens += s.num_new_tokens
                 ready = self.connector.blocks_ready(req)
                 pin = self.connector.pin_of(req) if ready else None
@@ -494,6 +512,7 @@ class Scheduler:
         """Fork an ``n > 1`` sibling off its leader's computed prompt, then give it its token."""
         sib.num_cached_tokens = leader.num_cached_tokens
         sib.first_scheduled_time = leader.first_scheduled_time
+        sib.prompt_logprobs_sent = True  # the leader's first output carries them
         update = self._append(sib, tok, now)
         if sib.is_finished:
             return update

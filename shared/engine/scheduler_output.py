@@ -69,6 +69,10 @@ class ScheduledSeq:
     num_lookahead: int = 0
     all_token_ids: Sequence[int] = ()  # with num_lookahead: the sequence so far (the draft
     # model recomputes its own KV from it where it lacks some)
+    # prompt_logprobs: the prompt tokens that this chunk's first len(...) positions predict
+    # (the runner returns their logprobs, ``prompt_logprobs_top`` best each)
+    prompt_logprob_targets: tuple[int, ...] = ()
+    prompt_logprobs_top: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -83,6 +83,7 @@ def sampling_from_proto(m: pb.SamplingParams, max_logprobs: int | None = None) -
         "seed",
         "max_tokens",
         "logprobs",
+        "prompt_logprobs",
     ):
         if m.HasField(name):
             kw[name] = getattr(m, name)
@@ -165,6 +166,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         m.max_tokens = p.max_tokens
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     if p.structured_outputs is not None:
         m.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     if p.logit_bias:

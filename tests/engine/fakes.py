@@ -18,6 +18,7 @@ from pathlib import Path
 from shared.config import EngineArgs
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
+from shared.engine.request import Logprob
 from shared.engine.scheduler_output import SampledToken, SampleError, SampleResult, SchedulerOutput
 
 EOS = 2
@@ -63,6 +64,7 @@ class FakeRunner:
         self.vocab = vocab
         self.block_size = block_size
         self.steps: list[SchedulerOutput] = []
+        self._prompt_lps: dict[str, list[Logprob]] = {}
         self.fail_sampling: set[str] = set()  # sequence ids whose sampling fails
         self.fail_forward = False
         self.kv: dict[int, list[int | None]] = {}
@@ -101,8 +103,22 @@ class FakeRunner:
             out.append(t)
         return out
 
+    def take_prompt_logprobs(self) -> dict[str, list[Logprob]]:
+        """The last step's prompt logprobs: for the target at prompt position p, logprob
+        -p and rank (token % 7) + 1, so a test can tell which positions came back."""
+        out, self._prompt_lps = self._prompt_lps, {}
+        return out
+
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         self.steps.append(out)
+        self._prompt_lps = {
+            s.seq_id: [
+                Logprob(-float(s.start + 1 + i), t % 7 + 1, [])
+                for i, t in enumerate(s.prompt_logprob_targets)
+            ]
+            for s in out.scheduled
+            if s.prompt_logprob_targets
+        }
         for d, h in out.blocks_to_swap_out:
             self.host[h] = list(self._block(d))
         for h, d in out.blocks_to_swap_in:
