@@ -323,6 +323,10 @@ class GenerationStream:
         self.attempts = 0
         self.decision: RouteDecision | None = None
         self._want_logprobs = inp.sampling.HasField("logprobs")
+        # vLLM's prompt_logprobs: D computes the prompt itself and sends them with the first
+        # token; kept here for the response (a resumed attempt does not ask again)
+        self._want_prompt_logprobs = inp.sampling.HasField("prompt_logprobs")
+        self.prompt_logprobs: list[pb.TokenLogprob] | None = None
         self._live: tuple[Any, str] | None = None  # (decode stub, request id) of the attempt
         self._aborts: set[asyncio.Task[Any]] = set()
         self._call: grpc.aio.Call | MuxCall | None = None  # the attempt's stream, while it runs
@@ -394,7 +398,10 @@ class GenerationStream:
                     prompt = prompt + self.tokens[0]
                 try:
                     decision, record = await self.d.route(
-                        prompt, self.inp.cache_salt, exclude, allow_prefill=not resumed
+                        prompt,
+                        self.inp.cache_salt,
+                        exclude,
+                        allow_prefill=not resumed and not self._want_prompt_logprobs,
                     )
                 except NoWorkerError as e:
                     if overloaded:
@@ -454,6 +461,8 @@ class GenerationStream:
             cache_salt=self.inp.cache_salt,
             deadline_s=max(0.001, self._remaining()),
         )
+        if self.prompt_logprobs is not None:  # a resume: they came with the first token
+            req.sampling.ClearField("prompt_logprobs")
         if decision.prefill is not None:
             req.prefill_address = decision.prefill.address
             req.prefill_worker_id = decision.prefill.worker_id
@@ -510,6 +519,12 @@ class GenerationStream:
                     if dog.why:
                         raise dog.error()
                     raise _Retryable("the stream ended before the request finished")
+                if (
+                    self._want_prompt_logprobs
+                    and self.prompt_logprobs is None
+                    and (chunk.prompt_logprobs or any(sd.token_ids for sd in chunk.outputs))
+                ):
+                    self.prompt_logprobs = list(chunk.prompt_logprobs)
                 outputs = []
                 for sd in chunk.outputs:
                     i = sd.index

@@ -9,6 +9,7 @@ from typing import Any
 
 from router.context import ServingContext
 from router.output import OutputParams, TokenEntry
+from shared.proto import pdserve_pb2 as pb
 
 
 def safe_logprob(x: float) -> float:
@@ -69,3 +70,54 @@ def chat_logprobs(
             ]
         content.append(item)
     return {"content": content}
+
+
+def vllm_prompt_logprobs(
+    ctx: ServingContext,
+    params: OutputParams,
+    prompt: Sequence[int],
+    lps: Sequence[pb.TokenLogprob] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: None for the first prompt token, then per token a map
+    from token id to its logprob, 1-based rank and text: the prompt token first, then the
+    top N."""
+    if lps is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for tok, lp in zip(prompt[1:], lps):
+        d = {
+            str(tok): {
+                "logprob": safe_logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": token_text(ctx, params, tok),
+            }
+        }
+        for rank, t in enumerate(lp.top, 1):
+            d.setdefault(
+                str(t.token_id),
+                {
+                    "logprob": safe_logprob(t.logprob),
+                    "rank": rank,
+                    "decoded_token": token_text(ctx, params, t.token_id),
+                },
+            )
+        out.append(d)
+    return out
+
+
+def prompt_entries(
+    ctx: ServingContext,
+    params: OutputParams,
+    prompt: Sequence[int],
+    lps: Sequence[pb.TokenLogprob] | None,
+) -> tuple[str, list[TokenEntry]]:
+    """An echoed prompt's text and its tokens as logprob entries (the first without a
+    logprob, as OpenAI's echo gives it; all without when ``lps`` is None)."""
+    step = ctx.tokenizer.stepper(params.skip_special_tokens)
+    text = ""
+    entries = []
+    for i, tok in enumerate(prompt):
+        lp = lps[i - 1] if lps is not None and 0 < i <= len(lps) else None
+        entries.append(TokenEntry(tok, len(text), lp))
+        text += step(tok) or ""
+    return text, entries

@@ -38,6 +38,9 @@ class OutputParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N per token; None = no logprobs
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: top-N per prompt token; None = none
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone
 
 
 @dataclass(slots=True)

@@ -208,6 +208,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: [None, {token id: {"logprob", "rank", "decoded_token"}}, ...] when asked for
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -256,6 +258,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's
 
 
 class ModelCard(BaseModel):

@@ -171,14 +171,9 @@ def check_unsupported(req: SamplingFields) -> None:
         raise _bad("best_of must equal n (best-of sampling is not supported)", "best_of")
     if req.bad_words:
         raise _bad("bad_words is not supported", "bad_words")
-    if req.prompt_logprobs is not None:
-        raise _bad("prompt_logprobs is not supported", "prompt_logprobs")
     structured_outputs(req)  # 400 for a malformed response_format / structured_outputs
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _bad("echo is not supported", "echo")
-        if req.suffix:
-            raise _bad("suffix is not supported", "suffix")
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise _bad("suffix is not supported", "suffix")
     if isinstance(req, ChatCompletionRequest):
         extra = req.model_extra or {}
         for name, why in _CHAT_UNSUPPORTED.items():
@@ -214,6 +209,8 @@ def resolve_max_tokens(req: SamplingRequest, prompt_len: int, limits: Limits) ->
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
         return limits.max_model_len - prompt_len
+    if max_tokens == 0 and echo_only(req):
+        return 1  # vLLM's: one token is generated and dropped, the prompt is the answer
     if max_tokens < 1:
         raise _bad(f"{name} must be at least 1, got {max_tokens}", name)
     if prompt_len + max_tokens > limits.max_model_len:
@@ -410,6 +407,32 @@ def requested_logprobs(req: SamplingRequest, limits: Limits) -> int | None:
     return lp
 
 
+def echo_only(req: SamplingRequest) -> bool:
+    """A completion with ``echo`` and ``max_tokens`` 0: the prompt alone (vLLM's)."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+
+
+def requested_prompt_logprobs(req: SamplingRequest, limits: Limits) -> int | None:
+    """vLLM's ``prompt_logprobs``; with ``echo`` and none given, the output's top-N (the
+    echoed prompt's tokens then carry logprobs too)."""
+    plp = req.prompt_logprobs
+    if plp is not None:
+        if not 0 <= plp <= limits.max_logprobs:
+            raise _bad(
+                f"prompt_logprobs must be between 0 and {limits.max_logprobs}, got {plp}",
+                "prompt_logprobs",
+            )
+        if req.stream:
+            raise _bad("prompt_logprobs are not available when stream=True", "prompt_logprobs")
+        return plp
+    echo = isinstance(req, (CompletionRequest, ChatCompletionRequest)) and req.echo
+    if not echo:
+        return None
+    if isinstance(req, ChatCompletionRequest):
+        return req.top_logprobs if req.logprobs else None
+    return req.logprobs
+
+
 def build_params(
     req: SamplingRequest, max_tokens: int, limits: Limits
 ) -> tuple[pb.SamplingParams, OutputParams]:
@@ -441,6 +464,9 @@ def build_params(
     logprobs = requested_logprobs(req, limits)
     if logprobs is not None:
         sp.logprobs = logprobs
+    prompt_logprobs = requested_prompt_logprobs(req, limits)
+    if prompt_logprobs is not None:
+        sp.prompt_logprobs = prompt_logprobs
     so = structured_outputs(req)
     if so is not None:
         sp.structured_outputs.CopyFrom(so)
@@ -460,5 +486,8 @@ def build_params(
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+        prompt_logprobs=prompt_logprobs,
+        echo=isinstance(req, CompletionRequest) and req.echo,
+        echo_only=echo_only(req),
     )
     return sp, out

@@ -24,7 +24,7 @@ from router.chat_template import ChatTemplateError
 from router.context import ServingContext
 from router.errors import InvalidRequestError
 from router.generation import Generation
-from router.logprobs import chat_logprobs
+from router.logprobs import chat_logprobs, vllm_prompt_logprobs
 from router.output import OutputParams, SampleDelta, TokenEntry
 from router.protocol import (
     ChatChoice,
@@ -273,7 +273,16 @@ def _body(
             )
         )
     body = ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=gen.usage()
+        id=request_id,
+        created=created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=gen.usage(),
+        prompt_logprobs=vllm_prompt_logprobs(
+            ctx, params, gen.prompts[0], gen.streams[0].prompt_logprobs
+        )
+        if params.prompt_logprobs is not None
+        else None,
     )
     return JSONResponse(body.model_dump())
 

@@ -7,10 +7,11 @@ Prompts may be a string, a list of strings, a list of token ids or a list of tok
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import cast
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from router.context import ServingContext
 from router.errors import InvalidRequestError
 from router.generation import Generation
-from router.logprobs import completion_logprobs
+from router.logprobs import completion_logprobs, prompt_entries, vllm_prompt_logprobs
 from router.output import OutputParams, SampleDelta, TokenEntry
 from router.protocol import (
     CompletionChoice,
@@ -60,31 +61,103 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     check_unsupported(req)
     validate_common(req, ctx.limits)
     prompts = await tokenize_prompts(ctx, req)
-    return await serve(ctx, req, raw, prompts, arrival, "cmpl", _stream, lambda *a: _body(ctx, *a))
+    texts = _prompt_texts(req, len(prompts))
+    return await serve(
+        ctx,
+        req,
+        raw,
+        prompts,
+        arrival,
+        "cmpl",
+        functools.partial(_stream, texts=texts),
+        lambda *a: _body(ctx, texts, *a),
+    )
+
+
+def _prompt_texts(req: CompletionRequest, count: int) -> list[str | None]:
+    """The prompts' own text where the client sent text (what ``echo`` repeats); None where
+    it sent token ids or the prompt was truncated (the tokens' text then)."""
+    p = req.prompt
+    if req.truncate_prompt_tokens is None:
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return list(cast("list[str]", p))
+    return [None] * count
+
+
+class _Echo:
+    """Each prompt's echo (text and logprob entries), built once for its n choices."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        gen: Generation,
+        params: OutputParams,
+        texts: list[str | None],
+    ) -> None:
+        self.ctx, self.gen, self.params, self.texts = ctx, gen, params, texts
+        self._done: dict[int, tuple[str, list[TokenEntry]]] = {}
+
+    def of(self, choice: int) -> tuple[str, list[TokenEntry]]:
+        i = choice // self.params.n
+        if i not in self._done:
+            lps = self.gen.streams[i].prompt_logprobs if self.params.logprobs is not None else None
+            text, entries = prompt_entries(self.ctx, self.params, self.gen.prompts[i], lps)
+            given = self.texts[i]
+            self._done[i] = (text if given is None else given, entries)
+        return self._done[i]
+
+
+def _joined_logprobs(
+    ctx: ServingContext,
+    params: OutputParams,
+    echoed: Sequence[TokenEntry],
+    base: int,
+    entries: Sequence[TokenEntry],
+) -> dict[str, Any]:
+    """The logprobs object of an echoed prompt's entries then the output's (offsets after
+    the echoed text, ``base`` characters)."""
+    a = completion_logprobs(ctx, params, echoed)
+    b = completion_logprobs(ctx, params, entries, offset_base=base)
+    return {k: a[k] + b[k] for k in a}
 
 
 def _body(
     ctx: ServingContext,
+    texts: list[str | None],
     gen: Generation,
     params: OutputParams,
     entries: dict[int, list[TokenEntry]],
     request_id: str,
     created: int,
 ) -> JSONResponse:
-    choices = [
-        CompletionChoice(
-            index=s.index,
-            text=s.text,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            logprobs=CompletionLogprobs(
-                **completion_logprobs(ctx, params, entries.get(s.index, []))
+    echo = _Echo(ctx, gen, params, texts)
+    choices = []
+    for s in gen.samples:
+        i = s.index // params.n
+        text, out_entries = s.text, entries.get(s.index, [])
+        if params.echo_only:
+            text, out_entries = "", []
+        echo_text, echo_entries = echo.of(s.index) if params.echo else ("", [])
+        choices.append(
+            CompletionChoice(
+                index=s.index,
+                text=echo_text + text,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=CompletionLogprobs(
+                    **_joined_logprobs(ctx, params, echo_entries, len(echo_text), out_entries)
+                )
+                if params.logprobs is not None
+                else None,
+                prompt_logprobs=vllm_prompt_logprobs(
+                    ctx, params, gen.prompts[i], gen.streams[i].prompt_logprobs
+                )
+                if params.prompt_logprobs is not None
+                else None,
             )
-            if params.logprobs is not None
-            else None,
         )
-        for s in gen.samples
-    ]
     body = CompletionResponse(
         id=request_id, created=created, model=ctx.model_name, choices=choices, usage=gen.usage()
     )
@@ -99,8 +172,11 @@ def _stream(
     created: int,
     usage_mode: str,
     close: Callable[[], Awaitable[None]],
+    *,
+    texts: list[str | None] | None = None,
 ) -> AsyncGenerator[str, None]:
-    """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`)."""
+    """SSE chunks (``usage_mode``: see :class:`router.serving.ChunkFrame`). With ``echo``, a
+    choice's first chunk starts with its prompt (text, and logprobs when asked for)."""
     head = {
         "id": request_id,
         "object": "text_completion",
@@ -111,22 +187,35 @@ def _stream(
     want_lp = params.logprobs is not None
     going_tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null}' + frame.fixed_tail
 
+    given: list[str | None] = texts if texts is not None else [None] * len(gen.prompts)
+    echo = _Echo(ctx, gen, params, given) if params.echo else None
+    bases: dict[int, int] = {}  # with echo: each choice's echoed characters (logprob offsets)
+
     def event(d: SampleDelta) -> str | None:
         """The SSE event of one delta (None: nothing to send)."""
+        text, tokens = d.text, d.tokens
+        echoed: Sequence[TokenEntry] = ()
+        if echo is not None:
+            if params.echo_only:
+                text, tokens = "", ()
+            if d.index not in bases:
+                echo_text, echoed = echo.of(d.index)
+                bases[d.index] = len(echo_text)
+                text = echo_text + text
         if not want_lp:
-            if not d.text and d.finish_reason is None:
+            if not text and d.finish_reason is None:
                 return None
             return (
-                f'{frame.head}{d.index},"text":{json_str(d.text)},'
+                f'{frame.head}{d.index},"text":{json_str(text)},'
                 f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
                 f'"stop_reason":{json.dumps(d.stop_reason)}}}{frame.tail()}'
             )
-        if not d.text and d.finish_reason is None and not d.tokens:
+        if not text and d.finish_reason is None and not tokens and not echoed:
             return None
         choice = {
             "index": d.index,
-            "text": d.text,
-            "logprobs": completion_logprobs(ctx, params, d.tokens),
+            "text": text,
+            "logprobs": _joined_logprobs(ctx, params, echoed, bases.get(d.index, 0), tokens),
             "finish_reason": d.finish_reason,
             "stop_reason": d.stop_reason,
         }
@@ -135,7 +224,7 @@ def _stream(
             chunk["usage"] = gen.usage().model_dump() if frame.continuous else None
         return sse(chunk)
 
-    plain = not want_lp and not frame.continuous
+    plain = not want_lp and not frame.continuous and echo is None
 
     def fast(deltas: list[SampleDelta]) -> str | None:
         """One sample's next text: the per-token chunk."""

@@ -111,6 +111,23 @@ def test_seeded_sampling_is_the_same_as_one_rank(tiny_llama):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_prompt_logprobs_across_ranks(tiny_llama, layout):
+    """The prompt rows' logits come back from the last stage / rank 0 like the sampling rows:
+    the same prompt logprobs as transformers, chunked (64-token budget)."""
+    from tests.engine.test_prompt_logprobs import check_against_hf
+
+    prompts = random_prompts(seed=15, lengths=[1, 90, 200])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    llm = LLM(str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=64, **LAYOUTS[layout])
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.engine.shutdown()
+    for p, o in zip(prompts, outs):
+        check_against_hf(tiny_llama, p, o.prompt_logprobs)
+
+
 # tp2_pp2's gather is tp2's plus pp2's stage ranges (both kept in the default tier)
 @pytest.mark.parametrize(
     "layout", ["tp2", pytest.param("tp2_pp2", marks=pytest.mark.slow), "tp4_replicated_kv"]

@@ -3,7 +3,7 @@
 Token ``pos`` of sample ``index`` is a pure function of (prompt, index, pos, seed), so a request
 resumed on another fake worker continues exactly as the undisturbed one would, like greedy or
 seeded sampling on a real engine. Honours ``max_tokens``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``n``, ``logprobs`` and ``resume``; cancellation stops generation.
+``stop_token_ids``, ``n``, ``logprobs``, ``prompt_logprobs`` and ``resume``; cancellation stops generation.
 Registers in Redis with ``shared.directory`` and publishes the prompt's full blocks after
 "prefill" (LRU-evicting past ``--num-blocks``). Test controls: ``--token-delay``,
 ``--first-token-delay``, ``--report-waiting``, ``--die-after-tokens`` (SIGKILL itself after
@@ -67,6 +67,23 @@ def fake_logprob(token: int, h: int, k: int, vocab: int) -> pb.TokenLogprob:
         other = FIRST_NORMAL_ID + (h >> (j % 13)) % (vocab - FIRST_NORMAL_ID)
         top.append(pb.TopLogprob(token_id=other, logprob=lp - 0.5 * j))
     return pb.TokenLogprob(logprob=lp, rank=1, top=top[:k])
+
+
+def fake_prompt_logprobs(prompt: list[int], k: int, vocab: int) -> list[pb.TokenLogprob]:
+    """What the fake worker sends for ``prompt_logprobs`` k: per prompt token after the
+    first, a logprob and rank from a hash of (position, token), and k other tokens."""
+    out = []
+    for p, tok in enumerate(prompt[1:], 1):
+        h = xxhash.xxh3_64_intdigest(struct.pack("<II", p, tok))
+        lp = -0.5 - (h % 1000) / 100.0
+        top = [
+            pb.TopLogprob(
+                token_id=FIRST_NORMAL_ID + (h >> j) % (vocab - FIRST_NORMAL_ID), logprob=-0.1 * j
+            )
+            for j in range(1, k + 1)
+        ]
+        out.append(pb.TokenLogprob(logprob=lp, rank=2 + h % 50, top=top))
+    return out
 
 
 def expected_output(
@@ -167,6 +184,10 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 if ending.is_set():
                     return
                 chunk = pb.GenerateChunk(request_id=request.request_id, worker_id=a.worker_id)
+                if sp.HasField("prompt_logprobs") and not request.resume and pos == [0] * n:
+                    chunk.prompt_logprobs.extend(
+                        fake_prompt_logprobs(prompt, sp.prompt_logprobs, a.vocab_size)
+                    )
                 for i in sorted(live):
                     tok, h = fake_token(key, i, pos[i], seed, a.vocab_size)
                     pos[i] += 1

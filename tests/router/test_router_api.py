@@ -201,6 +201,90 @@ def test_chat_echo_repeats_the_continued_message(cluster, tok):
     assert out.choices[0].message.content == expect(tok, uids, 6, ignore_eos=True)[1]
 
 
+def _post(cluster, path, **body):
+    r = httpx.post(f"{cluster.url}{path}", json={"model": MODEL_NAME, **body}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completion_echo_and_prompt_logprobs(cluster, tok):
+    # vLLM's echo (was a 400) and prompt_logprobs (was a 400): the fake worker's prompt
+    # logprobs (fake_prompt_logprobs) in vLLM's field and, with echo and logprobs, leading
+    # OpenAI's logprobs object
+    prompt = "echo me please"
+    ids = tok.encode(prompt)
+    toks, text, _ = expect(tok, ids, 5, ignore_eos=True)
+    fake = fw.fake_prompt_logprobs(ids, 2, VOCAB)
+    body = _post(
+        cluster, "/v1/completions", prompt=prompt, max_tokens=5, ignore_eos=True, echo=True, n=2
+    )
+    assert [c["text"] for c in body["choices"]] == [
+        prompt + expect(tok, ids, 5, index=i, ignore_eos=True)[1] for i in range(2)
+    ]
+    body = _post(
+        cluster, "/v1/completions", prompt=ids, max_tokens=5, ignore_eos=True, echo=True, logprobs=2
+    )
+    (c,) = body["choices"]
+    echoed = tok.decode(ids)
+    assert c["text"] == echoed + text
+    lp = c["logprobs"]
+    assert lp["tokens"] == [tok.token_str(t) for t in ids + toks]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx([f.logprob for f in fake])
+    assert lp["text_offset"][len(ids)] == len(echoed)  # the output's offsets follow the echo
+    assert c["prompt_logprobs"] == [None] + [
+        {
+            str(t): {
+                "logprob": pytest.approx(f.logprob),
+                "rank": f.rank,
+                "decoded_token": tok.token_str(t),
+            },
+            **{
+                str(x.token_id): {
+                    "logprob": pytest.approx(x.logprob),
+                    "rank": r,
+                    "decoded_token": tok.token_str(x.token_id),
+                }
+                for r, x in enumerate(f.top, 1)
+                if x.token_id != t
+            },
+        }
+        for t, f in zip(ids[1:], fake)
+    ]
+    # max_tokens 0 with echo: the prompt alone (one token is drawn and dropped, as in vLLM)
+    body = _post(cluster, "/v1/completions", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    (c,) = body["choices"]
+    assert c["text"] == prompt and c["finish_reason"] == "length"
+    assert len(c["logprobs"]["tokens"]) == len(ids)
+    # streamed echo: the same text, the prompt in each choice's first chunk
+    with httpx.stream(
+        "POST",
+        f"{cluster.url}/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "echo": True,
+            "stream": True,
+        },
+        timeout=30,
+    ) as r:
+        events = sse_events(r)
+    chunks = [e for e in events if e != "[DONE]"]
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
+    assert "".join(e["choices"][0]["text"] for e in chunks) == prompt + text
+    # prompt_logprobs alone; chat has them at the top level
+    body = _post(cluster, "/v1/completions", prompt=prompt, max_tokens=2, prompt_logprobs=0)
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and [list(d) for d in plp[1:]] == [[str(t)] for t in ids[1:]]
+    assert body["choices"][0]["logprobs"] is None
+    msgs = [{"role": "user", "content": "hi"}]
+    chat_ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), False)
+    body = _post(cluster, "/v1/chat/completions", messages=msgs, max_tokens=2, prompt_logprobs=1)
+    assert len(body["prompt_logprobs"]) == len(chat_ids) and body["prompt_logprobs"][0] is None
+
+
 def test_n2_gives_two_distinct_choices(cluster, tok):
     client = cluster.openai()
     out = client.completions.create(

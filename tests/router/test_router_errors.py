@@ -50,7 +50,10 @@ def post(r, path="/v1/completions", **body):
         ({"prompt": "x", "logprobs": 50}, "logprobs"),
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),  # --max-logprobs 20
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
         ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"99999999": 1.0}}, "logit_bias"),

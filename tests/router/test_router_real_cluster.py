@@ -107,6 +107,47 @@ def test_cached_prefix_routes_to_its_decode_worker(cluster):
         assert hit == first, f"trial {trial}: prefix on {first}, follow-up hit on {hit}"
 
 
+def test_prompt_logprobs_and_echo_through_the_cluster(cluster, tiny_llama):
+    """vLLM's prompt_logprobs and echo with logprobs, through the router and real workers:
+    equal to transformers' fp32 log-softmax; the decode worker computes the prompt itself (no
+    prefill worker, no cache read), whatever it already holds. Runs before the kill test."""
+    import random
+
+    from tests.engine.test_prompt_logprobs import hf_prompt_logprobs
+
+    c, url = cluster
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 2000) for _ in range(100)]
+    body = {"model": c.served_model_name, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt_logprobs": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    (choice,) = got["choices"]
+    assert choice["text"] == plain["text"]
+    plp = choice["prompt_logprobs"]
+    ref = hf_prompt_logprobs(tiny_llama, prompt)
+    assert plp[0] is None and len(plp) == len(prompt)
+    for p in range(1, len(prompt)):
+        row, tok = ref[p - 1], prompt[p]
+        entry = plp[p][str(tok)]
+        assert abs(entry["logprob"] - float(row[tok])) < 1e-4, p
+        assert entry["rank"] == int((row > row[tok]).sum()) + 1, p
+        assert {str(t) for t in row.topk(2).indices.tolist()} <= set(plp[p]), p
+    recent = httpx.get(f"{url}/dashboard/data", timeout=10).json()["recent"]
+    assert recent[0]["path"] == "local" and recent[0]["prefill_worker"] == ""
+    # echo with logprobs: the prompt's tokens lead, the first without a logprob
+    r = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 1}, timeout=120)
+    echo = r.json()["choices"][0]
+    lps = echo["logprobs"]["token_logprobs"]
+    assert len(lps) == len(prompt) + 3 and lps[0] is None
+    assert lps[1 : len(prompt)] == [
+        plp[p][str(prompt[p])]["logprob"] for p in range(1, len(prompt))
+    ]
+    assert echo["text"].endswith(plain["text"]) and len(echo["text"]) > len(plain["text"])
+
+
 def test_decode_killed_mid_stream_greedy_output_unchanged(cluster):
     import openai
 
