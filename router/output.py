@@ -41,6 +41,7 @@ class OutputParams:
     prompt_logprobs: int | None = None  # vLLM's: top-N per prompt token; None = none
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
+    return_token_ids: bool = False  # vLLM's: token ids with the text (streams: per chunk)
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class SampleDelta:
 
     index: int
     text: str
-    tokens: Sequence[TokenEntry]  # only when logprobs were requested
+    tokens: Sequence[TokenEntry]  # only when logprobs or token ids were requested
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -97,7 +98,7 @@ class SampleOutput:
         self._step = self.tokenizer.stepper(p.skip_special_tokens)
         max_stop = max((len(s) for s in p.stop), default=0)
         self._hold = 0 if p.include_stop_str_in_output else max(0, max_stop - 1)
-        self._want_entries = p.logprobs is not None
+        self._want_entries = p.logprobs is not None or p.return_token_ids
         self._plain = not p.stop and not self._want_entries
 
     @property

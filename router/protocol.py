@@ -56,6 +56,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     cache_salt: str | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids
     use_beam_search: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -210,6 +211,8 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     # vLLM's: [None, {token id: {"logprob", "rank", "decoded_token"}}, ...] when asked for
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -248,6 +251,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -259,6 +263,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     usage: UsageInfo
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ModelCard(BaseModel):

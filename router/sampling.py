@@ -489,5 +489,6 @@ def build_params(
         prompt_logprobs=prompt_logprobs,
         echo=isinstance(req, CompletionRequest) and req.echo,
         echo_only=echo_only(req),
+        return_token_ids=bool(req.return_token_ids),
     )
     return sp, out

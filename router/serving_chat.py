@@ -267,6 +267,7 @@ def _body(
                 message=message,
                 finish_reason=finish,
                 stop_reason=s.stop_reason,
+                token_ids=s.token_ids if params.return_token_ids else None,
                 logprobs=ChatChoiceLogprobs(**chat_logprobs(ctx, params, entries.get(s.index, [])))
                 if params.logprobs is not None
                 else None,
@@ -283,6 +284,7 @@ def _body(
         )
         if params.prompt_logprobs is not None
         else None,
+        prompt_token_ids=gen.prompts[0] if params.return_token_ids else None,
     )
     return JSONResponse(body.model_dump())
 
@@ -316,24 +318,32 @@ def _stream(
 
     tool_streams = {i: plan.stream() for i in range(len(gen.samples))} if plan.parses else None
 
+    ids = params.return_token_ids
+
     def chunk(
         index: int,
         delta: dict[str, Any],
         logprobs: dict[str, Any] | None = None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
+        token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
+        tail = frame.tail()
+        if prompt_token_ids is not None:  # a chunk-level field, after the choices
+            tail = f'],"prompt_token_ids":{json.dumps(prompt_token_ids)}{tail[1:]}'
+        extra = "" if token_ids is None else f',"token_ids":{json.dumps(token_ids)}'
         return (
             f'{frame.head}{index},"delta":{json.dumps(delta, ensure_ascii=False)},'
             f'"logprobs":{json.dumps(logprobs, ensure_ascii=False)},'
             f'"finish_reason":{json.dumps(finish_reason)},'
-            f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}}}{frame.tail()}'
+            f'"stop_reason":{json.dumps(stop_reason, ensure_ascii=False)}{extra}}}{tail}'
         )
 
     def event(d: SampleDelta) -> str | None:
         """The SSE event(s) of one delta: the role chunk first for a choice's first delta
         (None: nothing to send)."""
-        if not d.text and d.finish_reason is None and not (want_lp and d.tokens):
+        if not d.text and d.finish_reason is None and not ((want_lp or ids) and d.tokens):
             return None
         finish = d.finish_reason
         delta: dict[str, Any]
@@ -342,7 +352,7 @@ def _stream(
             out = tools.feed(d.text, last=finish is not None)
             if finish is not None:
                 finish = tool_finish_reason(plan, tools, finish)
-            if not out and finish is None and not (want_lp and d.tokens):
+            if not out and finish is None and not ((want_lp or ids) and d.tokens):
                 return None  # held back (a tag or a call being written)
             delta = {}
             if out.content or (finish is None and not out.tool_calls):
@@ -354,18 +364,26 @@ def _stream(
         first = ""
         if d.index not in role_sent:
             role_sent.add(d.index)
-            first = chunk(d.index, {"role": role, "content": ""})
+            # vLLM's return_token_ids: the prompt's ids with the stream's first chunk
+            prompt_ids = gen.prompts[0] if ids and not role_sent - {d.index} else None
+            first = chunk(
+                d.index,
+                {"role": role, "content": ""},
+                token_ids=[] if ids else None,
+                prompt_token_ids=prompt_ids,
+            )
             if echo:
-                first += chunk(d.index, {"content": echo})
+                first += chunk(d.index, {"content": echo}, token_ids=[] if ids else None)
         return first + chunk(
             d.index,
             delta,
             chat_logprobs(ctx, params, d.tokens) if want_lp else None,
             finish,
             d.stop_reason,
+            [e.token_id for e in d.tokens] if ids else None,
         )
 
-    plain = not want_lp and not frame.continuous and tool_streams is None
+    plain = not want_lp and not frame.continuous and tool_streams is None and not ids
 
     def fast(deltas: list[SampleDelta]) -> str | None:
         """One sample's next text: the per-token chunk, the same bytes as

@@ -156,6 +156,8 @@ def _body(
                 )
                 if params.prompt_logprobs is not None
                 else None,
+                prompt_token_ids=gen.prompts[i] if params.return_token_ids else None,
+                token_ids=s.token_ids if params.return_token_ids else None,
             )
         )
     body = CompletionResponse(
@@ -190,6 +192,8 @@ def _stream(
     given: list[str | None] = texts if texts is not None else [None] * len(gen.prompts)
     echo = _Echo(ctx, gen, params, given) if params.echo else None
     bases: dict[int, int] = {}  # with echo: each choice's echoed characters (logprob offsets)
+    ids = params.return_token_ids
+    ids_sent: set[int] = set()
 
     def event(d: SampleDelta) -> str | None:
         """The SSE event of one delta (None: nothing to send)."""
@@ -202,7 +206,7 @@ def _stream(
                 echo_text, echoed = echo.of(d.index)
                 bases[d.index] = len(echo_text)
                 text = echo_text + text
-        if not want_lp:
+        if not want_lp and not ids:
             if not text and d.finish_reason is None:
                 return None
             return (
@@ -212,19 +216,26 @@ def _stream(
             )
         if not text and d.finish_reason is None and not tokens and not echoed:
             return None
-        choice = {
+        choice: dict[str, Any] = {
             "index": d.index,
             "text": text,
-            "logprobs": _joined_logprobs(ctx, params, echoed, bases.get(d.index, 0), tokens),
+            "logprobs": _joined_logprobs(ctx, params, echoed, bases.get(d.index, 0), tokens)
+            if want_lp
+            else None,
             "finish_reason": d.finish_reason,
             "stop_reason": d.stop_reason,
         }
+        if ids:  # vLLM's: the prompt's ids in each choice's first chunk, then the new ones
+            if d.index not in ids_sent:
+                ids_sent.add(d.index)
+                choice["prompt_token_ids"] = gen.prompts[d.index // params.n]
+            choice["token_ids"] = [e.token_id for e in tokens]
         chunk = {**head, "choices": [choice]}
         if frame.include_usage:
             chunk["usage"] = gen.usage().model_dump() if frame.continuous else None
         return sse(chunk)
 
-    plain = not want_lp and not frame.continuous and echo is None
+    plain = not want_lp and not frame.continuous and echo is None and not ids
 
     def fast(deltas: list[SampleDelta]) -> str | None:
         """One sample's next text: the per-token chunk."""

@@ -285,6 +285,78 @@ def test_completion_echo_and_prompt_logprobs(cluster, tok):
     assert len(body["prompt_logprobs"]) == len(chat_ids) and body["prompt_logprobs"][0] is None
 
 
+def test_return_token_ids(cluster, tok):
+    # vLLM's return_token_ids (RL and agent frameworks read the ids instead of re-tokenizing):
+    # the prompt's and each choice's ids, streamed per chunk. Was ignored as an unknown field.
+    prompt = "token ids please"
+    ids = tok.encode(prompt)
+    body = _post(
+        cluster,
+        "/v1/completions",
+        prompt=prompt,
+        max_tokens=6,
+        ignore_eos=True,
+        n=2,
+        return_token_ids=True,
+    )
+    for c in body["choices"]:
+        assert c["prompt_token_ids"] == ids
+        assert c["token_ids"] == expect(tok, ids, 6, index=c["index"], ignore_eos=True)[0]
+    with httpx.stream(
+        "POST",
+        f"{cluster.url}/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "n": 2,
+            "stream": True,
+            "return_token_ids": True,
+        },
+        timeout=30,
+    ) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    for i in range(2):
+        mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == ids
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        streamed = [t for c in mine for t in c["token_ids"]]
+        assert streamed == expect(tok, ids, 6, index=i, ignore_eos=True)[0]
+    msgs = [{"role": "user", "content": "ids"}]
+    chat_ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), False)
+    want = expect(tok, chat_ids, 5, ignore_eos=True)[0]
+    body = _post(
+        cluster,
+        "/v1/chat/completions",
+        messages=msgs,
+        max_tokens=5,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
+    assert body["prompt_token_ids"] == chat_ids and body["choices"][0]["token_ids"] == want
+    with httpx.stream(
+        "POST",
+        f"{cluster.url}/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": msgs,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+        timeout=30,
+    ) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    assert chunks[0]["prompt_token_ids"] == chat_ids
+    assert all("prompt_token_ids" not in e for e in chunks[1:])
+    assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == want
+    # without the flag: no ids anywhere
+    body = _post(cluster, "/v1/completions", prompt=prompt, max_tokens=2)
+    assert body["choices"][0]["token_ids"] is None
+
+
 def test_n2_gives_two_distinct_choices(cluster, tok):
     client = cluster.openai()
     out = client.completions.create(
