@@ -62,6 +62,7 @@ class SamplingFields(OpenAIModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None

@@ -62,8 +62,11 @@ def warn_unknown_fields(req: OpenAIModel) -> None:
         logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
 
 
-def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` tokens (-1 = max_model_len)."""
+def truncate_prompt(
+    ids: list[int], k: int | None, max_model_len: int, side: str | None = None
+) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` tokens (-1 = max_model_len), or
+    the first ``k`` with ``truncation_side`` "right"."""
     if k is None:
         return ids
     if k == -1:
@@ -72,7 +75,7 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
         raise InvalidRequestError(
             "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
         )
-    return ids[-k:]
+    return ids[:k] if side == "right" else ids[-k:]
 
 
 async def prepare_prompt_runs(

@@ -211,7 +211,11 @@ async def prepare_chat(
         kwargs=req.chat_template_kwargs,
         chat_template=req.chat_template,
     )
-    return plan, [truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len)]
+    return plan, [
+        truncate_prompt(
+            ids, req.truncate_prompt_tokens, ctx.limits.max_model_len, req.truncation_side
+        )
+    ]
 
 
 def chat_tool_plan(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:

@@ -50,7 +50,11 @@ async def tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list[
     out = []
     for ids in raw:
         ctx.check_token_ids(ids)
-        out.append(truncate_prompt(ids, req.truncate_prompt_tokens, ctx.limits.max_model_len))
+        out.append(
+            truncate_prompt(
+                ids, req.truncate_prompt_tokens, ctx.limits.max_model_len, req.truncation_side
+            )
+        )
     return out
 
 

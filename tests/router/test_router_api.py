@@ -357,6 +357,26 @@ def test_return_token_ids(cluster, tok):
     assert body["choices"][0]["token_ids"] is None
 
 
+@pytest.mark.parametrize(
+    "side, keep", [(None, slice(-4, None)), ("left", slice(-4, None)), ("right", slice(0, 4))]
+)
+def test_truncation_side(cluster, side, keep):
+    # vLLM's truncation_side with truncate_prompt_tokens ("right" keeps the first tokens);
+    # was ignored as an unknown field, so "right" silently kept the last ones
+    ids = list(range(100, 110))
+    extra = {} if side is None else {"truncation_side": side}
+    body = _post(
+        cluster,
+        "/v1/completions",
+        prompt=ids,
+        max_tokens=1,
+        truncate_prompt_tokens=4,
+        return_token_ids=True,
+        **extra,
+    )
+    assert body["choices"][0]["prompt_token_ids"] == ids[keep]
+
+
 def test_n2_gives_two_distinct_choices(cluster, tok):
     client = cluster.openai()
     out = client.completions.create(
