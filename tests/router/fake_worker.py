@@ -160,6 +160,8 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         try:
             prompt = list(request.prompt_token_ids)
             sp = request.sampling
+            if request.resume and sp.HasField("prompt_logprobs"):
+                print("prompt_logprobs asked on a resume", file=sys.stderr, flush=True)
             n = max(1, sp.n)
             max_tokens = (
                 sp.max_tokens if sp.HasField("max_tokens") else a.max_model_len - len(prompt)

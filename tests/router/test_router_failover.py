@@ -66,6 +66,41 @@ def test_decode_killed_mid_stream_resumes_identically(make_worker, make_router, 
     assert backup.stats().prefix_cache_queries == 1
 
 
+def test_prompt_logprobs_survive_a_failover(make_worker, make_router, router_config, tok):
+    """They come with the first token; the attempt that resumes after the crash does not ask
+    for them again (the backup would compute the whole prompt for nothing), and the answer
+    carries the first attempt's."""
+    make_worker("doomed", token_delay=0.01, die_after_tokens=5)
+    backup = make_worker("backup", report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(2)
+    time.sleep(0.3)
+    prompt = "prompt logprobs outlive a crash"
+    ids = tok.encode(prompt)
+    resp = httpx.post(
+        f"{r.url}/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "prompt_logprobs": 1,
+        },
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    (c,) = resp.json()["choices"]
+    expected, _ = fw.expected_output(ids, max_tokens=12, vocab=2048, ignore_eos=True)
+    assert c["text"] == tok.decode(expected)
+    fake = fw.fake_prompt_logprobs(ids, 1, 2048)
+    assert [d[str(t)]["logprob"] for d, t in zip(c["prompt_logprobs"][1:], ids[1:])] == (
+        pytest.approx([f.logprob for f in fake])
+    )
+    assert r.metric("pdserve:router_retries_total") == 1
+    assert backup.stats().prefix_cache_queries == 1  # the resumed attempt went there
+    assert "prompt_logprobs asked on a resume" not in backup.stderr()
+
+
 def test_failover_with_n2_non_streaming(make_worker, make_router, router_config, tok):
     make_worker("doomed", token_delay=0.01, die_after_tokens=9)  # 9 tokens over 2 samples
     make_worker("backup", report_waiting=3)
