@@ -81,6 +81,7 @@ class Result:
     status: int = 200
     detail: str = ""
     started_at: float = 0.0  # time.monotonic() when the request was sent
+    retried: bool = False  # sent again on a new connection (see _STALE_CONNECTION)
 
 
 def classify(got: list[int], want: tuple[int, ...], error: str | None) -> str:
@@ -105,6 +106,22 @@ def token_ids(logprobs: dict | None) -> list[int]:
     return [int(t.split(":", 1)[1]) for t in logprobs.get("tokens", [])]
 
 
+def _stale_connection_errors() -> tuple[type[BaseException], ...]:
+    import httpx
+
+    return (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+# kill -9 of the router: a request that failed before any response on a reading / writing
+# error went out on a kept-alive connection to the killed router (its FIN had not reached the
+# client's pool yet). HTTP clients send such a request again on a new connection (the openai
+# SDK retries connection errors), and so does the load of that fault, once. A CI run counted
+# one such request, sent after the kill, as a lost stream ("ReadError('')", no response). A
+# refused connection (ConnectError) is not retried: it stays a lost request. Other faults do
+# not retry at all (no server there closes a client's connection).
+_STALE_CONNECTION = _stale_connection_errors()
+
+
 async def stream_one(
     client,
     url: str,
@@ -113,9 +130,11 @@ async def stream_one(
     pause_s: float = 0.0,
     cancel_after: int | None = None,
     timeout_s: float = 120.0,
+    retry_stale: bool = False,
 ) -> Result:
     """One streaming completion; ``pause_s``: stop reading after the first chunk for that
-    long (a slow client); ``cancel_after``: disconnect after that many tokens."""
+    long (a slow client); ``cancel_after``: disconnect after that many tokens;
+    ``retry_stale``: see ``_STALE_CONNECTION``."""
     body = {
         "model": model,
         "prompt": case.prompt,
@@ -127,37 +146,51 @@ async def stream_one(
         "return_tokens_as_token_ids": True,
     }
     t0 = time.monotonic()
-    got: list[int] = []
-    error = None
-    status = 200
-    try:
-        async with client.stream(
-            "POST", f"{url}/v1/completions", json=body, timeout=timeout_s
-        ) as resp:
-            status = resp.status_code
-            if status != 200:
-                error = (await resp.aread()).decode(errors="replace")[:200]
-            else:
-                paused = False
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        error = json.dumps(ev["error"])[:200]
-                        break
-                    for ch in ev.get("choices") or ():
-                        got += token_ids(ch.get("logprobs"))
-                    if pause_s and not paused and got:
-                        paused = True
-                        await asyncio.sleep(pause_s)
-                    if cancel_after is not None and len(got) >= cancel_after:
-                        return Result("cancel", "cancelled", time.monotonic() - t0)
-    except Exception as e:  # noqa: BLE001 - a transport failure is a lost stream
-        error = repr(e)[:200]
+    retried = False
+    for attempt in range(2):
+        got: list[int] = []
+        error = None
+        status = 0  # no response yet
+        try:
+            async with client.stream(
+                "POST", f"{url}/v1/completions", json=body, timeout=timeout_s
+            ) as resp:
+                status = resp.status_code
+                if status != 200:
+                    error = (await resp.aread()).decode(errors="replace")[:200]
+                else:
+                    paused = False
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        ev = json.loads(line[6:])
+                        if "error" in ev:
+                            error = json.dumps(ev["error"])[:200]
+                            break
+                        for ch in ev.get("choices") or ():
+                            got += token_ids(ch.get("logprobs"))
+                        if pause_s and not paused and got:
+                            paused = True
+                            await asyncio.sleep(pause_s)
+                        if cancel_after is not None and len(got) >= cancel_after:
+                            return Result("cancel", "cancelled", time.monotonic() - t0)
+        except _STALE_CONNECTION as e:
+            if retry_stale and status == 0 and attempt == 0:
+                retried = True
+                continue  # see _STALE_CONNECTION: sent again, on a new connection
+            error = repr(e)[:200]
+        except Exception as e:  # noqa: BLE001 - a transport failure is a lost stream
+            error = repr(e)[:200]
+        break
     kind = "slow" if pause_s else "stream"
     return Result(
-        kind, classify(got, case.expected, error), time.monotonic() - t0, status, error or "", t0
+        kind,
+        classify(got, case.expected, error),
+        time.monotonic() - t0,
+        status,
+        error or "",
+        t0,
+        retried,
     )
 
 
@@ -366,6 +399,7 @@ class Load:
         self.rng = random.Random(seed)
         self.results: list[Result] = []
         self.slow_pause = 0.0
+        self.retry_stale = False  # kill-router: see _STALE_CONNECTION
         self.slow_clients = 0
         self._stop = asyncio.Event()
 
@@ -376,7 +410,11 @@ class Load:
             if self.slow_clients > 0:
                 self.slow_clients -= 1
                 pause = self.slow_pause
-            self.results.append(await stream_one(client, self.url, self.model, case, pause))
+            self.results.append(
+                await stream_one(
+                    client, self.url, self.model, case, pause, retry_stale=self.retry_stale
+                )
+            )
 
     async def run(self, until: asyncio.Event) -> None:
         import httpx
@@ -399,6 +437,7 @@ def summarize(results: list[Result]) -> dict:
         "wrong": outcomes.get("wrong", 0),
         "cancelled": outcomes.get("cancelled", 0),
         "cut": outcomes.get("cut", 0),
+        "retried_on_a_new_connection": sum(r.retried for r in results),
         "longest_s": round(max((r.seconds for r in results), default=0.0), 2),
         "p50_s": round(statistics.median([r.seconds for r in results]), 3) if results else 0.0,
         "statuses": dict(Counter(r.status for r in results)),
@@ -467,6 +506,7 @@ async def inject(fault: str, cluster, sup: Supervisor, args) -> str:
 async def run_fault(fault: str, cluster, sup: Supervisor, cases: list[Case], args) -> dict:
     model = cluster.served_model_name
     load = Load(cluster.url, model, cases, args.streams, seed=hash(fault) & 0xFFFF)
+    load.retry_stale = fault == "kill-router"
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(stop))
     await asyncio.sleep(args.before)
