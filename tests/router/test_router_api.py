@@ -201,6 +201,13 @@ def test_chat_echo_repeats_the_continued_message(cluster, tok):
     assert out.choices[0].message.content == expect(tok, uids, 6, ignore_eos=True)[1]
 
 
+def _sse(cluster, path, **body) -> list:
+    with httpx.stream(
+        "POST", f"{cluster.url}{path}", json={"model": MODEL_NAME, **body}, timeout=30
+    ) as r:
+        return sse_events(r)
+
+
 def _post(cluster, path, **body):
     r = httpx.post(f"{cluster.url}{path}", json={"model": MODEL_NAME, **body}, timeout=30)
     assert r.status_code == 200, r.text
@@ -257,20 +264,15 @@ def test_completion_echo_and_prompt_logprobs(cluster, tok):
     assert c["text"] == prompt and c["finish_reason"] == "length"
     assert len(c["logprobs"]["tokens"]) == len(ids)
     # streamed echo: the same text, the prompt in each choice's first chunk
-    with httpx.stream(
-        "POST",
-        f"{cluster.url}/v1/completions",
-        json={
-            "model": MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": 5,
-            "ignore_eos": True,
-            "echo": True,
-            "stream": True,
-        },
-        timeout=30,
-    ) as r:
-        events = sse_events(r)
+    events = _sse(
+        cluster,
+        "/v1/completions",
+        prompt=prompt,
+        max_tokens=5,
+        ignore_eos=True,
+        echo=True,
+        stream=True,
+    )
     chunks = [e for e in events if e != "[DONE]"]
     assert chunks[0]["choices"][0]["text"].startswith(prompt)
     assert "".join(e["choices"][0]["text"] for e in chunks) == prompt + text
@@ -302,21 +304,20 @@ def test_return_token_ids(cluster, tok):
     for c in body["choices"]:
         assert c["prompt_token_ids"] == ids
         assert c["token_ids"] == expect(tok, ids, 6, index=c["index"], ignore_eos=True)[0]
-    with httpx.stream(
-        "POST",
-        f"{cluster.url}/v1/completions",
-        json={
-            "model": MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": 6,
-            "ignore_eos": True,
-            "n": 2,
-            "stream": True,
-            "return_token_ids": True,
-        },
-        timeout=30,
-    ) as r:
-        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    chunks = [
+        e
+        for e in _sse(
+            cluster,
+            "/v1/completions",
+            prompt=prompt,
+            max_tokens=6,
+            ignore_eos=True,
+            n=2,
+            stream=True,
+            return_token_ids=True,
+        )
+        if e != "[DONE]"
+    ]
     for i in range(2):
         mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
         assert mine[0]["prompt_token_ids"] == ids
@@ -335,20 +336,19 @@ def test_return_token_ids(cluster, tok):
         return_token_ids=True,
     )
     assert body["prompt_token_ids"] == chat_ids and body["choices"][0]["token_ids"] == want
-    with httpx.stream(
-        "POST",
-        f"{cluster.url}/v1/chat/completions",
-        json={
-            "model": MODEL_NAME,
-            "messages": msgs,
-            "max_tokens": 5,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        },
-        timeout=30,
-    ) as r:
-        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    chunks = [
+        e
+        for e in _sse(
+            cluster,
+            "/v1/chat/completions",
+            messages=msgs,
+            max_tokens=5,
+            ignore_eos=True,
+            stream=True,
+            return_token_ids=True,
+        )
+        if e != "[DONE]"
+    ]
     assert chunks[0]["prompt_token_ids"] == chat_ids
     assert all("prompt_token_ids" not in e for e in chunks[1:])
     assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == want
