@@ -3,16 +3,29 @@
 Each is cached under ``~/.cache/torch_extensions`` by a name that hashes its source, its flags,
 torch's version and the CPU's feature flags, so a changed kernel, or a cache dir shared with
 another CPU model (AMX or not), builds afresh instead of loading a stale or illegal binary.
+
+torch serializes the processes that build or load one extension with a plain ``lock`` file in
+its build directory, which a process killed while it holds it (Ctrl-C of a first ``pdserve
+up``, kill -9 of a starting worker) leaves behind: every later load then waits on it forever,
+silently. So pdserve's processes first take a ``flock`` on their own file in that directory
+(the kernel drops it when its holder dies); whoever holds it is the only pdserve process in
+``load``, so a ``lock`` file found then is stale and is removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
 import platform
+import time
 from pathlib import Path
+from typing import IO
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def cpu_flags() -> str:
@@ -37,12 +50,41 @@ def extension_name(prefix: str, source: Path, flags: list[str]) -> str:
 
 def build(prefix: str, source: Path, flags: list[str]):  # type: ignore[no-untyped-def]
     """Build (or load the cached build of) ``source``; raises what the compiler raises."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    return load(
-        name=extension_name(prefix, source, flags),
-        sources=[str(source)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")),
-    )
+    name = extension_name(prefix, source, flags)
+    directory = Path(_get_build_directory(name, verbose=False))  # torch's own: caches shared
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "pdserve.flock", "a") as guard:
+        _flock(guard, name)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build or load that was killed", stale)
+            stale.unlink(missing_ok=True)
+        return load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")),
+        )  # the flock goes with the file's close (or this process's death)
+
+
+def _flock(f: IO[str], name: str) -> None:
+    """Take ``f``'s exclusive flock, saying every 30 s that another process holds it (a build
+    on 2 cores takes a minute or two; a holder that dies releases it)."""
+    t0 = time.monotonic()
+    said = 0.0
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - t0
+            if waited - said >= 30.0:
+                said = waited
+                logger.warning(
+                    "waiting %.0f s for another process building or loading %s", waited, name
+                )
+            time.sleep(0.1)

@@ -1,0 +1,50 @@
+"""The C++ extensions' build lock (``kernels/cpp_build.py``).
+
+torch's ``load`` serializes processes with a plain ``lock`` file in the build directory. A
+process killed while it holds it (Ctrl-C of a first ``pdserve up`` while a worker built or
+loaded the kernels) left it behind, and every later worker waited on it forever without a word:
+``pdserve up`` then never started. Found trying ``make up`` on a fresh clone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import _get_build_directory
+
+from kernels import cpu_paged
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+LOAD = (
+    "from kernels import cpp_build, cpu_paged; "
+    "cpp_build.build('pdserve_cpu_paged', cpu_paged.SOURCE, cpu_paged._FLAGS); print('loaded')"
+)
+
+
+def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_one():
+    directory = Path(_get_build_directory(cpu_paged.extension_name(), verbose=False))
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = directory / "lock"
+    stale.touch()  # what torch's FileBaton leaves when its holder is killed
+    try:
+        # (a build from scratch takes a minute or two on 2 cores; a cached load a second)
+        out = subprocess.run(
+            [sys.executable, "-c", LOAD],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    finally:
+        leftover = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("loaded")
+    assert not leftover
+    assert "left by a build or load that was killed" in out.stderr
