@@ -79,6 +79,9 @@ def test_a_cached_prompt_is_computed_again_and_only_for_them(tiny_llama):
     assert [c.token_ids for c in with_lp.outputs] == [first.outputs[0].token_ids] * 2
     again = llm.generate([{"prompt_token_ids": prompt}], greedy)[0]
     assert again.num_cached_tokens >= 192  # requests without them still hit the cache
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.engine.check_integrity()  # the recomputed copies of cached blocks were accounted for
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks, "blocks leaked"
 
 
 def _run(engine) -> dict:
