@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 FAULTS = (
     "kill-decode",
     "kill-prefill",
@@ -106,12 +108,6 @@ def token_ids(logprobs: dict | None) -> list[int]:
     return [int(t.split(":", 1)[1]) for t in logprobs.get("tokens", [])]
 
 
-def _stale_connection_errors() -> tuple[type[BaseException], ...]:
-    import httpx
-
-    return (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
-
 # kill -9 of the router: a request that failed before any response on a reading / writing
 # error went out on a kept-alive connection to the killed router (its FIN had not reached the
 # client's pool yet). HTTP clients send such a request again on a new connection (the openai
@@ -119,7 +115,7 @@ def _stale_connection_errors() -> tuple[type[BaseException], ...]:
 # one such request, sent after the kill, as a lost stream ("ReadError('')", no response). A
 # refused connection (ConnectError) is not retried: it stays a lost request. Other faults do
 # not retry at all (no server there closes a client's connection).
-_STALE_CONNECTION = _stale_connection_errors()
+_STALE_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 async def stream_one(
@@ -330,8 +326,6 @@ def worker_pid(cluster, name: str) -> int:
 def wait_healthy(cluster, timeout_s: float = 120.0) -> float:
     """Until every worker is ready (again) and the router sees both decode workers and the
     prefill worker; returns the seconds it took."""
-    import httpx
-
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         ok = all(c.proc.poll() is None and c.restart_at is None for c in cluster.children)
@@ -417,8 +411,6 @@ class Load:
             )
 
     async def run(self, until: asyncio.Event) -> None:
-        import httpx
-
         limits = httpx.Limits(max_connections=self.streams * 3)
         async with httpx.AsyncClient(limits=limits) as client:
             tasks = [asyncio.create_task(self._client(client, i)) for i in range(self.streams)]
@@ -549,8 +541,6 @@ async def run_fault(fault: str, cluster, sup: Supervisor, cases: list[Case], arg
 
 
 async def _slow_readers(url: str, model: str, cases: list[Case], pause_s: float) -> list[Result]:
-    import httpx
-
     async with httpx.AsyncClient() as client:
         long_cases = sorted(cases, key=lambda c: -c.max_tokens)[:8]
         return list(
@@ -567,8 +557,6 @@ async def _slow_readers(url: str, model: str, cases: list[Case], pause_s: float)
 
 
 async def soak(cluster, cases: list[Case], n: int, concurrency: int, seed: int) -> dict:
-    import httpx
-
     rng = random.Random(seed)
     model = cluster.served_model_name
     results: list[Result] = []
@@ -701,8 +689,6 @@ def make_cases(vocab: int, n: int, seed: int) -> list[Case]:
 
 async def expected_outputs(url: str, model: str, cases: list[Case]) -> list[Case]:
     """Each case's output, undisturbed: the oracle every later run is compared with."""
-    import httpx
-
     out = []
     async with httpx.AsyncClient() as client:
         for c in cases:
