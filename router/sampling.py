@@ -425,8 +425,7 @@ def requested_prompt_logprobs(req: SamplingRequest, limits: Limits) -> int | Non
         if req.stream:
             raise _bad("prompt_logprobs are not available when stream=True", "prompt_logprobs")
         return plp
-    echo = isinstance(req, (CompletionRequest, ChatCompletionRequest)) and req.echo
-    if not echo:
+    if not req.echo:
         return None
     if isinstance(req, ChatCompletionRequest):
         return req.top_logprobs if req.logprobs else None

@@ -369,7 +369,7 @@ def _stream(
         if d.index not in role_sent:
             role_sent.add(d.index)
             # vLLM's return_token_ids: the prompt's ids with the stream's first chunk
-            prompt_ids = gen.prompts[0] if ids and not role_sent - {d.index} else None
+            prompt_ids = gen.prompts[0] if ids and len(role_sent) == 1 else None
             first = chunk(
                 d.index,
                 {"role": role, "content": ""},

@@ -137,6 +137,14 @@ def _body(
     created: int,
 ) -> JSONResponse:
     echo = _Echo(ctx, gen, params, texts)
+    prompt_logprobs = (  # per prompt, shared by its n choices
+        [
+            vllm_prompt_logprobs(ctx, params, p, stream.prompt_logprobs)
+            for p, stream in zip(gen.prompts, gen.streams, strict=True)
+        ]
+        if params.prompt_logprobs is not None
+        else None
+    )
     choices = []
     for s in gen.samples:
         i = s.index // params.n
@@ -155,11 +163,7 @@ def _body(
                 )
                 if params.logprobs is not None
                 else None,
-                prompt_logprobs=vllm_prompt_logprobs(
-                    ctx, params, gen.prompts[i], gen.streams[i].prompt_logprobs
-                )
-                if params.prompt_logprobs is not None
-                else None,
+                prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs[i],
                 prompt_token_ids=gen.prompts[i] if params.return_token_ids else None,
                 token_ids=s.token_ids if params.return_token_ids else None,
             )

@@ -292,32 +292,12 @@ def test_return_token_ids(cluster, tok):
     # the prompt's and each choice's ids, streamed per chunk. Was ignored as an unknown field.
     prompt = "token ids please"
     ids = tok.encode(prompt)
-    body = _post(
-        cluster,
-        "/v1/completions",
-        prompt=prompt,
-        max_tokens=6,
-        ignore_eos=True,
-        n=2,
-        return_token_ids=True,
-    )
+    req = dict(prompt=prompt, max_tokens=6, ignore_eos=True, n=2, return_token_ids=True)
+    body = _post(cluster, "/v1/completions", **req)
     for c in body["choices"]:
         assert c["prompt_token_ids"] == ids
         assert c["token_ids"] == expect(tok, ids, 6, index=c["index"], ignore_eos=True)[0]
-    chunks = [
-        e
-        for e in _sse(
-            cluster,
-            "/v1/completions",
-            prompt=prompt,
-            max_tokens=6,
-            ignore_eos=True,
-            n=2,
-            stream=True,
-            return_token_ids=True,
-        )
-        if e != "[DONE]"
-    ]
+    chunks = [e for e in _sse(cluster, "/v1/completions", **req, stream=True) if e != "[DONE]"]
     for i in range(2):
         mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
         assert mine[0]["prompt_token_ids"] == ids
@@ -327,28 +307,10 @@ def test_return_token_ids(cluster, tok):
     msgs = [{"role": "user", "content": "ids"}]
     chat_ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), False)
     want = expect(tok, chat_ids, 5, ignore_eos=True)[0]
-    body = _post(
-        cluster,
-        "/v1/chat/completions",
-        messages=msgs,
-        max_tokens=5,
-        ignore_eos=True,
-        return_token_ids=True,
-    )
+    req = dict(messages=msgs, max_tokens=5, ignore_eos=True, return_token_ids=True)
+    body = _post(cluster, "/v1/chat/completions", **req)
     assert body["prompt_token_ids"] == chat_ids and body["choices"][0]["token_ids"] == want
-    chunks = [
-        e
-        for e in _sse(
-            cluster,
-            "/v1/chat/completions",
-            messages=msgs,
-            max_tokens=5,
-            ignore_eos=True,
-            stream=True,
-            return_token_ids=True,
-        )
-        if e != "[DONE]"
-    ]
+    chunks = [e for e in _sse(cluster, "/v1/chat/completions", **req, stream=True) if e != "[DONE]"]
     assert chunks[0]["prompt_token_ids"] == chat_ids
     assert all("prompt_token_ids" not in e for e in chunks[1:])
     assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == want
