@@ -110,9 +110,14 @@ def test_direct_streaming_sends_what_the_coroutine_sends(tiny_llama, tmp_path, m
     monkeypatch.setattr(decode_server, "DIRECT_STREAM", True)
     on, on_direct = _stream(tiny_llama, tmp_path, direct=True)
     assert off_direct == 0
-    # every token but each one-sample request's last went straight out (n = 2 never does)
-    one_sample = [(m, n) for _, _, m, n, _ in REQUESTS if n == 1]
-    assert on_direct == sum(m - 1 for m, _ in one_sample), on_direct
+    # At most every token but each one-sample request's last went straight out (n = 2 never
+    # does). How many did depends on timing, not only on the code: a step's output that lands
+    # while the request's coroutine is not waiting on its queue (still adding the request, or
+    # handing the previous chunk to the call on a loaded host) goes through the queue, as it
+    # must; a CI run saw 29 of 32. That the path ran at all is what makes the comparison below
+    # mean something.
+    most = sum(m - 1 for _, _, m, n, _ in REQUESTS if n == 1)
+    assert 0 < on_direct <= most, (on_direct, most)
     for rid, prompt, max_tokens, n, logprobs in REQUESTS:
         a, b = _view(off[rid]), _view(on[rid])
         assert a == b, rid
