@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvtransfer.errors import ChecksumMismatchError, KVTransferError, TransferTimeoutError
 from shared.config import env_flag
@@ -112,6 +113,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         self.channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self.fallbacks = 0
         self.direct_tokens = 0  # tokens ``_direct`` streamed
+        self.remote_prefills_noted = 0  # remote prefills taken from the transfer's note
+        self._replies: set[asyncio.Future] = set()  # Prefill calls left to end on their own
         runtime.role_hook = self._on_step
         runtime.on_hang.append(self._fail_inflight)
 
@@ -434,10 +437,11 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         transfer_id = f"{req.request_id}:{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
         handle = None
+        reply: asyncio.Future | None = None
         try:
             handle = self.receiver.expect(transfer_id, block_ids, timeout_s=self.prefill_timeout_s)
             flight.recv_handle = handle
-            result = await self._stub(req.prefill_address).Prefill(
+            call = self._stub(req.prefill_address).Prefill(
                 pb.PrefillRequest(
                     request_id=req.request_id,
                     prompt_token_ids=req.prompt_token_ids,
@@ -452,8 +456,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 timeout=self.prefill_timeout_s,
                 metadata=self.rt.security.call_metadata,
             )
-            remaining = max(0.1, self.prefill_timeout_s - (time.monotonic() - t0))
-            await wait_transfer(handle, remaining)
+            reply = asyncio.ensure_future(_reply(call))
+            result = await self._prefill_result(handle, reply, t0)
             tokens = sorted(result.first_tokens, key=lambda f: f.index)
             if [f.index for f in tokens] != list(range(flight.n)):
                 raise _BadPrefillResult(
@@ -471,12 +475,16 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, first, block_ids)))
             )
         except asyncio.CancelledError:
+            if reply is not None:
+                reply.cancel()  # the Prefill call
             if handle is not None:
                 await cancel_transfer(handle)
             raise
         except EngineDeadError:
             return
         except Exception as e:  # noqa: BLE001 - any failure of P: prefill locally
+            if reply is not None:
+                reply.cancel()
             reason = _fallback_reason(e)
             logger.warning(
                 "remote prefill of %s via %s failed (%s: %s); prefilling locally",
@@ -499,6 +507,38 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 )
             except EngineDeadError:
                 pass
+
+    async def _prefill_result(self, handle, reply: asyncio.Future, t0: float) -> pb.PrefillResult:
+        """P's result once every block is here and verified: from the transfer's ``fin`` note
+        when it carries one (P sends it behind the last block, so the request goes on without
+        waiting for the call's reply), else from the reply. Both waits are bounded by the
+        receive's and the call's own timeouts. An early result leaves the call to finish on
+        its own (kept in ``_replies``); cancelling it would make P count a cancelled send."""
+        received = asyncio.ensure_future(_settled(handle))
+        try:
+            await asyncio.wait((received, reply), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            received.cancel()
+        if handle.done:
+            handle.raise_for_state()
+            if handle.note:
+                try:
+                    result = pb.PrefillResult.FromString(handle.note)
+                except DecodeError as e:
+                    raise _BadPrefillResult(f"prefill worker's note does not parse: {e}") from e
+                self.remote_prefills_noted += 1
+                self._replies.add(reply)
+                reply.add_done_callback(self._reply_done)
+                return result
+        result = await reply  # (a P without notes, or the reply came first)
+        remaining = max(0.1, self.prefill_timeout_s - (time.monotonic() - t0))
+        await wait_transfer(handle, remaining)
+        return result
+
+    def _reply_done(self, reply: asyncio.Future) -> None:
+        self._replies.discard(reply)
+        if not reply.cancelled() and reply.exception() is not None:
+            logger.debug("a Prefill call ended after its transfer's note: %s", reply.exception())
 
     # ---- Stats -------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
@@ -527,8 +567,20 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(
-            self.rt, request, fallbacks=self.fallbacks, transfer=self.receiver.stats
+            self.rt,
+            request,
+            fallbacks=self.fallbacks,
+            transfer=self.receiver.stats,
+            remote_prefills_noted=self.remote_prefills_noted,
         )
+
+
+async def _reply(call) -> pb.PrefillResult:
+    return await call
+
+
+async def _settled(handle) -> None:
+    await handle
 
 
 def _deliver(loop, outs: list[EngineCoreOutput]) -> int:

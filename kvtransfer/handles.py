@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtransfer.base import TransferState
 from kvtransfer.errors import IncompleteTransferError, KVTransferError
+from kvtransfer.protocol import MAX_FIN_NOTE_BYTES
 
 
 def as_int_list(values: Sequence[int], name: str, upper: int) -> list[int]:
@@ -98,8 +99,11 @@ class TransferHandle:
             raise self._error
 
     def __await__(self) -> Generator[Any, None, TransferState]:
-        """``await handle`` returns the terminal state without blocking the event loop."""
-        return asyncio.wrap_future(self._future).__await__()
+        """``await handle`` returns the terminal state without blocking the event loop. A
+        waiter that gives up (a timeout, a cancelled task) leaves the handle's own future
+        alone: ``wrap_future`` alone would cancel it, and the transfer could then never settle
+        it (nor a later waiter see it)."""
+        return asyncio.shield(asyncio.wrap_future(self._future)).__await__()
 
     # ---- reactor thread ----------------------------------------------------------------
 
@@ -181,11 +185,16 @@ class SendHandle(TransferHandle):
         if not self._state.terminal:
             self._post(self._on_blocks, self, src, first_index)
 
-    def finish(self) -> None:
-        """Declare that every position has been queued (non-blocking); idempotent.
+    def finish(self, note: bytes = b"") -> None:
+        """Declare that every position has been queued (non-blocking); idempotent (a later
+        call's ``note`` is ignored).
 
-        Raises :class:`IncompleteTransferError` if some position was never queued.
+        ``note`` (at most ``MAX_FIN_NOTE_BYTES``) reaches the receiver's handle
+        (:attr:`RecvHandle.note`) with the transfer's end, before it turns DONE. Raises
+        :class:`IncompleteTransferError` if some position was never queued.
         """
+        if not isinstance(note, bytes) or len(note) > MAX_FIN_NOTE_BYTES:
+            raise ValueError(f"note must be at most {MAX_FIN_NOTE_BYTES} bytes")
         with self._lock:
             if self._finished:
                 return
@@ -197,7 +206,7 @@ class SendHandle(TransferHandle):
                 )
             self._finished = True
         if not self._state.terminal:
-            self._post(self._on_finish, self)
+            self._post(self._on_finish, self, note)
 
 
 class RecvHandle(TransferHandle):
@@ -218,3 +227,5 @@ class RecvHandle(TransferHandle):
         self.block_ids = tuple(block_ids)
         self.bytes_received = 0
         self.blocks_done = 0
+        #: the sender's ``finish(note)`` bytes; set (reactor thread) before the handle turns DONE
+        self.note = b""

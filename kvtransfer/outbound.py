@@ -71,6 +71,7 @@ class OutboundTransfer:
             collections.deque()
         )  # (src block, position)
         self.fin_requested = False
+        self.fin_note = b""  # the caller's bytes for the receiver, sent with ``fin``
         self.fin_sent = False
         self.acked = False
         self.active = False  # holds one of the sender's transfer slots

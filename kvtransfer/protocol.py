@@ -30,6 +30,8 @@ TRANSFER_NUMBER_LIMIT = 1 << 24
 #: Connection ids are assigned by the receiver and wrap at this bound (16 bits of a tag).
 LINK_ID_LIMIT = 1 << 16
 _MAX_STR = 4096
+#: Largest ``fin`` note (the sender's own bytes for the receiver's caller).
+MAX_FIN_NOTE_BYTES = 1 << 20
 _U64 = (1 << 64) - 1
 
 
@@ -123,10 +125,16 @@ class Sums:
 
 @dataclass(frozen=True)
 class Fin:
-    """Sender -> receiver: all ``count`` blocks of transfer ``x`` have been sent."""
+    """Sender -> receiver: all ``count`` blocks of transfer ``x`` have been sent.
+
+    ``note``: opaque bytes from the sender's caller for the receiver's (the prefill worker's
+    first token(s)), handed over with the blocks so the decode side need not wait for a reply
+    on another channel; empty when the caller gave none (and then absent on the wire).
+    """
 
     x: int
     count: int
+    note: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -212,6 +220,8 @@ def _op_to_wire(op: Op) -> dict[str, Any]:
     if isinstance(op, Sums):
         return {"op": "sums", "x": op.x, "i": op.index, "ck": op.checksums}
     if isinstance(op, Fin):
+        if op.note:
+            return {"op": "fin", "x": op.x, "n": op.count, "note": op.note}
         return {"op": "fin", "x": op.x, "n": op.count}
     if isinstance(op, Cancel):
         return {"op": "cancel", "x": op.x, "reason": op.reason}
@@ -366,7 +376,10 @@ def _decode_op(d: Any) -> Op:
             raise ProtocolError("'sums' op field 'ck' must not be empty")
         return Sums(x=_x(d), index=_int(d, "i", MAX_BLOCKS_PER_TRANSFER - 1), checksums=ck)
     if kind == "fin":
-        return Fin(x=_x(d), count=_int(d, "n", MAX_BLOCKS_PER_TRANSFER))
+        note = d.get("note", b"")
+        if not isinstance(note, bytes) or len(note) > MAX_FIN_NOTE_BYTES:
+            raise ProtocolError(f"'fin' op field 'note' must be at most {MAX_FIN_NOTE_BYTES} bytes")
+        return Fin(x=_x(d), count=_int(d, "n", MAX_BLOCKS_PER_TRANSFER), note=note)
     if kind == "cancel":
         return Cancel(x=_x(d), reason=_str(d, "reason"))
     if kind == "done":

@@ -661,6 +661,7 @@ class Receiver(TransferEnd, KVReceiver):
             )
             return
         t.fin_count = op.count
+        t.handle.note = op.note
         self._maybe_done(t)
 
     def _maybe_done(self, t: InboundTransfer) -> None:

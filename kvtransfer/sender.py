@@ -287,9 +287,10 @@ class Sender(TransferEnd, KVSender):
             t.pending.extend(zip(src, range(first, first + len(src))))
             self._mark_sendable(t)
 
-    def _on_finish(self, t: OutboundTransfer, _handle: SendHandle) -> None:
+    def _on_finish(self, t: OutboundTransfer, _handle: SendHandle, note: bytes = b"") -> None:
         if t.outcome is None:
             t.fin_requested = True
+            t.fin_note = note
             self._mark_sendable(t)
 
     def _on_cancel(self, t: OutboundTransfer, _handle: SendHandle) -> None:
@@ -422,7 +423,7 @@ class Sender(TransferEnd, KVSender):
                 self._sendable.append(t)
             elif t.ready_to_finish:
                 t.fin_sent = True
-                self._queue_op(t.conn, Fin(t.x, len(t.dst)))  # type: ignore[arg-type]
+                self._queue_op(t.conn, Fin(t.x, len(t.dst), t.fin_note))  # type: ignore[arg-type]
         # Eager (small) messages go before their headers: they then wait in the receiver's
         # unexpected queue and complete as soon as the header is read (one wake-up, not two).
         # Rendezvous (large) ones go after, so the header is not stuck behind megabytes of data

@@ -124,13 +124,38 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             )
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         pins: list[int] = []  # the engine's pin on the blocks handed to the sender (one at most)
+        noted: dict[int, pb.FirstToken] = {}  # the first tokens, as the engine thread saw them
+        noted_cached = 0
 
         def sink(out: EngineCoreOutput) -> None:  # engine thread: push ready blocks at once
+            nonlocal noted_cached
             if out.kv_blocks_ready:
                 if out.kv_pin_id is not None and out.kv_pin_id not in pins:
                     pins.append(out.kv_pin_id)
                 src = [block_id for _, block_id in out.kv_blocks_ready]
                 handle.send_blocks(src, out.kv_blocks_ready[0][0] - first)
+            if out.failure is None and out.finish_reason != "abort" and len(noted) < params.n:
+                noted_cached = max(noted_cached, out.num_cached_tokens)
+                if out.new_token_ids:
+                    noted[out.index] = _first_token(out)
+                    if len(noted) == params.n:
+                        # The first token(s) go with the transfer's ``fin``, behind the last
+                        # block, from this thread: the decode worker starts on them without
+                        # waiting for this call's reply (its acknowledgement, this worker's
+                        # event loop, a gRPC hop). The reply below still carries them.
+                        note = pb.PrefillResult(
+                            request_id=rid,
+                            first_tokens=[noted[i] for i in sorted(noted)],
+                            num_cached_tokens=noted_cached,
+                            worker_id=rt.worker_id,
+                        )
+                        if out.first_scheduled_time is not None:
+                            note.queue_s = max(0.0, out.first_scheduled_time - arrival)
+                            note.prefill_s = max(0.0, time.monotonic() - out.first_scheduled_time)
+                        try:
+                            handle.finish(note.SerializeToString())
+                        except Exception as e:  # noqa: BLE001 - the handler's finish() says it
+                            logger.debug("early finish of %s's transfer: %s", rid, e)
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         eid = f"{rid}@{next(self._serial)}"  # unique: a retried id never meets an old one
@@ -181,18 +206,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
                 cached = max(cached, out.num_cached_tokens)
                 if out.new_token_ids:
-                    ft = pb.FirstToken(
-                        index=out.index,
-                        token_id=out.new_token_ids[0],
-                        # a stop the decode worker's rules alone would not see (a grammar's end)
-                        end=out.finished and out.finish_reason == "stop",
-                    )
-                    if out.new_logprobs:
-                        ft.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
-                    firsts[out.index] = ft
+                    firsts[out.index] = _first_token(out)
                     last = out
             done_compute = time.monotonic()
-            handle.finish()
+            handle.finish()  # (done by the sink already unless the blocks were late)
             try:
                 await wait_transfer(handle, self.transfer_timeout_s)
             except Exception as e:  # noqa: BLE001 - any transfer failure: the status says it
@@ -234,6 +251,18 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return await worker_stats(
             self.rt, request, transfer=self.sender.stats, pending_sends=self.pending_sends
         )
+
+
+def _first_token(out: EngineCoreOutput) -> pb.FirstToken:
+    ft = pb.FirstToken(
+        index=out.index,
+        token_id=out.new_token_ids[0],
+        # a stop the decode worker's rules alone would not see (a grammar's end)
+        end=out.finished and out.finish_reason == "stop",
+    )
+    if out.new_logprobs:
+        ft.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
+    return ft
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

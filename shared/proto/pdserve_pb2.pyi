@@ -241,7 +241,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "integrity_ok", "integrity_error", "used_blocks", "kv_transfer_bytes", "kv_transfer_blocks", "kv_transfer_failures", "prefill_fallbacks", "prefix_cache_queries", "prefix_cache_hits", "pending_sends")
+    __slots__ = ("worker_id", "role", "num_blocks", "free_blocks", "running", "waiting", "integrity_ok", "integrity_error", "used_blocks", "kv_transfer_bytes", "kv_transfer_blocks", "kv_transfer_failures", "prefill_fallbacks", "prefix_cache_queries", "prefix_cache_hits", "pending_sends", "remote_prefills_noted")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class WorkerStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PENDING_SENDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILLS_NOTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_blocks: int
@@ -274,7 +275,8 @@ class WorkerStats(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     pending_sends: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., used_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., pending_sends: _Optional[int] = ...) -> None: ...
+    remote_prefills_noted: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., used_blocks: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_blocks: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., pending_sends: _Optional[int] = ..., remote_prefills_noted: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "decode_kv_address", "decode_worker_id", "first_block_index", "dst_block_ids", "transfer_id")

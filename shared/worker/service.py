@@ -578,7 +578,12 @@ async def cancel_transfer(handle) -> None:
 
 
 async def worker_stats(
-    rt: WorkerRuntime, request, fallbacks: int = 0, transfer=None, pending_sends: int = 0
+    rt: WorkerRuntime,
+    request,
+    fallbacks: int = 0,
+    transfer=None,
+    pending_sends: int = 0,
+    remote_prefills_noted: int = 0,
 ):
     from shared.proto import pdserve_pb2 as pb
 
@@ -608,6 +613,7 @@ async def worker_stats(
         prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits,
         pending_sends=pending_sends,
+        remote_prefills_noted=remote_prefills_noted,
     )
     if transfer is not None:  # kvtransfer TransferCounters
         out.kv_transfer_bytes = int(transfer.bytes_total)

@@ -647,6 +647,46 @@ def test_handles_are_awaitable(loopback_pair):
     assert asyncio.run(main()) == [DONE, DONE]
 
 
+def test_an_abandoned_await_leaves_the_handle_alone(loopback_pair):
+    """A wait that gives up (``wait_for``'s timeout, a cancelled task) must not cancel the
+    handle's own future: the transfer still settles, and a later await sees its state. (It did
+    cancel it: the reactor's settle then raised InvalidStateError and every later await of the
+    handle raised CancelledError.)"""
+    sender, receiver, _, _ = loopback_pair()
+
+    async def main():
+        rh = receiver.expect("gave-up", [1, 2], 5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(rh, 0.01)  # nothing was sent yet
+        sh = sender.open("gave-up", receiver.address, [1, 2], 5)
+        sh.send_blocks([0, 1], 0)
+        sh.finish()
+        return await asyncio.wait_for(asyncio.gather(rh, sh), 5)
+
+    assert asyncio.run(main()) == [DONE, DONE]
+
+
+def test_the_fin_note_reaches_the_receiver_with_the_blocks(loopback_pair, geometry):
+    """``finish(note)``: the receiver's handle holds the bytes once DONE; without one, empty;
+    a note too large or not bytes is refused on the caller's thread."""
+    from kvtransfer.protocol import MAX_FIN_NOTE_BYTES
+
+    sender, receiver, src, dst = loopback_pair()
+    rh = receiver.expect("noted", [3, 4, 5], 5)
+    sh = sender.open("noted", receiver.address, [3, 4, 5], 5)
+    sh.send_blocks([7, 8, 9], 0)
+    with pytest.raises(ValueError):
+        sh.finish(b"x" * (MAX_FIN_NOTE_BYTES + 1))
+    with pytest.raises(ValueError):
+        sh.finish("text")  # type: ignore[arg-type]
+    sh.finish(b"first token: 42")
+    assert rh.wait(5) == DONE and sh.wait(5) == DONE
+    assert rh.note == b"first token: 42"
+    assert_blocks_equal(src, dst, geometry, [7, 8, 9], [3, 4, 5])
+    _, plain = run_transfer(sender, receiver, "plain", [1], [6])
+    assert plain.note == b""
+
+
 def test_connect_to_nothing_fails_fast(geometry):
     net = LoopbackNetwork()
     sender = create_sender(

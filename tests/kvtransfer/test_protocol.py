@@ -40,6 +40,7 @@ ALL_OPS = [
     Data(3, 2, 1, None),
     Sums(3, 2, [7]),
     Fin(3, 3),
+    Fin(4, 1, b"\x08\x01 first token"),
     Cancel(3, "bye"),
     Done(3),
     Fail(3, "checksum", "bad", 1),
@@ -77,6 +78,8 @@ def test_every_op_round_trips_in_one_message():
             "geometry",
         ),
         (msgpack.packb([{"op": "done", "x": 1}, "junk"]), "map"),
+        (msgpack.packb([{"op": "fin", "x": 1, "n": 1, "note": "text"}]), "'note'"),
+        (msgpack.packb([{"op": "fin", "x": 1, "n": 1, "note": b"x" * (1 << 20 | 1)}]), "'note'"),
     ],
 )
 def test_malformed_messages_raise_protocol_error(payload, match):

@@ -64,6 +64,8 @@ def test_disaggregated_greedy_matches_transformers(cluster, tiny_llama):
     after = _stats(d_addr, "decode")
     assert after.kv_transfer_bytes > before.kv_transfer_bytes
     assert after.prefill_fallbacks == before.prefill_fallbacks
+    # each first token came with its transfer's end, not with the Prefill call's reply
+    assert after.remote_prefills_noted - before.remote_prefills_noted == len(prompts)
     assert after.integrity_ok and _stats(p_addr, "prefill").integrity_ok
 
 
@@ -269,6 +271,7 @@ def test_nixl_transport_disaggregated_greedy_matches_transformers(tiny_llama, tm
             assert final.timings.path == "disagg"
         st = _stats(d_addr, "decode")
         assert st.kv_transfer_bytes > 0 and st.prefill_fallbacks == 0 and st.integrity_ok
+        assert st.remote_prefills_noted == len(prompts)  # the fin's note over NIXL's control too
         log = (tmp_path / "decode-0.log").read_text()
         assert "KV transfer: nixl receiver at nixl://" in log, log
     finally:
