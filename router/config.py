@@ -330,6 +330,14 @@ class RouterConfig:
             help="cost of one token prefilled on a decode worker, in prefill tokens",
         )
         g.add_argument(
+            "--idle-local-prefill-tokens",
+            type=int,
+            default=d.idle_local_prefill_tokens,
+            help="a decode worker with nothing in flight prefills a prompt it lacks at most "
+            "this many tokens of at a prefill worker's cost (no transfer, no batch to stall); "
+            "0: it costs the local-prefill penalty like on a busy one",
+        )
+        g.add_argument(
             "--decode-stall-cost",
             type=float,
             default=d.decode_stall_cost,
@@ -576,6 +584,7 @@ class RouterConfig:
                 local_prefill_threshold=ns.local_prefill_threshold,
                 transfer_cost=ns.transfer_cost,
                 local_prefill_penalty=ns.local_prefill_penalty,
+                idle_local_prefill_tokens=ns.idle_local_prefill_tokens,
                 decode_stall_cost=ns.decode_stall_cost,
             ),
             uvicorn_log_level=ns.uvicorn_log_level,

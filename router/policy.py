@@ -39,6 +39,7 @@ class PolicyConfig:
     local_prefill_threshold: int = 128
     transfer_cost: float = 0.25
     local_prefill_penalty: float = 2.0
+    idle_local_prefill_tokens: int = 1024
     prefill_queue_cost: float = 512.0
     decode_waiting_cost: float = 512.0
     decode_running_cost: float = 16.0
@@ -95,10 +96,26 @@ def prefill_load(c: Candidate, cfg: PolicyConfig) -> float:
     return max(float(c.prefill_backlog), cfg.prefill_queue_cost * (c.running + c.waiting))
 
 
+def idle(d: Candidate) -> bool:
+    """Nothing on ``d``: nothing this router sent it is in flight, and its last report had
+    nothing running or waiting (another router's work shows there, ~1 s late)."""
+    return (
+        d.inflight == 0
+        and d.prefill_backlog == 0
+        and d.decoding == 0
+        and d.running == 0
+        and d.waiting == 0
+    )
+
+
 def local_prefill_cost(d: Candidate, lacking: int, cfg: PolicyConfig) -> float:
     """Prefilling ``lacking`` tokens on decode worker ``d``: its own prefill backlog (work
     ahead of this prompt) plus the tokens, weighted by the stall they cause to the sequences
-    it is decoding."""
+    it is decoding. On an idle ``d``, up to ``idle_local_prefill_tokens``, a token costs what
+    it costs on P (there is no batch to stall, and no transfer); a longer prompt would hold
+    back the decoding of what arrives while it runs, and keeps the penalty."""
+    if idle(d) and lacking <= cfg.idle_local_prefill_tokens:
+        return float(lacking)
     return (
         d.prefill_backlog
         + cfg.local_prefill_penalty * (1.0 + cfg.decode_stall_cost * d.decoding) * lacking

@@ -32,6 +32,7 @@ def cluster(tiny_llama, tmp_path_factory):
         tiny_llama,
         tmp_path_factory.mktemp("dash"),
         "--router-arg=--local-prefill-threshold=0",
+        "--router-arg=--idle-local-prefill-tokens=0",
         "--served-model-name=tiny-llama",
         prefill=1,
         decode=1,

@@ -56,9 +56,10 @@ def test_local_prefill_when_decode_holds_nearly_everything():
     assert r.path == "local" and r.prefill is None
     # above the threshold the costs decide: a cold P would recompute all 1000 tokens, so D's
     # 200 missing tokens are cheaper locally; a P holding the same prefix makes disagg cheaper
-    r = choose_route(1000, [cand("d", cached=800)], [cand("p")], cfg)
+    # (a D decoding one request: on an idle one a short prefill is local anyway, see below)
+    r = choose_route(1000, [cand("d", cached=800, running=1)], [cand("p")], cfg)
     assert r.path == "local"
-    r = choose_route(1000, [cand("d", cached=800)], [cand("p", cached=800)], cfg)
+    r = choose_route(1000, [cand("d", cached=800, running=1)], [cand("p", cached=800)], cfg)
     assert r.path == "disagg" and r.uncached_tokens == 200
 
 
@@ -135,14 +136,38 @@ def test_a_burst_splits_prefills_between_p_and_an_idle_d():
     can start them sooner: P's backlog against D's own plus the local-prefill penalty."""
     cfg = PolicyConfig(local_prefill_threshold=128)
     backlog = {"p": 0, "d": 0}
+    inflight = {"p": 0, "d": 0}
     paths = []
     for _ in range(16):
-        r = choose_route(256, [cand2("d", backlog["d"])], [cand2("p", backlog["p"])], cfg)
+        d = cand2("d", backlog["d"], inflight=inflight["d"])
+        r = choose_route(256, [d], [cand2("p", backlog["p"])], cfg)
         backlog["p" if r.prefill else "d"] += r.uncached_tokens
+        inflight["d"] += 1
         paths.append(r.path)
-    assert paths[0] == "disagg"
-    assert paths[0] == "disagg"
+    assert paths[:2] == ["local", "disagg"]  # the idle D takes the first itself
     assert 7 <= paths.count("local") <= 8 and paths.count("disagg") == 16 - paths.count("local")
+
+
+def test_an_idle_d_prefills_a_short_prompt_itself():
+    """Nothing in flight on D: a prompt no P holds a prefix of costs D what it costs P, without
+    the transfer, up to ``idle_local_prefill_tokens``; anything in flight, running or waiting
+    on D, a longer prompt, or a P holding the prefix, and P is cheaper again."""
+    cfg = PolicyConfig(local_prefill_threshold=128, idle_local_prefill_tokens=1024)
+    p = cand("p")
+    assert choose_route(256, [cand("d")], [p], cfg).path == "local"
+    assert choose_route(1024, [cand("d")], [p], cfg).path == "local"
+    assert choose_route(1025, [cand("d")], [p], cfg).path == "disagg"
+    for busy in (
+        cand("d", inflight=1),
+        cand("d", running=1),
+        cand("d", waiting=1),
+        cand2("d", decoding=1),
+        cand2("d", backlog=16),
+    ):
+        assert choose_route(256, [busy], [p], cfg).path == "disagg", busy
+    assert choose_route(1000, [cand("d")], [cand("p", cached=992)], cfg).path == "disagg"
+    off = PolicyConfig(local_prefill_threshold=128, idle_local_prefill_tokens=0)
+    assert choose_route(256, [cand("d")], [p], off).path == "disagg"
 
 
 def test_a_decoding_d_leaves_long_prefills_to_a_busy_p():

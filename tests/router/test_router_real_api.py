@@ -14,11 +14,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    # Threshold 64: prompts D lacks more than 64 tokens of go through the prefill worker.
+    # Threshold 64: prompts D lacks more than 64 tokens of go through the prefill worker,
+    # an idle D too (requests here come one at a time).
     c = make_cluster(
         tiny_llama,
         tmp_path_factory.mktemp("api"),
         "--router-arg=--local-prefill-threshold=64",
+        "--router-arg=--idle-local-prefill-tokens=0",
         prefill=1,
         decode=1,
     )

@@ -157,7 +157,11 @@ def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_pre
     )
     p.register()
     try:
-        r = make_router(router_config)
+        # (an idle D would prefill this short prompt itself: that rule is tested below)
+        cfg = replace(
+            router_config, policy=replace(router_config.policy, idle_local_prefill_tokens=0)
+        )
+        r = make_router(cfg)
         r.wait_workers(1, n_prefill=1)
         complete(r, LONG_PROMPT)  # cold everywhere: P computes, blocks move to D
         assert r.metric("pdserve:router_requests_total", path="disagg") == 1
@@ -170,6 +174,38 @@ def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_pre
     r.wait_workers(1, n_prefill=0)
     complete(r, "no prefill workers left " * 4)
     assert r.metric("pdserve:router_requests_total", path="local") == 2
+
+
+def test_an_idle_decode_worker_prefills_a_short_cold_prompt_itself(
+    make_worker, make_router, router_config, redis_server, prefix
+):
+    """Nothing in flight on D and no P holding the prompt: D prefills it (the same compute,
+    no transfer); the prefill worker (an address nobody listens on) is never called."""
+    d = make_worker("d0")
+    p = WorkerLease(
+        connect_sync(redis_server.url),
+        WorkerInfo(
+            worker_id="p0",
+            role="prefill",
+            model=MODEL_NAME,
+            grpc="127.0.0.1:9",
+            block_size=16,
+            num_blocks=1000,
+        ),
+        keys=DirectoryKeys(prefix),
+        ttl_s=30,
+    )
+    p.register()
+    try:
+        r = make_router(router_config)
+        r.wait_workers(1, n_prefill=1)
+        for i in range(2):  # one after the other: D is idle each time
+            complete(r, f"{i} {LONG_PROMPT}")
+        assert r.metric("pdserve:router_requests_total", path="local") == 2
+        assert r.metric("pdserve:router_requests_total", path="disagg") == 0
+        assert d.stats().prefill_fallbacks == 0
+    finally:
+        p.deregister()
 
 
 def test_local_prefill_threshold_keeps_short_prompts_on_decode(

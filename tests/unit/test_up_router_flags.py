@@ -36,3 +36,13 @@ def test_pdserve_up_passes_trust_request_chat_template_to_the_router(monkeypatch
     RouterConfig.add_cli_args(p)
     ns = p.parse_args(spawned["router"][1:])
     assert RouterConfig.from_cli_args(ns).trust_request_chat_template is trust
+
+
+@pytest.mark.parametrize("value", [None, 0, 512])
+def test_the_idle_local_prefill_bound_reaches_the_routing_policy(value):
+    p = argparse.ArgumentParser()
+    RouterConfig.add_cli_args(p)
+    argv = ["--model", "m", "--redis-url", "redis://127.0.0.1:1/0"]
+    argv += [] if value is None else [f"--idle-local-prefill-tokens={value}"]
+    policy = RouterConfig.from_cli_args(p.parse_args(argv)).policy
+    assert policy.idle_local_prefill_tokens == (1024 if value is None else value)
