@@ -138,10 +138,8 @@ def test_dead_worker_is_skipped_within_one_lease_period(make_worker, make_router
     assert d1.stats().prefix_cache_queries == 4
 
 
-def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_prefix(
-    make_worker, make_router, router_config, redis_server, prefix, tok
-):
-    d = make_worker("d0")
+def _prefill_lease(redis_server, prefix: str) -> WorkerLease:
+    """A registered prefill worker at an address nobody listens on (deregister it after)."""
     p = WorkerLease(
         connect_sync(redis_server.url),
         WorkerInfo(
@@ -156,6 +154,14 @@ def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_pre
         ttl_s=30,
     )
     p.register()
+    return p
+
+
+def test_disagg_when_a_prefill_worker_is_live_then_local_once_decode_has_the_prefix(
+    make_worker, make_router, router_config, redis_server, prefix, tok
+):
+    d = make_worker("d0")
+    p = _prefill_lease(redis_server, prefix)
     try:
         # (an idle D would prefill this short prompt itself: that rule is tested below)
         cfg = replace(
@@ -182,20 +188,7 @@ def test_an_idle_decode_worker_prefills_a_short_cold_prompt_itself(
     """Nothing in flight on D and no P holding the prompt: D prefills it (the same compute,
     no transfer); the prefill worker (an address nobody listens on) is never called."""
     d = make_worker("d0")
-    p = WorkerLease(
-        connect_sync(redis_server.url),
-        WorkerInfo(
-            worker_id="p0",
-            role="prefill",
-            model=MODEL_NAME,
-            grpc="127.0.0.1:9",
-            block_size=16,
-            num_blocks=1000,
-        ),
-        keys=DirectoryKeys(prefix),
-        ttl_s=30,
-    )
-    p.register()
+    p = _prefill_lease(redis_server, prefix)
     try:
         r = make_router(router_config)
         r.wait_workers(1, n_prefill=1)
@@ -212,20 +205,7 @@ def test_local_prefill_threshold_keeps_short_prompts_on_decode(
     make_worker, make_router, router_config, redis_server, prefix
 ):
     make_worker("d0")
-    p = WorkerLease(
-        connect_sync(redis_server.url),
-        WorkerInfo(
-            worker_id="p0",
-            role="prefill",
-            model=MODEL_NAME,
-            grpc="127.0.0.1:9",
-            block_size=16,
-            num_blocks=1000,
-        ),
-        keys=DirectoryKeys(prefix),
-        ttl_s=30,
-    )
-    p.register()
+    p = _prefill_lease(redis_server, prefix)
     try:
         cfg = replace(
             router_config, policy=replace(router_config.policy, local_prefill_threshold=256)
