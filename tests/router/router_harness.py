@@ -155,6 +155,17 @@ class RouterThread:
             time.sleep(0.05)
         raise TimeoutError(f"router did not see {n_decode} decode workers: {body}")
 
+    def wait_waiting(self, worker_id: str, waiting: int, timeout: float = 10.0) -> None:
+        """Until the router's pool holds a load report of ``worker_id`` with ``waiting``
+        requests waiting (routing reads the reports, which come every refresh)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pool = self.ctx.dispatcher.pool
+            if any(r.worker_id == worker_id and r.load.waiting == waiting for r in pool.records()):
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"the router has no report of {worker_id} with {waiting} waiting")
+
     def openai(self, **kw):
         import openai
 

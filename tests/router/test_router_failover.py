@@ -43,7 +43,7 @@ def test_decode_killed_mid_stream_resumes_identically(make_worker, make_router, 
     backup = make_worker("backup", token_delay=0.01, report_waiting=3)
     r = make_router(router_config)
     r.wait_workers(2)
-    time.sleep(0.3)
+    r.wait_waiting("backup", 3)  # so the other one is picked first
     prompt = "a long story about the sea"
     stream = r.openai().completions.create(
         model=MODEL_NAME,
@@ -74,7 +74,7 @@ def test_prompt_logprobs_survive_a_failover(make_worker, make_router, router_con
     backup = make_worker("backup", report_waiting=3)
     r = make_router(router_config)
     r.wait_workers(2)
-    time.sleep(0.3)
+    r.wait_waiting("backup", 3)  # so the other one is picked first
     prompt = "prompt logprobs outlive a crash"
     ids = tok.encode(prompt)
     resp = httpx.post(
@@ -106,7 +106,7 @@ def test_failover_with_n2_non_streaming(make_worker, make_router, router_config,
     make_worker("backup", report_waiting=3)
     r = make_router(router_config)
     r.wait_workers(2)
-    time.sleep(0.3)
+    r.wait_waiting("backup", 3)  # so the other one is picked first
     prompt = "two samples survive a crash"
     out = r.openai().completions.create(
         model=MODEL_NAME, prompt=prompt, max_tokens=20, n=2, extra_body={"ignore_eos": True}
@@ -127,7 +127,7 @@ def test_failure_before_first_token_retries_on_another_worker(
     good = make_worker("good", report_waiting=3)
     r = make_router(router_config)
     r.wait_workers(2)
-    time.sleep(0.3)
+    r.wait_waiting("good", 3)  # so the other one is picked first
     out = r.openai().completions.create(
         model=MODEL_NAME, prompt="retry me", max_tokens=5, extra_body={"ignore_eos": True}
     )
@@ -146,7 +146,7 @@ def test_stalled_worker_is_abandoned_and_the_stream_resumed(
     make_worker("backup", report_waiting=3)
     r = make_router(replace(router_config, stall_timeout_s=0.5))
     r.wait_workers(2)
-    time.sleep(0.3)
+    r.wait_waiting("backup", 3)  # so the other one is picked first
     t0 = time.monotonic()
     out = r.openai().completions.create(
         model=MODEL_NAME, prompt="stall", max_tokens=12, extra_body={"ignore_eos": True}
