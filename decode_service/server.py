@@ -456,7 +456,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 timeout=self.prefill_timeout_s,
                 metadata=self.rt.security.call_metadata,
             )
-            reply = asyncio.ensure_future(_reply(call))
+            reply = asyncio.ensure_future(call)
             result = await self._prefill_result(handle, reply, t0)
             tokens = sorted(result.first_tokens, key=lambda f: f.index)
             if [f.index for f in tokens] != list(range(flight.n)):
@@ -514,7 +514,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         waiting for the call's reply), else from the reply. Both waits are bounded by the
         receive's and the call's own timeouts. An early result leaves the call to finish on
         its own (kept in ``_replies``); cancelling it would make P count a cancelled send."""
-        received = asyncio.ensure_future(_settled(handle))
+        received = asyncio.ensure_future(handle)  # (cancelling it leaves the handle alone)
         try:
             await asyncio.wait((received, reply), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -573,14 +573,6 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             transfer=self.receiver.stats,
             remote_prefills_noted=self.remote_prefills_noted,
         )
-
-
-async def _reply(call) -> pb.PrefillResult:
-    return await call
-
-
-async def _settled(handle) -> None:
-    await handle
 
 
 def _deliver(loop, outs: list[EngineCoreOutput]) -> int:

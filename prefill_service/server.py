@@ -126,9 +126,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         pins: list[int] = []  # the engine's pin on the blocks handed to the sender (one at most)
         noted: dict[int, pb.FirstToken] = {}  # the first tokens, as the engine thread saw them
         noted_cached = 0
+        result: pb.PrefillResult | None = None  # built by the sink with the last first token
 
         def sink(out: EngineCoreOutput) -> None:  # engine thread: push ready blocks at once
-            nonlocal noted_cached
+            nonlocal noted_cached, result
             if out.kv_blocks_ready:
                 if out.kv_pin_id is not None and out.kv_pin_id not in pins:
                     pins.append(out.kv_pin_id)
@@ -142,7 +143,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         # The first token(s) go with the transfer's ``fin``, behind the last
                         # block, from this thread: the decode worker starts on them without
                         # waiting for this call's reply (its acknowledgement, this worker's
-                        # event loop, a gRPC hop). The reply below still carries them.
+                        # event loop, a gRPC hop). The reply below is the same result with
+                        # the transfer's figures added.
                         note = pb.PrefillResult(
                             request_id=rid,
                             first_tokens=[noted[i] for i in sorted(noted)],
@@ -152,6 +154,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         if out.first_scheduled_time is not None:
                             note.queue_s = max(0.0, out.first_scheduled_time - arrival)
                             note.prefill_s = max(0.0, time.monotonic() - out.first_scheduled_time)
+                        result = note
                         try:
                             handle.finish(note.SerializeToString())
                         except Exception as e:  # noqa: BLE001 - the handler's finish() says it
@@ -190,10 +193,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE, str(e), failure_metadata(FAILURE_ENGINE)
                 )
-            firsts: dict[int, pb.FirstToken] = {}
-            last: EngineCoreOutput | None = None
-            cached = 0
-            while len(firsts) < params.n:
+            # the sink sees each output before this loop does: once it has built the result,
+            # every first token is in
+            while result is None:
                 out = await asyncio.wait_for(queue.get(), self.transfer_timeout_s)
                 if out.failure is not None:
                     engine = out.failure.kind is FailureKind.ENGINE
@@ -204,31 +206,17 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     )
                 if out.finish_reason == "abort":
                     await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
-                cached = max(cached, out.num_cached_tokens)
-                if out.new_token_ids:
-                    firsts[out.index] = _first_token(out)
-                    last = out
-            done_compute = time.monotonic()
             handle.finish()  # (done by the sink already unless the blocks were late)
             try:
                 await wait_transfer(handle, self.transfer_timeout_s)
             except Exception as e:  # noqa: BLE001 - any transfer failure: the status says it
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
             finished = True
-            res = pb.PrefillResult(
-                request_id=rid,
-                first_tokens=[firsts[i] for i in sorted(firsts)],
-                block_checksums=list(handle.checksums or []),
-                num_blocks_sent=len(dst),
-                bytes_sent=handle.bytes_sent,
-                num_cached_tokens=cached,
-                worker_id=rt.worker_id,
-                transfer_s=time.monotonic() - arrival,
-            )
-            if last is not None and last.first_scheduled_time is not None:
-                res.queue_s = max(0.0, last.first_scheduled_time - arrival)
-                res.prefill_s = max(0.0, done_compute - last.first_scheduled_time)
-            return res
+            result.block_checksums.extend(handle.checksums or [])
+            result.num_blocks_sent = len(dst)
+            result.bytes_sent = handle.bytes_sent
+            result.transfer_s = time.monotonic() - arrival
+            return result
         finally:
             if not finished:
                 await cancel_transfer(handle)

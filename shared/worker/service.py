@@ -554,11 +554,7 @@ async def wait_transfer(handle, timeout_s: float) -> None:
     """Wait (without blocking the event loop) until a kvtransfer handle is terminal; raise its
     error, or ``TimeoutError`` after ``timeout_s``."""
     if not handle.done:
-
-        async def terminal():
-            return await handle
-
-        await asyncio.wait_for(terminal(), timeout_s)
+        await asyncio.wait_for(handle, timeout_s)  # (a handle's await is shielded)
     handle.raise_for_state()
 
 
@@ -567,12 +563,8 @@ async def cancel_transfer(handle) -> None:
     from or written to the pool any more (the kvtransfer contract)."""
     handle.cancel()
     if not handle.done:
-
-        async def terminal():
-            return await handle
-
         try:
-            await asyncio.wait_for(terminal(), 10.0)
+            await asyncio.wait_for(handle, 10.0)
         except TimeoutError:
             logger.error("transfer %s did not settle 10 s after cancel", handle.transfer_id)
 
