@@ -212,7 +212,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             except Exception as e:  # noqa: BLE001 - any transfer failure: the status says it
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
             finished = True
-            result.block_checksums.extend(handle.checksums or [])
+            # (none with --no-kv-checksums: the handle then holds None for every block)
+            result.block_checksums.extend(c for c in handle.checksums if c is not None)
             result.num_blocks_sent = len(dst)
             result.bytes_sent = handle.bytes_sent
             result.transfer_s = time.monotonic() - arrival

@@ -278,6 +278,31 @@ def test_nixl_transport_disaggregated_greedy_matches_transformers(tiny_llama, tm
         c.stop()
 
 
+def test_without_kv_checksums_the_prefill_call_succeeds(tiny_llama, tmp_path):
+    """``--no-kv-checksums``: the transfer handles hold no checksum per block, and the Prefill
+    reply carries none (it raised building them, after the transfer had succeeded; before the
+    first token came with the transfer, every such request fell back to a local prefill)."""
+    c = make_cluster(tiny_llama, tmp_path, "--worker-arg=--no-kv-checksums")
+    c.start_redis()
+    try:
+        workers = [c.spawn_worker("prefill", 0), c.spawn_worker("decode", 0)]
+        c.wait_ready(workers)
+        p_addr, d_addr = c.ready["prefill-0"]["grpc"], c.ready["decode-0"]["grpc"]
+        prompt = random_prompts(23, lengths=[129])[0]
+        want = hf_greedy(tiny_llama, [prompt], 6)[0]
+        with channel_to(d_addr) as ch:
+            tokens, final = generate(
+                decode_stub(ch), "nock", prompt, p_addr, max_tokens=6, ignore_eos=True
+            )
+        assert tokens[0] == want and final.timings.path == "disagg"
+        assert _stats(d_addr, "decode").prefill_fallbacks == 0
+        c.stop()  # (the call ends after the stream: its error, if any, is in P's log by now)
+        log = (tmp_path / "prefill-0.log").read_text()
+        assert "Exception calling application" not in log and "Traceback" not in log, log
+    finally:
+        c.stop()
+
+
 def test_prefill_killed_midprefill_falls_back(tiny_llama, tmp_path):
     """A dying prefill worker costs a local prefill, not the request; then its lease expires."""
     c = make_cluster(tiny_llama, tmp_path, "--max-num-batched-tokens", "16", "--max-num-seqs", "8")
