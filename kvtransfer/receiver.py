@@ -666,8 +666,10 @@ class Receiver(TransferEnd, KVReceiver):
 
     def _maybe_done(self, t: InboundTransfer) -> None:
         if t.outcome is None and t.complete:
-            self._send(t.link, Done(t.x))  # type: ignore[arg-type]
+            # the handle first: whatever the sender does once it reads ``done`` (P's reply to
+            # D's Prefill call) must find it DONE, or D could take the reply's path
             self._decide(t, TransferState.DONE, None, None)
+            self._send(t.link, Done(t.x))  # type: ignore[arg-type]
 
     # ---- shutdown (reactor thread) -----------------------------------------------------
 

@@ -666,6 +666,32 @@ def test_an_abandoned_await_leaves_the_handle_alone(loopback_pair):
     assert asyncio.run(main()) == [DONE, DONE]
 
 
+def test_the_receivers_handle_is_done_before_its_done_goes_out(loopback_pair, monkeypatch):
+    """Whatever the sender does once it reads ``done`` (a prefill worker's reply to the decode
+    worker's call) must find the receiver's handle DONE. It was settled just after ``done``
+    was sent, so on a loaded host the reply could overtake it (CI saw a NIXL transfer's first
+    token taken from the reply instead of the note)."""
+    from kvtransfer.protocol import Done
+    from kvtransfer.receiver import Receiver
+
+    sender, receiver, _, _ = loopback_pair()
+    rh = receiver.expect("ordered", [1, 2], 5)
+    seen: list[bool] = []
+    send = Receiver._send
+
+    def spy(self, il, *ops):
+        if any(isinstance(op, Done) for op in ops):
+            seen.append(rh.done)
+        send(self, il, *ops)
+
+    monkeypatch.setattr(Receiver, "_send", spy)
+    sh = sender.open("ordered", receiver.address, [1, 2], 5)
+    sh.send_blocks([3, 4], 0)
+    sh.finish(b"note")
+    assert sh.wait(5) == DONE and rh.wait(5) == DONE
+    assert seen == [True]
+
+
 def test_the_fin_note_reaches_the_receiver_with_the_blocks(loopback_pair, geometry):
     """``finish(note)``: the receiver's handle holds the bytes once DONE; without one, empty;
     a note too large or not bytes is refused on the caller's thread."""
