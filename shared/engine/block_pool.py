@@ -89,6 +89,10 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.events: list[KVEvent] = []
         self.num_evictions = 0
+        # Blocks [0, high_water) have been handed out at least once. The free queue starts in
+        # id order and freed blocks join its tail, so blocks never used leave it in id order,
+        # all before any reused one: the engine commits the pages ahead of this mark.
+        self.high_water = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,6 +122,8 @@ class BlockPool:
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
+            if block.block_id >= self.high_water:
+                self.high_water = block.block_id + 1
             out.append(block)
         if removed:
             self.events.append(BlockRemoved(tuple(removed)))

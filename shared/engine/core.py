@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from shared.config import ConfigError, EngineArgs, GiB
+from shared.config import ConfigError, EngineArgs, GiB, env_int
 from shared.engine.connector import (
     KVConnector,
     KVTransferParams,
@@ -45,6 +45,12 @@ if TYPE_CHECKING:
     from shared.engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+#: How far an idle engine commits its KV pool's pages ahead of the blocks handed out so far
+#: (PDSERVE_KV_PREFAULT_MIB, 0: never; at least 4 steps' worth of blocks), and how much per
+#: turn of the engine loop (a request that arrives waits for at most one such chunk).
+KV_PREFAULT_MIB = 256
+KV_PREFAULT_CHUNK_BYTES = 256 << 10
 
 
 class InvalidRequestError(ValueError):
@@ -202,6 +208,49 @@ class EngineCore:
         self.parents: dict[str, list[Request]] = {}
         self.capacity_line = self._capacity_line(num_blocks, num_host)
         logger.info(self.capacity_line)
+        self._set_up_prefault()
+
+    def _set_up_prefault(self) -> None:
+        """The pool's memory is committed only as pages are first written
+        (``zeroed_host_tensor``). A step that writes KV into fresh pages pays a minor fault
+        for each (~3 µs on the benchmark VM; the served suite ran up to 20 % slower). So an
+        idle engine commits the pages its pool hands out next (:meth:`prefault_kv`); the rest
+        stays uncommitted until used."""
+        self._prefault = None
+        self._prefaulted = 0  # blocks [0, _prefaulted) committed (or handed out)
+        mib = env_int("PDSERVE_KV_PREFAULT_MIB", KV_PREFAULT_MIB)
+        prefault = getattr(self.runner, "prefault_blocks", None)
+        if mib == 0 or prefault is None or not getattr(self.runner, "can_prefault", False):
+            return
+        block_bytes = self.runner.block_bytes
+        steps = 4 * -(-self.scheduler_config.max_num_batched_tokens // self.block_size)
+        self._prefault = prefault
+        self._prefault_window = max(-(-(mib << 20) // block_bytes), steps)
+        self._prefault_chunk = max(1, KV_PREFAULT_CHUNK_BYTES // block_bytes)
+
+    def prefault_kv(self) -> bool:
+        """Commit the memory of the next few blocks the pool will hand out (one chunk, up to
+        the window past its high-water mark), their contents unchanged. False when there is
+        nothing to do. The engine loop calls it while idle, one chunk per turn. A failure to
+        commit (the host is out of memory) is logged and turns it off: blocks then fault in
+        as they are written, as before."""
+        if self._prefault is None:
+            return False
+        pool = self.kv.pool
+        start = max(self._prefaulted, pool.high_water)  # never a block in use
+        stop = min(
+            pool.num_blocks, pool.high_water + self._prefault_window, start + self._prefault_chunk
+        )
+        if start >= stop:
+            return False
+        try:
+            self._prefault(start, stop)
+        except OSError as e:
+            logger.warning("KV pool pages not committed ahead of use: %s", e)
+            self._prefault = None
+            return False
+        self._prefaulted = stop
+        return True
 
     # ---- capacity ----------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ tokens of every scheduled sequence, and samples the sequences that reached their
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -60,6 +61,54 @@ def zeroed_host_tensor(
     t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
     t._pdserve_mmap = buf  # keep the mapping alive with the tensor
     return t.view(dtype).view(shape)
+
+
+#: madvise(2) advice (Linux 5.14+): fault a range's pages in writable without changing them.
+MADV_POPULATE_WRITE = 23
+_madvise_ok: bool | None = None  # None: not tried yet; False: this kernel lacks it
+
+
+def _madvise_populate(addr: int, length: int) -> int:
+    """``madvise(addr, length, MADV_POPULATE_WRITE)``: 0, or the errno it failed with."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    if libc.madvise(addr, length, MADV_POPULATE_WRITE) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def populate_pages(t: torch.Tensor, start: int, stop: int) -> None:
+    """Commit the memory pages under bytes ``[start, stop)`` of the contiguous CPU tensor
+    ``t`` (from :func:`zeroed_host_tensor`) without changing what they hold.
+
+    ``madvise(MADV_POPULATE_WRITE)`` over the pages (whole pages: bytes of a neighbouring
+    block on a shared page are faulted in but never written). On a kernel without it (before
+    Linux 5.14) one byte of each page in the range is read and written back: that is a
+    write, so the range must hold no block another thread may be writing (the engine passes
+    only blocks its pool has never handed out). Raises ``OSError`` when the kernel cannot
+    commit the pages (``ENOMEM``: the machine is out of memory).
+    """
+    global _madvise_ok
+    if start >= stop:
+        return
+    page = mmap.PAGESIZE
+    if _madvise_ok is not False:
+        base = t.data_ptr() + start
+        first = base - base % page
+        err = _madvise_populate(first, t.data_ptr() + stop - first)
+        if err == 0:
+            _madvise_ok = True
+            return
+        if err not in (errno.EINVAL, errno.ENOSYS) or _madvise_ok:
+            raise OSError(err, f"committing the KV pool's pages: {os.strerror(err)}")
+        _madvise_ok = False
+        logger.info("madvise(MADV_POPULATE_WRITE) unsupported: touching one byte per page")
+    flat = t.reshape(-1).view(torch.uint8)
+    touched = flat[start:stop:page]  # one byte in each page of the range
+    touched.copy_(touched.clone())
 
 
 def pack_chunks(
@@ -502,6 +551,25 @@ class ModelRunner:
                 (num_host_blocks, *self.block_shape), self.kv_dtype, pin=self.device.type == "cuda"
             )
         self._init_scales()
+
+    @property
+    def can_prefault(self) -> bool:
+        """Whether :meth:`prefault_blocks` can commit this process's KV pool (one CPU rank;
+        the ranks of TP / PP are other processes and commit their shards as they are used)."""
+        return self.device.type == "cpu" and self.world_size == 1 and self.kv_cache is not None
+
+    def prefault_blocks(self, start: int, stop: int) -> None:
+        """Commit the memory of blocks ``[start, stop)`` of the KV pool (and of the draft
+        model's twin pool), leaving their contents as they are: see
+        ``EngineCore.prefault_kv``. Blocks another thread may be writing must not be in the
+        range (:func:`populate_pages`)."""
+        assert self.can_prefault, "prefault_blocks needs a single-rank CPU pool"
+        pools = [self.kv_cache]
+        if self.drafter is not None:
+            pools.append(self.drafter.kv)
+        for pool in pools:
+            per_block = pool[0].numel() * pool.element_size()
+            populate_pages(pool, start * per_block, stop * per_block)
 
     def _init_scales(self) -> None:
         if self.kv_dtype == torch.float8_e4m3fn:

@@ -190,6 +190,8 @@ class EngineLoop:
                 else:
                     if self.on_step is not None:
                         self.on_step(engine, [])
+                    if engine.prefault_kv():  # one chunk of the KV pool's next pages
+                        continue
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as e:  # fatal: fail every caller, never hang them
