@@ -110,7 +110,8 @@ def test_load_decides_when_no_worker_holds_the_prefix(make_worker, make_router, 
     idle = make_worker("idle")
     r = make_router(router_config)
     r.wait_workers(2)
-    time.sleep(0.3)  # a fresh load report from both
+    r.wait_waiting("busy", 4)  # the load reports routing reads
+    r.wait_waiting("idle", 0)
     for i in range(3):
         complete(r, f"fresh prompt number {i} with nothing cached")
     assert queries(busy, idle) == [0, 3]
@@ -122,7 +123,8 @@ def test_dead_worker_is_skipped_within_one_lease_period(make_worker, make_router
     d1 = make_worker("d1", lease_ttl=ttl, report_waiting=2)  # d0 is preferred while alive
     r = make_router(replace(router_config, worker_cooldown_s=0.01))
     r.wait_workers(2)
-    time.sleep(0.3)
+    r.wait_waiting("d1", 2)
+    r.wait_waiting("d0", 0)
     complete(r, "first")
     assert queries(d0, d1) == [1, 0]
     d0.kill()
@@ -241,7 +243,7 @@ def test_static_list_overrides_discovery_and_other_models_are_ignored(
     make_worker("other-model", model="another-model")
     r = make_router(replace(router_config, decode_workers=(listed.address,)))
     r.wait_workers(1)
-    time.sleep(0.3)
+    r.wait_waiting("listed", 0)
     for i in range(3):
         complete(r, f"static override {i}")
     assert queries(listed, unlisted) == [3, 0]
