@@ -218,6 +218,7 @@ class EngineCore:
         stays uncommitted until used."""
         self._prefault = None
         self._prefaulted = 0  # blocks [0, _prefaulted) committed (or handed out)
+        self._refilling = False  # between a refill's first chunk and its last
         mib = env_int("PDSERVE_KV_PREFAULT_MIB", KV_PREFAULT_MIB)
         prefault = getattr(self.runner, "prefault_blocks", None)
         if mib == 0 or prefault is None or not getattr(self.runner, "can_prefault", False):
@@ -230,10 +231,12 @@ class EngineCore:
 
     def prefault_kv(self) -> bool:
         """Commit the memory of the next few blocks the pool will hand out (one chunk, up to
-        the window past its high-water mark), their contents unchanged. False when there is
-        nothing to do. The engine loop calls it while idle, one chunk per turn. A failure to
-        commit (the host is out of memory) is logged and turns it off: blocks then fault in
-        as they are written, as before."""
+        the window past its high-water mark), their contents unchanged. A refill starts once
+        less than half the window is left ahead of the mark and goes on, a chunk per call, to
+        its end (so the rare turns that fault a 2 MiB huge page in come together, not one
+        per few requests). False when there is nothing to do. The engine loop calls it while
+        idle, one chunk per turn. A failure to commit (the host is out of memory) is logged
+        and turns it off: blocks then fault in as they are written, as before."""
         if self._prefault is None:
             return False
         pool = self.kv.pool
@@ -242,7 +245,11 @@ class EngineCore:
             pool.num_blocks, pool.high_water + self._prefault_window, start + self._prefault_chunk
         )
         if start >= stop:
+            self._refilling = False
             return False
+        if not self._refilling and self._prefaulted - pool.high_water >= self._prefault_window // 2:
+            return False  # half the window still ahead: refill later, in one go
+        self._refilling = True
         try:
             self._prefault(start, stop)
         except OSError as e:

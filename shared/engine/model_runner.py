@@ -51,13 +51,23 @@ def zeroed_host_tensor(
 ) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages are committed only when first written.
 
-    Backed by an anonymous mmap, so a large KV pool costs memory only as blocks are used, and
-    its address never moves (the UCX transport registers it once).
+    Backed by a private anonymous mmap, so a large KV pool costs memory only as blocks are
+    used, and its address never moves (the UCX transport registers it once). Transparent huge
+    pages are asked for (``MADV_HUGEPAGE``; ``PDSERVE_KV_HUGEPAGES=0`` turns it off): decode
+    attention reads blocks all over the pool, and with 4 KiB pages a step at batch 64 over
+    1,088-token contexts spent 29 % of its time more (docs/benchmarks.md, "The KV pool on huge
+    pages"). Python's default ``mmap(-1, n)`` is a *shared* mapping (shmem), which gets no
+    huge pages where the system's shmem THP setting is ``never`` (the default).
     """
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if pin:
         return torch.zeros(shape, dtype=dtype).pin_memory()
-    buf = mmap.mmap(-1, max(nbytes, 1))
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if env_int("PDSERVE_KV_HUGEPAGES", 1) and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:  # a kernel without THP: 4 KiB pages, as before
+            logger.debug("MADV_HUGEPAGE refused (%s): the KV pool stays on 4 KiB pages", e)
     t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
     t._pdserve_mmap = buf  # keep the mapping alive with the tensor
     return t.view(dtype).view(shape)

@@ -21,8 +21,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.worker.engine_loop import EngineLoop
 
 
-def resident_bytes(t: torch.Tensor) -> int:
-    """Resident bytes of the mapping that holds ``t``'s first byte (/proc/self/smaps)."""
+def mapping_bytes(t: torch.Tensor, field: str = "Rss:") -> int:
+    """``field`` (bytes) of the mapping that holds ``t``'s first byte (/proc/self/smaps)."""
     addr = t.data_ptr()
     inside = False
     with open("/proc/self/smaps") as f:
@@ -31,9 +31,22 @@ def resident_bytes(t: torch.Tensor) -> int:
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "Rss:":
+            elif inside and head == field:
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    return mapping_bytes(t, "Rss:")
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0]
 
 
 def engine(monkeypatch, model, window_mib: int, **kw) -> EngineCore:
@@ -64,29 +77,50 @@ def test_fresh_blocks_leave_the_pool_in_id_order_and_raise_its_high_water():
 
 
 def test_an_idle_engine_commits_the_window_past_the_blocks_handed_out(monkeypatch, tiny_llama):
-    e = engine(monkeypatch, tiny_llama, window_mib=1, max_num_batched_tokens=64, max_num_seqs=8)
+    e = engine(monkeypatch, tiny_llama, window_mib=4, max_num_batched_tokens=64, max_num_seqs=8)
     kv = e.runner.kv_cache
     block_bytes = e.runner.block_bytes
     window = e._prefault_window
-    assert window == -(-(1 << 20) // block_bytes)  # 1 MiB is more than 4 steps' blocks here
+    assert window == -(-(4 << 20) // block_bytes)  # 4 MiB is more than 4 steps' blocks here
     assert window * 4 < e.num_blocks, "the test needs a pool well past the window"
-    before = resident_bytes(kv)
-    assert before < window * block_bytes / 2
+    huge = 2 << 20  # a transparent huge page: what one chunk may commit beyond itself
+    assert resident_bytes(kv) < window * block_bytes / 2
     chunks = drain_prefault(e)
     assert chunks == -(-window // e._prefault_chunk)
     committed = resident_bytes(kv)
-    assert committed >= window * block_bytes
-    assert committed < 2 * window * block_bytes  # the window, not the pool
+    assert window * block_bytes <= committed <= window * block_bytes + huge  # not the pool
     assert not e.prefault_kv()  # nothing more until blocks are handed out
 
-    # Blocks handed out move the window: the next idle turns commit past them.
-    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    e.add_request("a", list(range(3, 3 + 40 * e.block_size)), sp)
-    while e.has_unfinished_requests():
-        e.step()
-    assert e.kv.pool.high_water >= 40
-    assert drain_prefault(e) > 0
-    assert resident_bytes(kv) >= (e.kv.pool.high_water + window) * block_bytes
+    def use(request_id: str, blocks: int, seed: int) -> None:
+        sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        prompt = [3 + (seed * 131 + i) % 2000 for i in range(blocks * e.block_size)]
+        e.add_request(request_id, prompt, sp)
+        while e.has_unfinished_requests():
+            e.step()
+
+    # Blocks handed out move the window, but a refill waits until half of it is used ...
+    use("a", window // 4, seed=1)
+    assert e.kv.pool.high_water >= window // 4
+    assert not e.prefault_kv()
+    # ... and then commits the whole window past the mark, a chunk per idle turn.
+    use("b", window // 2, seed=2)
+    mark = e.kv.pool.high_water
+    assert mark >= window * 3 // 4  # less than half the window left ahead
+    assert drain_prefault(e) == -(-(mark + window - max(window, mark)) // e._prefault_chunk)
+    assert resident_bytes(kv) >= (mark + window) * block_bytes
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+@pytest.mark.parametrize("hugepages", ["1", "0"])
+def test_the_pool_is_on_huge_pages_unless_turned_off(monkeypatch, tiny_llama, hugepages):
+    monkeypatch.setenv("PDSERVE_KV_HUGEPAGES", hugepages)
+    e = engine(monkeypatch, tiny_llama, window_mib=4)
+    drain_prefault(e)
+    huge = mapping_bytes(e.runner.kv_cache, "AnonHugePages:")
+    if hugepages == "1":
+        assert huge >= 2 << 20, "the pool got no huge page"
+    else:
+        assert huge == 0 or thp_mode() == "always"
 
 
 def test_prefault_off_leaves_the_pool_uncommitted(monkeypatch, tiny_llama):
