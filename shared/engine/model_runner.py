@@ -9,6 +9,7 @@ tokens of every scheduled sequence, and samples the sequences that reached their
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -54,8 +55,8 @@ def zeroed_host_tensor(
     Backed by a private anonymous mmap, so a large KV pool costs memory only as blocks are
     used, and its address never moves (the UCX transport registers it once). Transparent huge
     pages are asked for (``MADV_HUGEPAGE``; ``PDSERVE_KV_HUGEPAGES=0`` turns it off): decode
-    attention reads blocks all over the pool, and with 4 KiB pages a step at batch 64 over
-    1,088-token contexts spent 29 % of its time more (docs/benchmarks.md, "The KV pool on huge
+    attention reads blocks all over the pool, and a decode step at batch 64 over 1,088-token
+    contexts took 0.72× the time on huge pages (docs/benchmarks.md, "The KV pool on huge
     pages"). Python's default ``mmap(-1, n)`` is a *shared* mapping (shmem), which gets no
     huge pages where the system's shmem THP setting is ``never`` (the default).
     """
@@ -78,14 +79,21 @@ MADV_POPULATE_WRITE = 23
 _madvise_ok: bool | None = None  # None: not tried yet; False: this kernel lacks it
 
 
+@functools.cache
+def _libc_madvise():  # type: ignore[no-untyped-def]
+    import ctypes
+
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _madvise_populate(addr: int, length: int) -> int:
     """``madvise(addr, length, MADV_POPULATE_WRITE)``: 0, or the errno it failed with."""
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    if libc.madvise(addr, length, MADV_POPULATE_WRITE) == 0:
+    if _libc_madvise()(addr, length, MADV_POPULATE_WRITE) == 0:
         return 0
     return ctypes.get_errno()
 
