@@ -415,19 +415,23 @@ class Scheduler:
                         updates.append(SeqUpdate(req, [], [], False, ready, pin))
                     continue
                 first = req.num_output_tokens == req.num_resumed_tokens
-                # _sample_error found no SampleError among s.samples (req and its siblings)
-                update = self._append(req, cast(SampledToken, sampled[req.request_id]), now)
-                update.kv_blocks_ready, update.kv_pin_id = ready, pin
-                updates.append(update)
+                # The siblings fork the leader's prompt blocks before its own first token is
+                # appended: a leader that finishes on that token frees its blocks at once.
+                started: list[SeqUpdate] = []
                 if first and req.siblings:
                     for sib in req.siblings:
                         if not sib.is_finished:
-                            updates.append(
+                            started.append(
                                 self._start_sibling(
                                     req, sib, cast(SampledToken, sampled[sib.request_id]), now
                                 )
                             )
                     req.siblings = []
+                # _sample_error found no SampleError among s.samples (req and its siblings)
+                update = self._append(req, cast(SampledToken, sampled[req.request_id]), now)
+                update.kv_blocks_ready, update.kv_pin_id = ready, pin
+                updates.append(update)
+                updates.extend(started)
             except Exception as e:  # the request's own failure (logged, then failed alone)
                 logger.exception("step update of request %s failed", req.request_id)
                 failures.append(SeqFailure(req, f"{type(e).__name__}: {e}"))
