@@ -757,6 +757,11 @@ def env_flag(name: str, default: bool = False) -> bool:
     return default if v is None else v.lower() in ("1", "true", "yes", "on")
 
 
+# 0: the CPU KV pool on 4 KiB pages instead of transparent huge pages (``zeroed_host_tensor``);
+# ``pdserve up`` sets it for the workers of a disaggregated cluster unless the user did
+KV_HUGEPAGES_ENV = "PDSERVE_KV_HUGEPAGES"
+
+
 def env_int(name: str, default: int, minimum: int = 0) -> int:
     """The integer in environment variable ``name``, or ``default`` when it is unset or empty.
     Anything else (``"1.5"``, ``"abc"``, below ``minimum``) is a :class:`ConfigError` naming

@@ -30,7 +30,14 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
-from shared.config import EngineArgs, float_at_least, int_at_least, port_number, usable_cores
+from shared.config import (
+    KV_HUGEPAGES_ENV,
+    EngineArgs,
+    float_at_least,
+    int_at_least,
+    port_number,
+    usable_cores,
+)
 from shared.cpu_bind import (
     BIND_ENV,
     SPILL_ENV,
@@ -461,6 +468,11 @@ class Cluster:
             elif world == 1 and threads > 1:  # each OpenMP thread on a core of its own
                 env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus[:threads])
                 env["OMP_PROC_BIND"] = "close"
+        if a.prefill and KV_HUGEPAGES_ENV not in os.environ:
+            # Disaggregated: the KV pool on 4 KiB pages. Huge pages gave a colocated worker
+            # 1.04-1.16x, but a 1P + 1D cluster no throughput and a worse first token (TTFT
+            # p99 1.28-1.31x at c16 in two A/Bs; docs/benchmarks.md, "The KV pool on huge pages")
+            env[KV_HUGEPAGES_ENV] = "0"
         name = name or f"{role}-{index}"
         argv = [
             role,

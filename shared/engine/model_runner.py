@@ -21,6 +21,7 @@ import torch
 
 from kernels import default_backend, get_backend
 from shared.config import (
+    KV_HUGEPAGES_ENV,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
@@ -58,13 +59,14 @@ def zeroed_host_tensor(
     attention reads blocks all over the pool, and a decode step at batch 64 over 1,088-token
     contexts took 0.72× the time on huge pages (docs/benchmarks.md, "The KV pool on huge
     pages"). Python's default ``mmap(-1, n)`` is a *shared* mapping (shmem), which gets no
-    huge pages where the system's shmem THP setting is ``never`` (the default).
+    huge pages where the system's shmem THP setting is ``never`` (the default). ``pdserve up``
+    turns them off for a disaggregated cluster's workers (see ``Cluster.spawn_worker``).
     """
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if pin:
         return torch.zeros(shape, dtype=dtype).pin_memory()
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if env_int("PDSERVE_KV_HUGEPAGES", 1) and hasattr(mmap, "MADV_HUGEPAGE"):
+    if env_int(KV_HUGEPAGES_ENV, 1) and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
         except OSError as e:  # a kernel without THP: 4 KiB pages, as before

@@ -13,6 +13,7 @@ import pytest
 
 from shared.cli import launcher
 from shared.cli.launcher import cluster_args
+from shared.config import KV_HUGEPAGES_ENV
 from shared.cpu_bind import (
     BIND_ENV,
     RESERVED_ENV,
@@ -164,6 +165,7 @@ def test_launcher_hands_each_child_its_cpus(monkeypatch, capsys):
     threads), the router the cores left, and a worker whose own flags change its rank count
     (not what the plan was made for) no list; a cluster-wide setting never reaches a child."""
     monkeypatch.setenv(BIND_ENV, "0-1|2")
+    monkeypatch.setenv(KV_HUGEPAGES_ENV, "1")  # (the user's choice: no default added)
     cluster, spawned = fake_cluster(
         monkeypatch,
         ["--prefill", "1", "--decode", "1"],
@@ -284,3 +286,29 @@ def test_a_sandbox_that_forbids_pinning_runs_the_process_unbound(monkeypatch, ca
     assert "running unbound" in caplog.text
     assert BIND_ENV not in os.environ and SPILL_ENV not in os.environ
     assert bound_cpus() is None and spill_cpus() == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "user", "want"),
+    [
+        (["--prefill", "1", "--decode", "1"], None, "0"),  # disaggregated: 4 KiB pages
+        (["--prefill", "0", "--decode", "1"], None, None),  # colocated: huge pages (default)
+        (["--prefill", "1", "--decode", "1"], "1", None),  # the user's setting wins
+    ],
+)
+def test_disaggregated_workers_keep_the_kv_pool_on_small_pages(monkeypatch, argv, user, want):
+    """Huge pages paid on a colocated worker and cost a disaggregated cluster's first token
+    (docs/benchmarks.md, "The KV pool on huge pages"): ``pdserve up`` sets the switch off for
+    the workers of a cluster with prefill workers, unless the user set it."""
+    if user is None:
+        monkeypatch.delenv(KV_HUGEPAGES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KV_HUGEPAGES_ENV, user)
+    cluster, spawned = fake_cluster(monkeypatch, argv, lambda worlds: None)
+    roles = ["prefill", "decode"] if argv[1] == "1" else ["decode"]
+    for role in roles:
+        cluster.spawn_worker(role, 0)
+        env = spawned[f"{role}-0"][2]
+        assert env.get(KV_HUGEPAGES_ENV) == want, role
+        # what the child gets: the launcher's choice, else the user's environment
+        assert cluster._child_env(1, env).get(KV_HUGEPAGES_ENV) == (want or user), role
