@@ -82,7 +82,8 @@ def test_worker_threads_split_the_cores_over_every_rank(monkeypatch, argv, ranks
     cluster.spawn_worker("prefill", 0)
     cluster.spawn_worker("decode", 0)
     assert spawned["prefill-0"][1] == spawned["decode-0"][1] == threads
-    assert not spawned["prefill-0"][2] and not spawned["decode-0"][2]  # no CPU list
+    for name in ("prefill-0", "decode-0"):  # no CPU list (nor OpenMP places)
+        assert not {BIND_ENV, "OMP_PLACES", "OMP_PROC_BIND"} & set(spawned[name][2]), name
     prefill_argv, decode_argv = spawned["prefill-0"][0], spawned["decode-0"][0]
     for flag in cluster.args.prefill_arg:
         assert flag in prefill_argv and flag not in decode_argv
