@@ -415,20 +415,15 @@ class Scheduler:
                         updates.append(SeqUpdate(req, [], [], False, ready, pin))
                     continue
                 first = req.num_output_tokens == req.num_resumed_tokens
-                # The siblings fork the leader's prompt blocks before its own first token is
-                # appended: a leader that finishes on that token frees its blocks at once.
-                started: list[SeqUpdate] = []
-                if first and req.siblings:
-                    for sib in req.siblings:
-                        if not sib.is_finished:
-                            started.append(
-                                self._start_sibling(
-                                    req, sib, cast(SampledToken, sampled[sib.request_id]), now
-                                )
-                            )
-                    req.siblings = []
                 # _sample_error found no SampleError among s.samples (req and its siblings)
-                update = self._append(req, cast(SampledToken, sampled[req.request_id]), now)
+                sibs = [
+                    (sib, cast(SampledToken, sampled[sib.request_id]))
+                    for sib in (req.siblings if first else ())
+                    if not sib.is_finished
+                ]
+                update, *started = self._first_tokens(
+                    req, cast(SampledToken, sampled[req.request_id]), sibs, now
+                )
                 update.kv_blocks_ready, update.kv_pin_id = ready, pin
                 updates.append(update)
                 updates.extend(started)
@@ -510,6 +505,21 @@ class Scheduler:
             return False
         return True
 
+    def _first_tokens(
+        self,
+        req: Request,
+        tok: SampledToken,
+        sibs: list[tuple[Request, SampledToken]],
+        now: float,
+    ) -> list[SeqUpdate]:
+        """``tok`` for ``req`` and, on its first token, each live ``n > 1`` sibling's own
+        (``sibs``): the leader's update, then the siblings'. The siblings fork the leader's
+        prompt blocks before its token is appended: a leader that finishes on that token
+        frees its blocks at once."""
+        started = [self._start_sibling(req, sib, t, now) for sib, t in sibs]
+        req.siblings = []
+        return [self._append(req, tok, now), *started]
+
     def _start_sibling(
         self, leader: Request, sib: Request, tok: SampledToken, now: float
     ) -> SeqUpdate:
@@ -561,12 +571,8 @@ class Scheduler:
         now = time.monotonic()
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        updates = [self._append(req, first_tokens[0], now)]
-        for sib, tok in zip(req.siblings, first_tokens[1:]):
-            if not sib.is_finished:
-                updates.append(self._start_sibling(req, sib, tok, now))
-        req.siblings = []
-        return updates
+        sibs = [(s, t) for s, t in zip(req.siblings, first_tokens[1:]) if not s.is_finished]
+        return self._first_tokens(req, first_tokens[0], sibs, now)
 
     # ---- abort -------------------------------------------------------------------------
     def abort(

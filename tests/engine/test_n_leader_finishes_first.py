@@ -5,7 +5,10 @@ blocks after its finish had freed them)."""
 from __future__ import annotations
 
 from shared.engine import LLM
+from shared.engine.connector import RemotePrefillParams
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler_output import SampledToken
+from tests.engine.fakes import fake_engine
 
 
 def test_siblings_go_on_when_the_leader_stops_on_its_first_token(tiny_llama):
@@ -24,3 +27,27 @@ def test_siblings_go_on_when_the_leader_stops_on_its_first_token(tiny_llama):
             leader_stopped_first += 1
     assert leader_stopped_first > 0, "no seed had the leader stop first: the case went untested"
     llm.engine.check_integrity()
+
+
+def test_siblings_go_on_when_a_remote_prefills_leader_stops_on_its_first_token(tmp_path):
+    # The decode worker's twin: the prefill worker's first tokens arrive together
+    # (``finish_remote_prefill``); the leader's is a stop token, the sibling's is not.
+    e = fake_engine(tmp_path, num_blocks=16, role="decode", block_size=16)
+    sp = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, stop_token_ids=[11])
+    e.add_request("r", list(range(3, 40)), sp, kv_transfer=RemotePrefillParams())
+    e.step()  # reserves the prompt's blocks for the transfer
+    (job,) = e.take_remote_prefills()
+    e.runner.write(list(job.block_ids), 0, list(range(3, 40)))  # the transfer, played
+    outs = e.finish_remote_prefill("r", [SampledToken(11), SampledToken(12)])
+    assert e.unpin(job.pin_id)
+    first = {o.index: o for o in outs}
+    assert first[0].new_token_ids == [11] and first[0].finish_reason == "stop"
+    assert first[1].new_token_ids == [12] and first[1].finish_reason is None
+    tokens = [12]
+    while e.has_unfinished_requests():
+        for o in e.step():
+            assert o.index == 1
+            tokens += o.new_token_ids
+        e.check_integrity()
+    assert len(tokens) == 4 and tokens[0] == 12
+    assert e.kv.pool.num_free_blocks == 16 and e.kv.num_pinned_blocks == 0
