@@ -795,9 +795,15 @@ class ModelRunner:
         copy: Sequence[tuple[int, int]],
     ) -> None:
         # Byte views: index_put is not implemented for every dtype (fp8), bytes always are.
+        # Copies first: a fork's copy was scheduled a step earlier, and this step may swap its
+        # destination out (a sibling preempted at once) or swap another sequence into its
+        # source (a leader that finished on its first token freed it).
         assert self.kv_cache is not None
         kv = self.kv_cache.view(torch.uint8)
         host = self.host_cache.view(torch.uint8) if self.host_cache is not None else None
+        if copy:
+            s, d = zip(*copy)
+            kv[list(d)] = kv[list(s)]
         if swap_out:
             assert host is not None
             d, h = zip(*swap_out)
@@ -806,9 +812,6 @@ class ModelRunner:
             assert host is not None
             h, d = zip(*swap_in)
             kv[list(d)] = host[list(h)].to(kv.device)
-        if copy:
-            s, d = zip(*copy)
-            kv[list(d)] = kv[list(s)]
 
     # ---- KV transfer across layouts ---------------------------------------------------
     def _shard_box(self, rank: int) -> tuple[slice, slice]:

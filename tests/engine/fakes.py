@@ -119,12 +119,12 @@ class FakeRunner:
             for s in out.scheduled
             if s.prompt_logprob_targets
         }
+        for s, d in out.blocks_to_copy:  # in the model runner's order (_move_blocks)
+            self.kv[d] = list(self._block(s))
         for d, h in out.blocks_to_swap_out:
             self.host[h] = list(self._block(d))
         for h, d in out.blocks_to_swap_in:
             self.kv[d] = list(self.host[h])
-        for s, d in out.blocks_to_copy:
-            self.kv[d] = list(self._block(s))
         if self.fail_forward:
             raise RuntimeError("forward pass failed (injected)")
         sampled: dict[str, SampleResult] = {}
