@@ -21,7 +21,7 @@ import grpc
 from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import RemoteDecodeParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
-from shared.engine.sampling_params import SamplingParamsError
+from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.worker.engine_loop import EngineDeadError
@@ -52,6 +52,15 @@ from shared.worker.wire import (
 
 logger = logging.getLogger(__name__)
 ROLE = "prefill"
+
+
+def first_token_only(params: SamplingParams) -> None:
+    """Turn a request's sampling into the prefill worker's: its first token, drawn as the
+    request's own first token would be. ``min_tokens`` (at least one token) keeps its ban on
+    EOS and the stop ids for that token: with 0 the prefill worker could draw one of them and
+    the decode worker would end the request on it, short of its ``min_tokens``."""
+    params.max_tokens = 1
+    params.min_tokens = min(params.min_tokens, 1)
 
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
@@ -108,8 +117,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 await asyncio.to_thread(rt.engine.compile_grammar, params)
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        params.max_tokens = 1
-        params.min_tokens = 0
+        first_token_only(params)
         try:
             handle = self.sender.open(
                 request.transfer_id or rid,
