@@ -116,7 +116,7 @@ def parse_json_body(raw: bytes) -> Any:
             InvalidRequestError("the request body nests too deeply", param="body")
         ) from None
     if _SURROGATE_ESCAPE.search(raw):
-        where = _lone_surrogate(obj)
+        where = lone_surrogate(obj)
         if where is not None:
             raise BodyError(
                 InvalidRequestError(
@@ -128,7 +128,7 @@ def parse_json_body(raw: bytes) -> Any:
     return obj
 
 
-def _lone_surrogate(obj: Any) -> str | None:
+def lone_surrogate(obj: Any) -> str | None:
     """Dotted path of the first string or key holding a lone surrogate, or None."""
     stack: list[tuple[Any, str]] = [(obj, "")]
     while stack:

@@ -115,7 +115,10 @@ def structured_outputs(req: SamplingFields) -> pb.StructuredOutputs | None:
 
 
 def _schema_text(schema: object) -> str:
-    text = json.dumps(schema, separators=(",", ":"))
+    try:
+        text = json.dumps(schema, separators=(",", ":"))
+    except RecursionError:
+        raise _bad("the schema nests too deeply", "structured_outputs") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise _bad(
             f"the schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS}",
@@ -131,6 +134,10 @@ def _so_message(kind: str, value: object) -> pb.StructuredOutputs:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise _bad(f"structured_outputs json is not JSON: {e}", "structured_outputs") from e
+            except RecursionError:
+                raise _bad(
+                    "structured_outputs json nests too deeply", "structured_outputs"
+                ) from None
         if not isinstance(value, dict):
             raise _bad("structured_outputs json must be a JSON schema object", "structured_outputs")
         return pb.StructuredOutputs(json=_schema_text(value))
@@ -315,6 +322,17 @@ def validate_common(req: SamplingRequest, limits: Limits) -> None:
         check_json_depth(req.chat_template_kwargs, limits.max_json_depth, "chat_template_kwargs")
     check_json_depth(req.response_format, limits.max_json_depth, "response_format")
     check_json_depth(req.model_extra, limits.max_json_depth, "body")
+    so = req.structured_outputs
+    for name, schema in (
+        ("guided_json", req.guided_json),
+        ("structured_outputs", so.get("json") if isinstance(so, dict) else None),
+    ):
+        if isinstance(schema, str):  # a schema given as a string nests as deeply once parsed
+            try:
+                schema = json.loads(schema)
+            except (ValueError, RecursionError):
+                raise _bad(f"{name} is not a JSON schema", name) from None
+        check_json_depth(schema, limits.max_json_depth, name)
 
 
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300; vLLM has no cap)

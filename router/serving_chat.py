@@ -20,6 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from router.body import lone_surrogate
 from router.chat_template import ChatTemplateError
 from router.context import ServingContext
 from router.errors import InvalidRequestError
@@ -82,6 +83,13 @@ def template_messages(
                 if args is None:
                     raise InvalidRequestError(f"{param} nests too deeply", param=param)
                 check_json_depth(args, max_json_depth, param)
+                # an escaped lone surrogate in the string is a real one once parsed
+                if (where := lone_surrogate(args)) is not None:
+                    raise InvalidRequestError(
+                        f"{param}{'.' + where if where else ''} holds a lone UTF-16 surrogate, "
+                        "which is not valid Unicode text",
+                        param=param,
+                    )
                 fn["arguments"] = args
         out.append(d)
     return out

@@ -184,6 +184,68 @@ def test_deep_nesting_is_refused_where_it_could_hurt(router):
     assert_error(post(router, prompt="x", extra_field=[[[[[[[[[[1]]]]]]]]]]), 400, param="body")
 
 
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+def test_deep_schemas_are_400s_in_every_field_that_takes_one(router, field):
+    # --max-json-depth covered response_format only: a schema 20 deep went on to the worker,
+    # 960 deep was a 500 (json.dumps), and a string schema deeper than the JSON parser's
+    # recursion limit a 500 (json.loads); found by review, 2026-12-06
+    def body(schema):
+        return (
+            {"guided_json": schema}
+            if field == "guided_json"
+            else {"structured_outputs": {"json": schema}}
+        )
+
+    deep: dict = {"type": "object"}
+    for _ in range(20):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for schema in (deep, json.dumps(deep)):
+        assert_error(
+            post(router, prompt="x", max_tokens=2, **body(schema)),
+            400,
+            param=field,
+            contains="--max-json-depth",
+        )
+    very_deep = "{" + '"a":{' * 959 + "}" * 960
+    content = json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}).encode()
+    inner = (
+        (b'"guided_json": ' if field == "guided_json" else b'"structured_outputs": {"json": ')
+        + very_deep.encode()
+        + (b"" if field == "guided_json" else b"}")
+    )
+    r = raw(router, content[:-1] + b", " + inner + b"}")
+    assert r.status_code == 400, r.text
+    brackets = "[" * 100_000 + "]" * 100_000
+    r = post(router, prompt="x", max_tokens=2, **body(brackets))
+    assert_error(r, 400, param="structured_outputs", contains="nests too deeply")
+
+
+def test_a_lone_surrogate_in_tool_call_arguments_is_a_400(router):
+    # the body holds the escape inside a JSON string; the router parses the arguments, and the
+    # parsed value went into the chat template and the tokenizer: a 500 (found by review)
+    history = MSGS + [
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    # the JSON text of the arguments: an escape, which json.loads makes a
+                    # lone surrogate
+                    "function": {"name": "f", "arguments": '{"a": "\\ud800"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    assert_error(
+        post(router, "/v1/chat/completions", messages=history, max_tokens=2),
+        400,
+        param="messages.1.tool_calls.0.function.arguments",
+        contains="surrogate",
+    )
+
+
 def test_request_limits_are_400s_naming_the_parameter(router):
     assert_error(
         post(router, prompt="x", stop=["a", "b", "c", "d", "e"]),
