@@ -71,8 +71,10 @@ class Generation:
             )
             for i, (p, sp) in enumerate(zip(prompts, samplings, strict=True))
         ]
+        tails = [ctx.tokenizer.prompt_tail(p) for p in prompts]
         self.samples = [
-            SampleOutput(i, ctx.tokenizer, params) for i in range(len(prompts) * self.n)
+            SampleOutput(i, ctx.tokenizer, params, tails[i // self.n])
+            for i in range(len(prompts) * self.n)
         ]
         self.ends: list[StreamEnd | None] = [None] * len(prompts)
         self._iters: list[AsyncGenerator[list[SeqOutput] | StreamEnd, None]] = []

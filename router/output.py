@@ -79,6 +79,7 @@ class SampleOutput:
     index: int
     tokenizer: RouterTokenizer
     params: OutputParams
+    prime: Sequence[int] = ()  # the prompt's last tokens (RouterTokenizer.prompt_tail)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -95,7 +96,7 @@ class SampleOutput:
 
     def __post_init__(self) -> None:
         p = self.params
-        self._step = self.tokenizer.stepper(p.skip_special_tokens)
+        self._step = self.tokenizer.stepper(p.skip_special_tokens, self.prime)
         max_stop = max((len(s) for s in p.stop), default=0)
         self._hold = 0 if p.include_stop_str_in_output else max(0, max_stop - 1)
         self._want_entries = p.logprobs is not None or p.return_token_ids

@@ -156,13 +156,46 @@ class RouterTokenizer:
         """A fresh incremental decoder (feed it with :meth:`step`)."""
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
-    def stepper(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+    def stepper(
+        self, skip_special_tokens: bool = True, prime: Sequence[int] = ()
+    ) -> Callable[[int], str | None]:
         """A fresh incremental decoder as one callable: token id -> the text it completes
-        (None or '' while a UTF-8 character is still split). Same output as
-        :meth:`decode_stream` + :meth:`step`, one Python call less per token."""
-        return functools.partial(
-            DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok
-        )
+        (None or '' while a UTF-8 character is still split), as :meth:`decode_stream` +
+        :meth:`step` give it.
+
+        ``prime``: tokens the output follows (:meth:`prompt_tail`), fed first and not shown.
+        A decoder that strips the text's first space (SentencePiece's ``Strip`` in Llama 2's
+        and Mistral's tokenizers) then keeps the first output token's: the text is
+        ``decode(prompt + output)[len(decode(prompt)):]``, as vLLM's detokenizer gives it."""
+        tok = self._tok
+        step = DecodeStream(skip_special_tokens=skip_special_tokens).step
+        try:
+            for t in prime:
+                step(tok, t)
+        except Exception:  # noqa: BLE001 - an id the decoder rejects: start unprimed
+            step = DecodeStream(skip_special_tokens=skip_special_tokens).step
+
+        def guarded(token_id: int) -> str | None:
+            nonlocal step
+            try:
+                return step(tok, token_id)
+            except Exception:  # noqa: BLE001 - the decoder's text no longer extends its prefix
+                # (vLLM's detokenizer meets this too): go on from this token, unprimed
+                step = DecodeStream(skip_special_tokens=skip_special_tokens).step
+                return step(tok, token_id)
+
+        return guarded
+
+    def prompt_tail(self, prompt: Sequence[int]) -> list[int]:
+        """The last 4 to 23 prompt tokens, the shortest run that decodes without a split UTF-8
+        character at its start (vLLM's rule for priming its stream); the last 23 if none does."""
+        if len(prompt) <= 4:
+            return list(prompt)
+        for i in range(4, min(len(prompt), 23) + 1):
+            tail = list(prompt[-i:])
+            if "\ufffd" not in self._tok.decode(tail, skip_special_tokens=False):
+                return tail
+        return list(prompt[-23:])
 
     def step(self, stream: DecodeStream, token_id: int) -> str:
         """Feed one token; the text it completes ('' while a UTF-8 character is still split)."""

@@ -129,3 +129,63 @@ def test_logprobs_and_offsets_follow_tokens(tok):
     offsets = [e.text_offset for e in d.tokens]
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(s.text)
     assert s.take() is None  # nothing new, finish already reported
+
+
+def _sentencepiece_tokenizer() -> RouterTokenizer:
+    """A tokenizer with the decoder of Llama 2's and Mistral 7B v0.1's ``tokenizer.json``
+    (Metaspace pieces; ``Strip`` removes the text's first space)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁of": 5}
+    vocab |= {"▁France": 6, "▁is": 7, "▁Paris": 8, ".": 9, "<0xC3>": 10, "<0xA9>": 11}
+    t = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", continuing_subword_prefix=""))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return RouterTokenizer(t, {"eos_token": "</s>", "bos_token": "<s>"}, None)
+
+
+def test_the_first_tokens_space_survives_a_sentencepiece_decoder():
+    # An unprimed stream decoded "▁Paris" as "Paris": completions lost the space vLLM keeps
+    # (its detokenizer primes the stream with the prompt's tail), and a stop string " Paris"
+    # never matched (found by review, 2026-12-06).
+    sp = _sentencepiece_tokenizer()
+    prompt, output = [1, 3, 4, 5, 6, 7], [8, 9]  # "The capital of France is" -> " Paris."
+    want = sp.decode(prompt + output)[len(sp.decode(prompt)) :]
+    assert want == " Paris."
+    s = SampleOutput(0, sp, OutputParams(), sp.prompt_tail(prompt))
+    for t in output:
+        s.add([t])
+    s.add([], finish_reason="length")
+    assert s.text == want
+    s = SampleOutput(0, sp, OutputParams(stop=(" Paris",)), sp.prompt_tail(prompt))
+    for t in output:
+        s.add([t])
+    assert (s.finish_reason, s.stop_reason, s.text) == ("stop", " Paris", "")
+
+
+def test_the_prompt_tail_starts_on_a_whole_character():
+    sp = _sentencepiece_tokenizer()
+    # the last 4 tokens begin with the second byte of "é": the tail takes one token more
+    prompt = [3, 4, 5, 10, 11, 6, 7, 8]
+    assert sp.prompt_tail(prompt) == [10, 11, 6, 7, 8]
+    assert sp.prompt_tail([3, 4]) == [3, 4]
+    s = SampleOutput(0, sp, OutputParams(), sp.prompt_tail([3, 10]))  # ends mid-character
+    s.add([11])
+    s.add([9])
+    assert s.text == "é."
+
+
+def test_priming_leaves_byte_level_text_as_it_was(tok):
+    prompt, output = ids(tok, "The answer is"), ids(tok, " 42, surely é!")
+    plain = run(tok, output, OutputParams())[0].text
+    s = SampleOutput(0, tok, OutputParams(), tok.prompt_tail(prompt))
+    for t in output:
+        s.add([t])
+    assert s.text == plain == " 42, surely é!"
