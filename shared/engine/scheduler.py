@@ -149,7 +149,7 @@ class Scheduler:
             while True:
                 if self.kv.allocate_slots(req, num_new) is not None:
                     break
-                victim = self.running.pop(self._victim_index(i))
+                victim = self.running.pop(self._victim_index(i, skip))
                 self._preempt(victim, out)
                 preempted = True
                 scheduled.pop(victim.request_id, None)
@@ -185,15 +185,23 @@ class Scheduler:
                 req.first_scheduled_time = now
         return out
 
-    def _victim_index(self, first: int) -> int:
+    def _victim_index(self, first: int, skip: Collection[str] = ()) -> int:
         """Index of the request to preempt among ``running[first:]``: the most recently
         admitted one that holds no transfer pin (preempting a request whose blocks a transfer
         pins frees little, since the pin keeps them, and delays the transfer that would release
-        them); the most recently admitted one when every candidate holds a pin."""
-        for j in range(len(self.running) - 1, first - 1, -1):
+        them); the most recently admitted one when every candidate holds a pin. Never one in
+        ``skip``, whose step is still in flight (pipeline parallelism): its blocks are being
+        written, and its step's tokens would be applied again after a re-admission;
+        ``running[first]`` itself is never in ``skip``."""
+        candidates = [
+            j
+            for j in range(len(self.running) - 1, first - 1, -1)
+            if self.running[j].request_id not in skip
+        ]
+        for j in candidates:
             if not self.connector.holds_pin(self.running[j]):
                 return j
-        return len(self.running) - 1
+        return candidates[0]
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens
