@@ -589,10 +589,18 @@ class Scheduler:
         """End live sequences by id with ``status`` (aborted, or failed); unknown or finished
         ids are ignored. Their block tables are freed (pinned blocks stay pinned)."""
         aborted = []
-        for rid in request_ids:
+        ids = list(request_ids)
+        dropped = set(ids)
+        for rid in ids:
             req = self.requests.pop(rid, None)
             if req is None or req.is_finished:
                 continue
+            if req.siblings:  # n > 1 samples that would fork at this one's first token
+                rest = [s for s in req.siblings if s.request_id not in dropped]
+                req.siblings = []
+                if rest:  # the first goes on as their leader, from the prompt
+                    rest[0].siblings = rest[1:]
+                    self.waiting.appendleft(rest[0])
             if req in self.running:
                 self.running.remove(req)
             elif req.status == RequestStatus.SWAPPED:

@@ -51,3 +51,43 @@ def test_siblings_go_on_when_a_remote_prefills_leader_stops_on_its_first_token(t
         e.check_integrity()
     assert len(tokens) == 4 and tokens[0] == 12
     assert e.kv.pool.num_free_blocks == 16 and e.kv.num_pinned_blocks == 0
+
+
+def _samples(e, rid="r", abort_first=False, remote=False):
+    kw = {"kv_transfer": RemotePrefillParams()} if remote else {}
+    sp = SamplingParams(n=3, max_tokens=4, ignore_eos=True, seed=1)
+    e.add_request(rid, [5, 6, 7, 8, 9], sp, **kw)
+    if remote:
+        e.step()  # reserves the blocks; the transfer never comes
+    got: dict[int, list[int]] = {}
+    if abort_first:
+        (out,) = e.abort_samples(rid, [0])
+        assert out.index == 0 and out.finish_reason == "abort"
+    for _ in range(40):
+        if not e.has_unfinished_requests():
+            break
+        for o in e.step():
+            got.setdefault(o.index, []).extend(o.new_token_ids)
+        e.check_integrity()
+    assert not e.has_unfinished_requests()
+    assert rid not in e.parents and not e.scheduler.live_request_ids()
+    return got
+
+
+def test_the_other_samples_go_on_when_the_first_is_aborted_before_its_first_token(tmp_path):
+    # Pending siblings fork at the leader's first token; aborting the leader before it left
+    # them unscheduled forever, and the request id could not be used again (found by review)
+    want = _samples(fake_engine(tmp_path / "a", num_blocks=16, block_size=4))
+    e = fake_engine(tmp_path / "b", num_blocks=16, block_size=4)
+    got = _samples(e, abort_first=True)
+    assert got == {1: want[1], 2: want[2]}
+    _samples(e)  # the id again
+    assert e.kv.pool.num_free_blocks == 16
+
+
+def test_a_remote_prefills_other_samples_go_on_locally_when_the_first_is_aborted(tmp_path):
+    want = _samples(fake_engine(tmp_path / "a", num_blocks=16, block_size=4))
+    e = fake_engine(tmp_path / "b", num_blocks=16, role="decode", block_size=4)
+    got = _samples(e, abort_first=True, remote=True)
+    assert got == {1: want[1], 2: want[2]}
+    assert e.kv.pool.num_free_blocks == 16 and e.kv.num_pinned_blocks == 0
