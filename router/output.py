@@ -169,7 +169,8 @@ class SampleOutput:
         if not new:
             return False
         self.text += new
-        if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
+        # vLLM's rule: the first min_tokens tokens' text is never searched for a stop string
+        if not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
             return False
         return self._check_stop(len(new))
 

@@ -189,3 +189,20 @@ def test_priming_leaves_byte_level_text_as_it_was(tok):
     for t in output:
         s.add([t])
     assert s.text == plain == " 42, surely é!"
+
+
+@pytest.mark.parametrize("min_tokens, stops", [(3, True), (4, False), (0, True)])
+def test_the_first_min_tokens_tokens_text_is_never_searched_for_a_stop_string(
+    tok, min_tokens, stops
+):
+    # vLLM v1's rule (its detokenizer, PR 22014): a stop string completed by the
+    # min_tokens-th token does not stop the sample; the router used to stop there
+    tokens = ids(tok, "hello world again")
+    assert [tok.decode([t]) for t in tokens][3] == " world"  # the 4th token completes it
+    s = SampleOutput(0, tok, OutputParams(stop=(" world",), min_tokens=min_tokens))
+    for t in tokens:
+        s.add([t])
+    if stops:
+        assert (s.finish_reason, s.stop_reason, s.text) == ("stop", " world", "hello")
+    else:
+        assert s.finish_reason is None and s.text == "hello world again"
