@@ -263,6 +263,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             deltas: dict[int, pb.SeqDelta] = {}
             now = time.monotonic()
             prompt_lps = None
+            first = flight.first_token_time is None
             for o in batch:
                 if o.failure is not None:  # this request, or the whole engine, failed
                     raise _Failed(o.failure.kind, o.failure.message)
@@ -282,6 +283,15 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             chunk = pb.GenerateChunk(
                 request_id=rid, outputs=list(deltas.values()), worker_id=rt.worker_id
             )
+            if first and flight.first_token_time is not None and len(done) < flight.n:
+                # the first tokens' chunk also says how much of the prompt was cached: a router
+                # that ends the request itself (a stop string) does not wait for the last chunk
+                chunk.usage.CopyFrom(
+                    pb.Usage(
+                        prompt_tokens=flight.prompt_tokens,
+                        cached_tokens=max(flight.cached, flight.remote_cached_tokens),
+                    )
+                )
             if prompt_lps is not None:
                 chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in prompt_lps)
             if len(done) == flight.n:
@@ -339,6 +349,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             or o.finished
             or o.failure is not None
             or o.prompt_logprobs is not None
+            or flight.first_token_time is None  # the first tokens' chunk carries usage
             or flight.aborting
             or (flight.task is not None and flight.task.cancelling())
         ):

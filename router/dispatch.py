@@ -495,6 +495,7 @@ class GenerationStream:
         self._call = call
         done = False
         got_output = False
+        cached: int | None = None  # prompt tokens D found cached (its usage)
         dog = _Watchdog(call, self.inp.deadline, self.d.cfg.stall_timeout_s)
         n, finished, tokens, want_lp = self.n, self.finished, self.tokens, self._want_logprobs
         try:
@@ -519,6 +520,8 @@ class GenerationStream:
                     if dog.why:
                         raise dog.error()
                     raise _Retryable("the stream ended before the request finished")
+                if chunk.HasField("usage"):  # the first tokens' chunk and the last
+                    cached = chunk.usage.cached_tokens
                 if (
                     self._want_prompt_logprobs
                     and self.prompt_logprobs is None
@@ -559,12 +562,11 @@ class GenerationStream:
                 if chunk.finished:
                     done = True
                     self.path = chunk.timings.path or decision.path
-                    cached = chunk.usage.cached_tokens if chunk.HasField("usage") else None
                     timings = chunk.timings if chunk.HasField("timings") else None
                     yield StreamEnd(self.path, chunk.worker_id or record.worker_id, cached, timings)
                     return
                 if self._finished_here and len(self.finished) >= self.n:
-                    yield StreamEnd(self.path or decision.path, record.worker_id, None)
+                    yield StreamEnd(self.path or decision.path, record.worker_id, cached)
                     return
         finally:
             self._live = None

@@ -182,6 +182,8 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             live = {i for i in range(n) if pos[i] < max_tokens and i not in ended}
             if a.first_token_delay:
                 await asyncio.sleep(a.first_token_delay)
+            cached = min(cached_blocks * a.block_size, len(prompt) - 1)
+            first = True
             while live:
                 if ending.is_set():
                     return
@@ -205,6 +207,9 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     if sd.finish_reason:
                         live.discard(i)
                     chunk.outputs.append(sd)
+                if first and live:  # as the decode worker: the first tokens' chunk has usage
+                    chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(prompt), cached_tokens=cached))
+                first = False
                 await context.write(chunk)
                 self.tokens_sent += len(chunk.outputs)
                 if a.die_after_tokens and self.tokens_sent >= a.die_after_tokens:
@@ -223,7 +228,7 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     usage=pb.Usage(
                         prompt_tokens=len(prompt),
                         completion_tokens=total,
-                        cached_tokens=min(cached_blocks * a.block_size, len(prompt) - 1),
+                        cached_tokens=cached,
                     ),
                     timings=pb.Timings(path="disagg" if request.prefill_address else "local"),
                 )

@@ -586,3 +586,32 @@ def test_continuous_usage_stats(cluster, tok):
     counts = [e["usage"]["completion_tokens"] for e in events[:-1]]
     assert counts == sorted(counts) and counts[-1] == 6
     assert all(e["usage"]["prompt_tokens"] == len(tok.encode("running usage")) for e in events[:-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_keeps_the_cached_tokens_when_a_stop_string_ends_the_request(cluster, stream):
+    # The router ends a request whose samples all hit a stop string without waiting for the
+    # worker's last chunk, which carried the usage: prompt_tokens_details was null there, and
+    # {"cached_tokens": N} without the stop (found by review, 2026-12-06). The first tokens'
+    # chunk now carries it too.
+    body = {"model": MODEL_NAME, "prompt": "usage details with a stop", "max_tokens": 16}
+    body |= {"ignore_eos": True, "n": 2, "temperature": 1.0, "seed": 5}
+    plain = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=30).json()
+    texts = [c["text"] for c in plain["choices"]]
+    stops = [t[3:5] for t in texts]
+    assert all(s.strip() for s in stops), texts
+    body |= {"stop": stops}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
+            events = sse_events(r)
+        usage = next(e["usage"] for e in events if e != "[DONE]" and e.get("usage"))
+        finishes = [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"]]
+        assert finishes.count("stop") == 2
+    else:
+        r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=30).json()
+        assert [c["finish_reason"] for c in r["choices"]] == ["stop", "stop"], r
+        usage = r["usage"]
+    assert plain["usage"]["prompt_tokens_details"] is not None
+    assert usage["prompt_tokens_details"] is not None, usage
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0

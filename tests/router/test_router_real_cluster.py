@@ -264,3 +264,26 @@ def test_a_sample_ended_by_a_stop_string_is_aborted_on_the_decode_worker(cluster
     assert got[0].text == full[0][: full[0].index(stop)] and got[0].finish_reason == "stop"
     assert got[1].text == full[1] and got[1].finish_reason == "length"
     assert aborted_samples() == before + 1
+
+
+def test_usage_has_the_cached_tokens_when_a_stop_string_ends_the_request(cluster):
+    # the decode worker's first tokens' chunk carries the usage, so a request the router ends
+    # on a stop string still reports prompt_tokens_details (null before, found by review)
+    c, url = cluster
+    body = {
+        "model": c.served_model_name,
+        "prompt": "A request that a stop string ends early, for its usage details:",
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    full = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    text = full["choices"][0]["text"]
+    stop = next(text[k : k + 3] for k in range(4, len(text) - 3) if text[k : k + 3].strip())
+    for _ in range(2):  # the second run finds the prompt cached
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop]}, timeout=120)
+        got = r.json()
+        assert got["choices"][0]["finish_reason"] == "stop", got
+        details = got["usage"]["prompt_tokens_details"]
+        assert details is not None, got["usage"]
+    assert details["cached_tokens"] >= 16, details  # at least one block of the prompt
