@@ -322,14 +322,17 @@ def _body(
     created: int,
 ) -> JSONResponse:
     sample = gen.samples[0]
-    if plan.parses:
-        content, calls = parse_all(plan, [sample.text])[0].message()
-    else:
-        content, calls = (sample.text or None), []
-    output: list[dict[str, Any]] = []
-    if content:
-        output.append(_message_item(_new_id("msg"), content, "completed"))
-    output += [_call_item(c, "completed") for c in calls]
+    items: list[tuple[str, Any]] = (
+        parse_all(plan, [sample.text])[0].items() if plan.parses else [("text", sample.text)]
+    )
+    # in the order written, as the stream's items are: text after a call is a message of its own
+    output: list[dict[str, Any]] = [
+        _message_item(_new_id("msg"), x, "completed")
+        if kind == "text"
+        else _call_item(x, "completed")
+        for kind, x in items
+        if x
+    ]
     body = _response(
         ctx, echo, request_id, created, _status(sample.finish_reason), output, _usage(gen)
     )

@@ -398,6 +398,7 @@ class ToolStream:
         self.pos = 0  # next character to look at
         self.calls: list[_Call] = []
         self.content: list[str] = []  # content sent
+        self._calls_at: list[int] = []  # per content piece: how many calls were sent before it
         self._held = ""  # trailing whitespace of the content, sent only if content follows
         self._out = ToolDeltas()
         self._state = {
@@ -438,6 +439,7 @@ class ToolStream:
         if self._held and not self.called:
             self._out.content += self._held
             self.content.append(self._held)
+            self._calls_at.append(0)
         self._held = ""
 
     def message(self) -> tuple[str | None, list[dict[str, Any]]]:
@@ -454,6 +456,20 @@ class ToolStream:
         ]
         return (content or None), calls
 
+    def items(self) -> list[tuple[str, Any]]:
+        """The output in the order it was written, as a stream sends it: ``("text", str)``
+        for each run of content between calls, ``("call", <call as in message()>)`` for each
+        call (the Responses API's output items)."""
+        _, calls = self.message()
+        out: list[tuple[str, Any]] = []
+        for k in range(len(calls) + 1):
+            text = "".join(p for p, at in zip(self.content, self._calls_at, strict=True) if at == k)
+            if text:
+                out.append(("text", text))
+            if k < len(calls):
+                out.append(("call", calls[k]))
+        return out
+
     # ---- the machine ----------------------------------------------------------------
     def _take(self) -> ToolDeltas:
         out, self._out = self._out, ToolDeltas()
@@ -468,6 +484,7 @@ class ToolStream:
         if body:
             self._out.content += body
             self.content.append(body)
+            self._calls_at.append(sum(1 for c in self.calls if c.header_sent))
 
     def _revert(self) -> None:
         """The current call was not one: its text goes out as content."""
@@ -593,32 +610,19 @@ class ToolStream:
         assert scan is not None
         try:
             scan.advance(self.text, final)
-        except (_Malformed, json.JSONDecodeError) as e:
-            if call.header_sent:  # already streamed: end it where it stands
-                self._state = "ignore"
-                del e
+        except (_Malformed, json.JSONDecodeError):
+            if scan.name is None:  # never a call (no header can have gone out)
+                self.calls.pop()
+                self._revert()
                 return True
-            self.calls.pop()
-            self._revert()
+            # Its name was read: a stream may have sent its header (and part of its arguments)
+            # already, so the call stands as far as its arguments were written, and the rest
+            # of the text is dropped. The whole text gives the same message (module doc),
+            # whatever pieces a stream had.
+            self._send_call(call, scan)
+            self._state = "ignore"
             return True
-        if scan.name is not None and not call.header_sent:
-            call.name = scan.name
-            call.header_sent = True
-            self._held = ""  # whitespace before a call is not content
-            call.index = sum(1 for c in self.calls if c.header_sent) - 1
-            self._out.tool_calls.append(
-                {
-                    "index": call.index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            )
-        upto = scan.args_upto
-        if call.header_sent and scan.args_start is not None and upto is not None:
-            piece = self.text[scan.args_start + call.sent_args : upto]
-            if piece:
-                self._args(call, piece)
+        self._send_call(call, scan)
         if scan.end is None:
             if not final:
                 return False
@@ -637,6 +641,27 @@ class ToolStream:
         self.pos = scan.end
         self._state = "after_call" if self.plan.parser == HERMES else "separator"
         return True
+
+    def _send_call(self, call: _Call, scan: _CallScan) -> None:
+        """The call's header once its name is known, then its arguments as far as scanned."""
+        if scan.name is not None and not call.header_sent:
+            call.name = scan.name
+            call.header_sent = True
+            self._held = ""  # whitespace before a call is not content
+            call.index = sum(1 for c in self.calls if c.header_sent) - 1
+            self._out.tool_calls.append(
+                {
+                    "index": call.index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+            )
+        upto = scan.args_upto
+        if call.header_sent and scan.args_start is not None and upto is not None:
+            piece = self.text[scan.args_start + call.sent_args : upto]
+            if piece:
+                self._args(call, piece)
 
     def _args(self, call: _Call, piece: str) -> None:
         call.sent_args += len(piece)

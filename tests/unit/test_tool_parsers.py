@@ -108,6 +108,26 @@ CASES = [
         (None, [("get_weather", '{"city": "Oslo"}')]),
     ),
     (plan("none"), HERMES_TEXT, (HERMES_TEXT, [])),
+    # A call that turns malformed after its name was read stands as far as its arguments were
+    # written, the rest dropped: a stream has sent its header by then. The whole text used to
+    # fall back to content instead (found by review, 2026-12-06).
+    # - arguments written as a JSON string (a common model habit): its text, as written
+    (
+        plan(),
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"a\\": 1}"}</tool_call> after',
+        (None, [("get_weather", '"{\\"a\\": 1}"')]),
+    ),
+    # - text after the arguments inside the object
+    (
+        plan(),
+        'Hm.<tool_call>{"name": "get_weather", "arguments": {"a": 1} "x"}</tool_call>',
+        ("Hm.", [("get_weather", '{"a": 1}')]),
+    ),
+    (
+        plan(settings=AUTO_LLAMA),
+        '{"name": "get_weather", "parameters": {"a": 1}, oops}',
+        (None, [("get_weather", '{"a": 1}')]),
+    ),
 ]
 
 
