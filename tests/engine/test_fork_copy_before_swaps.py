@@ -52,6 +52,20 @@ def test_a_copys_source_swapped_into_in_the_same_step_is_read_first(tiny_llama):
     assert torch.all(kv[3] == 99)
 
 
+def _small_engine(tmp_path, num_blocks, mode, role="none"):
+    """A fake engine of 4-token blocks with a host pool for a block (swap mode)."""
+    return fake_engine(
+        tmp_path / f"{mode}{num_blocks}",
+        num_blocks=num_blocks,
+        role=role,
+        block_size=4,
+        max_model_len=16,
+        preemption_mode=mode,
+        swap_space=1e-5,
+        enable_prefix_caching=False,
+    )
+
+
 def _tokens(e, feed=None):
     toks: dict[tuple[str, int], list[int]] = {}
     while e.has_unfinished_requests() or (feed is not None and feed.pending):
@@ -67,15 +81,7 @@ def test_a_sibling_preempted_right_after_its_fork_keeps_the_leaders_prompt(tmp_p
     # X's second token needs a block when L's sibling has just forked: the newest, the sibling,
     # is swapped out in the step that runs its copy.
     def run(num_blocks, mode):
-        e = fake_engine(
-            tmp_path / f"{mode}{num_blocks}",
-            num_blocks=num_blocks,
-            block_size=4,
-            max_model_len=16,
-            preemption_mode=mode,
-            swap_space=1e-5,
-            enable_prefix_caching=False,
-        )
+        e = _small_engine(tmp_path, num_blocks, mode)
         e.add_request("X", [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True, seed=3))
         e.add_request(
             "L", [9, 10, 11, 12, 13, 14], SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=7)
@@ -112,16 +118,7 @@ def test_a_block_freed_by_a_leaders_first_token_is_copied_before_it_is_reused(tm
                 self.job, self.pending = None, False
 
     def run(num_blocks, mode):
-        e = fake_engine(
-            tmp_path / f"{mode}{num_blocks}",
-            num_blocks=num_blocks,
-            role="decode",
-            block_size=4,
-            max_model_len=16,
-            preemption_mode=mode,
-            swap_space=1e-5,
-            enable_prefix_caching=False,
-        )
+        e = _small_engine(tmp_path, num_blocks, mode, role="decode")
         e.add_request("R", [20, 21, 22, 23], SamplingParams(max_tokens=8, ignore_eos=True, seed=1))
         e.add_request("G", [30], SamplingParams(max_tokens=2, ignore_eos=True, seed=2))
         e.add_request("F", [40], SamplingParams(max_tokens=6, ignore_eos=True, seed=3))
