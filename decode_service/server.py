@@ -232,16 +232,22 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     grpc.StatusCode.INTERNAL, e.message, failure_metadata(FAILURE_REQUEST)
                 )
         finally:
-            if timer is not None:
-                timer.cancel()
-            if not finished:  # client cancelled, deadline, or error: abort everywhere
-                flight.aborting = True
-                await self._abort(eid, flight)
-            if self.flights.get(rid) is flight:
-                del self.flights[rid]
-            self.by_engine_id.pop(eid, None)
-            self.outputs.unregister(eid)
-            rt.inflight -= 1
+            try:
+                if timer is not None:
+                    timer.cancel()
+                if not finished:  # client cancelled, deadline, or error: abort everywhere
+                    flight.aborting = True
+                    # Shielded: a second cancel while it waits (the router's cancel after a
+                    # deadline, the mux call ending) cancelled the engine's abort command
+                    # before it ran and skipped what follows: the request went on generating
+                    # for nobody and the worker never drained.
+                    await asyncio.shield(self._abort(eid, flight))
+            finally:
+                if self.flights.get(rid) is flight:
+                    del self.flights[rid]
+                self.by_engine_id.pop(eid, None)
+                self.outputs.unregister(eid)
+                rt.inflight -= 1
 
     async def _stream(self, flight: _Flight, request: pb.GenerateRequest):
         rt = self.rt

@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from kvtransfer.handles import SendHandle
 from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import RemoteDecodeParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
@@ -227,22 +228,32 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             result.transfer_s = time.monotonic() - arrival
             return result
         finally:
-            if not finished:
-                await cancel_transfer(handle)
-                if submitted:  # runs after the add on the engine thread; unknown ids are ignored
-                    aborted = rt.loop.submit(lambda e: e.abort_request([eid]))
-                    try:
-                        if not rt.hung:  # else queued: done when (if) the engine steps again
-                            await asyncio.wrap_future(aborted)
-                    except EngineDeadError:
-                        pass
-            # the blocks handed to the sender join the prefix cache once the send is terminal
-            for pin_id in pins:
-                unpin_when_terminal(rt.loop, handle, pin_id)
-            rt.loop.remove_sink(eid)
-            self.queues.pop(eid, None)
-            rt.inflight -= 1
-            self.pending_sends -= 1
+            try:
+                if not finished:
+                    # Shielded: the decode worker cancels this call as soon as it sees the
+                    # transfer fail, which landed here and skipped the unpinning below (the
+                    # blocks stayed pinned for good)
+                    await asyncio.shield(self._end_unfinished(handle, eid, submitted))
+            finally:
+                # the blocks handed to the sender join the prefix cache once the send is terminal
+                for pin_id in pins:
+                    unpin_when_terminal(rt.loop, handle, pin_id)
+                rt.loop.remove_sink(eid)
+                self.queues.pop(eid, None)
+                rt.inflight -= 1
+                self.pending_sends -= 1
+
+    async def _end_unfinished(self, handle: SendHandle, eid: str, submitted: bool) -> None:
+        """A Prefill that did not finish: its transfer cancelled, its request aborted."""
+        rt = self.rt
+        await cancel_transfer(handle)
+        if submitted:  # runs after the add on the engine thread; unknown ids are ignored
+            aborted = rt.loop.submit(lambda e: e.abort_request([eid]))
+            try:
+                if not rt.hung:  # else queued: done when (if) the engine steps again
+                    await asyncio.wrap_future(aborted)
+            except EngineDeadError:
+                pass
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(

@@ -1,0 +1,343 @@
+"""Cancellation during a worker's cleanup (found by review, 2026-12-06).
+
+A Generate (decode) or Prefill handler that ends without finishing cleans up in its
+``finally``: it aborts the request in the engine (waiting up to one engine step) and cancels the
+KV transfer. A second cancel arriving in that wait (the router's cancel after the worker's own
+deadline fired, the shared mux call ending, the decode worker cancelling a Prefill whose
+transfer failed) used to cancel the engine's abort command before it ran and skip the rest:
+the request went on generating for nobody, ``inflight`` never came back to 0 (a drain waited its
+whole timeout), and on the prefill worker the blocks handed to the sender stayed pinned for
+good. Each scenario slows the engine's steps so the window is always hit; the controls run
+without the second cancel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from decode_service.server import DecodeServicer
+from kvtransfer import LoopbackNetwork, create_receiver
+from kvtransfer.errors import KVTransferError
+from prefill_service.server import PrefillServicer
+from shared.engine.sampling_params import SamplingParams
+from shared.proto import pdserve_pb2 as pb
+from shared.proto.mux import serve_mux
+from shared.worker.service import WorkerRuntime, add_worker_cli_args
+
+
+def _runtime(model, role):
+    parser = argparse.ArgumentParser()
+    add_worker_cli_args(parser, role)
+    args = parser.parse_args(
+        ["--model", str(model), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
+    )
+    return WorkerRuntime(role, args)
+
+
+async def _settle(done, timeout: float = 10.0) -> None:
+    """Wait until ``done()`` holds (cleanup is asynchronous), ``timeout`` at most."""
+    end = time.monotonic() + timeout
+    while not done() and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
+async def _engine_settled(rt, value, timeout: float = 10.0):
+    """``value(engine)`` on the engine thread, asked again until it is falsy (the abort and
+    the unpinning follow the handler's end), ``timeout`` at most; the last answer."""
+    end = time.monotonic() + timeout
+    while True:
+        got = await asyncio.wrap_future(rt.loop.submit(value))
+        if not any(got) if isinstance(got, tuple) else not got:
+            return got
+        if time.monotonic() > end:
+            return got
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def runtime(tiny_llama):
+    rt = _runtime(tiny_llama, "decode")
+    rt.loop.start()
+    yield rt
+    rt.loop.stop()
+
+
+@pytest.fixture
+def prefill_runtime(tiny_llama):
+    rt = _runtime(tiny_llama, "prefill")
+    rt.loop.start()
+    yield rt
+    rt.loop.stop()
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["control-no-cancel", "cancel-in-abort"])
+def test_a_cancel_while_the_decode_worker_aborts_after_its_deadline_leaks_nothing(runtime, cancel):
+    rt = runtime
+    real_step = rt.engine.step
+
+    def slow_step():  # a long engine step (a big batch on a GPU): the abort waits for it
+        time.sleep(0.15)
+        return real_step()
+
+    rt.engine.step = slow_step
+
+    async def scenario():
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
+        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        in_abort = asyncio.Event()
+        real_abort = servicer._abort
+
+        async def abort(*a):
+            in_abort.set()
+            await real_abort(*a)
+
+        servicer._abort = abort
+        ups: asyncio.Queue = asyncio.Queue()
+
+        async def up_iter():
+            while True:
+                u = await ups.get()
+                if u is None:
+                    return
+                yield u
+
+        downs: list[pb.MuxDown] = []
+
+        async def consume():
+            async for d in serve_mux(servicer.Generate, up_iter()):
+                downs.append(d)
+
+        call = asyncio.ensure_future(consume())
+        ups.put_nowait(
+            pb.MuxUp(
+                start=[
+                    pb.GenerateRequest(
+                        request_id="X",
+                        prompt_token_ids=[5, 6, 7, 8],
+                        sampling=pb.SamplingParams(temperature=0, max_tokens=200),
+                        deadline_s=0.6,
+                    )
+                ]
+            )
+        )
+        await asyncio.wait_for(in_abort.wait(), 20)  # deadline hit: the worker aborts X
+        # the router's watchdog hit the same deadline and cancels X on the shared call
+        if cancel:
+            ups.put_nowait(pb.MuxUp(cancel=["X"]))
+        await _settle(lambda: not servicer.flights and rt.inflight == 0)
+        ups.put_nowait(None)  # the router half-closes; the call ends once X's task ended
+        await asyncio.wait_for(call, 10)
+        state = dict(
+            flights=list(servicer.flights),
+            by_engine_id=list(servicer.by_engine_id),
+            queues=list(servicer.outputs.queues),
+            inflight=rt.inflight,
+        )
+        stats = await _engine_settled(rt, lambda e: (e.stats().running, e.stats().waiting))
+        receiver.close()
+        return state, stats
+
+    state, stats = asyncio.run(scenario())
+    assert state == dict(flights=[], by_engine_id=[], queues=[], inflight=0), state
+    assert stats == (0, 0), f"request X left in the engine: running/waiting={stats}"
+
+
+def test_the_mux_call_ending_while_a_request_aborts_leaks_nothing(runtime):
+    rt = runtime
+    real_step = rt.engine.step
+
+    def slow_step():
+        time.sleep(0.15)
+        return real_step()
+
+    rt.engine.step = slow_step
+
+    async def scenario():
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
+        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        in_abort = asyncio.Event()
+        real_abort = servicer._abort
+
+        async def abort(*a):
+            in_abort.set()
+            await real_abort(*a)
+
+        servicer._abort = abort
+        ups: asyncio.Queue = asyncio.Queue()
+
+        async def up_iter():
+            while True:
+                yield await ups.get()
+
+        got_chunk = asyncio.Event()
+
+        async def consume():  # what grpc runs for the GenerateMux call
+            async for d in serve_mux(servicer.Generate, up_iter()):
+                if d.chunks:
+                    got_chunk.set()
+
+        call = asyncio.ensure_future(consume())
+        ups.put_nowait(
+            pb.MuxUp(
+                start=[
+                    pb.GenerateRequest(
+                        request_id="X",
+                        prompt_token_ids=[5, 6, 7, 8],
+                        sampling=pb.SamplingParams(temperature=0, max_tokens=200),
+                    )
+                ]
+            )
+        )
+        await asyncio.wait_for(got_chunk.wait(), 20)
+        ups.put_nowait(pb.MuxUp(cancel=["X"]))  # router shutting down: its client requests end
+        await asyncio.wait_for(in_abort.wait(), 20)  # X's handler waits for the engine's abort
+        call.cancel()  # ... then it closes the shared call (grpc cancels the handler)
+        try:
+            await call
+        except asyncio.CancelledError:
+            pass
+        await _settle(lambda: not servicer.flights and rt.inflight == 0)
+        state = dict(flights=list(servicer.flights), inflight=rt.inflight)
+        running = await _engine_settled(rt, lambda e: e.stats().running)
+        await asyncio.wrap_future(rt.loop.submit(lambda e: e.abort_request(list(e.parents))))
+        receiver.close()
+        return state, running
+
+    state, running = asyncio.run(scenario())
+    assert state == dict(flights=[], inflight=0) and running == 0, (state, running)
+
+
+class _Handle:
+    def __init__(self, tid, n):
+        self.transfer_id = tid
+        self._f = concurrent.futures.Future()
+        self._err = None
+        self.checksums = [None] * n
+        self.bytes_sent = 0
+        self.sent = []
+
+    @property
+    def done(self):
+        return self._f.done()
+
+    def send_blocks(self, src, first):
+        self.sent.append((list(src), first))
+
+    def finish(self, note=b""):  # the link to D breaks a little later: the transfer fails
+        def fail():
+            if not self._f.done():
+                self._err = KVTransferError("link lost")
+                self._f.set_result("failed")
+
+        threading.Timer(0.15, fail).start()
+
+    def cancel(self):
+        if not self._f.done():
+            self._err = KVTransferError("cancelled")
+            self._f.set_result("cancelled")
+
+    def raise_for_state(self):
+        if self._err is not None:
+            raise self._err
+
+    def __await__(self):
+        return asyncio.shield(asyncio.wrap_future(self._f)).__await__()
+
+
+class _Sender:
+    stats = None
+
+    def __init__(self):
+        self.handles = []
+
+    def open(self, tid, addr, dst, timeout_s):
+        h = _Handle(tid, len(dst))
+        self.handles.append(h)
+        return h
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def __init__(self):
+        self.aborted = asyncio.Event()
+        self.code = None
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        self.code = code
+        self.aborted.set()
+        raise _Aborted(details)
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["control-no-cancel", "cancel-in-finally"])
+def test_a_prefill_cancelled_while_it_cleans_up_unpins_its_blocks(prefill_runtime, cancel):
+    rt = prefill_runtime
+    real_step = rt.engine.step
+
+    def slow_step():
+        time.sleep(0.4)
+        return real_step()
+
+    rt.engine.step = slow_step
+
+    async def scenario():
+        sender = _Sender()
+        servicer = PrefillServicer(rt, sender, transfer_timeout_s=5.0)
+        # another request keeps the engine stepping (a busy prefill worker)
+        await asyncio.wrap_future(
+            rt.loop.submit(
+                lambda e: e.add_request(
+                    "busy", [3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=400)
+                )
+            )
+        )
+        bs = rt.engine.block_size
+        prompt = list(range(5, 5 + 3 * bs))
+        req = pb.PrefillRequest(
+            request_id="p1",
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(temperature=0, max_tokens=8),
+            decode_kv_address=b"x",
+            decode_worker_id="d",
+            first_block_index=0,
+            dst_block_ids=list(range(3)),
+            transfer_id="p1:t",
+        )
+        ctx = _Context()
+        task = asyncio.ensure_future(servicer.Prefill(req, ctx))
+        await asyncio.wait_for(ctx.aborted.wait(), 30)  # P's transfer failed: status UNAVAILABLE
+        await asyncio.sleep(0.01)  # its finally now waits for the engine abort
+        if cancel:
+            task.cancel()  # D saw the failure too and cancels the Prefill call
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - its status, or the cancel
+            pass
+        await _settle(lambda: rt.inflight == 0 and not servicer.queues)
+        pinned = await _engine_settled(rt, lambda e: e.kv.num_pinned_blocks)
+        sent = sender.handles[0].sent
+        state = dict(
+            pinned_blocks=pinned,
+            inflight=rt.inflight,
+            pending_sends=servicer.pending_sends,
+            queues=list(servicer.queues),
+            sinks=list(rt.loop._sinks),
+        )
+        await asyncio.wrap_future(rt.loop.submit(lambda e: e.abort_request(["busy"])))
+        return ctx.code, sent, state
+
+    code, sent, state = asyncio.run(scenario())
+    assert sent, "the blocks were handed to the sender (and pinned)"
+    assert state == dict(pinned_blocks=0, inflight=0, pending_sends=0, queues=[], sinks=[]), state
