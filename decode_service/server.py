@@ -27,6 +27,7 @@ from shared.engine import DuplicateRequestError, EngineCore, InvalidRequestError
 from shared.engine.connector import RemotePrefillParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParamsError
+from shared.engine.scheduler_output import SampledToken
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.mux import GenerateMuxMixin, mux_outbox
@@ -475,18 +476,12 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             )
             reply = asyncio.ensure_future(call)
             result = await self._prefill_result(handle, reply, t0)
-            tokens = sorted(result.first_tokens, key=lambda f: f.index)
-            if [f.index for f in tokens] != list(range(flight.n)):
-                raise _BadPrefillResult(
-                    f"prefill worker returned first tokens for samples "
-                    f"{[f.index for f in tokens]} of n={flight.n}"
-                )
+            first = checked_first_tokens(result, flight.n, self.rt.engine.model_config.vocab_size)
             flight.transfer_s = time.monotonic() - t0
             flight.transfer_bytes = handle.bytes_received
             flight.blocks_transferred = len(block_ids)
             flight.remote_prefill_s = result.prefill_s
             flight.remote_cached_tokens = result.num_cached_tokens
-            first = [first_token_from_proto(f) for f in tokens]
             loop = self.rt.loop
             await asyncio.wrap_future(
                 loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, first, block_ids)))
@@ -619,6 +614,24 @@ class _Failed(Exception):
 
 class _BadPrefillResult(Exception):
     """The prefill worker's reply does not fit the request."""
+
+
+def checked_first_tokens(result: pb.PrefillResult, n: int, vocab_size: int) -> list[SampledToken]:
+    """The prefill worker's first tokens, one per sample in order, each inside the vocabulary;
+    else :class:`_BadPrefillResult` (the request is prefilled locally). A token id out of range
+    would have failed the engine's next step, every request in it."""
+    tokens = sorted(result.first_tokens, key=lambda f: f.index)
+    if [f.index for f in tokens] != list(range(n)):
+        raise _BadPrefillResult(
+            f"prefill worker returned first tokens for samples {[f.index for f in tokens]} of n={n}"
+        )
+    for f in tokens:
+        if not 0 <= f.token_id < vocab_size:
+            raise _BadPrefillResult(
+                f"prefill worker returned token id {f.token_id} outside the vocabulary "
+                f"({vocab_size} tokens)"
+            )
+    return [first_token_from_proto(f) for f in tokens]
 
 
 def _fallback_reason(e: BaseException) -> str:

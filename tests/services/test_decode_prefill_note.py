@@ -115,3 +115,22 @@ def test_a_failed_transfer_is_raised_while_the_call_still_runs(pair):
         assert not reply.done()  # (the caller cancels the call)
 
     asyncio.run(main())
+
+
+def test_first_tokens_outside_the_vocabulary_are_a_bad_result():
+    # A prefill worker's token id out of range went to the engine and would have failed its
+    # next step, every request in it (found by review, 2026-12-06); now the request is
+    # prefilled locally instead.
+    from decode_service.server import checked_first_tokens
+
+    def result(*ids):
+        return pb.PrefillResult(
+            request_id="r",
+            first_tokens=[pb.FirstToken(index=i, token_id=t) for i, t in enumerate(ids)],
+        )
+
+    assert [t.token_id for t in checked_first_tokens(result(7, 99), 2, 100)] == [7, 99]
+    with pytest.raises(_BadPrefillResult, match="outside the vocabulary"):
+        checked_first_tokens(result(7, 100), 2, 100)
+    with pytest.raises(_BadPrefillResult, match="samples"):
+        checked_first_tokens(result(7), 2, 100)
