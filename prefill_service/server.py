@@ -205,7 +205,13 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             # the sink sees each output before this loop does: once it has built the result,
             # every first token is in
             while result is None:
-                out = await asyncio.wait_for(queue.get(), self.transfer_timeout_s)
+                try:
+                    out = await asyncio.wait_for(queue.get(), self.transfer_timeout_s)
+                except TimeoutError:  # was UNKNOWN (the decode worker counted prefill_error)
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"prefill of {rid} produced nothing in {self.transfer_timeout_s:g} s",
+                    )
                 if out.failure is not None:
                     engine = out.failure.kind is FailureKind.ENGINE
                     await context.abort(

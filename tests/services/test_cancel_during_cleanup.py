@@ -341,3 +341,44 @@ def test_a_prefill_cancelled_while_it_cleans_up_unpins_its_blocks(prefill_runtim
     code, sent, state = asyncio.run(scenario())
     assert sent, "the blocks were handed to the sender (and pinned)"
     assert state == dict(pinned_blocks=0, inflight=0, pending_sends=0, queues=[], sinks=[]), state
+
+
+def test_a_prefill_that_produces_nothing_in_time_is_deadline_exceeded(prefill_runtime):
+    # The wait for the engine's first output timed out with a bare TimeoutError: gRPC's
+    # UNKNOWN, which the decode worker counted as a prefill_error fallback, not a timeout
+    # (found by review, 2026-12-06).
+    import grpc
+
+    rt = prefill_runtime
+    real_step = rt.engine.step
+
+    def slow_step():
+        time.sleep(0.6)
+        return real_step()
+
+    rt.engine.step = slow_step
+
+    async def scenario():
+        sender = _Sender()
+        servicer = PrefillServicer(rt, sender, transfer_timeout_s=0.2)
+        bs = rt.engine.block_size
+        req = pb.PrefillRequest(
+            request_id="slow",
+            prompt_token_ids=list(range(5, 5 + 2 * bs)),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=8),
+            decode_kv_address=b"x",
+            decode_worker_id="d",
+            first_block_index=0,
+            dst_block_ids=[0, 1],
+            transfer_id="slow:t",
+        )
+        ctx = _Context()
+        with pytest.raises(_Aborted, match="produced nothing"):
+            await servicer.Prefill(req, ctx)
+        await _settle(lambda: rt.inflight == 0 and not servicer.queues)
+        pinned = await _engine_settled(rt, lambda e: e.kv.num_pinned_blocks)
+        return ctx.code, pinned, rt.inflight, servicer.pending_sends
+
+    code, pinned, inflight, pending = asyncio.run(scenario())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert (pinned, inflight, pending) == (0, 0, 0)
