@@ -76,65 +76,77 @@ def prefill_runtime(tiny_llama):
     rt.loop.stop()
 
 
-@pytest.mark.parametrize("cancel", [False, True], ids=["control-no-cancel", "cancel-in-abort"])
-def test_a_cancel_while_the_decode_worker_aborts_after_its_deadline_leaks_nothing(runtime, cancel):
-    rt = runtime
+def _slow_steps(rt, seconds: float) -> None:
+    """Every engine step takes ``seconds`` more (a big batch on a GPU): a handler's wait for the
+    engine's abort lasts that long, so a second cancel always lands inside it."""
     real_step = rt.engine.step
 
-    def slow_step():  # a long engine step (a big batch on a GPU): the abort waits for it
-        time.sleep(0.15)
+    def slow_step():
+        time.sleep(seconds)
         return real_step()
 
     rt.engine.step = slow_step
 
-    async def scenario():
-        receiver = create_receiver(
+
+class _MuxCall:
+    """A decode servicer behind one GenerateMux call, driven as the router drives it; its
+    ``in_abort`` is set once a handler waits for the engine's abort."""
+
+    def __init__(self, rt) -> None:
+        self.receiver = create_receiver(
             "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
         )
-        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
-        in_abort = asyncio.Event()
-        real_abort = servicer._abort
+        self.servicer = DecodeServicer(rt, self.receiver, prefill_timeout_s=5.0)
+        self.in_abort = asyncio.Event()
+        self.got_chunk = asyncio.Event()
+        self.ups: asyncio.Queue = asyncio.Queue()
+        real_abort = self.servicer._abort
 
         async def abort(*a):
-            in_abort.set()
+            self.in_abort.set()
             await real_abort(*a)
 
-        servicer._abort = abort
-        ups: asyncio.Queue = asyncio.Queue()
+        self.servicer._abort = abort
+        self.call = asyncio.ensure_future(self._consume())  # what grpc runs for the call
 
-        async def up_iter():
-            while True:
-                u = await ups.get()
-                if u is None:
-                    return
-                yield u
+    async def _ups(self):
+        while (u := await self.ups.get()) is not None:  # None: the router half-closes
+            yield u
 
-        downs: list[pb.MuxDown] = []
+    async def _consume(self) -> None:
+        async for d in serve_mux(self.servicer.Generate, self._ups()):
+            if d.chunks:
+                self.got_chunk.set()
 
-        async def consume():
-            async for d in serve_mux(servicer.Generate, up_iter()):
-                downs.append(d)
-
-        call = asyncio.ensure_future(consume())
-        ups.put_nowait(
-            pb.MuxUp(
-                start=[
-                    pb.GenerateRequest(
-                        request_id="X",
-                        prompt_token_ids=[5, 6, 7, 8],
-                        sampling=pb.SamplingParams(temperature=0, max_tokens=200),
-                        deadline_s=0.6,
-                    )
-                ]
-            )
+    def start(self, deadline_s: float = 0.0) -> None:
+        request = pb.GenerateRequest(
+            request_id="X",
+            prompt_token_ids=[5, 6, 7, 8],
+            sampling=pb.SamplingParams(temperature=0, max_tokens=200),
+            deadline_s=deadline_s,
         )
-        await asyncio.wait_for(in_abort.wait(), 20)  # deadline hit: the worker aborts X
+        self.ups.put_nowait(pb.MuxUp(start=[request]))
+
+    def cancel(self) -> None:
+        self.ups.put_nowait(pb.MuxUp(cancel=["X"]))
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["control-no-cancel", "cancel-in-abort"])
+def test_a_cancel_while_the_decode_worker_aborts_after_its_deadline_leaks_nothing(runtime, cancel):
+    rt = runtime
+    _slow_steps(rt, 0.15)
+
+    async def scenario():
+        mux = _MuxCall(rt)
+        servicer = mux.servicer
+        mux.start(deadline_s=0.6)
+        await asyncio.wait_for(mux.in_abort.wait(), 20)  # deadline hit: the worker aborts X
         # the router's watchdog hit the same deadline and cancels X on the shared call
         if cancel:
-            ups.put_nowait(pb.MuxUp(cancel=["X"]))
+            mux.cancel()
         await _settle(lambda: not servicer.flights and rt.inflight == 0)
-        ups.put_nowait(None)  # the router half-closes; the call ends once X's task ended
-        await asyncio.wait_for(call, 10)
+        mux.ups.put_nowait(None)  # the router half-closes; the call ends once X's task ended
+        await asyncio.wait_for(mux.call, 10)
         state = dict(
             flights=list(servicer.flights),
             by_engine_id=list(servicer.by_engine_id),
@@ -142,7 +154,7 @@ def test_a_cancel_while_the_decode_worker_aborts_after_its_deadline_leaks_nothin
             inflight=rt.inflight,
         )
         stats = await _engine_settled(rt, lambda e: (e.stats().running, e.stats().waiting))
-        receiver.close()
+        mux.receiver.close()
         return state, stats
 
     state, stats = asyncio.run(scenario())
@@ -152,65 +164,25 @@ def test_a_cancel_while_the_decode_worker_aborts_after_its_deadline_leaks_nothin
 
 def test_the_mux_call_ending_while_a_request_aborts_leaks_nothing(runtime):
     rt = runtime
-    real_step = rt.engine.step
-
-    def slow_step():
-        time.sleep(0.15)
-        return real_step()
-
-    rt.engine.step = slow_step
+    _slow_steps(rt, 0.15)
 
     async def scenario():
-        receiver = create_receiver(
-            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-        )
-        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
-        in_abort = asyncio.Event()
-        real_abort = servicer._abort
-
-        async def abort(*a):
-            in_abort.set()
-            await real_abort(*a)
-
-        servicer._abort = abort
-        ups: asyncio.Queue = asyncio.Queue()
-
-        async def up_iter():
-            while True:
-                yield await ups.get()
-
-        got_chunk = asyncio.Event()
-
-        async def consume():  # what grpc runs for the GenerateMux call
-            async for d in serve_mux(servicer.Generate, up_iter()):
-                if d.chunks:
-                    got_chunk.set()
-
-        call = asyncio.ensure_future(consume())
-        ups.put_nowait(
-            pb.MuxUp(
-                start=[
-                    pb.GenerateRequest(
-                        request_id="X",
-                        prompt_token_ids=[5, 6, 7, 8],
-                        sampling=pb.SamplingParams(temperature=0, max_tokens=200),
-                    )
-                ]
-            )
-        )
-        await asyncio.wait_for(got_chunk.wait(), 20)
-        ups.put_nowait(pb.MuxUp(cancel=["X"]))  # router shutting down: its client requests end
-        await asyncio.wait_for(in_abort.wait(), 20)  # X's handler waits for the engine's abort
-        call.cancel()  # ... then it closes the shared call (grpc cancels the handler)
+        mux = _MuxCall(rt)
+        servicer = mux.servicer
+        mux.start()
+        await asyncio.wait_for(mux.got_chunk.wait(), 20)
+        mux.cancel()  # router shutting down: its client requests end
+        await asyncio.wait_for(mux.in_abort.wait(), 20)  # X's handler waits for the engine's abort
+        mux.call.cancel()  # ... then it closes the shared call (grpc cancels the handler)
         try:
-            await call
+            await mux.call
         except asyncio.CancelledError:
             pass
         await _settle(lambda: not servicer.flights and rt.inflight == 0)
         state = dict(flights=list(servicer.flights), inflight=rt.inflight)
         running = await _engine_settled(rt, lambda e: e.stats().running)
         await asyncio.wrap_future(rt.loop.submit(lambda e: e.abort_request(list(e.parents))))
-        receiver.close()
+        mux.receiver.close()
         return state, running
 
     state, running = asyncio.run(scenario())
@@ -284,13 +256,7 @@ class _Context:
 @pytest.mark.parametrize("cancel", [False, True], ids=["control-no-cancel", "cancel-in-finally"])
 def test_a_prefill_cancelled_while_it_cleans_up_unpins_its_blocks(prefill_runtime, cancel):
     rt = prefill_runtime
-    real_step = rt.engine.step
-
-    def slow_step():
-        time.sleep(0.4)
-        return real_step()
-
-    rt.engine.step = slow_step
+    _slow_steps(rt, 0.4)
 
     async def scenario():
         sender = _Sender()
@@ -350,13 +316,7 @@ def test_a_prefill_that_produces_nothing_in_time_is_deadline_exceeded(prefill_ru
     import grpc
 
     rt = prefill_runtime
-    real_step = rt.engine.step
-
-    def slow_step():
-        time.sleep(0.6)
-        return real_step()
-
-    rt.engine.step = slow_step
+    _slow_steps(rt, 0.6)
 
     async def scenario():
         sender = _Sender()
