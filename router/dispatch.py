@@ -225,11 +225,7 @@ class Dispatcher:
         )
 
         def cand(r: WorkerRecord) -> Candidate:
-            running, waiting = (
-                self.pool.prefill_queue(r)
-                if r.info.role == ROLE_PREFILL
-                else (r.load.running, r.load.waiting)
-            )
+            running, waiting = self.pool.reported_queue(r)
             return Candidate(
                 r.worker_id,
                 r.info.grpc,

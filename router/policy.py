@@ -14,9 +14,10 @@ Costs are in prompt-token equivalents of prefill compute (``docs/notes/router.md
   all on P while D idles, and it shifts them back to P once D is decoding;
 - load: ``prefill_queue_cost`` per request P reports queued or running (reports lag up to
   a heartbeat plus a refresh, ~1.5 s, so the prefills this router saw leave P since the
-  report are taken off: ``WorkerPool.prefill_queue``; the larger of that and the backlog
+  report are taken off: ``WorkerPool.reported_queue``; the larger of that and the backlog
   counts), ``decode_waiting_cost`` per request
-  waiting on D, ``decode_running_cost`` per request D is decoding, plus
+  waiting on D, ``decode_running_cost`` per request D is decoding (D's reports corrected the
+  same way for the streams this router saw end), plus
   ``decode_waiting_cost`` when D lacks the free KV blocks for the prompt (it would queue or
   preempt).
 

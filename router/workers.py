@@ -77,8 +77,9 @@ class WorkerPool:
         self._inflight: dict[str, int] = {}
         self._inflight_by_address: dict[str, int] = {}
         self._backlog: dict[str, int] = {}  # worker id -> prompt tokens sent to prefill
-        # prefills this router saw leave each worker (first token, failure or cancel), and the
-        # count at the refresh before the one that first saw the current load report: the
+        # requests this router saw leave each worker's queue (on a prefill worker: the
+        # prefill's first token, failure or cancel; on a decode worker: the stream's end), and
+        # the count at the refresh before the one that first saw the current load report: the
         # ones after it may still be counted as running/waiting in that report
         self._left: dict[str, int] = {}
         self._left_at_refresh: dict[str, int] = {}
@@ -284,17 +285,25 @@ class WorkerPool:
     def add_backlog(self, worker_id: str, tokens: int) -> None:
         """``tokens`` (negative to take back) of prompt sent to ``worker_id`` to prefill."""
         _adjust(self._backlog, worker_id, tokens)
-        if tokens < 0:
+        if tokens < 0 and self._role(worker_id) == ROLE_PREFILL:
             self._left[worker_id] = self._left.get(worker_id, 0) + 1
 
-    def prefill_queue(self, record: WorkerRecord) -> tuple[int, int]:
-        """A prefill worker's reported (running, waiting), less the prefills this router saw
-        leave it since that report may have been taken.
+    def _role(self, worker_id: str) -> str | None:
+        r = self._records.get(worker_id)
+        return r.info.role if r is not None else None
+
+    def reported_queue(self, record: WorkerRecord) -> tuple[int, int]:
+        """A worker's reported (running, waiting), less the requests this router saw leave
+        it since that report may have been taken: prefills that reached their first token,
+        failed or were cancelled on a prefill worker; streams that ended on a decode worker.
 
         Reports lag up to a heartbeat plus a refresh (~1.5 s): without this, a prompt sent
         right after another one finished on an idle prefill worker saw it busy and was
-        prefilled on the decode worker instead. May undercount other routers' work by the
-        prefills that left within one refresh interval; the router's own backlog is exact."""
+        prefilled on the decode worker instead; and a decode worker that had just finished
+        its only request still looked busy, so the next short prompt of a one-at-a-time
+        client went through a prefill worker instead of the idle decode worker's own
+        prefill (``policy.idle``). May undercount other routers' work by the requests that
+        left within one refresh interval; the router's own counts are exact."""
         wid = record.worker_id
         gone = self._left.get(wid, 0) - self._left_before_report.get(wid, 0)
         running, waiting = record.load.running, record.load.waiting
@@ -312,6 +321,8 @@ class WorkerPool:
 
     def release(self, record: WorkerRecord) -> None:
         wid, a = record.worker_id, record.info.grpc
+        if record.info.role == ROLE_DECODE:
+            self._left[wid] = self._left.get(wid, 0) + 1
         self._inflight[wid] = max(0, self._inflight.get(wid, 0) - 1)
         self._inflight_by_address[a] = max(0, self._inflight_by_address.get(a, 0) - 1)
 
