@@ -15,6 +15,7 @@ and handed to each router process it starts (``Cluster.listen``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -231,6 +232,10 @@ def _spawn(
     )
 
 
+class RunDirInUseError(RuntimeError):
+    """Another running ``pdserve up`` holds this run dir."""
+
+
 class StartInterrupted(Exception):
     """A stop was asked for (Ctrl-C, SIGTERM) while the cluster was still starting."""
 
@@ -248,6 +253,7 @@ class Cluster:
 
         self.run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = self._lock_run_dir()
         self.ready: dict[str, dict] = {}
         self.listener: socket.socket | None = None  # the router's port, held (see listen)
         # set from a signal handler: the start-up waits give up at their next poll (a large
@@ -255,6 +261,24 @@ class Cluster:
         self.stop_requested = False
         self.secret_env = self._cluster_secret()
         self.security = ClusterSecurity.from_environ(self.secret_env)  # what the children use
+
+    def _lock_run_dir(self) -> int:
+        """Hold ``run_dir/.pdserve-up.lock`` for this launcher's life (the kernel lets go of
+        it when the process ends, however it ends). A second ``pdserve up`` on the same run
+        dir stops here, before it touches anything: it used to write a new cluster secret
+        over the running cluster's before failing on the taken port, and every child the
+        running cluster restarted afterwards was refused by the rest (UNAUTHENTICATED)."""
+        path = self.run_dir / ".pdserve-up.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by the children
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            raise RunDirInUseError(
+                f"the run dir {self.run_dir} belongs to another running pdserve up "
+                f"(it holds {path.name}); stop that one or give another --run-dir"
+            ) from e
+        return fd
 
     def _cluster_secret(self) -> dict[str, str]:
         """The environment that gives every child the cluster secret: the file or value the
@@ -367,12 +391,24 @@ class Cluster:
                 )
             elif now >= c.restart_at:
                 c.restarts += 1
-                self._respawn(c, now)
+                try:
+                    self._respawn(c, now)
+                except Exception as e:  # noqa: BLE001 - one child's restart, tried again later
+                    # (its log or run dir gone, fork's EAGAIN/ENOMEM, the interpreter
+                    # replaced): the other children keep serving, this one waits its backoff
+                    delay = c.backoff_s or self.args.restart_backoff
+                    c.backoff_s = min(MAX_BACKOFF_S, delay * 2)
+                    c.restart_at = now + delay
+                    lines.append(
+                        f"[pdserve] {c.name} could not be started again ({type(e).__name__}: "
+                        f"{e}); trying again in {delay:.1f} s"
+                    )
+                    continue
                 lines.append(
                     f"[pdserve] {c.name} started again (restart {c.restarts}, pid {c.proc.pid})"
                 )
         for line in lines:
-            print(line, flush=True)
+            _say(line)
         return lines
 
     def start(self) -> str:
@@ -545,6 +581,8 @@ class Cluster:
             str(a.port),
             "--fd",
             str(fd),
+            # the router tokenizes, detokenizes and templates: the workers' tokenizer
+            *(["--tokenizer", a.tokenizer] if a.tokenizer else []),
             *(["--max-logprobs", str(a.max_logprobs)] if a.max_logprobs != 20 else []),
             *(["--max-model-len", str(a.max_model_len)] if a.max_model_len else []),
             *(["--enable-auto-tool-choice"] if a.enable_auto_tool_choice else []),
@@ -648,6 +686,18 @@ class Cluster:
             self.listener = None
         if self.redis is not None:
             self.redis.stop()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the run dir is free for the next pdserve up
+            self._lock_fd = None
+
+
+def _say(line: str, err: bool = False) -> None:
+    """Print a launcher line, best effort: a closed stdout (``pdserve up | tee`` with the tee
+    gone) must not stop the cluster that the line is about."""
+    try:
+        print(line, file=sys.stderr if err else sys.stdout, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError; ValueError: the stream was closed
+        pass
 
 
 def _tail(path: Path, n: int = 30) -> str:
@@ -671,7 +721,11 @@ def ensure_test_model(preset: str = "tiny") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = Cluster(args)
+    try:
+        cluster = Cluster(args)
+    except RunDirInUseError as e:
+        _say(f"[pdserve] failed to start: {e}", err=True)
+        return 1
 
     def on_signal(signum, frame):
         cluster.stop_requested = True  # ends start-up's waits, or the supervision loop
@@ -689,19 +743,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"[pdserve] metrics    {url}/metrics   logs in {cluster.run_dir}")
         print("[pdserve] Ctrl-C to stop", flush=True)
         while not cluster.stop_requested:
-            cluster.supervise()  # a child that exits is restarted; the rest keeps serving
+            try:  # a child that exits is restarted; the rest keeps serving
+                cluster.supervise()
+            except Exception:  # noqa: BLE001 - supervision goes on; the cluster keeps serving
+                logger.exception("supervising the cluster failed; trying again")
             time.sleep(0.5)
         return 0
     except StartInterrupted as e:
-        print(f"[pdserve] {e}", flush=True)
+        _say(f"[pdserve] {e}")
         return 0
     except (RuntimeError, TimeoutError, CpuBindError) as e:
-        print(f"[pdserve] failed to start: {e}", file=sys.stderr, flush=True)
+        _say(f"[pdserve] failed to start: {e}", err=True)
         return 1
     finally:
-        print("[pdserve] stopping...", flush=True)
+        _say("[pdserve] stopping...")
         cluster.stop()
-        print("[pdserve] stopped", flush=True)
+        _say("[pdserve] stopped")
 
 
 def cluster_args(argv: list[str]) -> argparse.Namespace:

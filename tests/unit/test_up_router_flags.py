@@ -46,3 +46,27 @@ def test_the_idle_local_prefill_bound_reaches_the_routing_policy(value):
     argv += [] if value is None else [f"--idle-local-prefill-tokens={value}"]
     policy = RouterConfig.from_cli_args(p.parse_args(argv)).policy
     assert policy.idle_local_prefill_tokens == (1024 if value is None else value)
+
+
+def test_pdserve_up_passes_tokenizer_to_the_router(monkeypatch, tmp_path):
+    """The router does all tokenizing, detokenizing and chat templating: a ``--tokenizer``
+    that reached only the workers (as it did) left the router on the model directory's
+    vocabulary while the workers compiled grammars with another."""
+    monkeypatch.setenv(BIND_ENV, "nobind")
+    cluster = launcher.Cluster(
+        cluster_args(
+            ["--model", "m", "--tokenizer", "/models/tok", "--port", "0", "--host", "127.0.0.1"]
+            + ["--run-dir", str(tmp_path)]
+        )
+    )
+    spawned: dict = {}
+    monkeypatch.setattr(cluster, "_spawn", lambda name, argv, **kw: spawned.setdefault(name, argv))
+    monkeypatch.setattr(cluster, "_wait_http", lambda child, url: None)
+    try:
+        cluster.start_router()
+    finally:
+        cluster.stop()
+    p = argparse.ArgumentParser()
+    RouterConfig.add_cli_args(p)
+    ns = p.parse_args(spawned["router"][1:])
+    assert RouterConfig.from_cli_args(ns).tokenizer == "/models/tok"
