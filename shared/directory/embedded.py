@@ -66,8 +66,11 @@ class EmbeddedRedis:
         self._kill()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
         self.port = port
-        return self.start(timeout_s)
+        # the same port or none: every client was given this URL, and a server elsewhere is
+        # a registry nobody finds (the caller tries again later: the port may be free then)
+        return self.start(timeout_s, keep_port=True)
 
     @property
     def url(self) -> str:
@@ -75,12 +78,15 @@ class EmbeddedRedis:
             raise DirectoryError("embedded Redis is not running")
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> str:
+    def start(self, timeout_s: float = 10.0, keep_port: bool = False) -> str:
+        """Start the server; on the given port, else on a free one (tried three times: a port
+        ``free_port`` picked can be taken in between). ``keep_port``: only on ``self.port``."""
         if self._proc is not None:
             return self.url
         exe = self.executable or find_redis_server()
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
-        for _attempt in range(3):  # a port picked by free_port can be taken in between
+        fixed = keep_port and self.port != 0
+        for _attempt in range(1 if fixed else 3):
             port = self.port or free_port(self.host)
             with open(os.path.join(self._dir, "redis.log"), "ab") as log:
                 # own session, SIGKILL when the parent dies: a crashed ``pdserve up`` or
@@ -114,10 +120,18 @@ class EmbeddedRedis:
             if self._wait_ready(timeout_s):
                 return self.url
             self._kill()
-            if self.port == port and _attempt < 2:
+            if not fixed and self.port == port and _attempt < 2:
                 self.port = 0
-        self.stop()
-        raise DirectoryError(f"redis-server ({exe}) did not start; see its log in {self._dir}")
+        try:
+            with open(os.path.join(self._dir, "redis.log"), "rb") as f:
+                tail = f.read()[-400:].decode(errors="replace").strip()
+        except OSError:
+            tail = ""
+        self.stop()  # (its log goes with its directory: the tail is quoted here)
+        raise DirectoryError(
+            f"redis-server ({exe}) did not start on port {self.port or 'any'}"
+            + (f": {tail}" if tail else "")
+        )
 
     def _wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -455,3 +456,31 @@ def test_async_pool_queues_a_burst_instead_of_failing(redis_server):
             await client.aclose()
 
     assert asyncio.run(burst()) == [True] * 300
+
+
+def test_embedded_redis_restarts_on_its_own_port_or_not_at_all():
+    """``pdserve up`` restarts its dead Redis "on the same port". When that port was held at
+    that moment, the server silently came up on a random port instead: every worker and the
+    router kept the old URL, and the cluster had no registry for good (later restarts kept
+    the new port too)."""
+    server = EmbeddedRedis()
+    server.start()
+    port = server.port
+    try:
+        os.kill(server.pid, signal.SIGKILL)
+        while server.alive:
+            time.sleep(0.02)
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.1", port))
+        blocker.listen(1)
+        try:
+            with pytest.raises(DirectoryError, match=f"did not start on port {port}"):
+                server.restart(timeout_s=2)
+            assert server.port == port and not server.alive
+        finally:
+            blocker.close()
+        server.restart(timeout_s=10)  # the port is free again: the next try takes it
+        assert server.port == port and server.alive
+        assert redis.Redis(port=port, socket_timeout=2).ping()
+    finally:
+        server.stop()
