@@ -207,7 +207,6 @@ class DirectoryMirror:
         )
         n0, marker = int(n0), str(marker)
         blocks: dict[bytes, tuple[str, ...]] = {}
-        prefix = self.keys.block(self.model, b"")
         cursor = 0
         while True:
             cursor, keys = await self.client.scan(
@@ -218,10 +217,9 @@ class DirectoryMirror:
                 for k in keys:
                     pipe.smembers(k)
                 for k, members in zip(keys, await pipe.execute(), strict=True):
-                    if members:
-                        blocks[bytes.fromhex(str(k)[len(prefix) :])] = tuple(
-                            sorted({str(m) for m in members})
-                        )
+                    h = self.keys.block_hash_of(self.model, str(k))
+                    if members and h is not None:  # (None: another model's key)
+                        blocks[h] = tuple(sorted({str(m) for m in members}))
             if int(cursor) == 0:
                 break
         # nothing after the marker may have been trimmed while the sets were read

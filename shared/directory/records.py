@@ -13,6 +13,8 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from shared.hashing import HASH_BYTES
+
 logger = logging.getLogger("shared.directory")
 
 DEFAULT_PREFIX = "pds:"
@@ -45,7 +47,22 @@ class DirectoryKeys:
         return f"{self.prefix}blk:{model}:{block_hash.hex()}"
 
     def block_pattern(self, model: str) -> str:
-        return f"{self.prefix}blk:{model}:*"
+        """A SCAN MATCH pattern for the model's block keys: the prefix and the name escaped
+        (a served name like ``m[v2]`` matched none of its own keys). It still matches another
+        model's keys when that name extends this one after a ``:`` (``llama3``,
+        ``llama3:8b``): readers keep only :meth:`block_hash_of` keys."""
+        return f"{_glob_escape(self.prefix)}blk:{_glob_escape(model)}:*"
+
+    def block_hash_of(self, model: str, key: str) -> bytes | None:
+        """The block hash a key names, or None if it is not one of ``model``'s block keys."""
+        head = self.block(model, b"")
+        tail = key[len(head) :] if key.startswith(head) else ""
+        if len(tail) != 2 * HASH_BYTES:
+            return None
+        try:
+            return bytes.fromhex(tail)
+        except ValueError:
+            return None
 
     def events(self, model: str) -> str:
         """The model's stream of directory changes (``mirror.py``)."""
@@ -54,6 +71,11 @@ class DirectoryKeys:
     def events_counter(self, model: str) -> str:
         """The number of the stream's last entry."""
         return f"{self.prefix}kvev:{model}:n"
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def make_member(worker_id: str, generation: str) -> str:

@@ -5,12 +5,20 @@ loses track (trimmed stream, Redis emptied, trimmed while loading)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
 import pytest
 
-from shared.directory import DirectoryMirror, DirectoryReader, connect_async, make_member
+from shared.directory import (
+    DirectoryMirror,
+    DirectoryReader,
+    KVEventPublisher,
+    WorkerLease,
+    connect_async,
+    make_member,
+)
 from shared.directory.mirror import EMIT_LUA
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.directory.test_directory_redis import MODEL, chain, make_worker
@@ -317,6 +325,49 @@ def test_the_mirror_leaves_nothing_for_a_full_gc_to_walk(redis_server, keys):
             await caught_up(mirror)
             assert mirror.prefix_match(h, {"b": b.generation}).blocks == {"b": 0}
             assert mirror.prefix_match(h, {"a": a.generation}).blocks == {"a": 6}
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await mirror.client.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("model", "neighbour"),
+    [("llama3", "llama3:8b"), ("m[v2]", None), ("a*?b\\c", "a*?b\\c:x")],
+)
+def test_the_load_finds_exactly_its_own_models_blocks_whatever_the_name(
+    redis_server, keys, model, neighbour
+):
+    """The load's SCAN pattern had the served model name pasted in unescaped: ``m[v2]``
+    matched none of its own keys (synced with 0 blocks: blocks stored before the load never
+    found), and ``llama3`` also matched ``llama3:8b``'s keys, whose names failed to parse, so
+    that mirror never synced at all (every lookup went to Redis, an error logged each second)."""
+    h = chain(4)
+
+    def publisher(wid: str, name: str):
+        lease, _ = make_worker(redis_server.url, keys, wid)
+        lease = WorkerLease(
+            lease.client, dataclasses.replace(lease.info, model=name), keys=keys, ttl_s=30
+        )
+        lease.register()
+        KVEventPublisher(lease.client, lease).publish([BlockStored(tuple(h[:3]))])
+        return lease
+
+    mine = publisher("a", model)
+    if neighbour:
+        publisher("b", neighbour)
+
+    async def main():
+        mirror = DirectoryMirror(
+            connect_async(redis_server.url, timeout_s=3.0), keys, model, block_ms=200
+        )
+        task = asyncio.create_task(mirror.run())
+        try:
+            await until(lambda: mirror.synced, "the first load")
+            assert mirror.num_blocks == 3
+            assert mirror.prefix_match(h, {"a": mine.generation}).blocks == {"a": 3}
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
