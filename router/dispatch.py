@@ -420,7 +420,9 @@ class GenerationStream:
                     overloaded = overloaded or e.overloaded
                     exclude.add(record.worker_id)
                     if not e.overloaded:
-                        self.d.pool.mark_failed(record.worker_id, str(e))
+                        self.d.pool.mark_failed(
+                            record.worker_id, str(e), generation=record.generation
+                        )
                     if len(self.finished) >= self.n:  # every sample had ended; only the final
                         yield StreamEnd(self.path, record.worker_id, None)  # chunk was lost
                         return

@@ -74,6 +74,7 @@ class WorkerPool:
         self._records: dict[str, WorkerRecord] = {}
         self._restarts: dict[str, int] = {}  # new generations seen per worker id
         self._cooldown: dict[str, float] = {}
+        self._cooldown_gen: dict[str, str] = {}  # the generation that failed, where known
         self._inflight: dict[str, int] = {}
         self._inflight_by_address: dict[str, int] = {}
         self._backlog: dict[str, int] = {}  # worker id -> prompt tokens sent to prefill
@@ -174,6 +175,13 @@ class WorkerPool:
                     self._restarts[r.worker_id],
                 )
         for r in records:
+            # a cooldown is for the process that failed: a new generation under the same id
+            # (a restart; its registration says it serves) is routable at once (it was kept
+            # out for up to --worker-cooldown: 503s when it is the only decode worker)
+            failed_gen = self._cooldown_gen.get(r.worker_id)
+            if failed_gen is not None and r.generation and r.generation != failed_gen:
+                self._cooldown.pop(r.worker_id, None)
+                self._cooldown_gen.pop(r.worker_id, None)
             old = self._records.get(r.worker_id)
             if old is None or (old.generation, old.seq) != (r.generation, r.seq) or not r.seq:
                 self._left_before_report[r.worker_id] = self._left_at_refresh.get(r.worker_id, 0)
@@ -326,8 +334,22 @@ class WorkerPool:
         self._inflight[wid] = max(0, self._inflight.get(wid, 0) - 1)
         self._inflight_by_address[a] = max(0, self._inflight_by_address.get(a, 0) - 1)
 
-    def mark_failed(self, worker_id: str, reason: str, cooldown_s: float | None = None) -> None:
-        """Keep ``worker_id`` out of routing for a while (its lease may outlive it)."""
+    def mark_failed(
+        self,
+        worker_id: str,
+        reason: str,
+        cooldown_s: float | None = None,
+        generation: str | None = None,
+    ) -> None:
+        """Keep ``worker_id`` out of routing for a while (its lease may outlive it); only the
+        incarnation ``generation`` (the record the failed call went to; by default the one
+        known now): a new one that registers under the same id ends the cooldown."""
+        if generation is None and (known := self._records.get(worker_id)) is not None:
+            generation = known.generation
+        if generation:
+            self._cooldown_gen[worker_id] = generation
+        else:
+            self._cooldown_gen.pop(worker_id, None)
         logger.warning(
             "worker %s failed (%s); cooling down for %.1f s",
             worker_id,

@@ -21,6 +21,7 @@ class Registry:
 
     def __init__(self, info: WorkerInfo = INFO) -> None:
         self.info = info
+        self.gen = "g1"
         self.seq = 0
         self.load = WorkerLoad(64, 0, 0)
 
@@ -29,7 +30,7 @@ class Registry:
         self.load = WorkerLoad(64, running, waiting)
 
     async def live_workers(self) -> list[WorkerRecord]:
-        return [WorkerRecord(self.info, self.load, "g1", self.seq)]
+        return [WorkerRecord(self.info, self.load, self.gen, self.seq)]
 
 
 def queue(pool: WorkerPool, role: str = "prefill") -> tuple[int, int]:
@@ -118,5 +119,33 @@ def test_a_stream_that_ended_after_the_report_does_not_count_on_the_decode_worke
         reg.heartbeat(2, 1)
         await pool.refresh()
         assert queue(pool, "decode") == (2, 1)
+
+    asyncio.run(main())
+
+
+def test_a_restarted_worker_is_routable_without_its_old_incarnations_cooldown():
+    """Calls routed to a dead decode worker while its lease lived on put its id in cooldown;
+    the restarted worker (same id, a new generation) was then kept out of routing for up to
+    ``--worker-cooldown`` after it registered: 503s when it is the only decode worker."""
+
+    async def main() -> None:
+        reg = Registry(D_INFO)
+        pool = WorkerPool(model="m", reader=reg, cooldown_s=60.0)  # type: ignore[arg-type]
+        reg.heartbeat(0)
+        await pool.refresh()
+        (record,) = pool.healthy("decode")
+        pool.mark_failed("d0", "UNAVAILABLE", generation=record.generation)
+        assert pool.healthy("decode") == []
+        reg.heartbeat(0)  # the same incarnation reports again: still cooling down
+        await pool.refresh()
+        assert pool.healthy("decode") == []
+        reg.gen = "g2"  # restarted under the same id
+        reg.heartbeat(0)
+        await pool.refresh()
+        assert [r.generation for r in pool.healthy("decode")] == ["g2"]
+        # a failure of the new incarnation cools it down as before
+        pool.mark_failed("d0", "UNAVAILABLE", generation="g2")
+        await pool.refresh()
+        assert pool.healthy("decode") == []
 
     asyncio.run(main())
