@@ -35,6 +35,11 @@ class InboundLink:
         self.authenticated: bool | None = None  # None: no hello yet
         self.hello_timer: Any = None
         self.cipher: TagCipher | None = None  # data tags, from the handshake on
+        # This connection's share of posted receives (``max_posted_receives`` each, so a sender
+        # that stops sending holds only its own): posted and not yet completed, and the
+        # announced messages of undecided transfers waiting for one of them.
+        self.posted = 0
+        self.backlog: collections.deque[InboundMessage] = collections.deque()
 
     def retire(self, x: int) -> None:
         """Remember that transfer number ``x`` ended, so its late messages are dropped quietly."""
@@ -47,7 +52,17 @@ class InboundLink:
 class InboundMessage:
     """One announced data message: blocks ``[index, index + count)`` of a transfer."""
 
-    __slots__ = ("checksums", "count", "index", "link", "received", "region", "tag", "transfer")
+    __slots__ = (
+        "checksums",
+        "count",
+        "counted",
+        "index",
+        "link",
+        "received",
+        "region",
+        "tag",
+        "transfer",
+    )
 
     def __init__(
         self,
@@ -65,15 +80,17 @@ class InboundMessage:
         self.count = count
         self.checksums = checksums  # from the header, or later from a 'sums' op
         self.region: Region | None = None
-        self.received = False
+        self.received = False  # its bytes are in the pool
+        self.counted = False  # its blocks are in the transfer's ``verified`` (once, ever)
 
 
 class InboundTransfer:
     """Reactor-side state of one expected transfer.
 
-    ``posted`` counts receives into the pool not yet completed and ``verifying`` checksum jobs
-    reading the pool; the transfer settles only when both are zero, so nothing touches its blocks
-    after the handle turns terminal.
+    ``posted`` counts receives posted into the pool and not yet completed (not the messages
+    still waiting in the connection's backlog: those touch nothing and are dropped when the
+    transfer is decided) and ``verifying`` checksum jobs reading the pool; the transfer settles
+    only when both are zero, so nothing touches its blocks after the handle turns terminal.
     """
 
     def __init__(self, transfer_id: str, ids: list[int], timeout_s: float):
@@ -122,4 +139,6 @@ class InboundTransfer:
 
     @property
     def complete(self) -> bool:
+        """``fin`` arrived and every position's message was received and verified (each
+        message is counted once, so this cannot hold while a message is still outstanding)."""
         return self.fin_count is not None and self.verified == len(self.ids)

@@ -13,8 +13,10 @@ reactor thread, for each connection (:class:`InboundLink`):
 * ``open`` binds a transfer number to an expected transfer; the sender's destination ids must
   equal the expected ones (the receiver only ever writes to blocks it was told to expect);
 * each ``data`` header is validated (range, not seen before, contiguous destination run) and a
-  receive is posted straight into those pool blocks; at most ``max_posted_receives`` are
-  outstanding, later headers wait (which holds back the sender's sends: backpressure);
+  receive is posted straight into those pool blocks; at most ``max_posted_receives`` per
+  connection are outstanding, later headers wait (which holds back that sender's sends:
+  backpressure); a sender that stops sending holds only its own connection's receives, and
+  the waiting headers of a transfer that ends are dropped at once (their data discarded);
 * on completion each block's xxh3_64 is checked against the header; a mismatch fails that
   transfer only (``fail`` with code ``checksum``); data for unknown, rejected or finished
   transfers is read and discarded so it never lingers in the transport;
@@ -94,9 +96,10 @@ class Receiver(TransferEnd, KVReceiver):
 
     Options: ``secret`` (the cluster secret; ``None``: the empty key, open to anyone who reaches
     the port), ``hello_timeout_s``, ``max_connections``, ``verify_checksums`` (default on; a
-    sender with checksums off is then refused), ``max_posted_receives``, ``settle_timeout_s``, ``checksum_threads`` / ``inline_checksum_bytes`` (messages
-    larger than this are verified on those threads, off the I/O thread), ``metrics``. ``host`` is the address
-    advertised to senders; ``port`` 0 picks a free port.
+    sender with checksums off is then refused), ``max_posted_receives`` (per connection),
+    ``settle_timeout_s``, ``checksum_threads`` / ``inline_checksum_bytes`` (messages larger
+    than this are verified on those threads, off the I/O thread), ``metrics``. ``host`` is the
+    address advertised to senders; ``port`` 0 picks a free port.
     """
 
     def __init__(
@@ -144,8 +147,7 @@ class Receiver(TransferEnd, KVReceiver):
         self._live: set[InboundTransfer] = set()
         self._links: dict[int, InboundLink] = {}
         self._next_link_id = 1
-        self._posted_total = 0
-        self._backlog: collections.deque[InboundMessage] = collections.deque()
+        self._posted_total = 0  # receives posted on all connections, not yet completed
         self._checksummer = Checksummer(
             self._pool, self._reactor, checksum_threads, inline_checksum_bytes
         )
@@ -282,6 +284,16 @@ class Receiver(TransferEnd, KVReceiver):
             if self._expected.get(t.transfer_id) is t:
                 del self._expected[t.transfer_id]
         link = t.link
+        if link is not None and any(m.transfer is t for m in link.backlog):
+            # Its waiting messages will never be posted: drop them now, without waiting for a
+            # receive slot (a transfer waits only for receives really posted), and discard
+            # their data as it arrives so the sender's sends complete.
+            waiting, link.backlog = link.backlog, collections.deque()
+            for m in waiting:
+                if m.transfer is t:
+                    self._drain(link, m.tag)
+                else:
+                    link.backlog.append(m)
         if code is not None and link is not None and not link.closed and t.x is not None:
             self._send(link, Fail(t.x, code, str(error)[:1000], index))
 
@@ -522,9 +534,8 @@ class Receiver(TransferEnd, KVReceiver):
         t.seen[op.index : op.index + op.count] = b"\x01" * op.count
         msg = InboundMessage(t, il, tag, op.index, op.count, op.checksums)
         t.messages[op.index] = msg
-        t.posted += 1
-        self._backlog.append(msg)
-        self._post_backlog()
+        il.backlog.append(msg)
+        self._post_backlog(il)
 
     def _on_sums(self, il: InboundLink, op: Sums) -> None:
         t = il.transfers.get(op.x)
@@ -545,30 +556,33 @@ class Receiver(TransferEnd, KVReceiver):
             )
             return
         msg.checksums = op.checksums
-        if msg.received:
+        if not msg.received:
+            return  # checked (or, with checking off, counted) once its data arrives
+        if self._verify:
             self._start_verification(msg)
+        else:  # counted when its data arrived; the handle still reports the sender's sums
+            t.handle._checksums[msg.index : msg.index + msg.count] = msg.checksums
 
     def _drain(self, il: InboundLink, tag: int) -> None:
         if not il.closed:
             il.link.recv_data(tag, None, _ignore)
 
-    def _post_backlog(self) -> None:
-        while self._backlog and self._posted_total < self._max_posted:
-            msg = self._backlog.popleft()
-            t, il = msg.transfer, msg.link
-            if t.outcome is not None or il.closed:
-                t.posted -= 1
-                self._drain(il, msg.tag)
-                if t.outcome is not None and not t.busy:
-                    self._finalize(t)
-                continue
+    def _post_backlog(self, il: InboundLink) -> None:
+        """Post receives for ``il``'s waiting messages while it has fewer than
+        ``max_posted_receives`` outstanding (it only holds messages of undecided transfers)."""
+        while il.backlog and il.posted < self._max_posted and not il.closed:
+            msg = il.backlog.popleft()
+            t = msg.transfer
             msg.region = self._pool.region(t.ids[msg.index], msg.count)
+            il.posted += 1
+            t.posted += 1
             self._posted_total += 1
             il.link.recv_data(msg.tag, msg.region, partial(self._on_received, msg))
 
     def _on_received(self, msg: InboundMessage, error: BaseException | None) -> None:
-        t = msg.transfer
+        t, il = msg.transfer, msg.link
         self._posted_total -= 1
+        il.posted -= 1
         t.posted -= 1
         if error is not None:
             self._decide(
@@ -586,7 +600,7 @@ class Receiver(TransferEnd, KVReceiver):
                 self._start_verification(msg)
         if t.outcome is not None and not t.busy:
             self._finalize(t)
-        self._post_backlog()
+        self._post_backlog(il)
 
     def _start_verification(self, msg: InboundMessage) -> None:
         """Check a received message against its checksums (off the I/O thread), then count it."""
@@ -637,6 +651,9 @@ class Receiver(TransferEnd, KVReceiver):
             self._finalize(t)
 
     def _verified(self, msg: InboundMessage) -> None:
+        if msg.counted:  # once per message, in whatever order its data and checksums came
+            return
+        msg.counted = True
         t = msg.transfer
         if msg.checksums is not None:
             t.handle._checksums[msg.index : msg.index + msg.count] = msg.checksums

@@ -3,8 +3,11 @@
 The engine thread calls :meth:`Sender.open` and the handle's ``send_blocks``/``finish``; all of
 them validate, enqueue work for the reactor thread and return. On the reactor thread:
 
-* one :class:`Connection` per receiver (host, port), reused across transfers, opened with a
-  ``hello`` handshake that the receiver accepts or refuses (geometry, checksum setting);
+* one :class:`Connection` per receiver instance (host, port, receiver id), reused across
+  transfers, opened with a ``hello`` handshake that the receiver accepts or refuses (geometry,
+  checksum setting) and that proves the instance: an address naming an instance that no
+  longer listens there fails only its own transfers (:class:`StaleAddressError`), and a
+  connection to an instance that restarted is closed once the new one is proven;
 * per receiver, at most ``max_active_transfers`` transfers run at once, the others wait in
   FIFO order (their deadline keeps running), and at most ``max_inflight_messages`` data
   messages are outstanding; a rendezvous-sized data send completes only once the receiver has
@@ -131,7 +134,9 @@ class Sender(TransferEnd, KVSender):
         self._closed = False
         self._drained = threading.Event()
         # Reactor-thread state.
-        self._conns: dict[tuple[str, str, int], Connection] = {}
+        # By the full address: a connection whose handshake is under way for one instance of a
+        # receiver never stands in for another instance at the same host and port.
+        self._conns: dict[ReceiverAddress, Connection] = {}
         self._live: set[OutboundTransfer] = set()  # started and not yet settled
         # Per destination (a receiver's kind, host, port): transfer slots and their queues, so a
         # frozen receiver holds only its own share; in-flight messages are per connection.
@@ -526,22 +531,17 @@ class Sender(TransferEnd, KVSender):
     # ---- connections (reactor thread) --------------------------------------------------
 
     def _get_conn(self, address: ReceiverAddress) -> Connection:
-        key = (address.kind, address.host, address.port)
-        conn = self._conns.get(key)
+        """The connection to the receiver instance ``address`` names: the cached one, or a new
+        one whose handshake proves that instance (or fails its transfers with
+        :class:`StaleAddressError`). A connection to another instance at the same host and
+        port is left alone here: which of the two is current only a handshake tells, and
+        :meth:`_on_ready` replaces the older one once the new instance is proven."""
+        conn = self._conns.get(address)
         if conn is not None and conn.state != DEAD:
-            if conn.address.receiver_id == address.receiver_id:
-                return conn
-            self._fail_conn(
-                conn,
-                PeerLostError(
-                    f"receiver at {address.host}:{address.port} restarted "
-                    f"(instance {conn.address.receiver_id} -> {address.receiver_id})"
-                ),
-                "peer_lost",
-            )
+            return conn
         link = self._transport.connect(address)
         conn = Connection(address, link)
-        self._conns[key] = conn
+        self._conns[address] = conn
         self.connections_opened += 1
         link.on_ctrl = partial(self._on_ctrl, conn)
         link.on_closed = partial(self._on_link_closed, conn)
@@ -582,8 +582,8 @@ class Sender(TransferEnd, KVSender):
         if conn.state == DEAD:
             return
         conn.state = DEAD
-        if self._conns.get(conn.key) is conn:
-            del self._conns[conn.key]
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
         if conn.handshake_timer is not None:
             conn.handshake_timer.cancel()
         for t in list(conn.waiting) + list(conn.transfers.values()):
@@ -691,6 +691,19 @@ class Sender(TransferEnd, KVSender):
         conn.link_id = op.link_id
         conn.cipher = TagCipher(op.tag_key)
         conn.handshake_timer.cancel()
+        # Its host and port now answer as this instance: a ready connection to another one
+        # there is to an instance that restarted (its death not yet noticed), so its
+        # transfers cannot complete.
+        for old in [c for c in self._conns.values() if c.key == conn.key and c is not conn]:
+            if old.state == READY:
+                self._fail_conn(
+                    old,
+                    PeerLostError(
+                        f"receiver at {conn.address.host}:{conn.address.port} restarted "
+                        f"(instance {old.address.receiver_id} -> {conn.address.receiver_id})"
+                    ),
+                    "peer_lost",
+                )
         for transfer_id, dst, reason in conn.cancel_on_ready:
             x = conn.allocate_x()
             self._queue_op(conn, Open(x, transfer_id, dst))

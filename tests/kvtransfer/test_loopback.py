@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import numpy as np
@@ -245,6 +246,83 @@ def test_checksums_off_on_both_sides(loopback_pair, geometry):
     assert_blocks_equal(src, dst, geometry, [1, 2], [3, 4])
 
 
+def _wait_until(condition, timeout: float = 5.0) -> None:
+    """Poll ``condition`` (state another thread changes) until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def test_late_checksums_to_a_receiver_not_checking_them_count_once(
+    loopback_pair, geometry, monkeypatch
+):
+    """A receiver with checking off (``--no-kv-checksums``) and a sender with checksums on: a
+    run's checksums that follow in a ``sums`` op after its data arrived counted its blocks a
+    second time, so the count never matched the transfer's size and it timed out with every
+    byte in place. The sender's checksum jobs are held here until the receiver holds every
+    byte, which fixes that order (the race the review reproduced on 2 MiB blocks)."""
+    sender, receiver, src, dst = loopback_pair(
+        sender_opts={"inline_checksum_bytes": 0, "max_message_bytes": 2 * geometry.block_bytes},
+        receiver_opts={"verify_checksums": False},
+    )
+    held: list = []
+    submit = sender._checksummer.submit
+    monkeypatch.setattr(sender._checksummer, "submit", lambda *job: held.append(job))
+    ids = [10, 11, 12, 13]
+    rh = receiver.expect("late-sums", ids, 3)
+    sh = sender.open("late-sums", receiver.address, ids, 3)
+    sh.send_blocks([0, 1, 2, 3], 0)
+    sh.finish()
+    _wait_until(lambda: rh.bytes_received == 4 * geometry.block_bytes)
+    assert rh.bytes_received == 4 * geometry.block_bytes and len(held) == 2
+    assert rh.blocks_done == 4 and not rh.done  # no 'fin' before the checksums
+    for job in held:
+        sender._reactor.call_soon_threadsafe(submit, *job)
+    assert rh.wait(5) == DONE and sh.wait(5) == DONE, (rh.error, sh.error)
+    assert rh.blocks_done == 4
+    assert rh.checksums == sh.checksums and None not in rh.checksums
+    assert_blocks_equal(src, dst, geometry, [0, 1, 2, 3], ids)
+
+
+def test_no_order_of_data_sums_and_fin_counts_a_message_twice(loopback_pair, geometry):
+    """With block 0's data and then its checksums in, and ``fin`` sent, a receiver not
+    checking checksums must not answer ``done`` while block 1 is still on its way: counting
+    block 0 twice made the count whole (a raw peer fixes the order)."""
+    from kvtransfer.pool import PoolView
+    from kvtransfer.protocol import Done, Fin, Open, Sums
+
+    _, receiver, _, dst = loopback_pair(receiver_opts={"verify_checksums": False})
+    replies: list = []
+    transport, link, tag = _ready_raw_link(receiver, geometry, replies)
+    try:
+        run = transport.reactor.run_sync
+        src = random_pool(2, geometry, seed=5)
+        view = PoolView(src, geometry)
+        sums = view.checksums(view.region(0, 2))
+        rh = receiver.expect("ordered", [20, 21], 5)
+        announce = [Open(0, "ordered", [20, 21]), Data(0, 0, 1, None), Data(0, 1, 1, None)]
+        run(link.send_ctrl, encode_ops(announce))
+        run(link.send_data, tag(0, 0), view.region(0, 1), _ignore)
+        _wait_until(lambda: rh.bytes_received == geometry.block_bytes)
+        assert rh.blocks_done == 1
+        run(link.send_ctrl, encode_ops([Sums(0, 0, sums[:1]), Fin(0, 2)]))
+        _round_trip(transport, link, replies)
+        assert not any(isinstance(op, Done) for op in replies), replies
+        assert rh.blocks_done == 1 and not rh.done
+        run(link.send_data, tag(0, 1), view.region(1, 1), _ignore)
+        assert rh.wait(5) == DONE, rh.error
+        assert rh.blocks_done == 2 and rh.checksums == [sums[0], None]
+        _wait_until(lambda: isinstance(replies[-1], Done))
+        assert replies[-1] == Done(0)
+        assert_blocks_equal(src, dst, geometry, [0, 1], [20, 21])
+    finally:
+        transport.close()
+
+
+def _ignore(_error) -> None:
+    """Completion of a raw peer's data send."""
+
+
 def test_sender_without_checksums_is_refused_by_verifying_receiver(loopback_pair):
     sender, receiver, _, _ = loopback_pair(sender_opts={"checksums": False})
     with pytest.raises(GeometryMismatchError, match=r"checksums \(sender=off, receiver=on\)"):
@@ -365,6 +443,73 @@ def test_many_concurrent_transfers_share_one_connection(loopback_pair, geometry)
     assert sender.connections_opened == 1 and receiver.num_connections == 1
 
 
+def test_a_frozen_sender_holds_only_its_own_posted_receives(loopback_pair, geometry):
+    """Posted receives are counted per connection: a prefill worker that stopped after its data
+    headers went out (frozen: their data never comes) holds only its own, and a healthy
+    sender's transfers into the same decode worker go through. They used to share
+    ``max_posted_receives`` with it and wait for its transfers' deadline."""
+    from kvtransfer.protocol import Open
+
+    sender, receiver, src, dst = loopback_pair(receiver_opts={"max_posted_receives": 2})
+    replies: list = []
+    transport, link, _ = _ready_raw_link(receiver, geometry, replies)
+    try:
+        frozen = [receiver.expect(f"frozen{j}", [40 + j], 60) for j in range(3)]
+        ops = [op for j in range(3) for op in (Open(j, f"frozen{j}", [40 + j]), Data(j, 0, 1, [0]))]
+        transport.reactor.run_sync(link.send_ctrl, encode_ops(ops))
+        _round_trip(transport, link, replies)  # two receives posted, the third header waits
+        scattered = [0, 2, 4, 6]  # four messages through two receive slots
+        run_transfer(sender, receiver, "healthy", [8, 9, 10, 11], scattered, timeout=5)
+        run_transfer(sender, receiver, "healthy-too", [12], [20], timeout=5)
+        assert_blocks_equal(src, dst, geometry, [8, 9, 10, 11, 12], [*scattered, 20])
+        assert not any(h.done for h in frozen)
+    finally:
+        transport.close()
+    for h in frozen:
+        assert h.wait(5) == FAILED and isinstance(h.error, PeerLostError)
+
+
+def test_a_transfer_ended_with_headers_waiting_settles_at_once(loopback_pair, geometry):
+    """A transfer decided while one of its data headers waits for a receive slot settles once
+    its posted receives complete. The waiting header used to count as posted, so the transfer
+    could not settle until a slot freed, and past ``settle_timeout_s`` the receiver closed the
+    connection and failed the sender's other transfers. Its data is read and discarded."""
+    from kvtransfer.pool import PoolView
+    from kvtransfer.protocol import Fail, Fin, Open
+
+    _, receiver, _, dst = loopback_pair(
+        receiver_opts={"max_posted_receives": 1, "settle_timeout_s": 60}
+    )
+    replies: list = []
+    transport, link, tag = _ready_raw_link(receiver, geometry, replies)
+    try:
+        run = transport.reactor.run_sync
+        src = random_pool(2, geometry, seed=7)
+        view = PoolView(src, geometry)
+        sums = view.checksums(view.region(0, 2))
+        first = receiver.expect("first", [1], 10)
+        second = receiver.expect("second", [2], 10)
+        ops = [Open(0, "first", [1]), Data(0, 0, 1, sums[:1])]
+        ops += [Open(1, "second", [2]), Data(1, 0, 1, sums[1:])]
+        run(link.send_ctrl, encode_ops(ops))
+        _round_trip(transport, link, replies)  # first's receive is posted, second's waits
+        second.cancel()
+        assert second.wait(5) == CANCELLED
+        _wait_until(lambda: any(isinstance(op, Fail) for op in replies))
+        assert [(op.x, op.code) for op in replies if isinstance(op, Fail)] == [(1, "cancelled")]
+        discarded = threading.Event()
+        run(link.send_data, tag(1, 0), view.region(1, 1), lambda _error: discarded.set())
+        assert discarded.wait(5)  # read and thrown away, not left waiting in the transport
+        run(link.send_data, tag(0, 0), view.region(0, 1), _ignore)
+        run(link.send_ctrl, encode_ops([Fin(0, 1)]))
+        assert first.wait(5) == DONE, first.error
+        assert_blocks_equal(src, dst, geometry, [0], [1])
+        assert not dst[2 * geometry.block_bytes : 3 * geometry.block_bytes].any()
+        assert receiver.num_connections == 1
+    finally:
+        transport.close()
+
+
 def test_reconnect_after_receiver_restart(geometry):
     net = LoopbackNetwork()
     src = np.random.default_rng(3).integers(0, 256, 8 * geometry.block_bytes, dtype=np.uint8)
@@ -391,6 +536,72 @@ def test_reconnect_after_receiver_restart(geometry):
             second.close()
     finally:
         sender.close()
+
+
+def test_a_stale_address_fails_only_its_own_transfer(geometry):
+    """The decode worker restarted on the same port and the sender holds a ready connection to
+    the new instance: an open naming the old instance used to close that connection as
+    "restarted" and fail every healthy transfer on it. Now only the stale open fails."""
+    from kvtransfer.errors import StaleAddressError
+
+    net = LoopbackNetwork()
+    src = random_pool(16, geometry, seed=3)
+    old = create_receiver("loopback", np.zeros_like(src), geometry, network=net)
+    old_address, port = old.address, old._address.port
+    old.close()
+    dst = np.zeros_like(src)
+    new = create_receiver("loopback", dst, geometry, network=net, port=port)
+    sender = create_sender("loopback", src, geometry, network=net)
+    try:
+        rh = new.expect("healthy", [1, 2, 3], 10)
+        sh = sender.open("healthy", new.address, [1, 2, 3], 10)
+        sh.send_blocks([5], 0)
+        _wait_until(lambda: rh.blocks_done == 1)
+        assert rh.blocks_done == 1  # the connection to the new instance is ready and in use
+        stale = sender.open("stale", old_address, [7], 10)
+        assert stale.wait(5) == FAILED and isinstance(stale.error, StaleAddressError)
+        sh.send_blocks([6, 7], 1)
+        sh.finish()
+        assert sh.wait(5) == DONE and rh.wait(5) == DONE, (sh.error, rh.error)
+        assert_blocks_equal(src, dst, geometry, [5, 6, 7], [1, 2, 3])
+        with pytest.raises(StaleAddressError):
+            sender.connect(old_address, timeout_s=5)
+        run_transfer(sender, new, "after", [8], [4])  # still on the first connection
+        assert new.num_connections == 1
+    finally:
+        sender.close()
+        new.close()
+
+
+def test_a_proven_new_instance_replaces_the_connection_to_the_old_one(geometry):
+    """The receiver restarted but the sender has not noticed (its connection to the old
+    instance looks ready, as a UCX endpoint to a frozen or vanished host does): an open naming
+    the new instance connects, and once the handshake proves that instance the connection to
+    the old one is closed and its transfers fail at once instead of at their deadline."""
+    net = LoopbackNetwork()
+    src = random_pool(8, geometry, seed=3)
+    old = create_receiver("loopback", np.zeros_like(src), geometry, network=net)
+    sender = create_sender("loopback", src, geometry, network=net)
+    new = None
+    try:
+        old.expect("orphan", [1, 2], 30)
+        orphan = sender.open("orphan", old.address, [1, 2], 30)
+        orphan.send_blocks([1], 0)
+        sender.connect(old.address)
+        port = old._address.port
+        net.unbind(port)  # the old instance stops listening, its connection stays up
+        dst = np.zeros_like(src)
+        new = create_receiver("loopback", dst, geometry, network=net, port=port)
+        run_transfer(sender, new, "fresh", [4, 5], [6, 7])
+        assert orphan.wait(5) == FAILED and isinstance(orphan.error, PeerLostError)
+        assert "restarted" in str(orphan.error)
+        assert_blocks_equal(src, dst, geometry, [4, 5], [6, 7])
+        assert sender.connections_opened == 2
+    finally:
+        sender.close()
+        if new is not None:
+            new.close()
+        old.close()
 
 
 def _raw_link(network: LoopbackNetwork, receiver, replies: list):
@@ -425,6 +636,31 @@ def _hello(replies: list, geometry, secret: bytes | None):
     nonce = new_nonce()
     mac = hello_proof(secret, replies[0].nonce, nonce, "raw")
     return Hello(geometry.to_wire(), True, "raw", nonce, mac)
+
+
+def _ready_raw_link(receiver, geometry, replies: list):
+    """A raw peer past the handshake: (transport, link, its data tag function)."""
+    from kvtransfer.auth import TagCipher
+    from kvtransfer.protocol import HelloOk, data_tag
+
+    transport, link = _raw_link(receiver._transport.network, receiver, replies)
+    transport.reactor.run_sync(link.send_ctrl, encode_ops([_hello(replies, geometry, None)]))
+    _wait_for(replies, 2)
+    ok = replies[1]
+    assert isinstance(ok, HelloOk), replies
+    cipher = TagCipher(ok.tag_key)
+    return transport, link, lambda x, index: data_tag(cipher, ok.link_id, x, index)
+
+
+def _round_trip(transport, link, replies: list) -> None:
+    """Return once the receiver has handled everything sent on ``link`` so far: it answers a
+    ``fin`` for an unknown transfer number with an error, after whatever came before."""
+    from kvtransfer.protocol import Error, Fin
+
+    n = len(replies)
+    transport.reactor.run_sync(link.send_ctrl, encode_ops([Fin(99999, 1)]))
+    _wait_until(lambda: any(isinstance(op, Error) for op in replies[n:]))
+    assert isinstance(replies[-1], Error) and "99999" in replies[-1].reason, replies[n:]
 
 
 def test_malformed_and_unexpected_messages_to_receiver_are_rejected(loopback_pair, geometry):
