@@ -43,3 +43,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         picked: int = s.getsockname()[1]
         return picked
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC targets and URLs write it: an IPv6 literal in brackets (gRPC read
+    ``::1:0`` as host ``::0.1.0.0`` and refused to bind)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"

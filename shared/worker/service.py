@@ -29,6 +29,7 @@ from shared.config import ConfigError, EngineArgs, port_number
 from shared.engine import EngineCore
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
+from shared.ports import host_port
 from shared.prom import freeze_startup_heap
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
@@ -370,14 +371,18 @@ def start_metrics_server(host: str, port: int, registry):
         def log_message(self, *args):  # scrapes are not worth a log line each
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        # an IPv6 literal needs an AF_INET6 socket (ThreadingHTTPServer's is AF_INET)
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = Server((host.strip("[]"), port), Handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return httpd
 
 
 def advertise(args: argparse.Namespace, port: int) -> str:
-    return f"{args.advertise_host or args.host}:{port}"
+    return host_port(args.advertise_host or args.host, port)
 
 
 async def serve_worker(
@@ -404,7 +409,7 @@ async def serve_worker(
         health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = runtime.security.add_port(server, f"{args.host}:{args.port}")
+    port = runtime.security.add_port(server, host_port(args.host, args.port))
     await server.start()
     # the model, the engine and the servers live as long as the process: out of the cyclic
     # collector's reach, so a full collection walks only what requests allocate (measured:
