@@ -301,9 +301,11 @@ def cut_rows(
     min_p: torch.Tensor,
 ) -> torch.Tensor:
     """The weights each row of a CPU ``[N, V]`` tensor (logits, fp32 or bf16) samples from,
-    fp32 ``[N, V]``, unnormalised: ``exp((x - max x) / T)`` (0 for -inf), then top-k (``<= 0``:
-    off; ties with the k-th kept), top-p (``1``: off; the smallest set of the largest weights
-    whose mass reaches ``p``, ties with its last kept) and min-p (``0``: off), in that order.
+    fp32 ``[N, V]``, unnormalised: ``exp((x - max x) / T)`` (0 for -inf), then min-p (``0``:
+    off; weights below ``min_p`` x the largest dropped), top-k (``<= 0``: off; ties with the
+    k-th kept) and top-p (``1``: off; the smallest set of the largest weights left whose mass
+    reaches ``p`` of what min-p and top-k left, ties with its last kept), in that order, as
+    vLLM V1 applies them.
     For :func:`race_rows` with ``temps=None``."""
     ext = _load()
     if ext is None:

@@ -2052,10 +2052,11 @@ at::Tensor race_rows(const at::Tensor& x, const std::optional<at::Tensor>& temps
 }
 
 // ---- The cut distributions of top-k / top-p / min-p rows ----------------------------------
-// w = exp((x - max x) / T) per row (0 for a -inf logit), then, in vLLM's order: top-k keeps the
-// tokens whose weight is at least the k-th largest (its ties too), top-p the smallest set of the
-// largest weights whose mass reaches p of the row's (every token tied with the last one too),
-// min-p the tokens of at least min_p times the largest (which is 1). Each threshold is found by
+// w = exp((x - max x) / T) per row (0 for a -inf logit), then, in vLLM V1's order: min-p keeps
+// the tokens of at least min_p times the largest weight (which is 1), top-k those at least the
+// k-th largest (its ties too), top-p the smallest set of the largest weights whose mass reaches
+// p of what min-p and top-k kept (every token tied with the last one too). Each cut keeps a
+// prefix of the largest weights, so its threshold is the floor of the next; each is found by
 // bisection over the bit patterns of non-negative floats (ordered as integers): about 30 passes
 // over the row in L2 instead of a sort. The weights are written unnormalised (the race does not
 // need the sum); a temperature of 0 gives the argmax weight 1 and every other 0.
@@ -2123,15 +2124,15 @@ static void cut_row(const T* x, float* w, int64_t n, float temp, int64_t top_k, 
   }
 #endif
   for (; i < n; ++i) w[i] = logit_weight(static_cast<float>(x[i]), mx, inv);
-  float t = 0.0f;
-  if (top_k > 0 && top_k < n) t = cut_bisect([&](float c) { return cut_count_ge(w, n, c) >= top_k; });
+  float t = min_p > 0.0f ? min_p : 0.0f;  // the largest weight is exp(0) = 1
+  if (top_k > 0 && top_k < n)
+    t = std::max(t, cut_bisect([&](float c) { return cut_count_ge(w, n, c) >= top_k; }));
   if (top_p < 1.0f) {
     const float target = top_p * cut_mass_ge(w, n, t);
     const float floor = t;
     t = cut_bisect([&](float c) { return cut_mass_ge(w, n, std::max(c, floor)) >= target; });
     t = std::max(t, floor);
   }
-  if (min_p > 0.0f) t = std::max(t, min_p);  // the largest weight is exp(0) = 1
   if (t > 0.0f)
     for (int64_t j = 0; j < n; ++j)
       if (w[j] < t) w[j] = 0.0f;

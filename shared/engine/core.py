@@ -361,10 +361,12 @@ class EngineCore:
             self._check_token_ids(list(params.logit_bias), "logit_bias")
         if params.allowed_token_ids is not None:
             self._check_token_ids(params.allowed_token_ids, "allowed_token_ids")
-        if params.logprobs is not None and params.logprobs > mc.vocab_size:
-            raise InvalidRequestError(
-                f"logprobs {params.logprobs} exceeds the vocabulary ({mc.vocab_size})", "logprobs"
-            )
+        for name in ("logprobs", "prompt_logprobs"):  # the runner's top-N needs N <= vocab
+            top = getattr(params, name)
+            if top is not None and top > mc.vocab_size:
+                raise InvalidRequestError(
+                    f"{name} {top} exceeds the vocabulary ({mc.vocab_size})", name
+                )
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.compile_grammar(params)

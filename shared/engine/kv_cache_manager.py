@@ -50,10 +50,11 @@ class KVCacheManager:
         """Longest cached prefix of ``request`` in full blocks, and its length in tokens.
 
         At least one token is always left to compute (its logits are needed), so a fully
-        cached prompt reuses all but its last block. Counts the lookup in the hit-rate stats.
+        cached prompt reuses all but its last block. Changes nothing (not the hit-rate stats:
+        a request waiting for room looks again every step; see :meth:`record_lookup`).
         Does not take references: pass the blocks to ``allocate_slots``.
         """
-        if not self.enable_caching or request.wants_prompt_logprobs:
+        if not self._looks_up(request):
             return [], 0  # prompt logprobs need every prompt position's logits
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -62,9 +63,17 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def _looks_up(self, request: Request) -> bool:
+        return self.enable_caching and not request.wants_prompt_logprobs
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count ``request``'s prefix lookup in the hit-rate stats: once per admission, with
+        the ``num_hit_tokens`` it was admitted with (vLLM's rule), not at every look."""
+        if self._looks_up(request):
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_tokens
 
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(

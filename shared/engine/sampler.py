@@ -1,16 +1,18 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+"""Batched sampling: penalties, temperature, min-p, top-k, top-p, seeded draws, logprobs.
 
 Each row's own rules come first, on fp32 logits and in vLLM's order: ``allowed_token_ids``
 (every other token to -inf), ``logit_bias`` (added to its tokens' logits), ``min_tokens``
 (its ends to -inf), then the repetition / frequency / presence penalties (so these see the
-biased logits); a structured-output grammar's mask after them, then temperature, top-k, top-p
-and min-p. The first three commute (-inf absorbs a finite bias). Where ``min_tokens`` would
-ban every allowed token, the allow-list wins (the ban is skipped: some token must be drawn),
-as a grammar's end wins over ``min_tokens``; where a grammar allows none of the allowed tokens,
-the row may only end (EOS), as for any grammar that allows nothing else. Greedy rows with any
-of these rules take the argmax of the processed logits, and every path that draws or verifies
-a token (plain draws, speculative verification, rejection sampling, the draft model's q) goes
-through the same rules (``_apply_row_rules``).
+biased logits); a structured-output grammar's mask after them, then temperature, min-p, top-k
+and top-p (vLLM V1's order; top-p measures the mass min-p left, so the order matters). The
+first three commute (-inf absorbs a finite bias). ``min_tokens`` bans the EOS and the stop
+ids whatever ``ignore_eos`` says (vLLM). Where it would ban every allowed token, the allow-list
+wins (the ban is skipped: some token must be drawn), as a grammar's end wins over
+``min_tokens``; where a grammar allows none of the allowed tokens, the row may only end (EOS),
+as for any grammar that allows nothing else. Greedy rows with any of these rules take the
+argmax of the processed logits, and every path that draws or verifies a token (plain draws,
+speculative verification, rejection sampling, the draft model's q) goes through the same rules
+(``_apply_row_rules``).
 
 Logprobs report the model's raw distribution (``log_softmax`` of the logits before any rule,
 vLLM's default ``raw_logprobs``): a bias or an allow-list changes what is drawn, not the
@@ -250,7 +252,8 @@ class Sampler:
                 if bias_ids is not None:
                     logits[i].index_add_(0, bias_ids, bias_values.to(logits.dtype))
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                # vLLM bans every end (its all_stop_token_ids holds the EOS), ignore_eos or not
+                banned = list(p.stop_token_ids) + list(r.eos_token_ids)
                 if banned and p.allowed_token_ids is not None:
                     ban = set(banned)
                     if all(t in ban for t in p.allowed_token_ids):
@@ -292,8 +295,8 @@ class Sampler:
     def processed_probs(
         self, logits: torch.Tensor, rows: list[SampleSpec], drafts: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """The distribution each row samples from: its rules, then temperature, top-k, top-p
-        and min-p (rows not normalised where top-p / min-p cut)."""
+        """The distribution each row samples from: its rules, then temperature, min-p, top-k
+        and top-p (rows not normalised where top-p cuts)."""
         return self._probs(self.processed_logits(logits, rows, drafts), rows)
 
     def _apply_grammars(
@@ -456,7 +459,7 @@ class Sampler:
 
     def _race_logits(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
         """Each row's draw from its logits by the backend's kernels: temperature (0: the
-        argmax), then top-k / top-p / min-p where a row asks (``cut_rows``), then the race."""
+        argmax), then min-p / top-k / top-p where a row asks (``cut_rows``), then the race."""
         assert self._race_rows is not None
         temps = torch.tensor(
             [0.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float32
@@ -492,11 +495,19 @@ class Sampler:
         )
 
     def _probs(self, logits: torch.Tensor, rows: list[SampleSpec]) -> torch.Tensor:
-        """The distribution each non-greedy row samples from (temperature, top-k, top-p, min-p
-        applied to already penalised logits), unnormalised where top-p / min-p cut."""
+        """The distribution each non-greedy row samples from: temperature, then (vLLM V1's
+        order) min-p, top-k and top-p, applied to already penalised logits; unnormalised where
+        top-p cuts. Min-p comes first because top-p renormalises: it keeps the smallest prefix
+        reaching ``top_p`` of the mass min-p left, not of the whole row's."""
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
         logits = logits / temps
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):  # drop what is below min_p times the largest probability
+            probs = torch.softmax(logits, dim=-1)
+            mp = torch.tensor(min_p, device=dev).unsqueeze(1)
+            cut = probs < mp * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(cut, float("-inf"))
         top_k = [r.params.top_k for r in rows]
         if any(top_k):
             k = torch.tensor([kk if kk > 0 else logits.shape[1] for kk in top_k], device=dev)
@@ -513,10 +524,6 @@ class Sampler:
             drop = (cum - sp) > tp  # keep the smallest prefix whose mass reaches top_p
             sp = sp.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, si, sp)
-        min_p = [r.params.min_p for r in rows]
-        if any(min_p):
-            mp = torch.tensor(min_p, device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
     def _race(self, probs: torch.Tensor, rows: list[SampleSpec], salt: int = 0) -> torch.Tensor:

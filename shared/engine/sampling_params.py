@@ -9,11 +9,13 @@ here, naming the parameter, never on the engine thread).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
 #: Hard caps that protect a worker whatever its caller checked (the router's limits are
 #: lower and configurable): samples per request and stop token ids per request.
 MAX_N = 1024
@@ -64,9 +66,11 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def kind(self) -> tuple[str, str]:
-        """(kind, spec): the compiled-grammar cache key."""
+        """(kind, spec): the compiled-grammar cache key. Two different specs never share a
+        key: a choice list is keyed by its JSON array (a separator-joined list is not
+        one-to-one: the strings may hold any character, NUL included)."""
         set_ = [
-            (k, v)
+            (k, v, len(v))
             for k, v in (
                 ("json", self.json),
                 ("regex", self.regex),
@@ -75,19 +79,22 @@ class StructuredOutputsParams:
             if v is not None
         ]
         if self.choice is not None:
-            set_.append(("choice", "\x00".join(self.choice)))
+            # its size is the characters of the strings and one per separator, not the key's
+            # (JSON escapes would make a list of control characters count up to 6 times)
+            size = sum(map(len, self.choice)) + max(len(self.choice) - 1, 0)
+            set_.append(("choice", json.dumps(list(self.choice)), size))
         if self.json_object:
-            set_.append(("json_object", ""))
+            set_.append(("json_object", "", 0))
         if len(set_) != 1:
             raise SamplingParamsError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar, "
                 f"json_object; got {len(set_)}",
                 param="structured_outputs",
             )
-        kind, spec = set_[0]
-        if len(spec) > MAX_GRAMMAR_CHARS:
+        kind, spec, size = set_[0]
+        if size > MAX_GRAMMAR_CHARS:
             raise SamplingParamsError(
-                f"structured_outputs {kind} has {len(spec)} characters; at most "
+                f"structured_outputs {kind} has {size} characters; at most "
                 f"{MAX_GRAMMAR_CHARS} allowed",
                 param="structured_outputs",
             )
@@ -155,8 +162,10 @@ class SamplingParams:
             raise bad("temperature", self.temperature, ">= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        # above the vocabulary top_k keeps everything; int32 (the wire's type) bounds it, so
+        # the sampler's int64 tensors never overflow
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise bad("top_k", self.top_k, f"-1, 0 (disabled) or an integer in [1, {INT32_MAX}]")
         if self.top_k == -1:
             self.top_k = 0
         if not 0 <= self.min_p <= 1:

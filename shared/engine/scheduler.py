@@ -330,15 +330,13 @@ class Scheduler:
         while self.waiting and budget > 0 and self.num_running < cfg.max_num_seqs:
             req = self.waiting[0]
             computed, num_computed = self.kv.get_computed_blocks(req)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
             external = self.connector.num_external_tokens(req, num_computed)
             if external:
                 # Reserve (uncached) blocks for them; another worker computes their KV.
                 if self.kv.allocate_slots(req, external, computed, cache=False) is None:
                     break
                 self.waiting.popleft()
-                req.num_computed_tokens = num_computed
+                self._admitted(req, num_computed)
                 self.connector.on_reserved(
                     req, self.kv.block_ids(req.request_id), num_computed // self.block_size
                 )
@@ -358,13 +356,22 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = num_computed
+            self._admitted(req, num_computed)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.request_id] = self._scheduled(req, num_new)
             budget -= num_new
             if chunk and room is not None:
                 room -= num_new
+
+    def _admitted(self, req: Request, num_computed: int) -> None:
+        """``req`` got its blocks with ``num_computed`` tokens from the prefix cache. Only now
+        do the hit and usage's cached tokens count: until its allocation succeeds a waiting
+        request looks again every step, and what it found may be evicted meanwhile."""
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens < 0:  # the first admission's (vLLM's), not a recompute's
+            req.num_cached_tokens = num_computed
+        self.kv.record_lookup(req, num_computed)
 
     def _num_new_tokens_from(self, req: Request, num_computed: int, budget: int) -> int:
         num_new = req.num_tokens - num_computed

@@ -173,6 +173,10 @@ class Matchers:
             return held[0]
         m = xgr.GrammarMatcher(compiled.grammar)  # type: ignore[arg-type]
         for t in outputs:
+            if m.is_terminated():
+                # past the grammar's end only ends follow (ignore_eos), which accepted() does
+                # not feed to the matcher either (a finished matcher refuses a second end)
+                break
             if not m.accept_token(int(t)):
                 raise RuntimeError(f"output token {t} of {seq_id} violates its grammar")
         self._m[seq_id] = (m, len(outputs))

@@ -72,6 +72,8 @@ def test_the_wave1_request_is_refused_naming_the_seed(tmp_path):
         (dict(n=10**6), "n"),
         (dict(top_k=-2), "top_k"),
         (dict(top_k=1.0), "top_k"),
+        (dict(top_k=2**63), "top_k"),  # the offline API's: the sampler's int64 tensor overflowed
+        (dict(top_k=2**31), "top_k"),  # above int32, the wire's type
         (dict(max_tokens=0), "max_tokens"),
         (dict(min_tokens=-1), "min_tokens"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
@@ -112,6 +114,26 @@ def test_engine_refuses_bad_requests_and_keeps_serving(tmp_path, prompt, kwargs,
     outs = _run(e)
     assert _tokens(outs, "before") == _tokens(outs, "after") and len(_tokens(outs, "after")) == 6
     assert "bad" not in e.parents
+
+
+def test_the_largest_top_k_keeps_every_token():
+    import torch
+
+    from kernels import cpu_paged
+
+    kernels = [None, cpu_paged.cut_rows] if cpu_paged.available() else [None]
+    for cut_rows in kernels:
+        s = Sampler(
+            vocab_size=50,
+            device=torch.device("cpu"),
+            seed=0,
+            race_rows=cpu_paged.race_rows if cut_rows else None,
+            cut_rows=cut_rows,
+        )
+        rows = [SampleSpec("r", SamplingParams(temperature=1.0, top_k=2**31 - 1), 0, ())] * 3
+        out = s(torch.randn(3, 50), rows)
+        assert all(isinstance(t, SampledToken) and 0 <= t.token_id < 50 for t in out)
+        assert bool((s.processed_probs(torch.randn(1, 50), rows[:1]) > 0).all())
 
 
 def test_sampler_never_raises_for_extreme_seeds():

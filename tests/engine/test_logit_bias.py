@@ -119,6 +119,32 @@ def test_an_allow_list_of_ends_only_wins_over_min_tokens():
 
 
 @pytest.mark.unit
+def test_min_tokens_bans_the_ends_with_ignore_eos_too():
+    """vLLM bans EOS and the stop ids below min_tokens whatever ignore_eos says (its
+    all_stop_token_ids always holds the EOS); pdserve let EOS through with ignore_eos. The
+    allow-list of ends only still wins over the ban."""
+    v = 16
+    sampler = Sampler(v, torch.device("cpu"), seed=0)
+    logits = torch.zeros(1, v)
+    logits[0, 2], logits[0, 5], logits[0, 9] = 9.0, 8.0, 1.0  # EOS (2) first, stop id 5 second
+    for ignore_eos in (False, True):
+        for temperature in (0.0, 0.5):
+            p = SamplingParams(
+                temperature=temperature, seed=3, min_tokens=3, ignore_eos=ignore_eos,
+                stop_token_ids=[5],
+            )  # fmt: skip
+            for pos in range(3):
+                draws = [sampler(logits, [_row(p, pos=pos)])[0].token_id for _ in range(20)]
+                assert 2 not in draws and 5 not in draws, (ignore_eos, temperature, pos)
+            if temperature == 0.0:
+                assert sampler(logits, [_row(p, pos=3)])[0].token_id == 2  # min_tokens reached
+        p = SamplingParams(
+            temperature=0, min_tokens=3, ignore_eos=ignore_eos, allowed_token_ids=[2]
+        )
+        assert sampler(logits, [_row(p, pos=0)])[0].token_id == 2
+
+
+@pytest.mark.unit
 def test_verification_sees_the_biased_logits():
     """n-gram (one-hot q) and draft-model (rejection) verification of a biased row: the drafts
     the bias forces are accepted, the ones it forbids are replaced by the biased draw."""

@@ -149,3 +149,23 @@ def test_top_p_and_min_p_draws_follow_the_cut_distribution(make):
     kept[[0, 4]] = 0
     assert counts[0] == 0 and counts[4] == 0
     assert torch.allclose(counts, (kept / kept.sum()).double(), atol=0.015), counts
+
+
+def test_min_p_comes_before_top_p_as_in_vllm(make):
+    """vLLM V1 applies min-p (after temperature) before top-k / top-p, and top-p measures the
+    mass min-p left: [0.40, 0.35, 0.25] with min_p 0.7 keeps [0.40, 0.35], renormalised
+    [0.53, 0.47], of which top_p 0.5 keeps token 0 alone. (Top-p first kept tokens 0 and 1,
+    then min-p both: token 1 was drawn about half the time.) Both paths, every draw."""
+    n = 2_000
+    logits = torch.tensor([0.40, 0.35, 0.25, 0.0, 0.0]).log().expand(n, 5).contiguous()
+    for top_k in (0, 2, 3):
+        params = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.7, top_k=top_k)
+        s = make(5, 11)
+        probs = s.processed_probs(logits[:1], [SampleSpec("q", params, 0, ())])
+        assert (probs[0] > 0).nonzero().flatten().tolist() == [0], top_k
+        rows = [SampleSpec(f"r{i}", params, 0, ()) for i in range(n)]
+        ids = [t.token_id for t in s(logits.clone(), rows)]
+        assert set(ids) == {0}, (top_k, torch.bincount(torch.tensor(ids), minlength=5))
+    # the order of min-p and top-k does not matter (both keep the largest weights)
+    rows = [SampleSpec("k", SamplingParams(temperature=1.0, min_p=0.7, top_k=1), 0, ())] * 200
+    assert {t.token_id for t in make(5, 12)(logits[:200].clone(), rows)} == {0}

@@ -174,6 +174,31 @@ def test_regex_choice_grammar_and_json_object(llm):
             assert text.startswith("{")
 
 
+@pytest.mark.unit
+def test_different_choice_lists_never_share_a_cache_key():
+    # the key was "\x00".join(choice): ["yes", "no"] and ["yes\x00no"] shared one compiled
+    # grammar, so whichever came first decided the other's constraint
+    lists = [("yes", "no"), ("yes\x00no",), ("yes", "", "no"), ('yes", "no',), ("a\\", "b")]
+    keys = {StructuredOutputsParams(choice=c).kind() for c in lists if all(c)}
+    assert len(keys) == len([c for c in lists if all(c)])
+    # the size limit counts the strings' characters, not the key's escapes
+    nul = StructuredOutputsParams(choice=("\x00" * (200 * 1024),))
+    SamplingParams(structured_outputs=nul)
+    with pytest.raises(SamplingParamsError, match="characters"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=("x" * 200_000,) * 2))
+
+
+@pytest.mark.integration
+def test_a_choice_holding_nul_gets_its_own_grammar(llm):
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    for choices in [("yes", "no"), ("yes\x00no",)] * 2:
+        sp = SamplingParams(
+            temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=choices)
+        )
+        out = llm.generate(prompt, sp)[0].outputs[0]
+        assert llm.tokenizer.decode(out.token_ids, skip_special_tokens=True) in choices
+
+
 @pytest.mark.integration
 def test_constraints_hold_under_forced_preemption(tiny_llama):
     llm = LLM(str(tiny_llama), device="cpu", num_gpu_blocks_override=24, max_model_len=300)
@@ -220,6 +245,30 @@ def test_the_matcher_is_rebuilt_from_tokens_already_produced(tiny_llama, llm):
     jsonschema.validate(
         json.loads(llm.tokenizer.decode(full, skip_special_tokens=True)), SCHEMAS[0]
     )
+
+
+@pytest.mark.integration
+def test_a_request_past_its_grammar_end_resumes(llm):
+    """With ignore_eos a finished grammar is followed by ends until max_tokens; a failover
+    target rebuilding the matcher from those tokens stops feeding it at the grammar's end (it
+    fed the second end to the finished matcher, which refused it: the request failed)."""
+    prompt = [5, 6, 7, 8]
+    sp = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{2}"),
+    )  # fmt: skip
+    full = list(llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids)
+    eos = set(llm.engine.model_config.eos_token_ids)
+    assert len(full) == 8 and sum(t in eos for t in full) >= 3, full
+    for cut in range(1, 8):
+        llm.engine.add_request(f"past-end-{cut}", prompt, sp, resume=[full[:cut]])
+        rest: list[int] = []
+        finish = None
+        while llm.engine.has_unfinished_requests():
+            for o in llm.engine.step():
+                rest += o.new_token_ids
+                finish = o.finish_reason or finish
+        assert (full[:cut] + rest, finish) == (full, "length"), cut
 
 
 @pytest.mark.integration

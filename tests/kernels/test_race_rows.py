@@ -116,8 +116,12 @@ def test_a_rows_draw_depends_on_its_key_and_values_alone():
 
 
 def _kept_reference(x: torch.Tensor, temp: float, k: int, p: float, min_p: float) -> torch.Tensor:
-    """The tokens the sampler's torch path keeps (``Sampler._probs``), in float64."""
+    """The tokens the sampler's torch path keeps (``Sampler._probs``), in float64: vLLM V1's
+    order, min-p, then top-k, then top-p of the mass they left."""
     lg = x.double() / temp
+    if min_p > 0:
+        pr = torch.softmax(lg, dim=-1)
+        lg = lg.masked_fill(pr < min_p * pr.max(), float("-inf"))
     if k > 0:
         kth = lg.sort(descending=True).values[k - 1]
         lg = lg.masked_fill(lg < kth, float("-inf"))
@@ -126,8 +130,6 @@ def _kept_reference(x: torch.Tensor, temp: float, k: int, p: float, min_p: float
         sp, si = pr.sort(descending=True)
         sp = sp.masked_fill(sp.cumsum(-1) - sp > p, 0.0)
         pr = torch.zeros_like(pr).scatter(0, si, sp)
-    if min_p > 0:
-        pr = pr.masked_fill(pr < min_p * pr.max(), 0.0)
     return pr > 0
 
 
@@ -142,6 +144,10 @@ def _kept_reference(x: torch.Tensor, temp: float, k: int, p: float, min_p: float
         (50, 0.5, 0.0),
         (20, 0.9, 0.1),
         (900, 0.99, 0.0),
+        # min-p before top-p: top-p measures the mass min-p left (it measured the whole row's)
+        (0, 0.5, 0.3),
+        (0, 0.8, 0.1),
+        (30, 0.7, 0.05),
     ],
 )
 def test_cut_rows_keeps_what_the_sort_kept(k, p, min_p):

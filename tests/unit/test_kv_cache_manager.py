@@ -22,6 +22,7 @@ def admit(kv, req, n_tokens=None):
     new = kv.allocate_slots(req, (n_tokens or req.num_tokens) - num_computed, computed)
     if new is not None:
         req.num_computed_tokens = num_computed
+        kv.record_lookup(req, num_computed)
     return new, num_computed
 
 

@@ -163,6 +163,36 @@ def test_admission_starts_after_the_cached_prefix():
     assert s.requests.get("b") is None or s.requests["b"].num_cached_tokens == 8
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_cached_tokens_and_prefix_stats_count_the_admission_not_each_look(remote):
+    # b shares c's two cached blocks but waits for room while a grows and evicts them: b is
+    # admitted with no hit. Its num_cached_tokens (usage's cached_tokens) was taken at its
+    # first look (8), and the hit-rate stats counted each of its 13 looks (vLLM counts the
+    # lookup once, at admission).
+    conn = DecodeConnector() if remote else None
+    s = make_scheduler(num_blocks=8, connector=conn)
+    s.add(make_request("c", list(range(100, 109)), max_tokens=1))
+    step(s)  # c's two full blocks stay cached
+    s.add(make_request("a", 20, max_tokens=12))
+    b = make_request("b", list(range(100, 108)) + list(range(300, 309)), max_tokens=1)
+    if conn is not None:
+        conn.add(b, RemotePrefillParams())
+    s.add(b)
+    looks = 0
+    while b.status == RequestStatus.WAITING:
+        out, _ = step(s)
+        looks += 1
+        assert b.num_cached_tokens < 0 or b.status != RequestStatus.WAITING
+    assert looks > 5, "b was meant to wait while a evicted c's blocks"
+    assert b.num_cached_tokens == 0
+    if conn is not None:
+        (job,) = conn.take_jobs()
+        assert job.first_block_index == 0 and b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    else:
+        assert new_tokens(out) == {"b": 17}
+    assert (s.kv.prefix_queries, s.kv.prefix_hits) == (9 + 20 + 17, 0)
+
+
 def test_n_samples_fork_at_the_first_token_with_a_copy_of_the_partial_block():
     s = make_scheduler()
     s.add(make_request("p", 6, max_tokens=3, n=3))
