@@ -81,6 +81,9 @@ class Link(ABC):
 
     on_ctrl: Callable[[bytes], None]
     on_closed: Callable[[BaseException], None]
+    #: the largest control message accepted from the peer; a larger one closes the link (the
+    #: receiver lowers it until the peer's hello is accepted)
+    max_ctrl_bytes: int = 16 << 20  # protocol.MAX_CTRL_BYTES
 
     @property
     @abstractmethod

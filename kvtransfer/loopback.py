@@ -103,7 +103,11 @@ class LoopbackLink(Link):
 
     def _drain_inbox(self) -> None:
         while self._inbox and not self._ch.closed:
-            self.on_ctrl(self._inbox.pop(0))
+            payload = self._inbox.pop(0)
+            if len(payload) > self.max_ctrl_bytes:  # as a UCX link: the connection closes
+                self.close()
+                return
+            self.on_ctrl(payload)
 
     def send_ctrl(self, payload: bytes) -> None:
         if self._ch.closed or len(self._ch.ends) < 2:

@@ -98,6 +98,14 @@ class NixlLink(Link):
     def alive(self) -> bool:
         return not self._closed and self._inner.alive
 
+    @property
+    def max_ctrl_bytes(self) -> int:  # the frames are the inner link's
+        return self._inner.max_ctrl_bytes
+
+    @max_ctrl_bytes.setter
+    def max_ctrl_bytes(self, value: int) -> None:
+        self._inner.max_ctrl_bytes = value
+
     def start(self) -> None:
         self._started = True
         if self._closed:

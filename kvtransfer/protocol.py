@@ -23,6 +23,10 @@ from kvtransfer.errors import InvalidAddressError, ProtocolError
 PROTOCOL_VERSION = 2  # 2: challenge, handshake proofs, keyed data tags
 #: Largest control message accepted, in bytes.
 MAX_CTRL_BYTES = 16 << 20
+# A receiver's control frames before the sender's hello is accepted (the challenge answer, and
+# with NIXL the agent's metadata): an unauthenticated peer cannot make it buffer 16 MiB frames
+# on each of up to max_connections connections.
+PRE_AUTH_CTRL_BYTES = 1 << 20
 #: Largest number of blocks in one transfer (the block index must fit in 24 bits of a tag).
 MAX_BLOCKS_PER_TRANSFER = 1 << 20
 #: Transfer numbers are per connection and wrap at this bound (24 bits of a tag).

@@ -68,6 +68,8 @@ from kvtransfer.pool import PoolView
 from kvtransfer.protocol import (
     LINK_ID_LIMIT,
     MAX_BLOCKS_PER_TRANSFER,
+    MAX_CTRL_BYTES,
+    PRE_AUTH_CTRL_BYTES,
     PROTOCOL_VERSION,
     Cancel,
     Challenge,
@@ -333,6 +335,7 @@ class Receiver(TransferEnd, KVReceiver):
         self._links[link_id] = il
         link.on_ctrl = partial(self._on_ctrl, il)
         link.on_closed = partial(self._on_link_closed, il)
+        link.max_ctrl_bytes = PRE_AUTH_CTRL_BYTES  # until its hello is accepted
         link.start()
         il.nonce = new_nonce()
         self._send(il, Challenge(il.nonce))
@@ -472,6 +475,7 @@ class Receiver(TransferEnd, KVReceiver):
             logger.warning("kvtransfer: refused %s: %s", il.peer, "; ".join(diffs))
             return
         il.ready = True
+        il.link.max_ctrl_bytes = MAX_CTRL_BYTES
         if il.hello_timer is not None:
             il.hello_timer.cancel()
         tag_key = new_tag_key()

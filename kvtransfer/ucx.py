@@ -247,7 +247,7 @@ class UcxLink(Link):
             self._fail(error)
             return
         magic, length = _FRAME_HEADER.unpack(header.tobytes())
-        if magic != _FRAME_MAGIC or not 0 < length <= MAX_CTRL_BYTES:
+        if magic != _FRAME_MAGIC or not 0 < length <= min(MAX_CTRL_BYTES, self.max_ctrl_bytes):
             self._fail(
                 PeerLostError(
                     f"bad control frame header from {self.peer} "

@@ -964,3 +964,36 @@ def test_connect_to_nothing_fails_fast(geometry):
             sender.connect(address, timeout_s=5)
     finally:
         sender.close()
+
+
+def test_a_peer_not_yet_authenticated_cannot_send_large_control_frames(geometry):
+    """Before its hello is accepted a peer may send control frames of at most
+    PRE_AUTH_CTRL_BYTES (1 MiB; they were 16 MiB, buffered on each of up to max_connections
+    connections by anyone who reaches the port); an accepted sender's limit is 16 MiB again."""
+    from kvtransfer import LoopbackNetwork, create_receiver, create_sender
+    from kvtransfer.protocol import MAX_CTRL_BYTES, PRE_AUTH_CTRL_BYTES
+
+    net = LoopbackNetwork()
+    src = random_pool(4, geometry, seed=3)
+    dst = np.zeros_like(src)
+    receiver = create_receiver("loopback", dst, geometry, network=net, hello_timeout_s=60)
+    replies: list = []
+    transport, link = _raw_link(net, receiver, replies)
+    try:
+        _wait_for(replies, 1)  # the challenge: the receiver has set the link up
+        transport.reactor.run_sync(lambda: link.send_ctrl(b"\x00" * (PRE_AUTH_CTRL_BYTES + 1)))
+        deadline = time.monotonic() + 5
+        while link.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not link.alive
+    finally:
+        transport.close()
+    sender = create_sender("loopback", src, geometry, network=net)
+    try:
+        run_transfer(sender, receiver, "after", [1], [2])  # a real sender is unaffected
+        (il,) = receiver._links.values()
+        assert il.link.max_ctrl_bytes == MAX_CTRL_BYTES
+        assert_blocks_equal(src, dst, geometry, [1], [2])
+    finally:
+        sender.close()
+        receiver.close()
