@@ -581,10 +581,13 @@ static inline void bf16_prepare(const at::BFloat16* rows, int64_t ntok, int64_t 
   const __m512i idx = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(int(s_tok / 2)));
+  // only the group's ntok rows are read (lanes past it zero, never used): with blocks of 4 or
+  // fewer tokens, 16 rows would run past the block and, for the pool's last one, past the pool
+  const __mmask16 valid = ntok >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ntok) - 1);
   for (int64_t hh = 0; hh < nh; ++hh) {
     const int32_t* kb = reinterpret_cast<const int32_t*>(rows + (h0 + hh) * D);
-    for (int64_t i = 0; i < W * 16; ++i)  // rows past ntok: read, never used (masked)
-      kt[hh * W * 16 + i] = _mm512_i32gather_epi32(idx, kb + i, 4);
+    for (int64_t i = 0; i < W * 16; ++i)
+      kt[hh * W * 16 + i] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, kb + i, 4);
     const at::BFloat16* vb = rows + (h0 + hh) * D + s_vk;
     for (int64_t t = 0; t < ntok; t += 2) {
       const at::BFloat16* v0 = vb + t * s_tok;
@@ -1095,10 +1098,36 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
               "block tables and seq lens must be int32");
   TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "tables/lens must be contiguous");
   TORCH_CHECK(q.size(2) == kv.size(5) && q.size(1) % kv.size(4) == 0, "head geometry mismatch");
+  const int64_t S = q.size(0), NB = kv.size(0), L = kv.size(1), BS = kv.size(3);
+  TORCH_CHECK(layer >= 0 && layer < L, "layer ", layer, " out of range [0, ", L, ")");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && lens.dim() == 1 && lens.size(0) == S,
+              "block tables must be [S, max_blocks] and seq lens [S] for S = ", S, " queries");
+  // index values: O(table entries used) integer reads, each sequence's used entries only
+  {
+    const int32_t* tp = tables.data_ptr<int32_t>();
+    const int32_t* lp = lens.data_ptr<int32_t>();
+    const int64_t MB = tables.size(1);
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK(lp[s] >= 0 && lp[s] <= MB * BS, "seq len ", lp[s], " of sequence ", s,
+                  " out of range [0, ", MB * BS, "] (max_blocks x block size)");
+      for (int64_t j = 0; j < (lp[s] + BS - 1) / BS; ++j)
+        TORCH_CHECK(tp[s * MB + j] >= 0 && tp[s * MB + j] < NB,
+                    "block id out of range in sequence ", s, ": ", tp[s * MB + j], " not in [0, ",
+                    NB, ")");
+    }
+  }
   auto out = at::empty_like(q);
   const float* ks = nullptr; const float* vs = nullptr; int64_t n_scale = 1;
   if (kv.scalar_type() == at::kFloat8_e4m3fn) {
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "fp8 KV needs k_scale and v_scale");
+    const int64_t Hkv = kv.size(4);
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous() &&
+                      (t->numel() == 1 || t->numel() == Hkv),
+                  "k_scale/v_scale must be contiguous float32 CPU tensors of 1 or ", Hkv,
+                  " (num_kv_heads) elements");
+    TORCH_CHECK(k_scale->numel() == v_scale->numel(),
+                "k_scale and v_scale must both be per-tensor or both per-head");
     ks = k_scale->data_ptr<float>(); vs = v_scale->data_ptr<float>(); n_scale = k_scale->numel();
   }
 #define DISPATCH_KV(QT)                                                                     \
@@ -1583,13 +1612,16 @@ at::Tensor paged_prefill_bf16(const at::Tensor& q, const at::Tensor& kv, int64_t
     if (tq <= 1) continue;
     TORCH_CHECK(tq <= ctx && (ctx + BS - 1) / BS <= MB && q0 >= 0 && qp[s + 1] <= q.size(0),
                 "bad chunk of sequence ", s);
+    // every table entry the context uses (with blocks under 16 tokens a unit spans several)
+    for (int64_t j = 0; j < (ctx + BS - 1) / BS; ++j)
+      TORCH_CHECK(tp[s * MB + j] >= 0 && tp[s * MB + j] < NB, "block id out of range in sequence ",
+                  s, ": ", tp[s * MB + j], " not in [0, ", NB, ")");
     const int64_t nunits = (ctx + PF_KEYS - 1) / PF_KEYS * (PF_KEYS / PF_UNIT);
     auto& sl = slots[s];
     sl.resize(nunits, 0);
     for (int64_t u = 0; u * PF_UNIT < ctx; ++u) {
       const int64_t t0 = u * PF_UNIT;
       const int64_t blk = tp[s * MB + t0 / BS];
-      TORCH_CHECK(blk >= 0 && blk < NB, "block id out of range in sequence ", s);
       if (whole && t0 + PF_UNIT <= ctx) {
         const int64_t key = blk * upb + (t0 % BS) / PF_UNIT;
         auto it = shared.find(key);
@@ -2400,9 +2432,13 @@ static void al_check(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [M, K] tensor");
   TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(wp.dim() == 3 && wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() &&
-                  wp.size(1) * 32 == x.size(1) && wp.size(2) == 512 && wp.size(0) % 2 == 0 &&
-                  N > 0 && N <= wp.size(0) * 16,
+                  wp.size(1) * 32 == x.size(1) && wp.size(2) == 512,
               "wp must be amx_pack_linear of an [N, K] weight");
+  // amx_pack_linear's tile count exactly: a smaller N would leave whole 32-column blocks past
+  // the output that the kernels still compute and store
+  TORCH_CHECK(N > 0 && (N + 31) / 32 * 2 == wp.size(0), "N = ", N,
+              " does not match wp (", wp.size(0),
+              " 16-column tiles): wp must be amx_pack_linear of an [N, K] weight");
 }
 
 // Whether the AMX projection was built and this process may use the tile registers.
@@ -2474,6 +2510,7 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N,
       // a row's 32 values as one 64-byte line: streamed past the cache where whole and aligned
       // (the logits are read once, by the sampler, after the whole matrix is written)
       const int64_t left = N - n0;
+      if (left <= 0) return;  // a block wholly past N (none with al_check's N): nothing to store
       const __mmask32 keep = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
       for (int r = 0; r < rows && m0 + r < M; ++r) {
         const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(cb + r * 32 + 16),

@@ -6,10 +6,16 @@ of the logits it would have written (first index on ties, across threads)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels import cpu_linear, cpu_paged
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["tiles", "dp"])
@@ -104,3 +110,37 @@ def test_bad_arguments_are_errors_not_crashes(tiles):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_paged.amx_pack(torch.zeros(8, 48, dtype=torch.bfloat16))
     assert cpu_paged.amx_argmax(x[:0], packed, 64, tiles).shape == (0,)
+    # fewer columns than packed: whole 32-column blocks past N would be computed and stored
+    # past the output (a heap overflow), so in a child process that a crash cannot take down
+    code = (
+        "import sys, torch\n"
+        "from kernels import cpu_paged\n"
+        "tiles = sys.argv[1] == '1'\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = torch.randn(2000, 64, generator=g).bfloat16()\n"
+        "x = torch.randn(64, 64, generator=g).bfloat16()\n"
+        "packed = cpu_paged.amx_pack(w)\n"
+        "for fn in (cpu_paged.amx_linear, cpu_paged.amx_argmax):\n"
+        "    for n in (1, 16, 32, 1000, 1952):\n"
+        "        try:\n"
+        "            fn(x, packed, n, tiles)\n"
+        "            print('ACCEPTED', n, flush=True)\n"
+        "        except RuntimeError as e:\n"
+        "            print('REFUSED', n, 'amx_pack_linear' in str(e), flush=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "1" if tiles else "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.split("\n").count("REFUSED 16 True") == 2, proc.stdout
+    assert proc.stdout.count("REFUSED") == 10, proc.stdout
+    # N from the packed weight's last 32-column block: accepted, the same columns
+    assert torch.equal(
+        cpu_paged.amx_linear(x, cpu_paged.amx_pack(w[:40]), 40, tiles),
+        cpu_paged.amx_linear(x, packed, 64, tiles)[:, :40],
+    )

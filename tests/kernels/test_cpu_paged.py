@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels import cpu_paged, reference
 
+ROOT = Path(__file__).resolve().parents[2]
+
 if not cpu_paged.available():  # no compiler on this machine: the engine falls back to torch
     pytest.skip("CPU paged-attention extension could not be built", allow_module_level=True)
+
+
+def _run_child(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter at the repository root: a call that reads or writes
+    out of bounds crashes that process, not the test run."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
 
 # Tolerances: the kernel accumulates in fp32 like the reference's fp32 math, so differences come
 # from the output rounding of the activation dtype.
@@ -305,6 +325,105 @@ def test_bad_arguments_are_refused():
         )
 
 
+_BAD_DECODE = r"""
+import sys, torch
+from kernels import cpu_paged
+dt = {"bf16": torch.bfloat16, "f32": torch.float32, "fp8": torch.float8_e4m3fn}[sys.argv[1]]
+nb, L, bs, hq, hkv, d = 8, 2, 16, 8, 4, 64
+g = torch.Generator().manual_seed(0)
+kv = torch.randn(nb, L, 2, bs, hkv, d, generator=g).to(dt)
+qt = torch.bfloat16 if dt == torch.float8_e4m3fn else dt
+q = torch.randn(2, hq, d, generator=g).to(qt)
+one = torch.ones(1)
+def case(name, q=q, layer=0, tables=None, lens=None, ks=None, vs=None):
+    if tables is None:
+        tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    if lens is None:
+        lens = torch.tensor([20, 30], dtype=torch.int32)
+    if dt == torch.float8_e4m3fn:
+        ks = one if ks is None else ks
+        vs = one if vs is None else vs
+    try:
+        cpu_paged.paged_decode_attention(q, kv, layer, tables, lens, d**-0.5, ks, vs)
+        print("ACCEPTED", name, flush=True)
+    except (RuntimeError, IndexError, ValueError) as e:
+        print("REFUSED", name, str(e).splitlines()[0], flush=True)
+case("good")
+case("block past the pool", tables=torch.tensor([[0, 1], [2, 1 << 28]], dtype=torch.int32))
+case("block one past the pool", tables=torch.tensor([[0, 1], [2, nb]], dtype=torch.int32))
+case("negative block", tables=torch.tensor([[-5, 1], [2, 3]], dtype=torch.int32))
+case("layer past", layer=L)
+case("negative layer", layer=-1)
+case("fewer lens than queries", q=torch.randn(40, hq, d).to(qt),
+     tables=torch.tensor([[0, 1]] * 40, dtype=torch.int32),
+     lens=torch.tensor([20], dtype=torch.int32))
+case("fewer tables than queries", q=torch.randn(40, hq, d).to(qt),
+     tables=torch.tensor([[0, 1]], dtype=torch.int32),
+     lens=torch.tensor([20] * 40, dtype=torch.int32))
+case("len past the table", lens=torch.tensor([20, 2 * bs + 1], dtype=torch.int32))
+case("negative len", lens=torch.tensor([20, -3], dtype=torch.int32))
+if dt == torch.float8_e4m3fn:
+    case("scales of 2 for 4 heads", ks=torch.ones(2), vs=torch.ones(2))
+    case("float64 scales", ks=torch.ones(1, dtype=torch.float64))
+    case("strided per-head scales", ks=torch.ones(8)[::2], vs=torch.ones(4))
+"""
+
+
+@pytest.mark.parametrize("kv", ["bf16", "f32", "fp8"])
+def test_decode_refuses_bad_index_values(kv):
+    """Block ids past the pool or negative, a layer out of range, fewer tables / lens than
+    queries, a length past the table or negative, malformed fp8 scales: each raises, as the
+    reference does, instead of reading other memory (in a child process: before these checks
+    some of these calls crashed)."""
+    proc = _run_child(_BAD_DECODE, kv)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "ACCEPTED good", proc.stdout
+    assert len(lines) == (13 if kv == "fp8" else 10), proc.stdout
+    assert all(line.startswith("REFUSED") for line in lines[1:]), proc.stdout
+    assert "REFUSED block past the pool block id out of range in sequence 1" in proc.stdout
+
+
+_GUARDED_POOL = r"""
+import ctypes, mmap, sys, torch
+from kernels import cpu_paged, reference
+bs, S = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+L, hkv, d, hq, nb = 2, 2, 64, 4, 16
+elems = nb * L * 2 * bs * hkv * d
+nbytes, page = elems * 2, mmap.PAGESIZE
+assert nbytes % page == 0
+m = mmap.mmap(-1, nbytes + page)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+libc = ctypes.CDLL(None)
+assert libc.mprotect(ctypes.c_void_p(addr + nbytes), ctypes.c_size_t(page), 0) == 0
+kv = torch.frombuffer(m, dtype=torch.bfloat16, count=elems).view(nb, L, 2, bs, hkv, d)
+g = torch.Generator().manual_seed(bs)
+kv.copy_(torch.randn(nb, L, 2, bs, hkv, d, generator=g).bfloat16())
+tables = torch.zeros(S, 4, dtype=torch.int32)
+for s in range(S):
+    tables[s, :2] = torch.tensor([nb - 2, nb - 1])  # a prefix in the pool's last blocks
+    tables[s, 2] = s
+lens = torch.full((S,), 2 * bs + 1, dtype=torch.int32)
+q = torch.randn(S, hq, d, generator=g).bfloat16()
+want = reference.paged_decode_attention(q.float(), kv.float(), L - 1, tables, lens, 0.125)
+got = cpu_paged.paged_decode_attention(q, kv, L - 1, tables, lens, 0.125)
+print("ERR", (got.float() - want).abs().max().item(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("bs,members", [(4, 8), (2, 8), (4, 16), (1, 8)])
+def test_shared_prefix_of_small_blocks_reads_nothing_past_them(bs, members):
+    """Decode over a prefix of blocks of 4 or fewer tokens shared by enough sequences to be
+    prepared once for all (bf16): the pool's last blocks, last layer, right before a page
+    that cannot be read. Only the group's tokens are read (the prepared gather once took 16
+    rows whatever the block size: past the pool, a crash, so in a child process)."""
+    proc = _run_child(_GUARDED_POOL, str(bs), str(members))
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
+    err = float(proc.stdout.split("ERR")[1])
+    assert err < TOL[torch.bfloat16], proc.stdout
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_argmax_rows_matches_torch_including_ties(dtype):
     g = torch.Generator().manual_seed(4)
@@ -479,6 +598,39 @@ def test_paged_prefill_refuses_bad_tables():
         cpu_paged.paged_attention(q, kv, 0, tables, lens, qsl, 0.1)
     with pytest.raises(RuntimeError, match="bad chunk"):
         cpu_paged.paged_attention(q, kv, 0, tables[:, :1], lens, qsl, 0.1)
+
+
+_BAD_PREFILL_BS8 = r"""
+import sys, torch
+from kernels import cpu_paged
+bs, nb = 8, 8
+g = torch.Generator().manual_seed(1)
+kv = torch.randn(nb, 2, 2, bs, 4, 32, generator=g).bfloat16()
+q = torch.randn(20, 8, 32, generator=g).bfloat16()
+lens = torch.tensor([20], dtype=torch.int32)
+qsl = torch.tensor([0, 20], dtype=torch.int32)
+for j in (1, 2):  # the second block of the first 16-key unit, the third (a partial unit's)
+    for bad in (99, 1 << 30, -(1 << 30), -1):
+        tables = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+        tables[0, j] = bad
+        try:
+            cpu_paged.paged_attention(q, kv, 0, tables, lens, qsl, 0.1)
+            print("ACCEPTED", j, bad, flush=True)
+        except RuntimeError as e:
+            print("REFUSED", j, bad, "block id out of range" in str(e), flush=True)
+"""
+
+
+def test_paged_prefill_checks_every_block_of_a_unit_with_small_blocks():
+    """With blocks of 8 tokens a 16-key unit spans two blocks: a bad id in any block the
+    context uses is refused, not only a unit's first (in a child process: past the pool by
+    2**30 blocks the unchecked read crashed)."""
+    if cpu_paged._bf16_ext() is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    proc = _run_child(_BAD_PREFILL_BS8)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 8 and all(line.endswith("True") for line in lines), proc.stdout
 
 
 # ---- the fused element-wise ops against the torch ops they replace (bf16) ------------------
