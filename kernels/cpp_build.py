@@ -1,8 +1,9 @@
 """Building the C++ CPU extensions (``kernels/csrc``) with ``torch.utils.cpp_extension``.
 
-Each is cached under ``~/.cache/torch_extensions`` by a name that hashes its source, its flags,
-torch's version and the CPU's feature flags, so a changed kernel, or a cache dir shared with
-another CPU model (AMX or not), builds afresh instead of loading a stale or illegal binary.
+Each is cached under ``~/.cache/torch_extensions`` by a name that hashes its source (its text
+and its path), its flags, torch's version and the CPU's feature flags, so a changed kernel, or a
+cache dir shared with another CPU model (AMX or not) or another checkout, builds afresh instead
+of loading a stale or illegal binary (or rebuilding the other checkout's, in turn).
 
 torch serializes the processes that build or load one extension with a plain ``lock`` file in
 its build directory, which a process killed while it holds it (Ctrl-C of a first ``pdserve
@@ -43,7 +44,10 @@ def cpu_flags() -> str:
 def extension_name(prefix: str, source: Path, flags: list[str]) -> str:
     """``<prefix>_<hash>`` (see the module docstring)."""
     h = hashlib.sha256(source.read_bytes())
-    for part in (" ".join(flags), torch.__version__, cpu_flags()):
+    # the source's path too: ninja's build file names it, so two checkouts of the same kernel
+    # sharing one build directory rewrote it in turn and each load rebuilt the extension (a
+    # process of the other checkout waited on the build lock for minutes meanwhile)
+    for part in (str(source.resolve()), " ".join(flags), torch.__version__, cpu_flags()):
         h.update(b"\0" + part.encode())
     return f"{prefix}_{h.hexdigest()[:16]}"
 

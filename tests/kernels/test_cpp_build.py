@@ -48,3 +48,18 @@ def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_one():
     assert out.stdout.strip().endswith("loaded")
     assert not leftover
     assert "left by a build or load that was killed" in out.stderr
+
+
+def test_two_checkouts_of_one_kernel_build_in_directories_of_their_own(tmp_path):
+    """ninja's build file names the source's path: two checkouts of the same kernel text shared
+    one build directory and rewrote it in turn, so every load of one rebuilt the other's
+    extension (a CI run beside a working tree saw its tensor-parallel ranks wait minutes for the
+    build lock and time out)."""
+    from kernels.cpp_build import extension_name
+
+    a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_text("int f() { return 1; }\n")
+    assert extension_name("x", a, ["-O2"]) != extension_name("x", b, ["-O2"])
+    assert extension_name("x", a, ["-O2"]) == extension_name("x", a, ["-O2"])
