@@ -59,7 +59,10 @@ def response_headers(raw: Request, request_id: str) -> dict[str, str]:
 def warn_unknown_fields(req: OpenAIModel) -> None:
     extra = req.unknown_fields()
     if extra:
-        logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+        # the client's names, quoted and cut: a name holding a newline forged log lines
+        shown = ", ".join(repr(k[:64]) for k in extra[:20])
+        more = f" and {len(extra) - 20} more" if len(extra) > 20 else ""
+        logger.warning("ignoring unknown request fields: %s%s", shown, more)
 
 
 def truncate_prompt(
@@ -94,7 +97,6 @@ async def prepare_prompt_runs(
         sp, params = build_params(req, max_tokens, limits)
         samplings.append(sp)
     assert params is not None
-    ctx.metrics.c_prompt.inc(sum(map(len, prompts)))
     return samplings, params
 
 
@@ -123,6 +125,7 @@ async def serve(
     request_id = f"{id_prefix}-{base_request_id(raw)}"
     created = int(time.time())
     ticket = ctx.admit()
+    ctx.metrics.c_prompt.inc(sum(map(len, prompts)))  # admitted: a refused request adds none
     gen = Generation(ctx, request_id, prompts, samplings, params, req.cache_salt or "", arrival)
     headers = response_headers(raw, request_id)
 

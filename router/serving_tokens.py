@@ -44,7 +44,11 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
         else:
             strs = [ctx.tokenizer.token_str(t) for t in ids]
     return TokenizeResponse(
-        count=len(ids), max_model_len=ctx.limits.max_model_len, tokens=ids, token_strs=strs
+        # the length admission enforces (the workers' smallest may be below --max-model-len)
+        count=len(ids),
+        max_model_len=ctx.request_limits().max_model_len,
+        tokens=ids,
+        token_strs=strs,
     )
 
 
@@ -65,7 +69,7 @@ def models(ctx: ServingContext, root: str, created: int | None = None) -> ModelL
                 id=ctx.model_name,
                 created=created or int(time.time()),
                 root=root,
-                max_model_len=ctx.limits.max_model_len,
+                max_model_len=ctx.request_limits().max_model_len,  # what admission enforces
                 quantization=ctx.quantization(),
             )
         ]
