@@ -85,6 +85,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+def rope_settings(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from a config.json: transformers 5 writes them together as
+    ``rope_parameters`` (``{"rope_type", "rope_theta", "factor", ...}``) and no longer writes
+    ``rope_theta`` / ``rope_scaling`` (read here when ``rope_parameters`` is absent). Reading
+    only the old keys served such a model with theta 10,000 and no scaling: wrong tokens."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return theta, scaling or None
+    return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with Llama-3 frequency-dependent scaling if asked."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -274,8 +287,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = Rotary(
             cfg.head_dim,
             int(hf.get("max_position_embeddings", cfg.max_model_len)),
-            float(hf.get("rope_theta", 10000.0)),
-            hf.get("rope_scaling"),
+            *rope_settings(hf),
         )
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         needs_embed = shard.first_stage or (shard.last_stage and self.tie_word_embeddings)

@@ -56,14 +56,13 @@ def load_model(
         model = cls(cfg, backend, shard)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) were on meta: rebuild them on the device in fp32.
-    from shared.models.llama import Rotary
+    from shared.models.llama import Rotary, rope_settings
 
     hf = cfg.hf_config
     fresh = Rotary(
         cfg.head_dim,
         int(hf.get("max_position_embeddings", cfg.max_model_len)),
-        float(hf.get("rope_theta", 10000.0)),
-        hf.get("rope_scaling"),
+        *rope_settings(hf),
     ).to(device)
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
     qc = cfg.quantization

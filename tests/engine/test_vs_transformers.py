@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from shared.engine import LLM
@@ -70,4 +73,23 @@ def test_architectures_match_transformers(make_model, arch):
     model_dir = make_model("tiny", arch)
     prompts = random_prompts(seed=3)
     _, ours = run_engine(model_dir, prompts, max_num_batched_tokens=256, max_num_seqs=32)
+    assert not mismatches(ours, hf_greedy(model_dir, prompts, MAX_NEW))
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_a_config_in_transformers_5_layout_matches_transformers(make_model, tmp_path, arch):
+    """transformers 5 saves RoPE's settings as ``rope_parameters`` and no longer writes
+    ``rope_theta`` / ``rope_scaling``: those models loaded without a word and ran with theta
+    10,000 and no scaling (wrong tokens on every prompt, found by review)."""
+    src = make_model("tiny", arch)
+    model_dir = tmp_path / arch
+    shutil.copytree(src, model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    params = {"rope_theta": cfg.pop("rope_theta")}
+    params.update(cfg.pop("rope_scaling", None) or {"rope_type": "default"})
+    assert params["rope_theta"] != 10000.0  # the old default would not show the bug
+    cfg["rope_parameters"] = params
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    prompts = random_prompts(seed=5, lengths=[3, 17, 64, 300])
+    _, ours = run_engine(model_dir, prompts, max_num_batched_tokens=256, max_num_seqs=8)
     assert not mismatches(ours, hf_greedy(model_dir, prompts, MAX_NEW))
