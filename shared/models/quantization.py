@@ -43,11 +43,26 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class QuantLinear(nn.Module):
     """A linear layer over a prepared quantized weight (``kernels.quant.quant_linear``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool | torch.Tensor) -> None:
+        """``bias``: whether there is one, or the replaced layer's bias, whose dtype and device
+        it takes (the model is cast and placed before the projections are replaced: an fp32
+        CPU bias turned a bf16 model's q/k/v into fp32, which the next quantized matmul
+        refused, on every quantized Qwen2)."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        like = bias if isinstance(bias, torch.Tensor) else None
+        self.bias = (
+            nn.Parameter(
+                torch.empty(
+                    out_features,
+                    dtype=like.dtype if like is not None else None,
+                    device=like.device if like is not None else None,
+                )
+            )
+            if bias is not False and bias is not None
+            else None
+        )
         self.prepared: PreparedWeight | None = None
 
     def set_weight(self, pw: PreparedWeight) -> None:
@@ -152,7 +167,11 @@ def install(model: nn.Module, qc: QuantizationConfig, dense_linears: set[str]) -
         if leaf not in PROJECTIONS or name in dense_linears:
             continue
         assert isinstance(module, nn.Linear)
-        ql = QuantLinear(module.in_features, module.out_features, module.bias is not None)
+        ql = QuantLinear(
+            module.in_features,
+            module.out_features,
+            module.bias if module.bias is not None else False,
+        )
         parent = model.get_submodule(name.rpartition(".")[0])
         setattr(parent, leaf, ql)
         replaced.append(name)
