@@ -464,8 +464,15 @@ async def _stream(
                 if tools is None:
                     parts.append(text_delta(d.text))
                 else:
-                    out = tools.feed(d.text, last=d.finish_reason is not None)
-                    parts.append(text_delta(out.content) + call_deltas(out.tool_calls))
+                    # a character at a time: one feed's result holds its content and its call
+                    # deltas apart, so a delta of several tokens spanning a call's end and the
+                    # text after it lost their order (items out of order, or arguments sent to
+                    # a call already closed: KeyError mid-stream); a character's result is in
+                    # written order
+                    text, end = d.text, d.finish_reason is not None
+                    for i in range(max(1, len(text))):
+                        out = tools.feed(text[i : i + 1], last=end and i >= len(text) - 1)
+                        parts.append(text_delta(out.content) + call_deltas(out.tool_calls))
                 if d.finish_reason is not None:
                     finish = d.finish_reason
             if chunk := "".join(parts):

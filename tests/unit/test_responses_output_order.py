@@ -21,15 +21,19 @@ TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type":
 
 
 class _Gen:
-    """A generation whose one sample writes ``text`` a character at a time."""
+    """A generation whose one sample writes ``text`` a character at a time, or in the pieces
+    given (one engine delta can carry several tokens: a decode worker merges queued outputs,
+    speculative decoding accepts several per step)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, pieces: list[str] | None = None) -> None:
         self.text = text
+        self.pieces = pieces if pieces is not None else list(text)
+        assert "".join(self.pieces) == text
         self.samples = [SimpleNamespace(index=0, text=text, finish_reason="stop", token_ids=[])]
 
     async def steps(self):
-        for i, ch in enumerate(self.text):
-            yield [SampleDelta(0, ch, (), "stop" if i == len(self.text) - 1 else None, None)]
+        for i, piece in enumerate(self.pieces):
+            yield [SampleDelta(0, piece, (), "stop" if i == len(self.pieces) - 1 else None, None)]
 
     def usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=1, completion_tokens=1, total_tokens=2)
@@ -57,7 +61,12 @@ def _items(output: list[dict]) -> list[tuple[str, str]]:
         ("no call at all", [("message", "no call at all")]),
     ],
 )
-def test_the_body_lists_the_items_as_the_stream_does(text, want):
+@pytest.mark.parametrize("split", ["chars", "whole", "two"])
+def test_the_body_lists_the_items_as_the_stream_does(text, want, split):
+    """Also with deltas of many characters: a delta spanning a call's end and the text after
+    it raised KeyError mid-stream, or listed the text before the call (found by review)."""
+    cut = text.find("}}") if "}}" in text else len(text) // 2
+    pieces = {"chars": list(text), "whole": [text], "two": [text[:cut], text[cut:]]}[split]
     plan = plan_tools(TOOLS, "auto", None, ToolSettings(True, "hermes"), constrained=False)
     ctx = SimpleNamespace(model_name="m", metrics=SimpleNamespace(error=lambda status: None))
     body = json.loads(_body(ctx, plan, {}, _Gen(text), OutputParams(), {}, "r", 0).body)
@@ -68,7 +77,7 @@ def test_the_body_lists_the_items_as_the_stream_does(text, want):
 
         parts = []
         async for s in _stream(
-            ctx, _Gen(text), OutputParams(), "r", 0, "", close, plan=plan, echo={}
+            ctx, _Gen(text, pieces), OutputParams(), "r", 0, "", close, plan=plan, echo={}
         ):
             parts.append(s)
         return "".join(parts)
