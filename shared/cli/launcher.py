@@ -355,6 +355,13 @@ class Cluster:
         child.restart_at = None
         child.announced_ready = child.ready_file is None
 
+    def _schedule_restart(self, c: Child, now: float) -> float:
+        """Set ``c``'s next restart after its backoff (doubling, up to 30 s); returns the delay."""
+        delay = c.backoff_s or self.args.restart_backoff
+        c.backoff_s = min(MAX_BACKOFF_S, delay * 2)
+        c.restart_at = now + delay
+        return delay
+
     def supervise(self, now: float | None = None) -> list[str]:
         """Restart children that exited (after their backoff); returns the lines it logged.
         Also restarts the embedded Redis on its port. Call it every half second or so."""
@@ -381,9 +388,7 @@ class Cluster:
                     c.backoff_s = 0.0
                 continue
             if c.restart_at is None:  # just noticed
-                delay = c.backoff_s or self.args.restart_backoff
-                c.backoff_s = min(MAX_BACKOFF_S, delay * 2)
-                c.restart_at = now + delay
+                delay = self._schedule_restart(c, now)
                 lines.append(
                     f"[pdserve] {c.name} exited with {code}; restarting it in "
                     f"{delay:.1f} s (restart {c.restarts + 1}). Log tail:\n"
@@ -396,9 +401,7 @@ class Cluster:
                 except Exception as e:  # noqa: BLE001 - one child's restart, tried again later
                     # (its log or run dir gone, fork's EAGAIN/ENOMEM, the interpreter
                     # replaced): the other children keep serving, this one waits its backoff
-                    delay = c.backoff_s or self.args.restart_backoff
-                    c.backoff_s = min(MAX_BACKOFF_S, delay * 2)
-                    c.restart_at = now + delay
+                    delay = self._schedule_restart(c, now)
                     lines.append(
                         f"[pdserve] {c.name} could not be started again ({type(e).__name__}: "
                         f"{e}); trying again in {delay:.1f} s"

@@ -205,15 +205,18 @@ def load_fake_worker_module():
 
 
 @contextlib.contextmanager
-def router_with_one_worker(model_dir, redis_url: str, tag: str, **config):
+def router_with_one_worker(
+    model_dir, redis_url: str, tag: str, worker_opts: dict | None = None, **config
+):
     """A fake decode worker registered under a fresh prefix and a router thread that sees it
-    (``config``: RouterConfig fields beyond the defaults here); both stopped afterwards."""
+    (``worker_opts``: the fake worker's flags; ``config``: RouterConfig fields beyond the
+    defaults here); both stopped afterwards."""
     import uuid
 
     from router.config import RouterConfig
 
     prefix = f"{tag}{uuid.uuid4().hex[:6]}:"
-    worker = FakeWorker(redis_url, prefix, f"{tag}-d0")
+    worker = FakeWorker(redis_url, prefix, f"{tag}-d0", **(worker_opts or {}))
     router = None
     try:
         router = RouterThread(

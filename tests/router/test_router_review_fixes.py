@@ -4,51 +4,22 @@ nothing to ``pdserve:prompt_tokens_total``; unknown field names cannot forge log
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-import uuid
 
 import httpx
 import pytest
-from router_harness import MODEL_NAME, FakeWorker, RouterThread, router_with_one_worker
-
-from router.config import RouterConfig
+from router_harness import MODEL_NAME, router_with_one_worker
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.contextmanager
-def router_and_worker(model_dir, redis_url: str, worker_opts: dict, **config):
-    """``router_with_one_worker`` with options for the fake worker."""
-    prefix = f"rv{uuid.uuid4().hex[:6]}:"
-    worker = FakeWorker(redis_url, prefix, f"{prefix[:-1]}-d0", **worker_opts)
-    router = None
-    try:
-        router = RouterThread(
-            RouterConfig(
-                model=str(model_dir),
-                served_model_name=MODEL_NAME,
-                redis_url=redis_url,
-                directory_prefix=prefix,
-                worker_refresh_interval_s=0.1,
-                **config,
-            )
-        )
-        router.wait_workers(1)
-        yield router
-    finally:
-        if router is not None:
-            router.stop()
-        worker.stop()
 
 
 def test_models_and_tokenize_report_the_length_the_workers_enforce(tiny_model, redis_server):
     """A decode worker started with a shorter --max-model-len than the router's: admission
     refused a 1,500-token prompt at 1,024 while both endpoints still said 4,096."""
-    with router_and_worker(
-        tiny_model, redis_server.url, {"max_model_len": 1024}, max_model_len=4096
+    with router_with_one_worker(
+        tiny_model, redis_server.url, "mml", {"max_model_len": 1024}, max_model_len=4096
     ) as router:
         models = httpx.get(f"{router.url}/v1/models", timeout=10).json()
         assert models["data"][0]["max_model_len"] == 1024
@@ -65,8 +36,8 @@ def test_models_and_tokenize_report_the_length_the_workers_enforce(tiny_model, r
 
 
 def test_a_refused_request_adds_no_prompt_tokens(tiny_model, redis_server):
-    with router_and_worker(
-        tiny_model, redis_server.url, {"token_delay": 0.1}, max_inflight_requests=1
+    with router_with_one_worker(
+        tiny_model, redis_server.url, "ptok", {"token_delay": 0.1}, max_inflight_requests=1
     ) as router:
         before = router.metric("pdserve:prompt_tokens_total")
         slow = threading.Thread(
