@@ -15,14 +15,14 @@ from shared.cpu_bind import BIND_ENV
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("trust", [False, True])
-def test_pdserve_up_passes_trust_request_chat_template_to_the_router(monkeypatch, tmp_path, trust):
+def router_config_of(monkeypatch, tmp_path, flags: list[str]) -> RouterConfig:
+    """What the router that ``pdserve up <flags>`` starts runs with: its argv, read back by
+    the router's own parser (nothing spawned; the launcher stopped afterwards)."""
     monkeypatch.setenv(BIND_ENV, "nobind")
-    flag = ["--trust-request-chat-template"] if trust else []
     cluster = launcher.Cluster(
         cluster_args(
             ["--model", "m", "--port", "0", "--host", "127.0.0.1", "--run-dir", str(tmp_path)]
-            + flag
+            + flags
         )
     )
     spawned: dict = {}
@@ -31,11 +31,16 @@ def test_pdserve_up_passes_trust_request_chat_template_to_the_router(monkeypatch
     try:
         cluster.start_router()
     finally:
-        cluster.listener.close()
+        cluster.stop()
     p = argparse.ArgumentParser()
     RouterConfig.add_cli_args(p)
-    ns = p.parse_args(spawned["router"][1:])
-    assert RouterConfig.from_cli_args(ns).trust_request_chat_template is trust
+    return RouterConfig.from_cli_args(p.parse_args(spawned["router"][1:]))
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_pdserve_up_passes_trust_request_chat_template_to_the_router(monkeypatch, tmp_path, trust):
+    flag = ["--trust-request-chat-template"] if trust else []
+    assert router_config_of(monkeypatch, tmp_path, flag).trust_request_chat_template is trust
 
 
 @pytest.mark.parametrize("value", [None, 0, 512])
@@ -52,21 +57,5 @@ def test_pdserve_up_passes_tokenizer_to_the_router(monkeypatch, tmp_path):
     """The router does all tokenizing, detokenizing and chat templating: a ``--tokenizer``
     that reached only the workers (as it did) left the router on the model directory's
     vocabulary while the workers compiled grammars with another."""
-    monkeypatch.setenv(BIND_ENV, "nobind")
-    cluster = launcher.Cluster(
-        cluster_args(
-            ["--model", "m", "--tokenizer", "/models/tok", "--port", "0", "--host", "127.0.0.1"]
-            + ["--run-dir", str(tmp_path)]
-        )
-    )
-    spawned: dict = {}
-    monkeypatch.setattr(cluster, "_spawn", lambda name, argv, **kw: spawned.setdefault(name, argv))
-    monkeypatch.setattr(cluster, "_wait_http", lambda child, url: None)
-    try:
-        cluster.start_router()
-    finally:
-        cluster.stop()
-    p = argparse.ArgumentParser()
-    RouterConfig.add_cli_args(p)
-    ns = p.parse_args(spawned["router"][1:])
-    assert RouterConfig.from_cli_args(ns).tokenizer == "/models/tok"
+    cfg = router_config_of(monkeypatch, tmp_path, ["--tokenizer", "/models/tok"])
+    assert cfg.tokenizer == "/models/tok"
