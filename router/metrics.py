@@ -168,7 +168,7 @@ class RouterMetrics:
         self.mirror_event = Gauge(
             "pdserve:router_directory_mirror_last_event",
             "Number of the last directory event the router's copy applied (the counter "
-            "kvev:{model}:n in Redis is the last one written)",
+            "kvevn:{model} in Redis is the last one written)",
             labels,
             registry=r,
         )

@@ -9,7 +9,7 @@ Keys (``docs/architecture.md``, "KV events and the Redis directory"; prefix defa
   stops heartbeating.
 - ``{p}workers:{role}`` SET of worker ids (may hold dead ids; readers drop them lazily).
 - ``{p}kvev:{model}`` STREAM of every block-set change (member, hashes added and removed),
-  numbered without holes from the counter ``{p}kvev:{model}:n``; trimmed to ~10k entries.
+  numbered without holes from the counter ``{p}kvevn:{model}``; trimmed to ~10k entries.
   Routers follow it to keep a copy of the block sets in process (:class:`DirectoryMirror`).
 - ``{p}blk:{model}:{block_hash_hex}`` SET of ``{worker_id}:{generation}`` members: the workers
   whose prefix cache holds that block. A member counts only while the worker's lease exists and

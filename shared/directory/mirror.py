@@ -3,7 +3,7 @@
 Every directory write a worker makes (``publisher.py``) also appends one entry to the model's
 event stream ``{p}kvev:{model}`` in the same MULTI/EXEC: the member, the block hashes it added
 and removed (hex, concatenated). A server-side script numbers the entries from the counter
-``{p}kvev:{model}:n`` as it appends them, so the numbers have no holes and a reader can tell
+``{p}kvevn:{model}`` as it appends them, so the numbers have no holes and a reader can tell
 when it missed one. :class:`DirectoryMirror` loads the block sets once (``SCAN``), then tails the
 stream with a blocking ``XREAD`` and applies each entry, so a routing decision reads a local
 dict instead of making a round trip to Redis (``DirectoryReader.prefix_match``).

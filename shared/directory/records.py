@@ -69,8 +69,9 @@ class DirectoryKeys:
         return f"{self.prefix}kvev:{model}"
 
     def events_counter(self, model: str) -> str:
-        """The number of the stream's last entry."""
-        return f"{self.prefix}kvev:{model}:n"
+        """The number of the stream's last entry. A namespace of its own: ``kvev:{model}:n``
+        was the event stream of a model named ``{model}:n``."""
+        return f"{self.prefix}kvevn:{model}"
 
 
 def _glob_escape(text: str) -> str:

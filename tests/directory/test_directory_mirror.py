@@ -374,3 +374,23 @@ def test_the_load_finds_exactly_its_own_models_blocks_whatever_the_name(
             await mirror.client.aclose()
 
     run(main())
+
+
+def test_a_model_named_like_another_models_counter_keeps_its_own_stream(redis_server, keys):
+    """The event counter of model ``m`` was ``kvev:m:n``, which is the event stream of a model
+    named ``m:n``: with both served from one Redis, the second publisher's INCR or XADD hit
+    the other's key (WRONGTYPE) and its blocks never reached the directory."""
+    h = chain(3)
+    leases = {}
+    for wid, name in (("a", "m"), ("b", "m:n")):
+        lease, _ = make_worker(redis_server.url, keys, wid)
+        lease = WorkerLease(
+            lease.client, dataclasses.replace(lease.info, model=name), keys=keys, ttl_s=30
+        )
+        lease.register()
+        KVEventPublisher(lease.client, lease).publish([BlockStored(tuple(h[: len(leases) + 2]))])
+        leases[name] = lease
+    for name, lease in leases.items():
+        entries = lease.client.xrange(keys.events(name))
+        assert [dict(f)["m"] for _, f in entries] == [lease.member]
+        assert int(lease.client.get(keys.events_counter(name))) == 1
