@@ -545,8 +545,11 @@ class Scheduler:
         update = self._append(sib, tok, now)
         if sib.is_finished:
             return update
-        copies = self.kv.fork(leader, sib)
-        if copies is None:  # no block for the copy: recompute it later (prefix cache helps)
+        # Over --max-num-seqs, or no block for the copy: admitted later like any waiting
+        # request, its prompt from the prefix cache (the leader's blocks are cached).
+        full = self.num_running >= self.config.max_num_seqs
+        copies = None if full else self.kv.fork(leader, sib)
+        if copies is None:
             sib.status = RequestStatus.WAITING
             self.waiting.append(sib)
         else:

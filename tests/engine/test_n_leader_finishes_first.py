@@ -91,3 +91,31 @@ def test_a_remote_prefills_other_samples_go_on_locally_when_the_first_is_aborted
     got = _samples(e, abort_first=True, remote=True)
     assert got == {1: want[1], 2: want[2]}
     assert e.kv.pool.num_free_blocks == 16 and e.kv.num_pinned_blocks == 0
+
+
+def test_siblings_wait_for_a_slot_under_max_num_seqs(tmp_path):
+    """The siblings of an ``n > 1`` request forked into the running batch at the leader's first
+    token whatever ``--max-num-seqs`` said: ``n=4`` under a cap of 2 ran 4 sequences a step
+    (past the largest batch a GPU's memory profile and captured graphs were sized for). Those
+    over the cap now wait, and resume from the prefix cache with the same tokens."""
+
+    def run(cap: int):
+        e = fake_engine(tmp_path / str(cap), num_blocks=32, block_size=4, max_num_seqs=cap)
+        sp = SamplingParams(n=4, max_tokens=6, ignore_eos=True, seed=3, temperature=1.0)
+        e.add_request("r", [5, 6, 7, 8, 9, 10], sp)
+        got: dict[int, list[int]] = {}
+        for _ in range(60):
+            if not e.has_unfinished_requests():
+                break
+            for o in e.step():
+                got.setdefault(o.index, []).extend(o.new_token_ids)
+            e.check_integrity()
+            assert e.scheduler.num_running <= cap
+        assert not e.has_unfinished_requests()
+        widest = max(len(s.scheduled) for s in e.runner.steps)
+        return got, widest
+
+    free, widest_free = run(8)
+    capped, widest_capped = run(2)
+    assert widest_free == 4 and widest_capped == 2
+    assert capped == free and all(len(t) == 6 for t in free.values())
