@@ -505,8 +505,18 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 reason,
                 e,
             )
-            if handle is not None:
-                await cancel_transfer(handle)
+            if handle is not None and not await cancel_transfer(handle):
+                # A receive still outstanding could land in the blocks a local prefill would
+                # fill: fail the request instead (an error to its client, nothing corrupted).
+                loop = self.rt.loop
+                why = f"remote prefill failed ({reason}) and its KV transfer did not stop"
+                try:
+                    await asyncio.wrap_future(
+                        loop.submit(lambda e: loop.deliver(e.fail_request(eid, why)))
+                    )
+                except EngineDeadError:
+                    pass
+                return
             if reason == "unreachable":
                 self._drop_channel(req.prefill_address)  # a restarted P: connect afresh
             self.fallbacks += 1

@@ -563,15 +563,26 @@ async def wait_transfer(handle, timeout_s: float) -> None:
     handle.raise_for_state()
 
 
-async def cancel_transfer(handle) -> None:
+CANCEL_SETTLE_S = 10.0  # how long a cancelled transfer may take to become terminal
+
+
+async def cancel_transfer(handle) -> bool:
     """Cancel and wait until the handle is terminal: after that no byte of the transfer is read
-    from or written to the pool any more (the kvtransfer contract)."""
+    from or written to the pool any more (the kvtransfer contract). False when it is still not
+    terminal after ``CANCEL_SETTLE_S``: its blocks may yet be written, so nothing else may
+    write them (the pin holding them drops only when it ends)."""
     handle.cancel()
     if not handle.done:
         try:
-            await asyncio.wait_for(handle, 10.0)
+            await asyncio.wait_for(handle, CANCEL_SETTLE_S)
         except TimeoutError:
-            logger.error("transfer %s did not settle 10 s after cancel", handle.transfer_id)
+            logger.error(
+                "transfer %s did not settle %.0f s after cancel",
+                handle.transfer_id,
+                CANCEL_SETTLE_S,
+            )
+            return False
+    return True
 
 
 async def worker_stats(
