@@ -1761,9 +1761,12 @@ std::vector<at::Tensor> rope_bf16(const at::Tensor& q, const at::Tensor& k, cons
               "q [T,Hq,D], k [T,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16, "bf16 q, k");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
-              "fp32 cos/sin [P, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "int64 positions");
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(1) == q.size(2) && sin.sizes() == cos.sizes(),
+              "fp32 cos/sin [P, D], one shape");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.dim() == 1 && positions.size(0) == q.size(0),
+              "int64 positions [T]");
   const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2), half = D / 2;
   TORCH_CHECK(D % 32 == 0, "head size a multiple of 32");
   auto qc = q.contiguous(), kc = k.contiguous();

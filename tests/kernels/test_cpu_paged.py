@@ -688,6 +688,20 @@ def test_fused_rope_is_the_torch_rope(t, hq, hkv, d):
     assert torch.equal(got_q2, want_q) and torch.equal(got_k2, want_k)
 
 
+def test_fused_rope_checks_its_sin_table_and_positions():
+    """Only ``cos``'s shape was checked: a shorter ``sin`` table was read past its end, and
+    fewer positions than tokens read past ``positions``."""
+    _needs_bf16_ext()
+    q = torch.randn(4, 2, 32).bfloat16()
+    cos, sin = torch.ones(64, 32), torch.ones(64, 32)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        cpu_paged.rope(q, q, cos, sin[:8], torch.full((4,), 60))
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        cpu_paged.rope(q, q, cos, sin[:, :16].contiguous(), torch.arange(4))
+    with pytest.raises(RuntimeError, match="positions"):
+        cpu_paged.rope(q, q, cos, sin, torch.arange(2))
+
+
 @pytest.mark.parametrize("t,i", [(1, 688), (64, 2816), (3, 4864)])
 def test_fused_silu_mul_is_the_torch_ops(t, i):
     _needs_bf16_ext()
