@@ -197,12 +197,16 @@ class EngineLoop:
         except BaseException as e:  # fatal: fail every caller, never hang them
             logger.critical("engine loop died: %r", e, exc_info=e)
             self.error = e
-            self._fail_everything(e)
-            if self.on_fatal is not None:
-                try:
-                    self.on_fatal(e)
-                except Exception:
-                    logger.exception("on_fatal callback failed")
+            try:
+                self._fail_everything(e)
+            except Exception:  # the worker must still learn its engine is gone
+                logger.exception("failing the open streams after the engine died failed")
+            finally:
+                if self.on_fatal is not None:
+                    try:
+                        self.on_fatal(e)
+                    except Exception:
+                        logger.exception("on_fatal callback failed")
 
     def _fail_everything(self, e: BaseException) -> None:
         while self._commands:
@@ -210,7 +214,10 @@ class EngineLoop:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError(f"engine loop died: {e!r}"))
         failure = RequestFailure(FailureKind.ENGINE, f"the engine stopped: {type(e).__name__}: {e}")
-        rids = set(self._sinks) | {r for b in self._batch_sinks for r in b.queues}
+        # tuple(): one atomic copy each; the event loop's thread registers and unregisters
+        # streams meanwhile ("dictionary changed size during iteration" skipped on_fatal)
+        batch_sinks = tuple(self._batch_sinks)
+        rids = set(tuple(self._sinks)) | {r for b in batch_sinks for r in tuple(b.queues)}
         dead = [
             EngineCoreOutput(rid, 0, [], [], finish_reason="error", failure=failure) for rid in rids
         ]
@@ -221,8 +228,11 @@ class EngineLoop:
                     sink(o)
             except Exception:
                 logger.exception("output sink of %s failed", o.request_id)
-        for batch_sink in self._batch_sinks:
-            batch_sink(dead)
+        for batch_sink in batch_sinks:
+            try:
+                batch_sink(dead)
+            except Exception:
+                logger.exception("a batch output sink failed")
 
 
 class AsyncOutputs:

@@ -215,6 +215,7 @@ class WorkerRuntime:
         self.fatal: asyncio.Event | None = None  # set (event loop) when the engine died
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._publishing = False  # a publisher drains _events (only with --redis-url)
         self._redis_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.lease = None
@@ -259,8 +260,8 @@ class WorkerRuntime:
             self._aloop.call_soon_threadsafe(self.fatal.set)
 
     def _on_step(self, engine: EngineCore, outputs: list[EngineCoreOutput]) -> None:
-        events = engine.take_kv_events()
-        if events:
+        events = engine.take_kv_events()  # taken even when unpublished: the pool keeps them
+        if events and self._publishing:
             self._events.put(events)
         if self.role_hook is not None:
             self.role_hook(engine, outputs)
@@ -311,6 +312,7 @@ class WorkerRuntime:
         self.publisher = KVEventPublisher(client, self.lease)
         self.lease.register(self.load())
         self.lease.start(self.load, alive_fn=lambda: not self.hung)
+        self._publishing = True
         self._redis_thread = threading.Thread(
             target=self._publish_loop, name="kv-events", daemon=True
         )

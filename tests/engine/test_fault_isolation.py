@@ -296,6 +296,34 @@ def test_a_failed_forward_pass_is_fatal_and_ends_every_stream(tmp_path):
         loop.stop()
 
 
+def test_the_worker_learns_of_the_engines_death_even_when_ending_the_streams_fails(tmp_path):
+    """Ending the open streams after a fatal step ran before ``on_fatal`` with nothing between:
+    an exception there (a batch sink that raised, or the streams' dict changing size while it
+    was read, which the event loop's thread does) skipped ``on_fatal``: the worker never exited
+    and stayed registered with a dead engine."""
+
+    class BrokenBatchSink:
+        queues = {"a": None}
+
+        def __call__(self, outputs):
+            raise RuntimeError("sink broke")
+
+    e = fake_engine(tmp_path)
+    fatal: list[BaseException] = []
+    loop = EngineLoop(e, on_fatal=fatal.append)
+    loop.add_batch_sink(BrokenBatchSink())  # type: ignore[arg-type]
+    seen: list = []
+    loop.add_sink("b", seen.append)
+    loop.start()
+    try:
+        e.runner.fail_forward = True
+        loop.submit(lambda eng: eng.add_request("b", [5, 6, 7], GREEDY)).result(5)
+        assert _wait(lambda: fatal)
+        assert "forward" in str(fatal[0]) and seen and seen[-1].finish_reason == "error"
+    finally:
+        loop.stop()
+
+
 # ---- failover exactness for every sample -----------------------------------------------------
 
 
