@@ -8,6 +8,7 @@ here, naming the parameter, never on the engine thread).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -280,10 +281,16 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of sample ``index`` of an ``n > 1`` request (seed + index, as vLLM).
-        ``validate()`` guarantees that ``seed + index`` fits in a signed 64-bit integer."""
-        seed = None if self.seed is None else self.seed + index
-        # replace() on a fresh clone: the copy shares no list or map with this one
-        return dataclasses.replace(self.clone(), n=1, seed=seed)
+        ``validate()`` guarantees that ``seed + index`` fits in a signed 64-bit integer.
+
+        The samples share this object's lists and maps, and the sampler's tensors of them
+        (``sampler_cache``: the same for every sample): nothing changes them once validated.
+        A copy and a validation per sample cost ``n`` times the maps' size on the engine
+        thread (a whole-vocabulary ``logit_bias`` at ``n=128``: 17 s and 640 MiB)."""
+        sample = copy.copy(self)  # no __init__: validated once, as a whole
+        sample.n = 1
+        sample.seed = None if self.seed is None else self.seed + index
+        return sample
 
     def clone(self) -> SamplingParams:
         """A copy that shares no mutable state with this one (its sampler cache starts empty)."""

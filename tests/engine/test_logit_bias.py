@@ -29,6 +29,7 @@ from shared.engine.sampling_params import (
 from shared.engine.scheduler_output import SampledToken, SampleSpec, SpecSample, position_spec
 from shared.proto import pdserve_pb2 as pb
 from shared.worker.wire import sampling_from_proto, sampling_to_proto
+from tests.engine.fakes import fake_engine
 
 NGRAM = {
     "method": "ngram",
@@ -198,18 +199,45 @@ def test_the_wire_round_trip_keeps_both_fields():
 
 
 @pytest.mark.unit
-def test_clone_and_for_sample_share_no_state():
+def test_clone_shares_no_state():
     p = SamplingParams(n=2, seed=1, logit_bias={4: 2.0}, allowed_token_ids=[4, 6])
     p.sampler_cache["x"] = object()
-    for q in (p.clone(), p.for_sample(1)):
-        assert q.logit_bias == p.logit_bias and q.allowed_token_ids == p.allowed_token_ids
-        assert q.logit_bias is not p.logit_bias
-        assert q.allowed_token_ids is not p.allowed_token_ids
-        assert q.sampler_cache == {}
-        q.logit_bias[9] = 1.0  # type: ignore[index]
-        q.allowed_token_ids.append(9)  # type: ignore[union-attr]
+    q = p.clone()
+    assert q.logit_bias == p.logit_bias and q.allowed_token_ids == p.allowed_token_ids
+    assert q.logit_bias is not p.logit_bias
+    assert q.allowed_token_ids is not p.allowed_token_ids
+    assert q.sampler_cache == {}
+    q.logit_bias[9] = 1.0  # type: ignore[index]
+    q.allowed_token_ids.append(9)  # type: ignore[union-attr]
     assert p.logit_bias == {4: 2.0} and p.allowed_token_ids == [4, 6]
-    assert p.for_sample(1).seed == 2 and p == p.clone()  # the cache is not compared
+    assert p == p.clone()  # the cache is not compared
+
+
+@pytest.mark.unit
+def test_the_samples_of_one_request_share_its_maps_validated_once(tmp_path, monkeypatch):
+    """Each sample of an ``n > 1`` request copied and validated (twice) the whole
+    ``logit_bias`` / ``allowed_token_ids`` on the engine thread: a whole-vocabulary bias at
+    ``n=128`` stalled every other request for 17 s (review). They now share one validated
+    copy, and the sampler's tensors of it."""
+    calls = []
+    validate = SamplingParams.validate
+
+    def counted(self, *a, **k):
+        calls.append(self)
+        return validate(self, *a, **k)
+
+    bias = {t: 0.5 for t in range(0, 97, 2)}
+    p = SamplingParams(n=64, seed=1, temperature=1.0, logit_bias=bias, allowed_token_ids=[4, 6])
+    monkeypatch.setattr(SamplingParams, "validate", counted)
+    e = fake_engine(tmp_path)
+    e.add_request("r", [5, 6, 7], p)
+    assert len(calls) <= 2  # the engine checks the request as a whole, not per sample
+    seqs = e.parents["r"]
+    assert len(seqs) == 64 and [s.sampling_params.seed for s in seqs] == list(range(1, 65))
+    assert all(s.sampling_params.n == 1 for s in seqs)
+    assert all(s.sampling_params.logit_bias is seqs[0].sampling_params.logit_bias for s in seqs)
+    cache = seqs[0].sampling_params.sampler_cache
+    assert all(s.sampling_params.sampler_cache is cache for s in seqs)
 
 
 @pytest.mark.unit
