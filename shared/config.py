@@ -333,6 +333,98 @@ class ParallelConfig:
 DISTRIBUTED_BACKENDS = ("mp", "uni")
 SPEC_METHODS = ("ngram", "draft_model")
 
+# RoPE scalings the model implements, with the fields each needs (shared/models/llama.py)
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+HIDDEN_ACTS = ("silu", "swish")  # the same function in transformers' ACT2FN
+
+
+def rope_settings(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from a config.json: transformers 5 writes them together as
+    ``rope_parameters`` (``{"rope_type", "rope_theta", "factor", ...}``) and no longer writes
+    ``rope_theta`` / ``rope_scaling`` (read here when ``rope_parameters`` is absent). Reading
+    only the old keys served such a model with theta 10,000 and no scaling: wrong tokens."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return theta, scaling or None
+    return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+
+
+def rope_type(scaling: dict | None) -> str:
+    """The RoPE scaling's kind (``default`` without one)."""
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def check_model_settings(hf: dict, where: str | Path) -> None:
+    """Refuse, as a :class:`ConfigError` naming the field and ``where`` (the config.json),
+    what the model does not implement: another ``hidden_act`` than SiLU, a RoPE scaling other
+    than linear / llama3 or one without its fields. Checked at config load and at model build,
+    so the worker reports one line instead of a NotImplementedError or a KeyError traceback."""
+    act = hf.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (silu)")
+    field_name = (
+        "rope_parameters" if isinstance(hf.get("rope_parameters"), dict) else "rope_scaling"
+    )
+    try:
+        _, scaling = rope_settings(hf)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: rope_theta is not a number: {e}") from e
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: {field_name} {scaling!r} is not an object")
+    kind = rope_type(scaling)
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: {field_name} rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+        )
+    for key in ROPE_TYPES[kind]:
+        value = (scaling or {}).get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(
+                f"{where}: {field_name} ({kind}) needs a number {key!r}, got {value!r}"
+            )
+
+
+def _int_field(hf: dict, key: str, where: Path, default: int | None = None) -> int:
+    """Positive integer ``key`` of config.json ``where`` (``default`` when absent and given):
+    a missing one was a bare KeyError traceback from the worker."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"{where}: missing required field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"{where}: field {key!r} is {value!r}, expected a positive integer")
+    if value < 1:
+        raise ConfigError(f"{where}: field {key!r} is {value!r}, expected a positive integer")
+    return int(value)
+
+
+def _quantize_config_file(path: Path, requested: str | None) -> dict | None:
+    """AutoGPTQ's ``quantize_config.json``, read (as vLLM and transformers read it) when
+    config.json has no ``quantization_config``; it may not name its method: then the
+    ``--quantization`` flag's, else GPTQ's (the tool that writes this file)."""
+    f = path / "quantize_config.json"
+    if not f.is_file():
+        return None
+    try:
+        qc = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {f}: {e}") from e
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{f}: expected a JSON object")
+    if not qc.get("quant_method"):
+        want = _QUANT_ALIASES.get(requested or "", requested)
+        qc["quant_method"] = want if want in ("awq", "gptq") else "gptq"
+    return qc
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -622,7 +714,12 @@ class EngineArgs:
             raise ConfigError(
                 f"{self.model!r} is not a Hugging Face model directory (no config.json)"
             )
-        hf = json.loads(cfg_file.read_text())
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {cfg_file}: {e}") from e
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{cfg_file}: expected a JSON object")
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -631,7 +728,10 @@ class EngineArgs:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"))
-        native_len = int(hf.get("max_position_embeddings", 2048))
+        check_model_settings(hf, cfg_file)
+        for key in ("vocab_size", "num_hidden_layers", "intermediate_size"):
+            _int_field(hf, key, cfg_file)
+        native_len = _int_field(hf, "max_position_embeddings", cfg_file, 2048)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(
                 f"--max-model-len {self.max_model_len}: must be positive (leave it out for the "
@@ -647,8 +747,12 @@ class EngineArgs:
             raise ConfigError(
                 f"--max-model-len {max_len} exceeds the model's max_position_embeddings {native_len}"
             )
-        n_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
+        n_heads = _int_field(hf, "num_attention_heads", cfg_file)
+        hidden = _int_field(hf, "hidden_size", cfg_file)
+        if not hf.get("quantization_config"):
+            qfile = _quantize_config_file(path, self.quantization)
+            if qfile is not None:
+                hf["quantization_config"] = qfile
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         gen_cfg = path / "generation_config.json"
@@ -668,8 +772,8 @@ class EngineArgs:
             hidden_size=hidden,
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or hidden // n_heads),
+            num_kv_heads=_int_field(hf, "num_key_value_heads", cfg_file, n_heads),
+            head_dim=_int_field(hf, "head_dim", cfg_file, hidden // n_heads),
             eos_token_ids=eos_ids,
             hf_config=hf,
             quantization=resolve_quantization(self.quantization, hf),

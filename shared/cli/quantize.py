@@ -38,6 +38,7 @@ def quantize_checkpoint(
     from safetensors.torch import save_file
 
     from kernels import quant
+    from shared.models.loader import INDEX_FILE, weight_files
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -52,13 +53,15 @@ def quantize_checkpoint(
         )
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    # one output file: the source's index would name its shards and tensors, not ours
+    (dst / INDEX_FILE).unlink(missing_ok=True)
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_FILE):
             shutil.copy2(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
     dense_dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
     tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(src.glob("*.safetensors")):
+    for path in weight_files(src):
         with safe_open(str(path), framework="pt") as f:
             for k in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                 tensors[k] = f.get_tensor(k)

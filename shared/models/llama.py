@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_linear, cpu_paged
-from shared.config import ModelConfig
+from shared.config import ConfigError, ModelConfig, check_model_settings, rope_type
+from shared.config import rope_settings as rope_settings  # re-exported (the loader uses it)
 from shared.models.sharding import WHOLE, Shard
 
 
@@ -85,31 +86,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_settings(hf: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from a config.json: transformers 5 writes them together as
-    ``rope_parameters`` (``{"rope_type", "rope_theta", "factor", ...}``) and no longer writes
-    ``rope_theta`` / ``rope_scaling`` (read here when ``rope_parameters`` is absent). Reading
-    only the old keys served such a model with theta 10,000 and no scaling: wrong tokens."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        return theta, scaling or None
-    return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with Llama-3 frequency-dependent scaling if asked."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not scaling:
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return inv
+    assert scaling is not None
     if kind == "linear":
         return inv / float(scaling["factor"])
-    if kind != "llama3":
-        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+    if kind != "llama3":  # create_model_config refuses it first (check_model_settings)
+        raise ConfigError(f"rope_scaling rope_type {kind!r} is not supported")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -120,6 +107,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def rotary_positions(cfg: ModelConfig) -> int:
+    """Rows of the cos / sin tables: the engine's ``max_model_len`` (at most the model's
+    ``max_position_embeddings``), not the model's: a 1M-context config served at 8k had
+    allocated 1 GiB of tables. No position reaches it: requests end at ``max_model_len``
+    tokens and speculative drafts stay below it (``SpecDecoder.max_drafts``); the kernels check
+    (``rope_bf16``'s TORCH_CHECK, an index error in Python). Scalings read their original
+    context length from the config, never this size."""
+    return cfg.max_model_len
 
 
 class Rotary(nn.Module):
@@ -165,6 +162,7 @@ class Attention(nn.Module):
         rotary: Rotary,
         bias: bool,
         shard: Shard = WHOLE,
+        o_bias: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer  # index into this rank's KV pool (its stage's layers)
@@ -175,7 +173,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)  # row-parallel
+        # row-parallel: its bias (Llama's attention_bias) is held whole by TP rank 0 only
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.scale = self.head_dim**-0.5
         self.backend = backend
         self.rotary = rotary
@@ -226,12 +225,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     fused: object = None  # the backend's silu_mul (bf16, one pass), set by the model
 
-    def __init__(self, hidden: int, inter: int, shard: Shard = WHOLE) -> None:
+    def __init__(self, hidden: int, inter: int, shard: Shard = WHOLE, bias: bool = False) -> None:
+        """``bias``: Llama's ``mlp_bias`` (gate, up and down projections)."""
         super().__init__()
         self.shard = shard
         self.inter = shard.columns(inter)[1]
-        self.gate_up_proj = Linear(hidden, 2 * self.inter, bias=False)  # column-parallel
-        self.down_proj = Linear(self.inter, hidden, bias=False)  # row-parallel
+        self.gate_up_proj = Linear(hidden, 2 * self.inter, bias=bias)  # column-parallel
+        self.down_proj = Linear(self.inter, hidden, bias=bias)  # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
@@ -256,9 +256,23 @@ class DecoderLayer(nn.Module):
         hf = cfg.hf_config
         eps = float(hf.get("rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, layer, backend, rotary, bias, shard)
+        llama_bias = cfg.architecture == "LlamaForCausalLM"
+        self.self_attn = Attention(
+            cfg,
+            layer,
+            backend,
+            rotary,
+            bias,
+            shard,
+            o_bias=llama_bias and bool(hf.get("attention_bias", False)),
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg.hidden_size, int(hf["intermediate_size"]), shard)
+        self.mlp = MLP(
+            cfg.hidden_size,
+            int(hf["intermediate_size"]),
+            shard,
+            bias=llama_bias and bool(hf.get("mlp_bias", False)),
+        )
 
     def forward(self, positions, x, kv_cache, meta):
         h, x = self.post_attention_layernorm.add_forward(
@@ -277,18 +291,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: ModuleType, shard: Shard = WHOLE) -> None:
         super().__init__()
         hf = cfg.hf_config
-        if hf.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {hf.get('hidden_act')!r} is not supported")
+        check_model_settings(hf, f"{cfg.path}/config.json")
         bias = cfg.architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False))
         self.config = cfg
         self.shard = shard
         self.layer_ids = shard.layers(cfg.num_layers)
         self.vocab_start, self.vocab_rows = shard.vocab(cfg.vocab_size)
-        rotary = Rotary(
-            cfg.head_dim,
-            int(hf.get("max_position_embeddings", cfg.max_model_len)),
-            *rope_settings(hf),
-        )
+        rotary = Rotary(cfg.head_dim, rotary_positions(cfg), *rope_settings(hf))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         needs_embed = shard.first_stage or (shard.last_stage and self.tie_word_embeddings)
         # given its (uninitialized) weight, nn.Embedding skips its random init: the loader
@@ -395,6 +404,7 @@ class LlamaForCausalLM(nn.Module):
             lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             if (
                 any(type(lin) is not Linear or lin.packed is None for lin in lins)
+                or any(lin.bias is not None for lin in lins[1:])  # it adds only a q/k/v bias
                 or any(n.fused is None or n.weight.dtype != torch.bfloat16 for n in norms)
                 or m.fused is None
                 or (2 * m.inter) % 32
@@ -524,6 +534,9 @@ class LlamaForCausalLM(nn.Module):
             return tensor.narrow(0, first * d, n * d)
         if "gate_up_proj" in name:
             return tensor.narrow(0, *sh.columns(tensor.shape[0]))
+        if name.endswith(("o_proj.bias", "down_proj.bias")):
+            # row-parallel: the ranks' partial products are summed, so one rank adds the bias
+            return tensor if sh.tp_rank == 0 else torch.zeros_like(tensor)
         if name.endswith("o_proj.weight"):
             first, n = sh.heads(cfg.num_heads)
             return tensor.narrow(1, first * d, n * d)

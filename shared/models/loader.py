@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -38,6 +39,34 @@ class ModelLoadError(RuntimeError):
     """The checkpoint cannot be loaded: missing, corrupt or mismatched weight files."""
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files that hold ``model_dir``'s Hugging Face weights: exactly those its
+    ``model.safetensors.index.json`` names (as transformers and vLLM read it), else every
+    ``*.safetensors`` but a Mistral-format ``consolidated*.safetensors`` beside other files.
+    Mistral repos ship that file (other tensor names) next to the HF shards: globbing took it
+    and the load failed on its names."""
+    root = Path(model_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from e
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [root / name for name in sorted(set(map(str, weight_map.values())))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f.name}, named by {index}, is missing")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    hf = [f for f in files if not f.name.startswith("consolidated")]
+    return hf or files
+
+
 def load_model(
     cfg: ModelConfig, device: str, backend: ModuleType, shard: Shard = WHOLE
 ) -> LlamaForCausalLM:
@@ -49,24 +78,19 @@ def load_model(
     if cls is None:
         raise ModelLoadError(f"no implementation for {cfg.architecture}")
     dtype = getattr(torch, cfg.dtype)
-    files = sorted(Path(cfg.path).glob("*.safetensors"))
+    files = weight_files(cfg.path)
     if not files:
         raise ModelLoadError(f"no *.safetensors weight files in {cfg.path}")
     with torch.device("meta"):
         model = cls(cfg, backend, shard)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) were on meta: rebuild them on the device in fp32.
-    from shared.models.llama import Rotary, rope_settings
+    from shared.models.llama import Rotary, rope_settings, rotary_positions
 
-    hf = cfg.hf_config
-    fresh = Rotary(
-        cfg.head_dim,
-        int(hf.get("max_position_embeddings", cfg.max_model_len)),
-        *rope_settings(hf),
-    ).to(device)
+    fresh = Rotary(cfg.head_dim, rotary_positions(cfg), *rope_settings(cfg.hf_config)).to(device)
     model.rotary.cos, model.rotary.sin = fresh.cos, fresh.sin
     qc = cfg.quantization
-    quantized: set[str] = set()  # HF linear names whose weights are quantized
+    quantized: dict[str, set[str]] = {}  # quantized HF linear -> its tensors in the checkpoint
     if qc is not None:
         quantized = _install_quantized(model, qc, files)
     collected: dict[str, dict[str, torch.Tensor]] = {}
@@ -97,13 +121,21 @@ def load_model(
                     if name is None:
                         continue  # another pipeline stage's
                     param = params.get(name)
+                    if param is None and hf_name.endswith(".bias"):
+                        # GPTQ tools write an all-zero bias for every linear: nothing to add
+                        if not f.get_tensor(hf_name).any():
+                            continue
+                        raise ModelLoadError(
+                            f"non-zero bias {hf_name!r} in {path.name}: this "
+                            f"{cfg.architecture} has no bias there"
+                        )
                     if param is None:
                         raise ModelLoadError(f"unexpected weight {hf_name!r} in {path.name}")
                     tensor = model.shard_tensor(name, part, f.get_tensor(hf_name))
                     _copy_into(param, tensor, part, shard_sizes, hf_name)
                     loaded.add(name if part is None else f"{name}#{part}")
-            if qc is not None:  # a linear's tensors live in one file: finish what is complete
-                paths += _finish_quantized(model, qc, collected, device, dtype)
+            if qc is not None:  # finish the linears whose tensors have all been read
+                paths += _finish_quantized(model, qc, collected, quantized, device, dtype)
         except SafetensorError as e:
             raise ModelLoadError(f"corrupt safetensors file {path}: {e}") from e
         except QuantFormatError as e:
@@ -111,6 +143,10 @@ def load_model(
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     if qc is not None:
+        try:  # what is still incomplete: read_linear names the tensor it lacks
+            paths += _finish_quantized(model, qc, collected, None, device, dtype)
+        except QuantFormatError as e:
+            raise ModelLoadError(f"{cfg.path}: {e}") from e
         unloaded = [
             n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.prepared is None
         ]
@@ -251,9 +287,10 @@ def _our_linear(hf_base: str) -> str:
 
 def _install_quantized(
     model: LlamaForCausalLM, qc: QuantizationConfig, files: list[Path]
-) -> set[str]:
+) -> dict[str, set[str]]:
     """Swap in ``QuantLinear`` for every projection the checkpoint quantizes; return the HF
-    linear names whose tensors are quantized."""
+    linear names whose tensors are quantized, each with the quantized tensors (suffixes) the
+    checkpoint holds for it in any of its files."""
     from safetensors import safe_open
 
     kinds: dict[str, set[str]] = {}  # HF linear -> its tensor suffixes
@@ -281,17 +318,21 @@ def _install_quantized(
         if states == {False}:
             dense.add(module)
     install(model, qc, dense)
-    return quantized
+    return {base: kinds[base] - {"bias"} for base in quantized}
 
 
 def _finish_quantized(
     model: LlamaForCausalLM,
     qc: QuantizationConfig,
     collected: dict[str, dict[str, torch.Tensor]],
+    expected: dict[str, set[str]] | None,
     device: str,
     dtype: torch.dtype,
 ) -> Counter[str]:
-    """Install the weights of every ``QuantLinear`` whose shards have all been read."""
+    """Install the weights of every ``QuantLinear`` whose parts (q/k/v, gate/up) have each
+    had all the tensors in ``expected`` read: a shard boundary may split one linear's tensors
+    (qweight in one file, scales in the next). ``expected`` None: every file has been read,
+    finish whatever has all its parts (``read_linear`` names a tensor still missing)."""
     from kernels import quant
 
     cpp = _quant_cpp(device, dtype)
@@ -302,6 +343,8 @@ def _finish_quantized(
         prefix, _, leaf = name.rpartition(".")
         parts = [f"{prefix}.{p}" for p in FUSED.get(leaf, (leaf,))]
         if not all(p in collected for p in parts):
+            continue
+        if expected is not None and any(expected.get(p, set()) - set(collected[p]) for p in parts):
             continue
         shards = [read_linear(qc, collected.pop(p), p) for p in parts]
         if len(shards) == 1:

@@ -33,6 +33,7 @@ def write_config_dir(path: Path, vocab: int = 97, max_len: int = 512) -> Path:
                 "model_type": "llama",
                 "vocab_size": vocab,
                 "hidden_size": 16,
+                "intermediate_size": 32,
                 "num_hidden_layers": 1,
                 "num_attention_heads": 2,
                 "num_key_value_heads": 1,
