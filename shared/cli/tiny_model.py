@@ -1284,10 +1284,13 @@ def truncate_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from shared.models.loader import INDEX_FILE, weight_files
+
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    (dst / INDEX_FILE).unlink(missing_ok=True)  # one output file: the source's index is not its
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INDEX_FILE):
             shutil.copy2(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
     if not 1 <= num_layers <= int(cfg["num_hidden_layers"]):
@@ -1297,7 +1300,7 @@ def truncate_layers(src: str | Path, dst: str | Path, num_layers: int) -> Path:
         cfg["max_window_layers"] = num_layers
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     out = {}
-    for path in sorted(src.glob("*.safetensors")):
+    for path in weight_files(src):
         with safe_open(str(path), framework="pt") as f:
             for k in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
                 parts = k.split(".")

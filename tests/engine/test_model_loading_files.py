@@ -114,3 +114,19 @@ def test_a_corrupt_index_is_a_load_error_naming_it(tiny_llama, tmp_path):
     (model_dir / INDEX).write_text('{"metadata": {}}')
     with pytest.raises(ModelLoadError, match="weight_map"):
         weight_files(model_dir)
+
+
+def test_a_draft_cut_from_a_sharded_repo_reads_its_shards_only(tiny_llama, tmp_path):
+    """``truncate_layers`` (draft models) globbed every safetensors file, so a repo with a
+    consolidated file copied its Mistral-named tensors into the draft, and the source's index
+    beside the one output file; it reads the shards the index names and writes no index."""
+    from shared.cli.tiny_model import truncate_layers
+
+    src = sharded_copy(tiny_llama, tmp_path / "sharded")
+    dst = truncate_layers(src, tmp_path / "draft", 1)
+    assert not (dst / INDEX).exists()
+    assert [f.name for f in weight_files(dst)] == ["model.safetensors"]
+    names = set(read_tensors(dst))
+    assert "tok_embeddings.weight" not in names and "model.embed_tokens.weight" in names
+    assert not any(".layers.1." in n for n in names)
+    assert len(greedy(dst, [[5, 6, 7]], n=2)[0]) == 2  # it loads
