@@ -19,6 +19,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, the same text
+
 
 class ChatTemplateError(ValueError):
     """The template failed to render (bad messages, or the template raised)."""
@@ -84,11 +86,19 @@ class ChatTemplate:
         documents: list[dict[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text. ``continue_final_message`` cuts it right after the last message."""
+        """The prompt text. ``continue_final_message`` cuts it right after the last message's
+        content, its trailing whitespace kept where the template keeps it: the content is
+        rendered with ``transformers``' tag after it, and the prompt ends where the tag starts
+        (stripped when the template trimmed the space after the tag, as transformers does)."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError(
                 "continue_final_message and add_generation_prompt cannot both be true"
             )
+        final = messages[-1].get("content") if messages else None
+        if continue_final_message:
+            if not isinstance(final, str):
+                raise ChatTemplateError("continue_final_message needs a final message with text")
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         variables = {**self.special_tokens, **(kwargs or {})}
         try:
             text = self._template.render(
@@ -110,14 +120,12 @@ class ChatTemplate:
             RecursionError,
         ) as e:
             raise ChatTemplateError(f"chat template could not render these messages: {e!r}") from e
-        if continue_final_message:
-            final = messages[-1].get("content") if messages else None
-            if not isinstance(final, str) or not final.strip():
-                raise ChatTemplateError("continue_final_message needs a final message with text")
-            cut = text.rfind(final.strip())
-            if cut < 0:
+        if continue_final_message and isinstance(final, str):  # a str: checked above
+            tag = _CONTINUE_TAG.strip()
+            if final.strip() not in text or tag not in text:
                 raise ChatTemplateError(
                     "continue_final_message: the final message does not appear in the rendered chat"
                 )
-            text = text[: cut + len(final.strip())]
+            at = text.rindex(tag)
+            text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
         return text

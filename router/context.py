@@ -79,14 +79,15 @@ class ServingContext:
         """The weight schemes the live workers advertise (sorted; [] when all are dense)."""
         return sorted({r.info.quantization for r in self.dispatcher.pool.records()} - {""})
 
-    def check_token_ids(self, ids: list[int]) -> None:
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
+        """400 naming ``param`` (the field that carried ``ids``) for an id outside the vocabulary."""
         vocab = self.limits.vocab_size
         if not ids or (min(ids) >= 0 and max(ids) < vocab):  # C loops: 128 prompts of 1,500
             return  # ids took 30 ms on the event loop as a generator
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param=param
             )
 
 

@@ -173,6 +173,9 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # rendered by the template as the chat endpoint renders them (vLLM's /tokenize takes tools)
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # open without a key: the readiness probe (and /metrics with --disable-metrics-auth)
 _OPEN_PATHS = ("/health",)
+AUTHENTICATED = "api_key_valid"  # request.state flag: the request carried a valid API key
 # pages a person opens in a browser: their 401 asks for HTTP Basic auth, so the browser
 # prompts once and then sends the credentials itself, also with the page's own requests
 _BROWSER_PATHS = ("/dashboard", "/docs", "/redoc", "/openapi.json")
@@ -335,14 +336,20 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 when at least one decode worker is routable, else 503 (readiness)."""
+        """200 when at least one decode worker is routable, else 503 (readiness). The route
+        is open: the registry's error (Redis's host and port) shows only to a caller with an
+        API key, anyone else reads "unavailable" (the pool logs the error)."""
         pool: WorkerPool = request.app.state.pool
         decode, prefill = pool.healthy(ROLE_DECODE), pool.healthy(ROLE_PREFILL)
+        registry = "ok"
+        if pool.last_error is not None:
+            detail = getattr(request.state, AUTHENTICATED, False)
+            registry = pool.last_error if detail else "unavailable"
         body = {
             "status": "ok" if decode else "no_decode_workers",
             "decode_workers": len(decode),
             "prefill_workers": len(prefill),
-            "registry": pool.last_error or "ok",
+            "registry": registry,
         }
         return JSONResponse(body, status_code=200 if decode else 503)
 
@@ -391,10 +398,14 @@ class _ApiKey:
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths:
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         sent, token = _credentials(scope["headers"])
         if token is not None and self._valid(token):
+            # an open route (/health) shows a key holder more than anyone else
+            scope.setdefault("state", {})[AUTHENTICATED] = True
+            return await self.app(scope, receive, send)
+        if scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":  # no such route today; refused all the same
             self.metrics.error(403)

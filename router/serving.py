@@ -117,12 +117,14 @@ async def serve(
     stream: StreamFn,
     body: BodyFn,
 ) -> Response:
-    """The request skeleton both endpoints share. ``stream(ctx, gen, params, request_id,
-    created, usage_mode, close)`` yields the SSE events (its per-token path is the endpoint's
-    own); ``body(gen, params, entries, request_id, created)`` builds the non-streaming
-    response (off the event loop when the output is large)."""
+    """The request skeleton the endpoints share. ``id_prefix`` starts the response id, its
+    separator included (``chatcmpl-`` and ``cmpl-`` as vLLM's, ``resp_`` as OpenAI's).
+    ``stream(ctx, gen, params, request_id, created, usage_mode, close)`` yields the SSE
+    events (its per-token path is the endpoint's own); ``body(gen, params, entries,
+    request_id, created)`` builds the non-streaming response (off the event loop when the
+    output is large)."""
     samplings, params = await prepare_prompt_runs(ctx, req, prompts)
-    request_id = f"{id_prefix}-{base_request_id(raw)}"
+    request_id = f"{id_prefix}{base_request_id(raw)}"
     created = int(time.time())
     ticket = ctx.admit()
     ctx.metrics.c_prompt.inc(sum(map(len, prompts)))  # admitted: a refused request adds none

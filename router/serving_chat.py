@@ -180,7 +180,7 @@ async def create_chat_completion(
         raw,
         prompts,
         arrival,
-        "chatcmpl",
+        "chatcmpl-",
         functools.partial(_stream, plan=plan, role=role, echo=echo),
         lambda *a: _body(ctx, plan, role, echo, *a),
     )

@@ -72,7 +72,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raw,
         prompts,
         arrival,
-        "cmpl",
+        "cmpl-",
         functools.partial(_stream, texts=texts),
         lambda *a: _body(ctx, texts, *a),
     )

@@ -14,6 +14,8 @@ list of items: a ``message`` with one ``output_text`` part for the content and o
 
 Responses are not stored (``previous_response_id`` is refused with a 400); built-in tools
 (web search, file search, ...), non-text inputs and reasoning items are refused naming the item.
+The chat path's errors name the Responses request's parameters (``max_output_tokens``,
+``text.format``, ``input.K``), not the chat form's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -62,15 +64,26 @@ def _text_of(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+class _Origin(NamedTuple):
+    """Where a chat message came from in the Responses request: errors name that."""
+
+    item: str  # "instructions", "input" or "input.K"
+    content: str  # the field holding its text
+    calls: list[str]  # an assistant message's tool calls: their function_call items
+
+
+def to_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[_Origin]]:
     """``instructions`` + ``input`` as chat messages (consecutive function calls become one
-    assistant message with several tool calls)."""
+    assistant message with several tool calls), and each message's origin."""
     messages: list[dict[str, Any]] = []
+    origins: list[_Origin] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
+        origins.append(_Origin("instructions", "instructions", []))
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
-        return messages
+        origins.append(_Origin("input", "input", []))
+        return messages, origins
     for i, item in enumerate(req.input):
         param = f"input.{i}"
         if not isinstance(item, dict):
@@ -86,6 +99,7 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     "content": _text_of(item.get("content"), f"{param}.content"),
                 }
             )
+            origins.append(_Origin(param, f"{param}.content", []))
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
             call_id = item.get("call_id") or item.get("id")
@@ -105,19 +119,22 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)
+                origins[-1].calls.append(param)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(_Origin(param, param, [param]))
         elif kind == "function_call_output":
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(call_id, str):
                 raise _bad("a function_call_output item needs call_id", param)
             text = output if isinstance(output, str) else _text_of(output, f"{param}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            origins.append(_Origin(param, f"{param}.output", []))
         else:
             raise _bad(f"input items of type {kind!r} are not supported", param)
     if not messages:
         raise _bad("input must not be empty", "input")
-    return messages
+    return messages, origins
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -168,8 +185,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise _bad(f"text.format type {kind!r} is not supported", "text.format")
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request this Responses request means; 400 for what it cannot."""
+def to_chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[_Origin]]:
+    """The chat completion request this Responses request means, and its messages' origins;
+    400 for what it cannot."""
     if req.previous_response_id is not None:
         raise _bad(
             "previous_response_id is not supported: this server does not store responses "
@@ -184,9 +202,10 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         raise _bad("top_logprobs is not supported on /v1/responses", "top_logprobs")
     if req.include:
         raise _bad(f"include {req.include!r} is not supported", "include")
+    messages, origins = to_messages(req)
     fields: dict[str, Any] = {
         "model": req.model,
-        "messages": to_messages(req),
+        "messages": messages,
         "tools": _chat_tools(req.tools),
         "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
@@ -200,30 +219,81 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     for k in _SAMPLING_EXTRAS:
         fields[k] = getattr(req, k)
     try:
-        return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+        chat = ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        raise _bad(f"{loc}: {err['msg']}", loc) from None
+        text_format = fields["response_format"] is not None
+        raise _responses_error(_bad(f"{loc}: {err['msg']}", loc), origins, text_format) from None
+    return chat, origins
+
+
+# the chat form's names in its checks' errors -> the Responses request's own
+_RENAMED = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+    ("json_schema.schema", "schema"),
+    ("function.name", "name"),
+    ("function.parameters", "parameters"),
+)
+
+
+def _responses_param(param: str, origins: list[_Origin], text_format: bool) -> str:
+    """The Responses parameter a chat-form error's ``param`` stands for."""
+    head, _, rest = param.partition(".")
+    if head == "structured_outputs":  # text.format's schema, or the tool plan's (tool_choice)
+        return "text.format" if text_format else "tools"
+    if head == "tools":  # the function's fields sit at the tool's top level
+        return param.replace(".function.", ".").removesuffix(".function")
+    if head != "messages":
+        return dict(_RENAMED).get(head, head) + (f".{rest}" if rest else "")
+    index, _, field = rest.partition(".")
+    if not index.isdigit() or int(index) >= len(origins):
+        return "input"
+    origin = origins[int(index)]
+    if field.startswith("tool_calls."):
+        call, _, tail = field.removeprefix("tool_calls.").partition(".")
+        if not call.isdigit() or int(call) >= len(origin.calls):
+            return origin.item
+        return origin.calls[int(call)] + (".arguments" if "arguments" in tail else "")
+    return origin.content if field.startswith("content") else origin.item
+
+
+def _responses_error(
+    e: InvalidRequestError, origins: list[_Origin], text_format: bool
+) -> InvalidRequestError:
+    """``e``, raised by the chat path's checks, naming the Responses request's parameters:
+    a client of /v1/responses never sent max_completion_tokens or messages."""
+    if e.param is None:
+        return e
+    param = _responses_param(e.param, origins, text_format)
+    message = e.message.replace(e.param, param) if "." in e.param else e.message
+    for chat_name, name in _RENAMED:
+        message = message.replace(chat_name, name)
+    return InvalidRequestError(message, param=param, code=e.code, headers=e.headers)
 
 
 async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     warn_unknown_fields(req)
     ctx.check_model(req.model)
-    chat = to_chat_request(req)
-    plan, prompts = await prepare_chat(ctx, chat)
+    chat, origins = to_chat_request(req)
     echo = _echo(req)
-    return await serve(
-        ctx,
-        chat,
-        raw,
-        prompts,
-        arrival,
-        "resp",
-        functools.partial(_stream, plan=plan, echo=echo),
-        lambda *a: _body(ctx, plan, echo, *a),
-    )
+    try:
+        plan, prompts = await prepare_chat(ctx, chat)
+        return await serve(
+            ctx,
+            chat,
+            raw,
+            prompts,
+            arrival,
+            "resp_",  # OpenAI's Responses ids: resp_…, as its items' msg_… and fc_…
+            functools.partial(_stream, plan=plan, echo=echo),
+            lambda *a: _body(ctx, plan, echo, *a),
+        )
+    except InvalidRequestError as e:
+        raise _responses_error(e, origins, chat.response_format is not None) from None
 
 
 def _echo(req: ResponsesRequest) -> dict[str, Any]:

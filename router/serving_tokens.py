@@ -17,23 +17,29 @@ from router.protocol import (
 )
 from router.sampling import check_json_depth
 from router.serving_chat import render_chat_prompt
+from router.tool_calls import check_tools
 
 
 async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeResponse:
     ctx.check_model(req.model)
-    check_json_depth(req.chat_template_kwargs, ctx.limits.max_json_depth, "chat_template_kwargs")
+    for name in ("tools", "documents", "chat_template_kwargs"):
+        check_json_depth(getattr(req, name), ctx.limits.max_json_depth, name)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await ctx.encode(req.prompt, add_special)
     else:
+        if req.tools:
+            check_tools(req.tools)  # the chat endpoint's 400s for malformed tools
         ids = await render_chat_prompt(
             ctx,
             req.messages or [],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             add_special_tokens=bool(req.add_special_tokens),
+            tools=req.tools,
+            documents=req.documents,
             kwargs=req.chat_template_kwargs,
             chat_template=req.chat_template,
         )
@@ -54,7 +60,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
     ctx.check_model(req.model)
-    ctx.check_token_ids(req.tokens)
+    ctx.check_token_ids(req.tokens, "tokens")
     if len(req.tokens) > 8192:  # tokenizers releases the GIL: the loop keeps serving meanwhile
         text = await asyncio.to_thread(ctx.tokenizer.decode, req.tokens, False)
     else:

@@ -1,9 +1,14 @@
 """The model's own tokenizer for the router: ``tokenizers`` + a Jinja chat template, no torch.
 
-Reads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, ``chat_template``) and,
-when present, ``chat_template.jinja`` from the model directory. Completion prompts are
-encoded WITH special tokens (the post-processor adds BOS), rendered chat prompts WITHOUT them
-(the template already wrote BOS), as ``transformers`` and vLLM do.
+Reads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, ``chat_template``),
+``special_tokens_map.json`` and the template files (``chat_template.jinja``,
+``additional_chat_templates/*.jinja``) from the model directory, as ``AutoTokenizer`` does.
+A model may have named templates (``default``, ``tool_use``, ...): a request with tools gets
+``tool_use`` where there is one, else ``default``, and a request's ``chat_template`` may name
+one (``transformers``' rules).
+
+Completion prompts are encoded WITH special tokens (the post-processor adds BOS), rendered
+chat prompts WITHOUT them (the template already wrote BOS), as ``transformers`` and vLLM do.
 """
 
 from __future__ import annotations
@@ -67,8 +72,12 @@ class RouterTokenizer:
     """Encode, decode, per-token strings and bytes, and chat-template rendering."""
 
     def __init__(
-        self, tokenizer: Tokenizer, config: Mapping[str, Any], chat_template: str | None
+        self,
+        tokenizer: Tokenizer,
+        config: Mapping[str, Any],
+        chat_template: str | Mapping[str, str] | None,
     ) -> None:
+        """``chat_template``: the template, or named templates (name -> source)."""
         self._tok = tokenizer
         self.config = dict(config)
         self.special_tokens = {
@@ -85,9 +94,14 @@ class RouterTokenizer:
         self.special_ids = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         )
-        self._chat_template = (
-            ChatTemplate(chat_template, self.special_tokens) if chat_template else None
-        )
+        # transformers resolves names (and picks tool_use) only for a model with named templates
+        self._by_name = isinstance(chat_template, Mapping)
+        sources = dict(chat_template) if isinstance(chat_template, Mapping) else {}
+        if isinstance(chat_template, str) and chat_template:
+            sources = {"default": chat_template}
+        self._templates = {
+            name: ChatTemplate(src, self.special_tokens) for name, src in sources.items()
+        }
         self._request_templates: dict[str, ChatTemplate] = {}  # oldest first
         self._request_templates_lock = threading.Lock()
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
@@ -116,24 +130,47 @@ class RouterTokenizer:
             raise TokenizerLoadError(f"cannot load {tok_file}: {e}") from e
         cfg_file = d / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        map_file = d / "special_tokens_map.json"
+        if "added_tokens_decoder" not in config and map_file.is_file():
+            # transformers' legacy rule: a config without added_tokens_decoder takes the
+            # special tokens from special_tokens_map.json, whose values win (bos_token may be
+            # named there only, and the chat prompt then starts with it)
+            special = json.loads(map_file.read_text())
+            if isinstance(special, Mapping):
+                config = {**config, **special}
         template = cls._find_chat_template(d, config, chat_template)
         return cls(tokenizer, config, template)
 
     @staticmethod
-    def _find_chat_template(d: Path, config: Mapping[str, Any], override: str | None) -> str | None:
+    def _find_chat_template(
+        d: Path, config: Mapping[str, Any], override: str | None
+    ) -> str | dict[str, str] | None:
+        """The template, or the named templates (name -> source), where ``AutoTokenizer``
+        finds them: template files replace the config's templates, all of them."""
         if override:
             p = Path(override)
             return p.read_text() if len(override) < 4096 and p.is_file() else override
+        files: dict[str, str] = {}
         if (d / "chat_template.jinja").is_file():
-            return (d / "chat_template.jinja").read_text()
+            files["default"] = (d / "chat_template.jinja").read_text()
+        if (d / "additional_chat_templates").is_dir():
+            for f in sorted((d / "additional_chat_templates").glob("*.jinja")):
+                files[f.name.removesuffix(".jinja")] = f.read_text()
+        if files:
+            return files["default"] if list(files) == ["default"] else files
         if (d / "chat_template.json").is_file():
             t = json.loads((d / "chat_template.json").read_text()).get("chat_template")
             if isinstance(t, str):
                 return t
         t = config.get("chat_template")
         if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            named = {x.get("name"): x.get("template") for x in t if isinstance(x, Mapping)}
-            t = named.get("default") or next(iter(named.values()), None)
+            return {
+                x["name"]: x["template"]
+                for x in t
+                if isinstance(x, Mapping)
+                and isinstance(x.get("name"), str)
+                and isinstance(x.get("template"), str)
+            }
         return t if isinstance(t, str) else None
 
     # ---- ids <-> text -------------------------------------------------------------------
@@ -220,20 +257,36 @@ class RouterTokenizer:
     # ---- chat ---------------------------------------------------------------------------
     @property
     def has_chat_template(self) -> bool:
-        return self._chat_template is not None
+        return bool(self._templates)
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], template: str | None = None, **kwargs: Any
     ) -> str:
         """Render the chat prompt (see :meth:`ChatTemplate.render` for the keyword arguments);
-        ``template``, a request's own template source, replaces the router's."""
+        ``template``, a request's own template source or the name of one of the model's,
+        replaces the router's."""
+        return self._template_for(template, kwargs.get("tools")).render(messages, **kwargs)
+
+    def _template_for(self, template: str | None, tools: object) -> ChatTemplate:
+        """The template to render with, chosen as ``transformers``' ``get_chat_template``
+        chooses it."""
         if template is not None:
-            return self._request_template(template).render(messages, **kwargs)
-        if self._chat_template is None:
+            named = self._templates.get(template) if self._by_name else None
+            return named if named is not None else self._request_template(template)
+        if not self._templates:
             raise ChatTemplateError(
                 "this model has no chat template; start the router with --chat-template"
             )
-        return self._chat_template.render(messages, **kwargs)
+        if not self._by_name:
+            return self._templates["default"]
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        raise ChatTemplateError(
+            "this model has multiple chat templates with no default specified: send tools, or "
+            f"name one in chat_template (available: {', '.join(sorted(self._templates))})"
+        )
 
     def _request_template(self, source: str) -> ChatTemplate:
         """A request's template, compiled once per distinct source (clients that send one

@@ -85,8 +85,9 @@ class ToolPlan:
 NO_TOOLS = ToolPlan("none", None)  # a request without tools
 
 
-def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """name -> the function's parameters schema; 400 naming the bad tool."""
+def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> the function's parameters schema; 400 naming the bad tool (also what
+    ``/tokenize`` checks before rendering tools)."""
     out: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
         param = f"tools.{i}"
@@ -127,7 +128,7 @@ def plan_tools(
                 "tool_choice needs tools (the request has none)", param="tool_choice"
             )
         return ToolPlan("none", None, parallel=parallel)
-    schemas = _check_tools(tools)
+    schemas = check_tools(tools)
     choice = tool_choice if tool_choice is not None else "auto"
     if choice == "none":
         rendered = None if settings.exclude_tools_when_tool_choice_none else tools
