@@ -11,7 +11,8 @@ for the router and a decode worker, without changing what a request's stream mea
   feed one outbox. The outbox is sent as one ``MuxDown`` per wake-up of the writer, so every
   chunk an engine step produced goes in one message. A handler's status (OK, or what it
   aborted with, trailing metadata included) ends its request as a ``MuxEnd``. A ``cancel``
-  cancels that request's task, as gRPC cancels a ``Generate`` handler; when the whole call
+  cancels that request's task, as gRPC cancels a ``Generate`` handler, and sends no end (the
+  router stopped waiting for one), even for a task cancelled before it ran; when the whole call
   ends, every task is cancelled and awaited, so the engine aborts them.
 - **Router** (:class:`MuxClient`): one call per decode worker, opened on first use. ``start``
   returns a :class:`MuxCall` with the parts of ``grpc.aio.UnaryStreamCall`` the dispatcher uses
@@ -121,7 +122,8 @@ async def serve_mux(
     it have ended; requests the router starts after that are not read (the router sees the
     call end and sends them elsewhere)."""
     outbox: asyncio.Queue[Any] = asyncio.Queue()
-    tasks: dict[str, asyncio.Task[None]] = {}
+    tasks: dict[str, asyncio.Task[None]] = {}  # by id: the requests a cancel can still end
+    live: set[asyncio.Task[None]] = set()  # every handler task not done yet, cancelled ones too
     reading = True
     if closing is None:
         closing = asyncio.Event()
@@ -146,8 +148,22 @@ async def serve_mux(
             outbox.put_nowait(_end(rid, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"))
         finally:
             if tasks.get(rid) is asyncio.current_task():
+                del tasks[rid]  # at once: the router may start this id again after the end
+
+    def start(req: pb.GenerateRequest) -> None:
+        rid = req.request_id
+        task = tasks[rid] = asyncio.ensure_future(run(req))
+        live.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            # also for a task cancelled before its first step, whose coroutine (and its
+            # ``finally``) never runs: a start and a cancel read in one go
+            live.discard(t)
+            if tasks.get(rid) is t:
                 del tasks[rid]
             outbox.put_nowait(None)  # wakes the writer to check whether the call is done
+
+        task.add_done_callback(done)
 
     async def read() -> None:
         nonlocal reading
@@ -164,10 +180,10 @@ async def serve_mux(
                             )
                         )
                         continue
-                    tasks[rid] = asyncio.ensure_future(run(req))
-                for rid in up.cancel:
-                    task = tasks.get(rid)
-                    if task is not None:
+                    start(req)
+                for rid in up.cancel:  # after the starts (the router puts no id in both)
+                    task = tasks.pop(rid, None)
+                    if task is not None:  # no end: the router no longer waits for one
                         task.cancel()
         finally:
             reading = False
@@ -180,7 +196,7 @@ async def serve_mux(
     reader = asyncio.ensure_future(read())
     closer = asyncio.ensure_future(close())
     try:
-        while (reading and not closing.is_set()) or tasks or not outbox.empty():
+        while (reading and not closing.is_set()) or live or not outbox.empty():
             items = [await outbox.get()]
             while not outbox.empty():
                 items.append(outbox.get_nowait())
@@ -199,7 +215,7 @@ async def serve_mux(
                 yield down
     finally:
         reader.cancel()
-        pending = [reader, closer, *tasks.values()]
+        pending = [reader, closer, *live]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -321,18 +337,34 @@ class MuxCall:
 
 
 def _merged(ups: list[pb.MuxUp]) -> list[pb.MuxUp]:
-    """``ups`` as few messages as :data:`MAX_UP_TOKENS` allows, in order."""
+    """``ups`` as few messages as :data:`MAX_UP_TOKENS` allows, in order.
+
+    A worker applies a message's starts before its cancels, so a merged message never holds a
+    start and a cancel of one id: "start r, cancel r" (a client that left at once) and
+    "cancel r, start r" (an id reused) stay in two messages, in their order. Starts and
+    cancels of different ids commute and are merged."""
     if len(ups) <= 1:
         return ups
     out = [pb.MuxUp()]
     tokens = 0
+    starts: set[str] = set()
+    cancels: set[str] = set()
     for u in ups:
         size = sum(len(r.prompt_token_ids) for r in u.start)
-        if tokens and tokens + size > MAX_UP_TOKENS:
+        ids = {r.request_id for r in u.start}
+        if (
+            (tokens and tokens + size > MAX_UP_TOKENS)
+            or not cancels.isdisjoint(ids)
+            or not starts.isdisjoint(u.cancel)
+        ):
             out.append(pb.MuxUp())
             tokens = 0
+            starts.clear()
+            cancels.clear()
         out[-1].start.extend(u.start)
         out[-1].cancel.extend(u.cancel)
+        starts |= ids
+        cancels.update(u.cancel)
         tokens += size
     return out
 
