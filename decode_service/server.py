@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +92,9 @@ class _Flight:
     # the stream's state (``_stream``, and ``_direct`` for the plain tokens it sends itself)
     counts: list[int] = field(default_factory=list)
     first_token_time: float | None = None
-    last_token_time: float | None = None
+    # per sample: when its last output came (as estimated: ``_add_tokens``), for the ITL
+    last_token_times: dict[int, float] = field(default_factory=dict)
+    heard: float = 0.0  # when the stream last took outputs (0: not yet; the arrival counts)
     prompt_tokens: int = 0
     cached: int = 0
     outbox: asyncio.Queue | None = None  # the mux call's, where ``_direct`` may put chunks
@@ -116,6 +120,12 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         self.direct_tokens = 0  # tokens ``_direct`` streamed
         self.remote_prefills_noted = 0  # remote prefills taken from the transfer's note
         self._replies: set[asyncio.Future] = set()  # Prefill calls left to end on their own
+        # Prefill calls in flight per channel, and the channels dropped from ``channels`` that
+        # close once their calls end (or when their grace timer fires): closing a channel
+        # cancels every call still on it, other requests' calls included
+        self._channel_calls: dict[grpc.aio.Channel, int] = {}
+        self._dropped_channels: dict[grpc.aio.Channel, asyncio.TimerHandle] = {}
+        self._closing: set[asyncio.Future] = set()
         runtime.role_hook = self._on_step
         runtime.on_hang.append(self._fail_inflight)
 
@@ -144,6 +154,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrived = time.monotonic()  # deadline_s counts from here: compile and admission too
         rt = self.rt
         if self.outputs is None:
             self.aloop = asyncio.get_running_loop()
@@ -157,10 +168,21 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             check_text(request.cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
             check_text(request.prefill_address, "prefill_address", MAX_ID_CHARS)
             check_deadline(request.deadline_s)
+            deadline = arrived + request.deadline_s if request.deadline_s > 0 else None
             params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
             resume, resume_finished = resume_from_proto(request.resume, params.n)
             if params.structured_outputs is not None:  # compiled here, not on the engine thread
-                await asyncio.to_thread(rt.engine.compile_grammar, params)
+                compiled = asyncio.ensure_future(
+                    asyncio.to_thread(rt.engine.compile_grammar, params)
+                )
+                # (past the deadline the compile goes on in its thread, for nobody)
+                if not await _within(compiled, deadline):
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {rid} exceeded its deadline of {request.deadline_s}s "
+                        "while its grammar compiled",
+                    )
+                compiled.result()
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.flights:
@@ -182,6 +204,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         rt.inflight += 1
         finished = False
         timer: asyncio.TimerHandle | None = None
+        added: concurrent.futures.Future | None = None
         try:
             try:
 
@@ -198,7 +221,16 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                         arrival_time=flight.arrival,
                     )
 
-                await asyncio.wrap_future(rt.loop.submit(add))
+                added = rt.loop.submit(add)
+                admitted = asyncio.wrap_future(added)
+                if not await _within(admitted, deadline):  # a long engine turn: bounded too
+                    added.cancel()  # not run yet: never runs (else the abort below ends it)
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {rid} exceeded its deadline of {request.deadline_s}s "
+                        "waiting for admission",
+                    )
+                admitted.result()
             except QueueFullError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except DuplicateRequestError as e:
@@ -210,9 +242,9 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     grpc.StatusCode.UNAVAILABLE, str(e), failure_metadata(FAILURE_ENGINE)
                 )
             rt.metrics.path(flight.path)
-            if request.deadline_s > 0:  # one timer, not a wait_for per message (~23 us each)
+            if deadline is not None:  # one timer, not a wait_for per message (~23 us each)
                 timer = asyncio.get_running_loop().call_later(
-                    request.deadline_s, flight.queue.put_nowait, _DEADLINE
+                    max(0.0, deadline - time.monotonic()), flight.queue.put_nowait, _DEADLINE
                 )
             try:
                 async for chunk in self._stream(flight, request):
@@ -242,7 +274,11 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     # deadline, the mux call ending) cancelled the engine's abort command
                     # before it ran and skipped what follows: the request went on generating
                     # for nobody and the worker never drained.
-                    await asyncio.shield(self._abort(eid, flight))
+                    # Not admitted yet (the engine is busy: the deadline passed, or the client
+                    # left): the abort is queued behind the add and ends the request right
+                    # after it, before any step; waiting for it would wait out the engine.
+                    wait = added is not None and added.done() and not added.cancelled()
+                    await asyncio.shield(self._abort(eid, flight, wait))
             finally:
                 if self.flights.get(rid) is flight:
                     del self.flights[rid]
@@ -269,6 +305,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 raise _DeadlineExceeded(rid)
             deltas: dict[int, pb.SeqDelta] = {}
             now = time.monotonic()
+            # several outputs of one sample: the stream was behind by as many engine steps
+            pending = Counter(o.index for o in batch if o.new_token_ids) if len(batch) > 1 else None
             prompt_lps = None
             first = flight.first_token_time is None
             for o in batch:
@@ -279,7 +317,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 d = deltas.get(o.index)
                 if d is None:
                     d = deltas[o.index] = pb.SeqDelta(index=o.index)
-                self._add_tokens(flight, o, d, now)
+                self._add_tokens(flight, o, d, now, pending)
                 if o.finished:
                     d.finish_reason = o.finish_reason
                     if o.stop_token_id is not None:
@@ -287,6 +325,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     done.add(o.index)
                     rt.metrics.finished(o.finish_reason)
                     timing_src = o
+            flight.heard = now
             chunk = pb.GenerateChunk(
                 request_id=rid, outputs=list(deltas.values()), worker_id=rt.worker_id
             )
@@ -321,21 +360,43 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 rt.metrics.generation_tokens.inc(completion)
             yield chunk
 
-    def _add_tokens(self, flight: _Flight, o: EngineCoreOutput, d: pb.SeqDelta, now: float) -> None:
+    def _add_tokens(
+        self,
+        flight: _Flight,
+        o: EngineCoreOutput,
+        d: pb.SeqDelta,
+        now: float,
+        pending: Counter[int] | None = None,
+    ) -> None:
         """``o``'s tokens (and logprobs) into ``d``, and into the stream's counts and token
-        timings."""
+        timings: TTFT once per request (its first tokens, whichever sample), and one ITL gap
+        per sample per engine step (one output, however many tokens it carries) after that
+        sample's first, since the sample's previous output. ``pending``: how many outputs
+        with tokens each sample still has in the batch ``o`` came in (``None``: this one
+        only). When the stream fell behind and takes several steps' outputs of a sample at
+        once, their times are not known apart: they are counted evenly spaced from the
+        sample's previous output (for its first tokens, from when the stream last took
+        outputs) to ``now``, so the gaps still sum to the time that passed, with no zeros."""
         d.token_ids.extend(o.new_token_ids)
         if o.new_logprobs:
             d.logprobs.extend(logprob_to_proto(lp) for lp in o.new_logprobs)
         if o.new_token_ids:
-            flight.counts[o.index] += len(o.new_token_ids)
+            i = o.index
+            flight.counts[i] += len(o.new_token_ids)
             metrics = self.rt.metrics
             if flight.first_token_time is None:
                 flight.first_token_time = now
                 metrics.ttft.observe(now - flight.arrival)
-            elif flight.last_token_time is not None:
-                metrics.itl.observe(now - flight.last_token_time)
-            flight.last_token_time = now
+            ahead = 1  # this output and the sample's later ones in the batch
+            if pending is not None:
+                ahead = pending[i] or 1
+                pending[i] = ahead - 1
+            last = flight.last_token_times.get(i)
+            base = last if last is not None else (flight.heard or flight.arrival)
+            at = now if ahead == 1 else base + (now - base) / ahead
+            if last is not None:
+                metrics.itl.observe(at - last)
+            flight.last_token_times[i] = at
         flight.prompt_tokens = o.num_prompt_tokens
         flight.cached = max(flight.cached, o.num_cached_tokens)
 
@@ -362,7 +423,9 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         ):
             return False
         d = pb.SeqDelta(index=o.index)
-        self._add_tokens(flight, o, d, time.monotonic())
+        now = time.monotonic()
+        self._add_tokens(flight, o, d, now)
+        flight.heard = now
         self.direct_tokens += len(o.new_token_ids)
         flight.outbox.put_nowait(
             pb.GenerateChunk(
@@ -392,7 +455,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             )
         return t
 
-    async def _abort(self, eid: str, flight: _Flight) -> None:
+    async def _abort(self, eid: str, flight: _Flight, wait: bool = True) -> None:
         task = flight.remote_task
         if task is not None and not task.done():
             task.cancel()  # cancels the Prefill RPC and the posted receives
@@ -401,7 +464,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             except BaseException:  # noqa: BLE001 - its outcome no longer matters
                 pass
         aborted = self.rt.loop.submit(lambda e: e.abort_request([eid]))
-        if self.rt.hung:  # queued: the engine aborts it when (if) it steps again
+        if self.rt.hung or not wait:  # queued: the engine aborts it when (if) it gets to it
             return
         try:
             await asyncio.wait_for(asyncio.wrap_future(aborted), 10.0)
@@ -434,9 +497,58 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             self.rt.loop.submit(lambda e: e.unpin(pin_id))
 
     def _drop_channel(self, address: str) -> None:
+        """Connect to ``address`` afresh from now on. The old channel leaves the cache now but
+        closes only once the Prefill calls still on it have ended (another request's call to a
+        draining P may still succeed, or fail on its own and fall back): ``close()`` would
+        cancel them all. Their own timeout (``prefill_timeout_s``) bounds the wait; the grace
+        timer closes the channel in any case a second after it."""
         entry = self.channels.pop(address, None)
-        if entry is not None:
-            asyncio.ensure_future(entry[0].close())
+        if entry is None:
+            return
+        channel = entry[0]
+        if not self._channel_calls.get(channel):
+            self._close_channel(channel)
+        elif channel not in self._dropped_channels:
+            self._dropped_channels[channel] = asyncio.get_running_loop().call_later(
+                self.prefill_timeout_s + 1.0, self._close_channel, channel
+            )
+
+    def _track_call(self, address: str, reply: asyncio.Future) -> None:
+        """Count ``reply`` (a Prefill call) on the channel it runs on until it ends."""
+        entry = self.channels.get(address)
+        if entry is None:  # (a stub that is not one of ours)
+            return
+        channel = entry[0]
+        self._channel_calls[channel] = self._channel_calls.get(channel, 0) + 1
+        reply.add_done_callback(lambda _r: self._call_ended(channel))
+
+    def _call_ended(self, channel: grpc.aio.Channel) -> None:
+        left = self._channel_calls.pop(channel, 1) - 1
+        if left > 0:
+            self._channel_calls[channel] = left
+        elif channel in self._dropped_channels:
+            self._close_channel(channel)
+
+    def _close_channel(self, channel: grpc.aio.Channel) -> None:
+        timer = self._dropped_channels.pop(channel, None)
+        if timer is not None:
+            timer.cancel()
+        self._channel_calls.pop(channel, None)
+        closing = asyncio.ensure_future(channel.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    async def close_channels(self) -> None:
+        """At shutdown: close every channel, the dropped ones still open included."""
+        channels = [c for c, _ in self.channels.values()] + list(self._dropped_channels)
+        self.channels.clear()
+        for timer in self._dropped_channels.values():
+            timer.cancel()
+        self._dropped_channels.clear()
+        for channel in channels:
+            await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         entry = self.channels.get(address)
@@ -448,7 +560,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
     async def _remote_prefill(
         self, flight: _Flight, first_block: int, block_ids: list[int]
     ) -> None:
-        """Prefill on P into ``block_ids``; on any failure but cancellation, locally. The
+        """Prefill on P into ``block_ids``; on any failure but its own cancellation, locally. The
         blocks' pin is dropped by the caller once this ends and the receive is terminal."""
         req = flight.request
         eid = flight.engine_id
@@ -475,6 +587,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 metadata=self.rt.security.call_metadata,
             )
             reply = asyncio.ensure_future(call)
+            self._track_call(req.prefill_address, reply)
             result = await self._prefill_result(handle, reply, t0)
             first = checked_first_tokens(result, flight.n, self.rt.engine.model_config.vocab_size)
             flight.transfer_s = time.monotonic() - t0
@@ -486,49 +599,63 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             await asyncio.wrap_future(
                 loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, first, block_ids)))
             )
-        except asyncio.CancelledError:
-            if reply is not None:
-                reply.cancel()  # the Prefill call
-            if handle is not None:
-                await cancel_transfer(handle)
-            raise
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():  # this request's own cancellation
+                if reply is not None:
+                    reply.cancel()  # the Prefill call
+                if handle is not None:
+                    await cancel_transfer(handle)
+                raise
+            # Not ours: the Prefill call was cancelled under the request (its channel
+            # closed). A failure of P like any other: prefill locally.
+            await self._fall_back(flight, handle, reply, e)
         except EngineDeadError:
             return
         except Exception as e:  # noqa: BLE001 - any failure of P: prefill locally
-            if reply is not None:
-                reply.cancel()
-            reason = _fallback_reason(e)
-            logger.warning(
-                "remote prefill of %s via %s failed (%s: %s); prefilling locally",
-                req.request_id,
-                req.prefill_address,
-                reason,
-                e,
-            )
-            if handle is not None and not await cancel_transfer(handle):
-                # A receive still outstanding could land in the blocks a local prefill would
-                # fill: fail the request instead (an error to its client, nothing corrupted).
-                loop = self.rt.loop
-                why = f"remote prefill failed ({reason}) and its KV transfer did not stop"
-                try:
-                    await asyncio.wrap_future(
-                        loop.submit(lambda e: loop.deliver(e.fail_request(eid, why)))
-                    )
-                except EngineDeadError:
-                    pass
-                return
-            if reason == "unreachable":
-                self._drop_channel(req.prefill_address)  # a restarted P: connect afresh
-            self.fallbacks += 1
-            self.rt.metrics.fallback(reason)
-            flight.path = "fallback"
+            await self._fall_back(flight, handle, reply, e)
+
+    async def _fall_back(
+        self, flight: _Flight, handle, reply: asyncio.Future | None, exc: BaseException
+    ) -> None:
+        """The remote prefill of ``flight`` failed with ``exc``: prefill it locally, unless its
+        KV transfer did not stop (then the request fails)."""
+        req = flight.request
+        eid = flight.engine_id
+        if reply is not None:
+            reply.cancel()
+        reason = _fallback_reason(exc)
+        logger.warning(
+            "remote prefill of %s via %s failed (%s: %s); prefilling locally",
+            req.request_id,
+            req.prefill_address,
+            reason,
+            exc if str(exc) else type(exc).__name__,
+        )
+        if handle is not None and not await cancel_transfer(handle):
+            # A receive still outstanding could land in the blocks a local prefill would
+            # fill: fail the request instead (an error to its client, nothing corrupted).
             loop = self.rt.loop
+            why = f"remote prefill failed ({reason}) and its KV transfer did not stop"
             try:
                 await asyncio.wrap_future(
-                    loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, None)))
+                    loop.submit(lambda e: loop.deliver(e.fail_request(eid, why)))
                 )
             except EngineDeadError:
                 pass
+            return
+        if reason == "unreachable" and not isinstance(exc, asyncio.CancelledError):
+            self._drop_channel(req.prefill_address)  # a restarted P: connect afresh
+        self.fallbacks += 1
+        self.rt.metrics.fallback(reason)
+        flight.path = "fallback"
+        loop = self.rt.loop
+        try:
+            await asyncio.wrap_future(
+                loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, None)))
+            )
+        except EngineDeadError:
+            pass
 
     async def _prefill_result(self, handle, reply: asyncio.Future, t0: float) -> pb.PrefillResult:
         """P's result once every block is here and verified: from the transfer's ``fin`` note
@@ -576,7 +703,11 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             return pb.AbortReply(aborted=running)
         if flight is None or not request.indices:
             return pb.AbortReply(aborted=0)
-        indices = [i for i in request.indices if i < flight.n]
+        # distinct, and only this request's samples: the engine sees at most n indices,
+        # however long the list (set() first: a million repeats cost one C pass, not n)
+        indices = sorted(i for i in set(request.indices) if 0 <= i < flight.n)
+        if not indices:
+            return pb.AbortReply(aborted=0)
         eid = flight.engine_id
         loop = self.rt.loop
         try:
@@ -595,6 +726,22 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             transfer=self.receiver.stats,
             remote_prefills_noted=self.remote_prefills_noted,
         )
+
+
+async def _within(fut: asyncio.Future, deadline: float | None) -> bool:
+    """Wait for ``fut`` until ``deadline`` (``time.monotonic()``; ``None``: no bound); False
+    if it passed first (``fut`` is left as it is)."""
+    if deadline is None:
+        await fut
+        return True
+    try:
+        done, _ = await asyncio.wait((fut,), timeout=max(0.0, deadline - time.monotonic()))
+    except asyncio.CancelledError:
+        fut.cancel()  # as ``await fut`` would
+        raise
+    if not done:  # its outcome, whenever it comes, is nobody's: read it (no "never retrieved")
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return bool(done)
 
 
 def _deliver(loop, outs: list[EngineCoreOutput]) -> int:
@@ -655,6 +802,8 @@ def _fallback_reason(e: BaseException) -> str:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return "timeout"
         return "prefill_error"
+    if isinstance(e, asyncio.CancelledError):
+        return "unreachable"  # the call was cancelled under the request: its channel closed
     if isinstance(e, ChecksumMismatchError):
         return "checksum"
     if isinstance(e, (TransferTimeoutError, asyncio.TimeoutError)):
@@ -701,8 +850,7 @@ async def _main(args: argparse.Namespace) -> int:
         left = await servicer.close_mux_calls()
         if left:
             logger.warning("%d GenerateMux calls still open at stop", left)
-        for channel, _ in servicer.channels.values():
-            await channel.close()
+        await servicer.close_channels()
         receiver.close()
 
     return await serve_worker(

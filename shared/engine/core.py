@@ -388,6 +388,13 @@ class EngineCore:
                 )
             for i, r in enumerate(resume):
                 if i in finished:
+                    # bounded first: it is read token by token on the engine thread
+                    if len(r) > params.max_tokens:
+                        raise InvalidRequestError(
+                            f"resume holds {len(r)} tokens for finished sample {i}, more than "
+                            f"max_tokens {params.max_tokens}",
+                            "resume",
+                        )
                     self._check_token_ids(r, "resume")
                     continue
                 if len(r) >= params.max_tokens:
@@ -464,7 +471,8 @@ class EngineCore:
     def abort_samples(self, request_id: str, indices: Collection[int]) -> list[EngineCoreOutput]:
         """Abort some samples of parent ``request_id`` (the router ended them with a stop
         string); the others go on. Returns the aborted samples' final outputs."""
-        seqs = [s for s in self.parents.get(request_id, ()) if s.index in set(indices)]
+        wanted = set(indices)  # once: not per sample (a long list held the engine thread)
+        seqs = [s for s in self.parents.get(request_id, ()) if s.index in wanted]
         aborted = self.scheduler.abort([s.request_id for s in seqs])
         outs = [self._output(SeqUpdate(s, [], [], True)) for s in aborted]
         self._forget_finished([request_id])

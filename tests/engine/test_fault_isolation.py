@@ -338,6 +338,17 @@ def test_a_resumed_request_does_not_continue_samples_that_already_ended(tmp_path
     assert e.kv.pool.num_free_blocks == e.num_blocks and "r" not in e.parents
 
 
+def test_a_finished_samples_resume_tokens_are_bounded_by_max_tokens(tmp_path):
+    """Only unfinished samples' resume tokens were bounded: a finished one's (4M tokens in a
+    3 MiB message) were checked one by one on the engine thread (review)."""
+    e = fake_engine(tmp_path)
+    params = SamplingParams(n=2, temperature=0, max_tokens=6)
+    with pytest.raises(InvalidRequestError, match="finished sample 0") as err:
+        e.add_request("r", [5, 6], params, resume=[[1] * 7, [2]], resume_finished={0})
+    assert err.value.param == "resume"
+    e.add_request("ok", [5, 6], params, resume=[[1] * 6, [2]], resume_finished={0})
+
+
 def test_resume_finished_must_leave_something_to_do(tmp_path):
     e = fake_engine(tmp_path)
     params = SamplingParams(n=2, temperature=0, max_tokens=6)
