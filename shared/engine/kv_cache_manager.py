@@ -212,7 +212,9 @@ class KVCacheManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(v) for v in self.pins.values())
+        # tuple(): one atomic copy; the metrics and lease threads read this (EngineCore.stats)
+        # while the engine thread pins and unpins ("dictionary changed size during iteration")
+        return sum(map(len, tuple(self.pins.values())))
 
     # ---- swap --------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
