@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ import time
 import grpc
 
 from kvtransfer.handles import SendHandle
-from shared.engine import EngineCore, InvalidRequestError
+from shared.engine import EngineCore, InvalidRequestError, PromptTooLongError
 from shared.engine.connector import RemoteDecodeParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -64,7 +65,15 @@ def first_token_only(params: SamplingParams) -> None:
     params.min_tokens = min(params.min_tokens, 1)
 
 
+class _EngineHungError(Exception):
+    """The engine was declared hung before the call's request was admitted."""
+
+
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
+    # The longest a call that did not finish waits for the engine's abort (as decode_service's
+    # _abort); its pins are released by the abort command whenever it runs, waited for or not.
+    abort_wait_s = 10.0
+
     def __init__(self, runtime: WorkerRuntime, sender, transfer_timeout_s: float) -> None:
         self.rt = runtime
         self.sender = sender
@@ -72,14 +81,18 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.pending_sends = 0
         self._serial = itertools.count()
         self.queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}  # in flight, by engine id
+        self.hangs: dict[str, asyncio.Event] = {}  # by engine id: set when a hang is declared
         runtime.on_hang.append(self._fail_inflight)
 
     def _fail_inflight(self, why: str) -> None:
         """The engine is hung: fail every Prefill with UNAVAILABLE so decode workers prefill
-        locally now instead of at their prefill timeout."""
+        locally now instead of at their prefill timeout (those still waiting for admission
+        too: their add command is queued behind the stuck step)."""
         failure = RequestFailure(FailureKind.ENGINE, why)
         for eid, q in list(self.queues.items()):
             q.put_nowait(EngineCoreOutput(eid, 0, [], [], "error", failure=failure))
+        for hang in list(self.hangs.values()):
+            hang.set()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rt = self.rt
@@ -88,6 +101,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         arrival = time.monotonic()
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if rt.hung:  # it would wait behind the stuck step: D prefills locally now instead
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                _HUNG_MESSAGE.format(rt.worker_id),
+                failure_metadata(FAILURE_ENGINE),
+            )
         prompt = request.prompt_token_ids
         bs = rt.engine.block_size
         n_blocks = -(-len(prompt) // bs)
@@ -106,6 +125,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 )
             if not prompt:
                 raise WireError("the prompt is empty", "prompt_token_ids")
+            # the engine's own checks, here before the admission check (which refused an
+            # invalid prompt RESOURCE_EXHAUSTED while requests waited)
+            _check_prompt(rt.engine, prompt)
             if first >= n_blocks or len(dst) != n_blocks - first:
                 raise WireError(
                     f"block range mismatch: prompt of {len(prompt)} tokens has {n_blocks} blocks "
@@ -171,8 +193,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             aloop.call_soon_threadsafe(queue.put_nowait, out)
 
         eid = f"{rid}@{next(self._serial)}"  # unique: a retried id never meets an old one
+        hang = asyncio.Event()
         rt.loop.add_sink(eid, sink)
         self.queues[eid] = queue
+        self.hangs[eid] = hang
         rt.inflight += 1
         self.pending_sends += 1
         # Set before the hand-over: a cancelled await cannot stop a command the engine thread
@@ -192,8 +216,21 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         arrival_time=arrival,
                     )
 
+                if rt.hung:  # declared while the call was validated
+                    raise _EngineHungError
                 submitted = True
-                await asyncio.wrap_future(rt.loop.submit(add))
+                added = rt.loop.submit(add)
+                if not await _admitted(added, hang):
+                    # not admitted when the hang was declared: the add never runs if it had
+                    # not begun, else the abort below ends the request it admitted
+                    submitted = not added.cancelled()
+                    raise _EngineHungError
+            except _EngineHungError:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    _HUNG_MESSAGE.format(rt.worker_id),
+                    failure_metadata(FAILURE_ENGINE),
+                )
             except QueueFullError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except InvalidRequestError as e:
@@ -235,35 +272,150 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             return result
         finally:
             try:
-                if not finished:
+                if finished:
+                    # the request ended in the engine (its first tokens were its last): no
+                    # output, no pin comes any more. The blocks handed to the sender join the
+                    # prefix cache once the send is terminal.
+                    for pin_id in pins:
+                        unpin_when_terminal(rt.loop, handle, pin_id)
+                    rt.loop.remove_sink(eid)
+                else:
                     # Shielded: the decode worker cancels this call as soon as it sees the
-                    # transfer fail, which landed here and skipped the unpinning below (the
-                    # blocks stayed pinned for good)
-                    await asyncio.shield(self._end_unfinished(handle, eid, submitted))
+                    # transfer fail, which landed here and skipped the clean-up (the blocks
+                    # stayed pinned for good). The pins are released by the abort command on
+                    # the engine thread, whatever happens to this task.
+                    await asyncio.shield(self._end_unfinished(handle, eid, submitted, pins, hang))
             finally:
-                # the blocks handed to the sender join the prefix cache once the send is terminal
-                for pin_id in pins:
-                    unpin_when_terminal(rt.loop, handle, pin_id)
-                rt.loop.remove_sink(eid)
                 self.queues.pop(eid, None)
+                self.hangs.pop(eid, None)
                 rt.inflight -= 1
                 self.pending_sends -= 1
 
-    async def _end_unfinished(self, handle: SendHandle, eid: str, submitted: bool) -> None:
-        """A Prefill that did not finish: its transfer cancelled, its request aborted."""
+    async def _end_unfinished(
+        self, handle: SendHandle, eid: str, submitted: bool, pins: list[int], hang: asyncio.Event
+    ) -> None:
+        """A Prefill that did not finish: its transfer cancelled, its request aborted, and the
+        blocks it pinned released once the abort ran (see :meth:`_abort_and_release`)."""
         rt = self.rt
-        await cancel_transfer(handle)
-        if submitted:  # runs after the add on the engine thread; unknown ids are ignored
-            aborted = rt.loop.submit(lambda e: e.abort_request([eid]))
+        try:
+            await cancel_transfer(handle)
+        except Exception:  # the abort and the release below must still happen
+            logger.exception("cancelling the transfer of %s failed", eid)
+        if not submitted:  # its add never ran: no output, no pin
+            rt.loop.remove_sink(eid)
+            return
+        released = self._abort_and_release(handle, eid, pins)
+        if rt.hung or hang.is_set():  # queued: done when (if) the engine steps again
+            return
+        done = asyncio.wrap_future(released)
+        done.add_done_callback(_retrieved)
+        # bounded: a call cancelled while the engine stalls must not hold its handler (and
+        # rt.inflight: a drain) until the engine moves again; no wait once it is declared hung
+        hung = asyncio.ensure_future(hang.wait())
+        try:
+            await asyncio.wait(
+                {done, hung}, timeout=self.abort_wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            hung.cancel()
+        if not done.done():
+            logger.warning(
+                "abort of %s not run after %.0f s (the engine stalls); its blocks are "
+                "released when it runs",
+                eid,
+                self.abort_wait_s,
+            )
+
+    def _abort_and_release(
+        self, handle: SendHandle, eid: str, pins: list[int]
+    ) -> concurrent.futures.Future:
+        """Abort ``eid`` on the engine thread, then (in the same command) take its sink away
+        and collect its pins: commands run in order between steps, so a step still running
+        when the call ended (a hang, a stall) has delivered its outputs, and the pin they
+        carry, to the sink by then, and after the abort no output comes for ``eid``. The
+        pins are dropped there if the transfer is terminal, else once it is (event loop)."""
+        rt = self.rt
+        aloop = asyncio.get_running_loop()
+
+        def abort(e: EngineCore) -> list[int]:
             try:
-                if not rt.hung:  # else queued: done when (if) the engine steps again
-                    await asyncio.wrap_future(aborted)
-            except EngineDeadError:
-                pass
+                e.abort_request([eid])  # unknown ids (ended, or never added) are ignored
+            except Exception:
+                logger.exception("abort of %s failed", eid)
+            rt.loop.remove_sink(eid)
+            if handle.done:  # no byte of the transfer touches the blocks any more
+                for pin_id in pins:
+                    e.unpin(pin_id)
+                return []
+            return list(pins)
+
+        def after(fut: concurrent.futures.Future) -> None:  # engine thread (or event loop)
+            if fut.cancelled() or fut.exception() is not None:  # the engine died: nothing
+                rt.loop.remove_sink(eid)  # to unpin (gone with it)
+                return
+            left = fut.result()
+            if left:
+                try:
+                    aloop.call_soon_threadsafe(_unpin_all, rt, handle, left)
+                except RuntimeError:  # the event loop is closed: the worker is gone
+                    logger.error("%s: %d pin(s) not released at shutdown", eid, len(left))
+
+        released = rt.loop.submit(abort)
+        released.add_done_callback(after)
+        return released
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(
             self.rt, request, transfer=self.sender.stats, pending_sends=self.pending_sends
+        )
+
+
+_HUNG_MESSAGE = "the engine of worker {} is hung (no progress for --engine-hang-timeout)"
+
+
+async def _admitted(added: concurrent.futures.Future, hang: asyncio.Event) -> bool:
+    """Wait for a request's add command: True once it ran (raising what it raised), False
+    when the engine is declared hung first (the add is then cancelled if it has not begun:
+    ``added.cancelled()``)."""
+    admitted = asyncio.wrap_future(added)
+    hung = asyncio.ensure_future(hang.wait())
+    try:
+        await asyncio.wait({admitted, hung}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung.cancel()
+        if not admitted.done():  # hung, or this call cancelled: never let it run now
+            added.cancel()  # (at once: ``admitted``'s cancel reaches ``added`` only later)
+            admitted.cancel()
+    if admitted.cancelled():
+        return False
+    admitted.result()
+    return True
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # (an EngineDeadError: nothing left to abort)
+
+
+def _unpin_all(rt: WorkerRuntime, handle: SendHandle, pins: list[int]) -> None:
+    for pin_id in pins:
+        unpin_when_terminal(rt.loop, handle, pin_id)
+
+
+def _check_prompt(engine: EngineCore, prompt) -> None:
+    """``EngineCore.add_request``'s prompt checks (same messages), on the event loop."""
+    mc = engine.model_config
+    if len(prompt) >= mc.max_model_len:
+        raise PromptTooLongError(
+            f"prompt has {len(prompt)} tokens; the model's maximum context length "
+            f"is {mc.max_model_len} (prompt + at least one output token must fit)",
+            "prompt",
+        )
+    vocab = mc.vocab_size
+    if max(prompt) >= vocab:  # (uint32 on the wire: never negative)
+        bad = next(t for t in prompt if t >= vocab)
+        raise InvalidRequestError(
+            f"prompt: token ids must be in [0, {vocab}), got {bad!r}", "prompt"
         )
 
 
