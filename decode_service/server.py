@@ -106,6 +106,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
     """``Generate`` per request; ``GenerateMux`` (the mixin) runs it for each request started
     on a router's shared call (``shared/proto/mux.py``)."""
 
+    abort_wait_s = 10.0  # how long an ending request waits for the engine's abort
+
     def __init__(self, runtime: WorkerRuntime, receiver, prefill_timeout_s: float) -> None:
         self.rt = runtime
         self.receiver = receiver
@@ -466,8 +468,22 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         aborted = self.rt.loop.submit(lambda e: e.abort_request([eid]))
         if self.rt.hung or not wait:  # queued: the engine aborts it when (if) it gets to it
             return
+        # asyncio.wait, not wait_for: a wait that times out must not cancel the command (the
+        # request would then generate on for nobody); it stays queued and runs when the
+        # engine gets to it
+        waiter = asyncio.wrap_future(aborted)
+        waiter.add_done_callback(_consume)
+        done, _ = await asyncio.wait([waiter], timeout=self.abort_wait_s)
+        if not done:
+            logger.warning(
+                "abort of %s still queued after %.0f s (a long engine turn); it runs when the "
+                "engine gets to it",
+                eid,
+                self.abort_wait_s,
+            )
+            return
         try:
-            await asyncio.wait_for(asyncio.wrap_future(aborted), 10.0)
+            waiter.result()
         except EngineDeadError:
             pass  # nothing left to abort
         except Exception:
@@ -789,6 +805,12 @@ def checked_first_tokens(result: pb.PrefillResult, n: int, vocab_size: int) -> l
                 f"({vocab_size} tokens)"
             )
     return [first_token_from_proto(f) for f in tokens]
+
+
+def _consume(f: asyncio.Future) -> None:
+    """Retrieve a future's outcome (nobody may await it): no "never retrieved" warning."""
+    if not f.cancelled():
+        f.exception()
 
 
 def _fallback_reason(e: BaseException) -> str:
