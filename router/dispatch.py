@@ -166,6 +166,48 @@ class _Watchdog:
         self._handle.cancel()
 
 
+class _Held:
+    """What one attempt holds in the pool's counts: the request in flight on D; until its
+    first output its prompt in the prefill backlog (of P, or of D prefilling it itself), then
+    one of D's decoding streams. :meth:`release` gives it all back, once: when the worker's
+    stream ends (the call's done callback), or when the attempt ends, whichever comes first.
+    A stream that ended is no more work on the worker, even while a client that stopped
+    reading holds its last outputs; counted until then, it steered every other request away
+    from an idle worker for as long as that client did not read."""
+
+    __slots__ = ("decoding", "pool", "prefiller", "record", "released", "tokens")
+
+    def __init__(self, pool: WorkerPool, record: WorkerRecord, decision: RouteDecision) -> None:
+        self.pool = pool
+        self.record = record
+        # until its first token this request is prefill work queued on P (or on D, locally)
+        self.prefiller = decision.prefill.worker_id if decision.prefill else record.worker_id
+        self.tokens = decision.uncached_tokens
+        self.decoding = False
+        self.released = False
+        pool.acquire(record)
+        pool.add_backlog(self.prefiller, self.tokens)
+
+    def first_output(self) -> None:
+        """The prompt was prefilled: D decodes it from now on (unless it already ended)."""
+        if self.released or self.decoding:
+            return
+        self.decoding = True
+        self.pool.add_backlog(self.prefiller, -self.tokens)
+        self.pool.add_decoding(self.record.worker_id, 1)
+
+    def release(self, _call: object = None) -> None:
+        """Idempotent (also a call's done callback, which passes the call)."""
+        if self.released:
+            return
+        self.released = True
+        self.pool.release(self.record)
+        if self.decoding:
+            self.pool.add_decoding(self.record.worker_id, -1)
+        else:
+            self.pool.add_backlog(self.prefiller, -self.tokens)
+
+
 class Dispatcher:
     """Owns routing decisions; one per app."""
 
@@ -408,8 +450,8 @@ class GenerationStream:
                         raise UpstreamError(f"{e.message}; last failure: {last_error}") from e
                     raise
                 self.decision, self.path, self.worker_id = decision, decision.path, record.worker_id
-                if not resumed:
-                    self.d.metrics.c_hit.inc(decision.decode.cached_tokens)
+                if self.attempts:  # a retry that reached a worker (not one that found none)
+                    self.d.metrics.c_retries.inc()
                 try:
                     async with contextlib.aclosing(self._attempt(decision, record)) as attempt:
                         async for ev in attempt:
@@ -436,7 +478,6 @@ class GenerationStream:
                             f"generation failed after {self.attempts} attempts; "
                             f"last failure: {last_error}"
                         ) from None
-                    self.d.metrics.c_retries.inc()
                     sent = sum(map(len, self.tokens))
                     logger.warning(
                         "request %s: %s; retrying (%s)",
@@ -478,17 +519,25 @@ class GenerationStream:
         timers (this loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per
         call here). D also gets the deadline in ``deadline_s``."""
         pool = self.d.pool
-        pool.acquire(record)
-        # until its first token this request is prefill work queued on P (or on D, locally)
-        prefiller = decision.prefill.worker_id if decision.prefill else record.worker_id
-        pool.add_backlog(prefiller, decision.uncached_tokens)
+        # the prefix hit of the prompt's stream, counted with the attempt that produced its
+        # first output (a retry before it does not count it again; a resume never does)
+        count_hit = not any(self.tokens)
+        held = _Held(pool, record, decision)
         stub = pool.decode_stub(record.info.grpc)
         request = self._request(decision)
-        call = (
-            pool.decode_mux(record.info.grpc).start(request)
-            if self.d.cfg.mux
-            else stub.Generate(request)
-        )
+        try:
+            call = (
+                pool.decode_mux(record.info.grpc).start(request)
+                if self.d.cfg.mux
+                else stub.Generate(request)
+            )
+        except BaseException:
+            held.release()
+            raise
+        # the worker's stream ending (its last message, a failure, a cancel) gives the counts
+        # back at once, even while the consumer holds this generator (a client that stopped
+        # reading); the finally below is the fallback
+        call.add_done_callback(held.release)
         self._live = (stub, request.request_id)
         self._call = call
         done = False
@@ -551,8 +600,9 @@ class GenerationStream:
                     if not got_output:
                         got_output = True
                         dog.first_output()  # from now on it also watches for stalls
-                        pool.add_backlog(prefiller, -decision.uncached_tokens)
-                        pool.add_decoding(record.worker_id, 1)
+                        held.first_output()
+                        if count_hit:
+                            self.d.metrics.c_hit.inc(decision.decode.cached_tokens)
                     dog.paused = True  # the consumer's time from here: not a stall
                     yield outputs
                     dog.paused = False
@@ -572,11 +622,7 @@ class GenerationStream:
             dog.stop()
             if not done:
                 call.cancel()
-            pool.release(record)
-            if got_output:
-                pool.add_decoding(record.worker_id, -1)
-            else:
-                pool.add_backlog(prefiller, -decision.uncached_tokens)
+            held.release()
 
     def _classify(self, e: grpc.aio.AioRpcError, got_output: bool) -> Exception:
         code, details = e.code(), e.details() or ""

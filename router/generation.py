@@ -22,6 +22,7 @@ from router.errors import RouterError
 from router.output import OutputParams, SampleDelta, SampleOutput
 from router.protocol import PromptTokensDetails, UsageInfo
 from router.records import PhaseTimings, RequestRecord
+from router.sse import REQUEST_DEADLINE
 from shared.proto import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class Generation:
         self.prompts = prompts
         self.arrival = arrival
         deadline = arrival + ctx.request_timeout_s
+        # a streaming response of this request drops a client still not reading past it
+        REQUEST_DEADLINE.set(deadline)
         self.streams: list[GenerationStream] = [
             ctx.dispatcher.stream(
                 GenerationInput(
@@ -78,8 +81,10 @@ class Generation:
         ]
         self.ends: list[StreamEnd | None] = [None] * len(prompts)
         self._iters: list[AsyncGenerator[list[SeqOutput] | StreamEnd, None]] = []
-        # (prompt index, event or None, the error that ended the stream or None)
-        self._queue: asyncio.Queue[tuple[int, Any, RouterError | None]] | None = None
+        # (prompt index, event or None, the error that ended the stream or None: a RouterError,
+        # or a CancelledError when the client left, which the consumer raises as it would
+        # with one prompt)
+        self._queue: asyncio.Queue[tuple[int, Any, BaseException | None]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._first: list[tuple[int, Any]] = []
         self._last_token_time: float | None = None
@@ -121,6 +126,16 @@ class Generation:
                     await self._queue.put((i, ev, None))
         except RouterError as e:
             await self._queue.put((i, None, e))
+        except asyncio.CancelledError:
+            # current_task() is never None here: a coroutine run by a task
+            if cast("asyncio.Task[None]", asyncio.current_task()).cancelling():
+                raise  # aclose() cancelled this pump
+            # the attempt stopped because the client left (client_left): the consumer waits
+            # on the queue, which nothing else wakes (it used to wait out the grace period
+            # after which the disconnect watcher cancels it); it ends as with one prompt.
+            # After aclose() (its own client_left) nobody reads the queue: just end
+            if not self._closed:
+                await self._queue.put((i, None, asyncio.CancelledError()))
         except Exception as e:  # keep the consumer from waiting forever
             logger.exception("stream %d failed", i)
             await self._queue.put((i, None, RouterError(f"internal error: {e!r}")))

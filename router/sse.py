@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
 from starlette.requests import Request
@@ -19,8 +22,17 @@ from starlette.types import Receive
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 # how long a task whose gRPC streams are being ended (client gone) may take to end on its own
 _ON_GONE_GRACE_S = 2.0
+# past the request's deadline, a stream that could send nothing for this long is dropped
+_STALLED_PAST_DEADLINE_S = 1.0
+
+#: The deadline (``time.monotonic()``) of the request whose work runs in this task, set by that
+#: work (``router/generation.py``): an :class:`SSEResponse` sent from the same task drops a
+#: client that stopped reading past it. Unset: the body's sends are not bounded.
+REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("pdserve_request_deadline", default=None)
 
 
 class ClientDisconnected(Exception):
@@ -113,6 +125,12 @@ class SSEResponse(StreamingResponse):
     ``send`` when the app put it in the scope under :data:`RAW_SEND` (no middleware here looks
     at response bodies, and each wrapper costs a coroutine call per chunk); and after the
     first event the body is sent from a task of its own, whose stack is a few frames deep.
+
+    The sends are bounded by the request's deadline (:data:`REQUEST_DEADLINE`): a client that
+    stops reading holds its request (backpressure, down to its gRPC stream) up to there; once
+    past it no event could be sent for ``_STALLED_PAST_DEADLINE_S``, the client is dropped (the
+    body is cut, the iterator closed and ``on_close`` awaited: the request's admission ticket
+    is released), instead of holding the request for as long as the connection lives.
     """
 
     body_iterator: AsyncGenerator[str, None]  # ``events``, as given
@@ -127,11 +145,20 @@ class SSEResponse(StreamingResponse):
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
         self._watch = watch
+        self._sent = 0  # events sent so far
+        self._dropped = False  # stalled past the deadline (``_past_deadline``)
+        self._expiry: asyncio.TimerHandle | None = None
+        self._sender: asyncio.Task[Any] | None = None  # the task that sends the body now
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         watch = self._watch if self._watch is not None else DisconnectWatch(receive)
-        task = watch.attach()
+        task = self._sender = watch.attach()
         pump: asyncio.Task[None] | None = None
+        deadline = REQUEST_DEADLINE.get()
+        if deadline is not None:
+            self._expiry = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()), self._past_deadline, watch, -1
+            )
         try:
             if watch.gone:  # left while the response was being handed over
                 return
@@ -153,15 +180,21 @@ class SSEResponse(StreamingResponse):
                 return
             if await self._send(send_body, first):
                 return
-            pump = asyncio.get_running_loop().create_task(self._pump(send_body, watch))
+            pump = self._sender = asyncio.get_running_loop().create_task(
+                self._pump(send_body, watch)
+            )
             await pump
         except asyncio.CancelledError:
-            if not watch.gone:
+            if not (watch.gone or self._dropped):
                 raise
             task.uncancel()
         except OSError:  # the connection broke under a send
             pass
         finally:
+            if self._expiry is not None:
+                self._expiry.cancel()
+                self._expiry = None
+            self._sender = None
             watch.stop()
             if pump is not None and not pump.done():
                 pump.cancel()
@@ -179,7 +212,29 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": event.encode(), "more_body": False})
             return True
         await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        self._sent += 1
         return False
+
+    def _past_deadline(self, watch: DisconnectWatch, seen: int) -> None:
+        """A timer from the request's deadline on: drop the client when no event could be sent
+        since the last look (``seen`` events sent then; -1 at the deadline), a second ago."""
+        sender = self._sender
+        if sender is None or sender.done() or watch.gone:
+            return
+        if seen < 0 or self._sent != seen:  # still sending (the deadline's error event, or
+            # output the worker had sent before it, to a slow reader): look again
+            self._expiry = asyncio.get_running_loop().call_later(
+                _STALLED_PAST_DEADLINE_S, self._past_deadline, watch, self._sent
+            )
+            return
+        logger.warning(
+            "dropping a client that stopped reading: nothing could be sent for %g s past "
+            "the request's deadline",
+            _STALLED_PAST_DEADLINE_S,
+        )
+        self._dropped = True
+        self._expiry = None
+        sender.cancel()
 
     async def _pump(self, send: Any, watch: DisconnectWatch) -> None:
         """Send the remaining events, then end the body; ends quietly when the client left."""
@@ -190,7 +245,7 @@ class SSEResponse(StreamingResponse):
                     return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not watch.gone:
+            if not (watch.gone or self._dropped):
                 raise
         except OSError:  # the connection broke under a send
             pass

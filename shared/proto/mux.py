@@ -275,14 +275,25 @@ _EOF = object()
 class MuxCall:
     """One request's stream on a :class:`MuxClient` (the ``Generate`` call it stands for)."""
 
-    __slots__ = ("_client", "_done", "_items", "_waiter", "request_id")
+    __slots__ = ("_callbacks", "_client", "_done", "_items", "_waiter", "request_id")
 
     def __init__(self, client: MuxClient, request_id: str) -> None:
         self._client = client
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
+        self._callbacks: list[Callable[[MuxCall], None]] = []
         self.request_id = request_id
+
+    def add_done_callback(self, callback: Callable[[MuxCall], None]) -> None:
+        """``callback(call)`` once the call has ended (at once if it has), as on a
+        ``grpc.aio.Call``: its end from the worker (the chunks before it may still wait to be
+        read), a failure of the shared call, or a cancel. The router gives a request's worker
+        counts back then, not when its consumer reads the end (a stalled client may never)."""
+        if self._done:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
 
     async def read(self) -> Any:
         items = self._items
@@ -313,6 +324,7 @@ class MuxCall:
         self._items.clear()
         self._push(_CANCELLED)
         self._client._cancel(self.request_id)
+        self._ended()
         return True
 
     def done(self) -> bool:
@@ -334,6 +346,15 @@ class MuxCall:
         if not self._done:
             self._done = True
             self._push(item)
+            self._ended()
+
+    def _ended(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception:  # as grpc.aio: one callback's failure does not stop the others
+                logger.exception("done callback of %s failed", self.request_id)
 
 
 def _merged(ups: list[pb.MuxUp]) -> list[pb.MuxUp]:
