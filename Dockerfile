@@ -28,10 +28,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     TOKENIZERS_PARALLELISM=false
 
-# gcc + libc headers: Triton compiles its launcher stubs when a worker starts (CUDA flavor).
+# gcc + libc headers: Triton compiles its launcher stubs when a worker starts (CUDA flavor);
+# g++ + ninja: the CPU kernels (kernels/cpp_build.py) are built at a worker's first start
+# (without them every CPU worker fell back to the torch reference path, with a warning).
 # python3 (+ venv, headers for Triton) only when the base image has none (nvidia/cuda).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev \
+ && apt-get install -y --no-install-recommends ca-certificates gcc g++ libc6-dev ninja-build \
  && if ! command -v python3 >/dev/null 2>&1; then \
       apt-get install -y --no-install-recommends python3 python3-venv python3-dev; \
     fi \

@@ -31,7 +31,7 @@ done
 
 case "${1:-}" in
   up|router|prefill|decode|bench|make-tiny-model) ;;
-  ""|-*) exec pdserve "$@" ;;  # `docker run IMAGE --help`
+  ""|-*|fuzz|chaos|quantize) exec pdserve "$@" ;;  # `docker run IMAGE --help`, the tools
   *) exec "$@" ;;
 esac
 

@@ -9,10 +9,17 @@
 #   * anything else is missing: fail with a message saying how to mount a model.
 set -euo pipefail
 
-# The cluster secret every member proves (docs/deploy.md, Security): made once, random, into
-# the `secrets` volume that the router and the workers mount read-only.
+# The cluster secret every member proves (docs/deploy.md, Security), in the `secrets` volume
+# that the router and the workers mount read-only (--cluster-secret-file, which wins over the
+# variable): $PDSERVE_CLUSTER_SECRET when set (written each time: the file holds the secret in
+# force), else made once, random. Skipping the file when the variable was set left every
+# member failing to start on a fresh volume, and an old file overriding it on a used one.
 secret=${PDSERVE_CLUSTER_SECRET_FILE:-}
-if [ -n "$secret" ] && [ -z "${PDSERVE_CLUSTER_SECRET:-}" ] && [ ! -s "$secret" ]; then
+if [ -n "$secret" ] && [ -n "${PDSERVE_CLUSTER_SECRET:-}" ]; then
+  (umask 077 && printf '%s\n' "$PDSERVE_CLUSTER_SECRET" > "$secret.tmp")
+  mv "$secret.tmp" "$secret"
+  echo "[model-init] wrote PDSERVE_CLUSTER_SECRET to $secret"
+elif [ -n "$secret" ] && [ ! -s "$secret" ]; then
   (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32))' > "$secret.tmp")
   mv "$secret.tmp" "$secret"
   echo "[model-init] wrote a new cluster secret to $secret"

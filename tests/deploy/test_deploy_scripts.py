@@ -181,6 +181,21 @@ def test_other_commands_run_as_given(tmp_path):
     assert proc.returncode == 0 and proc.stdout == "hello\n"
 
 
+@pytest.mark.parametrize("tool", ["quantize", "fuzz", "chaos"])
+def test_pdserve_tools_run_through_pdserve(tmp_path, tool):
+    """``docker run IMAGE quantize ...`` exec'd ``quantize`` as a program (not found)."""
+    proc = subprocess.run(
+        [str(ENTRYPOINT), tool, "--help"],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: pdserve {tool}")
+
+
 def test_empty_ucx_variables_are_dropped(tmp_path):
     proc = subprocess.run(
         [str(ENTRYPOINT), "env"],
@@ -287,6 +302,27 @@ def test_model_init_refuses_a_missing_real_model(tmp_path):
     assert proc.returncode == 1
     assert "MODELS_DIR" in proc.stderr
     assert not (tmp_path / "tiny-llama").exists()
+
+
+def test_model_init_writes_a_given_cluster_secret_into_the_file_members_read(tmp_path):
+    """With ``PDSERVE_CLUSTER_SECRET`` set, model-init wrote no file, but every member reads
+    ``--cluster-secret-file`` (the file wins): on a fresh volume they all failed to start, on a
+    used one an old secret overrode the given one."""
+    model = tmp_path / "real-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    secret = tmp_path / "cluster-secret"
+    secret.write_text("old\n")
+    env = {"MODEL": str(model), "PDSERVE_CLUSTER_SECRET_FILE": str(secret)}
+    proc = _model_init(tmp_path, PDSERVE_CLUSTER_SECRET="s3cret-of-the-user", **env)
+    assert proc.returncode == 0, proc.stderr
+    assert secret.read_text().strip() == "s3cret-of-the-user"
+    assert secret.stat().st_mode & 0o077 == 0
+    secret.unlink()  # without the variable: a random one, made once
+    assert _model_init(tmp_path, **env).returncode == 0
+    made = secret.read_text()
+    assert len(made.strip()) == 64
+    assert _model_init(tmp_path, **env).returncode == 0 and secret.read_text() == made
 
 
 def test_model_init_writes_the_tiny_model_once(tmp_path):
@@ -421,3 +457,13 @@ def test_dockerfile_entrypoint_and_scripts_are_wired():
     for script in (ENTRYPOINT, MODEL_INIT):
         assert os.access(script, os.X_OK), f"{script} is not executable"
         assert script.read_text().startswith("#!/usr/bin/env bash\n")
+
+
+def test_the_image_has_what_the_cpu_kernels_build_with():
+    """``kernels/cpp_build.py`` builds the CPU kernels at a worker's first start with torch's
+    ``cpp_extension`` (a C++ compiler and ninja); the image had only gcc, so every CPU worker
+    in compose and Kubernetes ran the torch reference path. No Docker engine here: the
+    Dockerfile's package list is checked."""
+    text = (ROOT / "Dockerfile").read_text()
+    install = next(line for line in text.splitlines() if "apt-get install" in line)
+    assert {"g++", "ninja-build"} <= set(install.split())

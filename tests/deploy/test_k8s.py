@@ -871,6 +871,10 @@ def test_network_policies_admit_exactly_the_flows_pdserve_uses(target):
         ("prefill", "decode", hi),
         ("decode", "prefill", lo),
         ("decode", "prefill", hi),
+        # the router's /dashboard reads every worker's /metrics (it showed them all "timed
+        # out" in Kubernetes while the policies admitted only Prometheus there)
+        ("router", "decode", decode.metrics_port),
+        ("router", "prefill", prefill.metrics_port),
     ]
     if "redis" in peers:
         port = int(router.redis_url.rsplit(":", 1)[1].split("/")[0])
@@ -891,7 +895,7 @@ def test_network_policies_admit_exactly_the_flows_pdserve_uses(target):
         ("decode", "decode", decode.kv_port),
         ("prefill", "prefill", lo),
         ("outside", "prefill", prefill.metrics_port),
-        ("router", "decode", decode.metrics_port),
+        ("prefill", "decode", decode.metrics_port),
         *refused_redis,
     ]
     for src, dst, port in refused:
