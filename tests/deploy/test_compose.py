@@ -564,3 +564,13 @@ def test_every_compose_setting_is_documented():
     doc = (ROOT / "docs" / "deploy.md").read_text()
     missing = sorted(v for v in _interpolated_variables() if f"`{v}`" not in doc)
     assert not missing, f"docs/deploy.md does not describe {missing}"
+
+
+def test_the_router_stops_within_its_grace_period():
+    """The router's SIGTERM path takes ``--shutdown-timeout`` (10 s) plus up to 5 s of clean-up;
+    compose had no ``stop_grace_period`` for it (Docker's default: 10 s, then SIGKILL)."""
+    from router.config import RouterConfig
+
+    grace = active_services(("cpu",))["router"]["stop_grace_period"]
+    seconds = float(str(grace).rstrip("s"))
+    assert seconds > RouterConfig.shutdown_timeout_s + 5
