@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 _SC = grpc.StatusCode
 _RETRYABLE = {_SC.UNAVAILABLE, _SC.INTERNAL, _SC.UNKNOWN, _SC.ABORTED, _SC.DATA_LOSS, _SC.CANCELLED}
 _BAD_INPUT = {_SC.INVALID_ARGUMENT, _SC.OUT_OF_RANGE, _SC.FAILED_PRECONDITION}
+# the worker refuses this router (another cluster secret, a build without GenerateMux): no
+# request will do better there; another worker may serve it, and this one cools down
+_REFUSES_US = {_SC.UNAUTHENTICATED, _SC.PERMISSION_DENIED, _SC.UNIMPLEMENTED}
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,6 +637,11 @@ class GenerationStream:
             return _Retryable(f"worker at capacity: {details}", overloaded=True)
         if code in _RETRYABLE:
             return _Retryable(f"{code.name}: {details}")
+        if code in _REFUSES_US and not got_output:
+            return _Retryable(
+                f"{code.name}: {details} (the worker refuses this router: check "
+                "--cluster-secret-file and that both run the same pdserve)"
+            )
         if code in _BAD_INPUT and not got_output and not any(self.tokens):
             return InvalidRequestError(f"the decode worker rejected the request: {details}")
         return UpstreamError(f"the decode worker failed: {code.name}: {details}")

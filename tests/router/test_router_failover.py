@@ -139,6 +139,26 @@ def test_failure_before_first_token_retries_on_another_worker(
     assert r.metric("pdserve:router_retries_total") == 1
 
 
+@pytest.mark.parametrize("code", ["UNAUTHENTICATED", "PERMISSION_DENIED", "UNIMPLEMENTED"])
+def test_a_worker_that_refuses_the_router_is_skipped_and_cooled_down(
+    make_worker, make_router, router_config, code
+):
+    """A worker with another cluster secret (or without an RPC) answered every request with a
+    502 and stayed in the rotation; another worker can serve them."""
+    refuses = make_worker("refuses", fail_requests=99, fail_code=code)
+    good = make_worker("good", report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(2)
+    r.wait_waiting("good", 3)  # so the refusing one is picked first
+    for prompt in ("one", "two"):
+        out = r.openai().completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.completion_tokens == 3
+    assert r.metric("pdserve:router_retries_total") == 1  # the second went to `good` at once
+    assert good.stats().prefix_cache_queries == 2 and refuses.stats().prefix_cache_queries == 0
+
+
 def test_stalled_worker_is_abandoned_and_the_stream_resumed(
     make_worker, make_router, router_config, tok
 ):
