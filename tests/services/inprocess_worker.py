@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from decode_service.server import DecodeServicer
@@ -14,12 +16,11 @@ from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.worker.service import WorkerRuntime, add_worker_cli_args, serve_worker
 
 
-def decode_runtime(
-    model_dir: Path, redis_url: str, worker_id: str, ready: Path, prefix: str, *flags: str
-) -> tuple[WorkerRuntime, DecodeServicer]:
-    """A decode runtime (64 blocks, 512 tokens) registering under ``prefix``, and its servicer."""
+def standalone_runtime(model_dir: Path, role: str, *flags: str) -> WorkerRuntime:
+    """A ``role`` worker's runtime (64 blocks, 512 tokens; no registry unless ``flags`` name
+    one), its engine loop not started."""
     parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
+    add_worker_cli_args(parser, role)
     args = parser.parse_args(
         [
             "--model",
@@ -28,18 +29,69 @@ def decode_runtime(
             "64",
             "--max-model-len",
             "512",
-            "--redis-url",
-            redis_url,
-            "--worker-id",
-            worker_id,
-            "--ready-file",
-            str(ready),
-            "--directory-prefix",
-            prefix,
             *flags,
         ]
     )
-    rt = WorkerRuntime("decode", args)
+    return WorkerRuntime(role, args)
+
+
+@contextlib.contextmanager
+def running_runtime(model_dir: Path, role: str, *flags: str) -> Iterator[WorkerRuntime]:
+    """:func:`standalone_runtime` with its engine loop running (stopped on exit)."""
+    rt = standalone_runtime(model_dir, role, *flags)
+    rt.loop.start()
+    try:
+        yield rt
+    finally:
+        rt.loop.stop()
+
+
+class RejectingContext:
+    """A servicer context for calls expected to succeed: an abort fails the test."""
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        raise AssertionError(f"aborted with {code}: {details}")
+
+
+class Aborted(Exception):
+    """What :class:`AbortingContext` raises: ``args`` are the call's code and details."""
+
+
+class AbortingContext:
+    """A servicer context whose abort ends the call as gRPC's does (an exception)."""
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        raise Aborted(code, details)
+
+
+async def collect(servicer, req) -> tuple[list, object]:
+    """A decode ``Generate`` call's chunks and how it ended ("OK", or the abort's code)."""
+    chunks = []
+    try:
+        async for c in servicer.Generate(req, AbortingContext()):
+            chunks.append(c)
+        return chunks, "OK"
+    except Aborted as e:
+        return chunks, e.args[0]
+
+
+def decode_runtime(
+    model_dir: Path, redis_url: str, worker_id: str, ready: Path, prefix: str, *flags: str
+) -> tuple[WorkerRuntime, DecodeServicer]:
+    """A decode runtime (64 blocks, 512 tokens) registering under ``prefix``, and its servicer."""
+    rt = standalone_runtime(
+        model_dir,
+        "decode",
+        "--redis-url",
+        redis_url,
+        "--worker-id",
+        worker_id,
+        "--ready-file",
+        str(ready),
+        "--directory-prefix",
+        prefix,
+        *flags,
+    )
     receiver = create_receiver(
         "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
     )

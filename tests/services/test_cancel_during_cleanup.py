@@ -13,7 +13,6 @@ without the second cancel.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import threading
@@ -28,16 +27,7 @@ from prefill_service.server import PrefillServicer
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.mux import serve_mux
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
-
-
-def _runtime(model, role):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, role)
-    args = parser.parse_args(
-        ["--model", str(model), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    return WorkerRuntime(role, args)
+from tests.services.inprocess_worker import standalone_runtime
 
 
 async def _settle(done, timeout: float = 10.0) -> None:
@@ -62,7 +52,7 @@ async def _engine_settled(rt, value, timeout: float = 10.0):
 
 @pytest.fixture
 def runtime(tiny_llama):
-    rt = _runtime(tiny_llama, "decode")
+    rt = standalone_runtime(tiny_llama, "decode")
     rt.loop.start()
     yield rt
     rt.loop.stop()
@@ -70,7 +60,7 @@ def runtime(tiny_llama):
 
 @pytest.fixture
 def prefill_runtime(tiny_llama):
-    rt = _runtime(tiny_llama, "prefill")
+    rt = standalone_runtime(tiny_llama, "prefill")
     rt.loop.start()
     yield rt
     rt.loop.stop()

@@ -12,7 +12,6 @@ a Prefill call and a posted receive appear for the aborted request.)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import pytest
@@ -20,12 +19,7 @@ import pytest
 from decode_service.server import DecodeServicer
 from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
-
-
-class _Context:
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise AssertionError(f"aborted with {code}: {details}")
+from tests.services.inprocess_worker import RejectingContext, running_runtime
 
 
 class _RecordingPrefill:
@@ -39,15 +33,8 @@ class _RecordingPrefill:
 
 @pytest.fixture
 def runtime(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("decode", args)
-    rt.loop.start()
-    yield rt
-    rt.loop.stop()
+    with running_runtime(tiny_llama, "decode") as rt:
+        yield rt
 
 
 def test_abort_while_the_remote_prefill_starts_posts_nothing_and_leaks_nothing(runtime):
@@ -95,7 +82,7 @@ def test_abort_while_the_remote_prefill_starts_posts_nothing_and_leaks_nothing(r
             sampling=pb.SamplingParams(temperature=0, max_tokens=4),
             prefill_address="127.0.0.1:9",
         )
-        stream = servicer.Generate(req, _Context())
+        stream = servicer.Generate(req, RejectingContext())
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.wait_for(admitted.wait(), 10)
         first.cancel()  # the client goes away

@@ -7,7 +7,6 @@ not on time."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import pytest
@@ -16,27 +15,15 @@ from decode_service.server import DecodeServicer
 from kvtransfer import LoopbackNetwork, create_receiver
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import RejectingContext, running_runtime
 
 pytestmark = pytest.mark.integration
 
 
-class _Context:
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise AssertionError(f"aborted with {code}: {details}")
-
-
 @pytest.fixture
 def runtime(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("decode", args)
-    rt.loop.start()
-    yield rt
-    rt.loop.stop()
+    with running_runtime(tiny_llama, "decode") as rt:
+        yield rt
 
 
 def test_abort_hands_the_engine_only_distinct_indices_of_the_request(runtime):
@@ -63,7 +50,7 @@ def test_abort_hands_the_engine_only_distinct_indices_of_the_request(runtime):
                 n=n, max_tokens=400, temperature=1.0, seed=1, ignore_eos=True
             ),
         )
-        stream = servicer.Generate(req, _Context())
+        stream = servicer.Generate(req, RejectingContext())
         try:
             first = await asyncio.wait_for(stream.__anext__(), 30)
             assert not first.finished

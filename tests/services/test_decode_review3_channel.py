@@ -10,7 +10,6 @@ cancelled under it) falls back to a local prefill like any other failure of P.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import grpc
@@ -21,39 +20,15 @@ from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.security import ClusterSecurity
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import collect, standalone_runtime
 
 pytestmark = pytest.mark.integration
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise _Aborted(code, details)
-
-
-async def _collect(servicer, req) -> tuple[list, object]:
-    chunks = []
-    try:
-        async for c in servicer.Generate(req, _Context()):
-            chunks.append(c)
-        return chunks, "OK"
-    except _Aborted as e:
-        return chunks, e.args[0]
 
 
 @pytest.fixture
 def runtime(tiny_llama, monkeypatch):
     monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("decode", args)
+    rt = standalone_runtime(tiny_llama, "decode")
     rt.security = ClusterSecurity.from_environ({})
     rt.loop.start()
     yield rt
@@ -113,13 +88,13 @@ def test_a_refused_call_does_not_cancel_the_others_on_its_channel(runtime):
             )
 
         try:
-            a = asyncio.ensure_future(_collect(servicer, req("A")))
+            a = asyncio.ensure_future(collect(servicer, req("A")))
             for _ in range(400):  # A's Prefill call is on the channel
                 if servicer.channels:
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)
-            chunks_b, status_b = await asyncio.wait_for(_collect(servicer, req("B")), 20)
+            chunks_b, status_b = await asyncio.wait_for(collect(servicer, req("B")), 20)
             assert status_b == "OK" and chunks_b[-1].finished
             assert addr not in servicer.channels  # B's UNAVAILABLE dropped the channel
             assert not a.done() and not a_cancelled_on_p, "A's call was cancelled by B's drop"
@@ -177,7 +152,7 @@ def test_a_prefill_call_cancelled_under_the_request_falls_back_locally(runtime):
             deadline_s=15.0,
         )
         try:
-            chunks, status = await asyncio.wait_for(_collect(servicer, req), 30)
+            chunks, status = await asyncio.wait_for(collect(servicer, req), 30)
             assert prefill.calls == 1
             assert status == "OK", f"ended {status} (the request waited for KV that never came)"
             assert chunks[-1].finished and chunks[-1].timings.path == "fallback"

@@ -7,7 +7,6 @@ in the servicer. Asserted on events (the stall is 6 s against a 0.5 s deadline),
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import threading
 
@@ -17,43 +16,17 @@ import pytest
 from decode_service.server import DecodeServicer
 from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import collect, running_runtime
 
 pytestmark = pytest.mark.integration
 
 STALL_S = 6.0
 
 
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise _Aborted(code, details)
-
-
-async def _collect(servicer, req) -> tuple[list, object]:
-    chunks = []
-    try:
-        async for c in servicer.Generate(req, _Context()):
-            chunks.append(c)
-        return chunks, "OK"
-    except _Aborted as e:
-        return chunks, e.args[0]
-
-
 @pytest.fixture
 def runtime(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("decode", args)
-    rt.loop.start()
-    yield rt
-    rt.loop.stop()
+    with running_runtime(tiny_llama, "decode") as rt:
+        yield rt
 
 
 def _servicer(rt) -> tuple[DecodeServicer, object]:
@@ -115,7 +88,7 @@ def test_the_deadline_bounds_the_wait_for_admission(runtime, added):
             rt.loop.submit(stall)
             assert await asyncio.to_thread(stalling.wait, 30)
         try:
-            chunks, status = await asyncio.wait_for(_collect(servicer, _request("r")), 30)
+            chunks, status = await asyncio.wait_for(collect(servicer, _request("r")), 30)
             stalled_still = not stall_ended.is_set()
             stall_over.set()
             assert stalling.is_set()
@@ -148,7 +121,7 @@ def test_the_deadline_bounds_the_grammar_compile(runtime):
         servicer, receiver = _servicer(rt)
         req = _request("g", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
         try:
-            chunks, status = await asyncio.wait_for(_collect(servicer, req), 30)
+            chunks, status = await asyncio.wait_for(collect(servicer, req), 30)
             compiled_still = not compile_ended.is_set()
             compile_over.set()
             assert compiling.is_set()

@@ -7,7 +7,6 @@ gaps, all positive, whether the stream reads every step as it comes or several a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import pytest
@@ -15,29 +14,17 @@ import pytest
 from decode_service.server import DecodeServicer
 from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import RejectingContext, running_runtime
 
 pytestmark = pytest.mark.integration
 
 N, TOKENS = 4, 6
 
 
-class _Context:
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise AssertionError(f"aborted with {code}: {details}")
-
-
 @pytest.fixture
 def runtime(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("decode", args)
-    rt.loop.start()
-    yield rt
-    rt.loop.stop()
+    with running_runtime(tiny_llama, "decode") as rt:
+        yield rt
 
 
 @pytest.mark.parametrize("reader", ["prompt", "slow"])
@@ -75,7 +62,7 @@ def test_one_positive_gap_per_sample_per_step(runtime, reader):
         )
         chunks = []
         try:
-            async for c in servicer.Generate(req, _Context()):
+            async for c in servicer.Generate(req, RejectingContext()):
                 chunks.append(c)
                 if reader == "slow":
                     await asyncio.sleep(0.3)

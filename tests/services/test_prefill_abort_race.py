@@ -13,7 +13,6 @@ request is aborted and every block comes back.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import threading
@@ -24,25 +23,13 @@ import pytest
 from kvtransfer import LoopbackNetwork, create_receiver, create_sender
 from prefill_service.server import PrefillServicer
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
-
-
-class _Context:
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise AssertionError(f"aborted with {code}: {details}")
+from tests.services.inprocess_worker import RejectingContext, running_runtime
 
 
 @pytest.fixture
 def runtime(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "prefill")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("prefill", args)
-    rt.loop.start()
-    yield rt
-    rt.loop.stop()
+    with running_runtime(tiny_llama, "prefill") as rt:
+        yield rt
 
 
 @pytest.mark.parametrize("release", ["before_resume", "after_cancel"])
@@ -90,7 +77,7 @@ def test_cancel_while_the_engine_admits_the_prompt_leaks_nothing(runtime, releas
             dst_block_ids=dst_blocks,
             transfer_id="t1",
         )
-        call = asyncio.ensure_future(servicer.Prefill(req, _Context()))
+        call = asyncio.ensure_future(servicer.Prefill(req, RejectingContext()))
         assert await asyncio.to_thread(entered.wait, 10), "add_request never ran"
         if release == "before_resume":
             admitted = submitted[-1]

@@ -15,7 +15,6 @@ The engine is stalled with events, never with timing, and the hang is declared a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import threading
@@ -29,18 +28,9 @@ from kvtransfer.errors import KVTransferError
 from prefill_service.server import PrefillServicer
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import standalone_runtime
 
 WAIT_S = 30.0  # generous: a loaded 2-core CI machine
-
-
-def _runtime(model):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "prefill")
-    args = parser.parse_args(
-        ["--model", str(model), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    return WorkerRuntime("prefill", args)
 
 
 class _Gate:
@@ -61,7 +51,7 @@ class _Gate:
 
 @pytest.fixture
 def prefill_runtime(tiny_llama):
-    rt = _runtime(tiny_llama)
+    rt = standalone_runtime(tiny_llama, "prefill")
     releases: list[threading.Event] = []
     rt.test_releases = releases  # events the teardown sets (a stuck step or command)
     rt.loop.start()

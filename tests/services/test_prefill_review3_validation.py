@@ -6,7 +6,6 @@ token ids outside the vocabulary, was refused RESOURCE_EXHAUSTED (the decode wor
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 from prefill_service.server import PrefillServicer
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import pdserve_pb2 as pb
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import standalone_runtime
 
 
 class _Handle:
@@ -57,28 +56,10 @@ class _Context:
         raise _Aborted(code, details)
 
 
-def _runtime(model):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "prefill")
-    args = parser.parse_args(
-        [
-            "--model",
-            str(model),
-            "--num-gpu-blocks-override",
-            "64",
-            "--max-model-len",
-            "512",
-            "--max-waiting-requests",
-            "1",
-        ]
-    )
-    return WorkerRuntime("prefill", args)
-
-
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "one-waiting"])
 @pytest.mark.parametrize("bad", ["too-long", "out-of-vocab"])
 def test_an_invalid_prompt_is_invalid_argument_even_when_requests_wait(tiny_llama, busy, bad):
-    rt = _runtime(tiny_llama)
+    rt = standalone_runtime(tiny_llama, "prefill", "--max-waiting-requests", "1")
     vocab = rt.engine.model_config.vocab_size
     prompt = list(range(5, 5 + 600)) if bad == "too-long" else [5, 6, vocab + 7]
     bs = rt.engine.block_size

@@ -3,25 +3,19 @@ every step, so the queue grew with every block stored or evicted for the life of
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import pytest
 
 from shared.engine.sampling_params import SamplingParams
-from shared.worker.service import WorkerRuntime, add_worker_cli_args
+from tests.services.inprocess_worker import standalone_runtime
 
 pytestmark = pytest.mark.integration
 
 
 def test_without_a_registry_no_kv_event_is_kept(tiny_llama):
-    parser = argparse.ArgumentParser()
-    add_worker_cli_args(parser, "decode")
-    args = parser.parse_args(
-        ["--model", str(tiny_llama), "--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    )
-    rt = WorkerRuntime("decode", args)
-    assert not args.redis_url
+    rt = standalone_runtime(tiny_llama, "decode")
+    assert not rt.args.redis_url
     made: list[int] = []
     take = rt.engine.take_kv_events
 
