@@ -372,6 +372,10 @@ class GenerationStream:
         self._aborts: set[asyncio.Task[Any]] = set()
         self._call: grpc.aio.Call | MuxCall | None = None  # the attempt's stream, while it runs
         self._leaving = False  # the client left: stop at the next message (client_left)
+        # prompt tokens served from a prefix cache, as the worker that processed the prompt
+        # reported them; a resumed attempt's count covers the prompt plus the tokens it was
+        # resumed with (its engine's prompt), so it is not the request's
+        self.cached_tokens: int | None = None
 
     def finish(self, index: int) -> None:
         """The consumer ended sample ``index`` (a stop string matched). With other samples
@@ -469,7 +473,9 @@ class GenerationStream:
                             record.worker_id, str(e), generation=record.generation
                         )
                     if len(self.finished) >= self.n:  # every sample had ended; only the final
-                        yield StreamEnd(self.path, record.worker_id, None)  # chunk was lost
+                        yield StreamEnd(
+                            self.path, record.worker_id, self.cached_tokens
+                        )  # chunk lost
                         return
                     self.attempts += 1
                     if self.attempts > self.d.cfg.max_retries:
@@ -545,7 +551,6 @@ class GenerationStream:
         self._call = call
         done = False
         got_output = False
-        cached: int | None = None  # prompt tokens D found cached (its usage)
         dog = _Watchdog(call, self.inp.deadline, self.d.cfg.stall_timeout_s)
         n, finished, tokens, want_lp = self.n, self.finished, self.tokens, self._want_logprobs
         try:
@@ -570,8 +575,10 @@ class GenerationStream:
                     if dog.why:
                         raise dog.error()
                     raise _Retryable("the stream ended before the request finished")
-                if chunk.HasField("usage"):  # the first tokens' chunk and the last
-                    cached = chunk.usage.cached_tokens
+                if chunk.HasField("usage") and count_hit:  # the first tokens' chunk, the last
+                    self.cached_tokens = min(
+                        chunk.usage.cached_tokens, len(self.inp.prompt_token_ids)
+                    )
                 if (
                     self._want_prompt_logprobs
                     and self.prompt_logprobs is None
@@ -614,10 +621,14 @@ class GenerationStream:
                     done = True
                     self.path = chunk.timings.path or decision.path
                     timings = chunk.timings if chunk.HasField("timings") else None
-                    yield StreamEnd(self.path, chunk.worker_id or record.worker_id, cached, timings)
+                    yield StreamEnd(
+                        self.path, chunk.worker_id or record.worker_id, self.cached_tokens, timings
+                    )
                     return
                 if self._finished_here and len(self.finished) >= self.n:
-                    yield StreamEnd(self.path or decision.path, record.worker_id, cached)
+                    yield StreamEnd(
+                        self.path or decision.path, record.worker_id, self.cached_tokens
+                    )
                     return
         finally:
             self._live = None

@@ -170,8 +170,12 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             k = sp.logprobs if sp.HasField("logprobs") else None
             stop_ids = set(sp.stop_token_ids)
             key = prompt_key(prompt)
+            # as the engine: a resumed sample's prompt is the prompt plus the tokens it had
+            cached_ids = (
+                prompt + list(request.resume[0].token_ids) if n == 1 and request.resume else prompt
+            )
             hashes = block_hashes(
-                prompt, a.block_size, hash_seed(a.model, request.cache_salt or None)
+                cached_ids, a.block_size, hash_seed(a.model, request.cache_salt or None)
             )
             cached_blocks = self._cache_prompt(hashes)
             self.hits += cached_blocks > 0
@@ -182,7 +186,7 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             live = {i for i in range(n) if pos[i] < max_tokens and i not in ended}
             if a.first_token_delay:
                 await asyncio.sleep(a.first_token_delay)
-            cached = min(cached_blocks * a.block_size, len(prompt) - 1)
+            cached = min(cached_blocks * a.block_size, len(cached_ids) - 1)
             first = True
             while live:
                 if ending.is_set():

@@ -306,3 +306,34 @@ def test_deadline_mid_stream_ends_with_an_error_event(make_worker, make_router, 
     assert data[-1] == "[DONE]"
     assert json.loads(data[-2])["error"]["code"] == "request_timeout"
     assert 1 <= len(data) - 2 <= 7  # some tokens came before the deadline
+
+
+def test_cached_tokens_after_a_resume_are_the_prompts(make_worker, make_router, router_config):
+    """A resumed attempt's worker counts its cache over the prompt plus the tokens it resumed
+    with (its engine's prompt): the usage's ``cached_tokens`` stays the count of the worker
+    that processed the prompt, never more than ``prompt_tokens`` (it was 16 of 10 here)."""
+    backup = make_worker("backup", token_delay=0.01, report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(1)
+    prompt = list(range(5, 15))  # 10 tokens: no full block, so no prefix hit routes it
+    expected, _ = fw.expected_output(prompt, max_tokens=40, vocab=2048, ignore_eos=True)
+    client = r.openai()
+    # the backup holds the first block of the prompt plus its first 7 tokens
+    client.completions.create(model=MODEL_NAME, prompt=prompt + expected[:7], max_tokens=1)
+    make_worker("doomed", token_delay=0.01, die_after_tokens=7)
+    r.wait_workers(2)
+    r.wait_waiting("backup", 3)  # so the doomed one is picked first
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert r.metric("pdserve:router_retries_total") == 1  # it was resumed on the backup
+    assert backup.stats().prefix_cache_hits == 1  # ... which found 16 tokens cached
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == 10 and usage.completion_tokens == 40
+    assert usage.prompt_tokens_details.cached_tokens == 0  # the doomed worker's count
