@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -235,3 +237,44 @@ def router_with_one_worker(
         if router is not None:
             router.stop()
         worker.stop()
+
+
+# A streamed request too big to sit in the sockets' buffers: 8 samples x 3000 tokens x ~600 B
+# of SSE (20 top logprobs) is ~14 MB, more than the kernel buffers (up to 4 MiB each way) hold,
+# so the router's sends block on a client that stops reading.
+SLOW_READER_BODY = {
+    "model": MODEL_NAME,
+    "prompt": "slow reader",
+    "max_tokens": 3000,
+    "stream": True,
+    "n": 8,
+    "logprobs": 20,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+def stalled_stream(port: int, body: dict) -> tuple[socket.socket, bytes]:
+    """POST a streaming request over a socket with a 4 KiB receive buffer and read its first
+    bytes; the caller then stops reading for as long as it likes (returns the socket and what
+    was read)."""
+    payload = json.dumps(body).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+        + payload
+    )
+    return s, s.recv(4096)
+
+
+def read_to_end(s: socket.socket, timeout: float = 60) -> bytes:
+    """The rest of a :func:`stalled_stream`'s response; closes the socket."""
+    s.settimeout(timeout)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    return data

@@ -5,14 +5,12 @@ request goes on."""
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from dataclasses import replace
 
 import httpx
 import pytest
-from router_harness import MODEL_NAME
+from router_harness import MODEL_NAME, SLOW_READER_BODY, read_to_end, stalled_stream
 
 pytestmark = pytest.mark.integration
 
@@ -25,26 +23,13 @@ def router_config(router_config, request):
 
 
 def _slow_stream(port: int, body: dict, pause_s: float) -> tuple[bytes, float]:
-    """POST a streaming request over a socket with a 4 KiB receive buffer, read the first few
-    KiB, stop reading for ``pause_s`` (the router's send buffer and ours fill up), then read to
-    the end; returns (the whole body, seconds)."""
-    payload = json.dumps(body).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-        + payload
-    )
+    """Read the first few KiB of a streamed request, stop reading for ``pause_s`` (the
+    router's send buffer and ours fill up), then read to the end; returns (the whole body,
+    seconds)."""
     t0 = time.monotonic()
-    data = s.recv(4096)
+    s, data = stalled_stream(port, body)
     time.sleep(pause_s)
-    s.settimeout(60)
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    return data, time.monotonic() - t0
+    return data + read_to_end(s), time.monotonic() - t0
 
 
 def test_a_client_that_stops_reading_does_not_fail_its_worker(
@@ -53,19 +38,7 @@ def test_a_client_that_stops_reading_does_not_fail_its_worker(
     make_worker("steady")
     r = make_router(replace(router_config, stall_timeout_s=1.0, max_model_len=None))
     r.wait_workers(1)
-    # 8 samples x 3000 tokens x ~600 B of SSE (20 top logprobs): ~14 MB, more than the
-    # kernel buffers (up to 4 MiB each way) hold
-    body = {
-        "model": MODEL_NAME,
-        "prompt": "slow reader",
-        "max_tokens": 3000,
-        "stream": True,
-        "n": 8,
-        "logprobs": 20,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    raw, seconds = _slow_stream(r.port, body, pause_s=4.0)
+    raw, seconds = _slow_stream(r.port, SLOW_READER_BODY, pause_s=4.0)
     text = raw.decode(errors="replace")
     assert seconds >= 4.0
     assert "data: [DONE]" in text[-200:], text[-300:]  # (the body is chunked)

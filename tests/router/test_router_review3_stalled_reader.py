@@ -6,53 +6,14 @@ its admission ticket (``--max-inflight-requests``)."""
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 from dataclasses import replace
 
 import httpx
 import pytest
-from router_harness import MODEL_NAME
+from router_harness import MODEL_NAME, SLOW_READER_BODY, read_to_end, stalled_stream
 
 pytestmark = pytest.mark.integration
-
-# 8 samples x 3000 tokens x ~600 B of SSE (20 top logprobs): ~14 MB, more than the kernel
-# buffers (up to 4 MiB each way) hold, so the router's sends block on a client that stops
-BIG = {
-    "model": MODEL_NAME,
-    "prompt": "slow reader",
-    "max_tokens": 3000,
-    "stream": True,
-    "n": 8,
-    "logprobs": 20,
-    "temperature": 0,
-    "ignore_eos": True,
-}
-
-
-def _stalled_stream(port: int, body: dict) -> tuple[socket.socket, bytes]:
-    """POST a streaming request over a socket with a 4 KiB receive buffer and read its first
-    bytes; the caller then stops reading (returns the socket and what was read)."""
-    payload = json.dumps(body).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-        + payload
-    )
-    return s, s.recv(4096)
-
-
-def _read_all(s: socket.socket) -> bytes:
-    s.settimeout(60)
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    s.close()
-    return data
 
 
 def _pool_state(r, wid: str) -> tuple[int, int, int]:
@@ -88,7 +49,7 @@ def test_a_stalled_reader_releases_its_worker_once_the_worker_is_done(
     r.wait_workers(2)
     pool = r.ctx.dispatcher.pool
     # the big request first, on whichever worker the policy picks
-    s, first = _stalled_stream(r.port, BIG)
+    s, first = stalled_stream(r.port, SLOW_READER_BODY)
     assert first.startswith(b"HTTP/1.1 200"), first[:200]
     busy = next(
         (wid for wid in ("d0", "d1") if pool.inflight(wid)), "d0" if w0.stats().running else "d1"
@@ -118,7 +79,7 @@ def test_a_stalled_reader_releases_its_worker_once_the_worker_is_done(
         assert went[0] > 0, f"every short request avoided {busy}: {went}"
         assert r.ctx.inflight == 1
     finally:
-        raw = _read_all(s)
+        raw = read_to_end(s)
     text = (first + raw).decode(errors="replace")
     assert "data: [DONE]" in text[-200:], text[-300:]  # the stalled client still gets it all
     assert not [ln for ln in text.splitlines() if ln.startswith('data: {"error"')]
@@ -146,7 +107,7 @@ def test_a_reader_stalled_past_the_deadline_is_dropped(
         )
     )
     r.wait_workers(1)
-    s, first = _stalled_stream(r.port, BIG)
+    s, first = stalled_stream(r.port, SLOW_READER_BODY)
     try:
         assert first.startswith(b"HTTP/1.1 200"), first[:200]
         _wait(
@@ -173,6 +134,6 @@ def test_a_reader_stalled_past_the_deadline_is_dropped(
         assert r.metric("pdserve:router_retries_total") == 0
         assert httpx.get(f"{r.url}/health", timeout=10).json()["decode_workers"] == 1
     finally:
-        raw = _read_all(s)
+        raw = read_to_end(s)
     assert b"data: [DONE]" not in raw[-200:]  # dropped: the body was cut
     assert _served(r, "d0") == 2
