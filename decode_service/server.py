@@ -173,6 +173,10 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             deadline = arrived + request.deadline_s if request.deadline_s > 0 else None
             params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
             resume, resume_finished = resume_from_proto(request.resume, params.n)
+            # the engine's own checks (add_request's), here before the admission check: with
+            # requests waiting it refused an invalid prompt RESOURCE_EXHAUSTED (and before
+            # that the call waited its turn on the engine thread)
+            rt.engine.validate_prompt(request.prompt_token_ids, params)
             if params.structured_outputs is not None:  # compiled here, not on the engine thread
                 compiled = asyncio.ensure_future(
                     asyncio.to_thread(rt.engine.compile_grammar, params)
@@ -191,7 +195,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already in flight"
             )
-        prompt = request.prompt_token_ids  # validated (and copied) by add_request
+        prompt = request.prompt_token_ids  # validated above, and again (copied) by add_request
         # prompt logprobs need the prompt's logits: computed here, whatever the router said
         remote = bool(request.prefill_address) and resume is None and params.prompt_logprobs is None
         eid = f"{rid}@{next(self._serial)}"

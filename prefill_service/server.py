@@ -20,7 +20,7 @@ import time
 import grpc
 
 from kvtransfer.handles import SendHandle
-from shared.engine import EngineCore, InvalidRequestError, PromptTooLongError
+from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import RemoteDecodeParams
 from shared.engine.outputs import EngineCoreOutput, FailureKind, RequestFailure
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -125,9 +125,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 )
             if not prompt:
                 raise WireError("the prompt is empty", "prompt_token_ids")
-            # the engine's own checks, here before the admission check (which refused an
-            # invalid prompt RESOURCE_EXHAUSTED while requests waited)
-            _check_prompt(rt.engine, prompt)
+            params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
+            # the engine's own checks (add_request's), here before the admission check, which
+            # refused an invalid prompt RESOURCE_EXHAUSTED while requests waited
+            rt.engine.validate_prompt(prompt, params)
             if first >= n_blocks or len(dst) != n_blocks - first:
                 raise WireError(
                     f"block range mismatch: prompt of {len(prompt)} tokens has {n_blocks} blocks "
@@ -135,7 +136,6 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     f"destination blocks, got {len(dst)}",
                     "dst_block_ids",
                 )
-            params = sampling_from_proto(request.sampling, rt.engine.args.max_logprobs)
             if params.structured_outputs is not None:  # compiled here, not on the engine thread
                 await asyncio.to_thread(rt.engine.compile_grammar, params)
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
@@ -400,23 +400,6 @@ def _retrieved(fut: asyncio.Future) -> None:
 def _unpin_all(rt: WorkerRuntime, handle: SendHandle, pins: list[int]) -> None:
     for pin_id in pins:
         unpin_when_terminal(rt.loop, handle, pin_id)
-
-
-def _check_prompt(engine: EngineCore, prompt) -> None:
-    """``EngineCore.add_request``'s prompt checks (same messages), on the event loop."""
-    mc = engine.model_config
-    if len(prompt) >= mc.max_model_len:
-        raise PromptTooLongError(
-            f"prompt has {len(prompt)} tokens; the model's maximum context length "
-            f"is {mc.max_model_len} (prompt + at least one output token must fit)",
-            "prompt",
-        )
-    vocab = mc.vocab_size
-    if max(prompt) >= vocab:  # (uint32 on the wire: never negative)
-        bad = next(t for t in prompt if t >= vocab)
-        raise InvalidRequestError(
-            f"prompt: token ids must be in [0, {vocab}), got {bad!r}", "prompt"
-        )
 
 
 def _first_token(out: EngineCoreOutput) -> pb.FirstToken:
