@@ -209,6 +209,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         self.by_engine_id[eid] = flight
         rt.inflight += 1
         finished = False
+        counted = False
         timer: asyncio.TimerHandle | None = None
         added: concurrent.futures.Future | None = None
         try:
@@ -247,7 +248,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE, str(e), failure_metadata(FAILURE_ENGINE)
                 )
-            rt.metrics.path(flight.path)
+            counted = True  # its path, once known: in the ``finally`` (a fallback changes it)
             if deadline is not None:  # one timer, not a wait_for per message (~23 us each)
                 timer = asyncio.get_running_loop().call_later(
                     max(0.0, deadline - time.monotonic()), flight.queue.put_nowait, _DEADLINE
@@ -286,6 +287,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     wait = added is not None and added.done() and not added.cancelled()
                     await asyncio.shield(self._abort(eid, flight, wait))
             finally:
+                if counted:
+                    rt.metrics.path(flight.path)
                 if self.flights.get(rid) is flight:
                     del self.flights[rid]
                 self.by_engine_id.pop(eid, None)
@@ -392,7 +395,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             metrics = self.rt.metrics
             if flight.first_token_time is None:
                 flight.first_token_time = now
-                metrics.ttft.observe(now - flight.arrival)
+                if not flight.request.resume:  # a resumed request's first token came earlier,
+                    metrics.ttft.observe(now - flight.arrival)  # on the worker that failed
             ahead = 1  # this output and the sample's later ones in the batch
             if pending is not None:
                 ahead = pending[i] or 1

@@ -212,7 +212,7 @@ class WorkerMetrics:
         )
         self.paths = Counter(
             "pdserve:decode_prefill_path",
-            "Requests by prefill path.",
+            "Requests by prefill path (local, disagg, fallback: a remote prefill done here after all), counted as they end.",
             labelnames=names + ["path"],
             registry=self.registry,
         )
