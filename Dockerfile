@@ -50,8 +50,13 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch${TORCH_VERSION:+==${TORC
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# The CPU image must keep the CPU torch: a dependency that asked for another torch version
+# would have pip replace it with PyPI's, on Linux x86_64 the multi-GB CUDA build.
 RUN pip install -e '.[engine,nixl]' \
- && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+ && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+ && case "${TORCH_INDEX_URL%/}" in \
+      */whl/cpu) python -c "import sys, torch; sys.exit(torch.version.cuda and 'CPU image, but torch ' + torch.__version__ + ' is a CUDA build')" ;; \
+    esac
 
 COPY . .
 RUN pip install --no-deps -e . \

@@ -246,6 +246,25 @@ def test_gpu_and_cpu_workers_differ_only_where_they_should():
         assert base == [a for a in command(cpu) if a != "cpu"]
 
 
+def test_worker_threads_come_from_one_setting():
+    """A CPU worker's torch threads (PDSERVE_NUM_THREADS) and its OpenMP pools (OMP_NUM_THREADS)
+    are one setting; GPU workers cap torch's CPU threads, which would otherwise be one per host
+    core in every replica. No CPU quota unless it equals the threads (docs/deploy.md)."""
+    for env, cpu_threads, gpu_threads in (
+        ({}, "2", "4"),
+        ({"PDSERVE_NUM_THREADS": "3", "PDSERVE_GPU_NUM_THREADS": "6"}, "3", "6"),
+    ):
+        services = active_services(("cpu", "gpu"), **env)
+        for name in CPU_WORKERS:
+            svc = services[name]
+            got = svc["environment"]
+            assert got["PDSERVE_NUM_THREADS"] == got["OMP_NUM_THREADS"] == cpu_threads, name
+            if "cpus" in svc:
+                assert float(svc["cpus"]) == float(cpu_threads), name
+        for name in GPU_WORKERS:
+            assert services[name]["environment"]["OMP_NUM_THREADS"] == gpu_threads, name
+
+
 def test_default_model_is_the_generated_tiny_model_in_a_named_volume():
     services = active_services(("cpu",))
     assert services["model-init"]["environment"]["MODEL"] == "/models/tiny-llama"

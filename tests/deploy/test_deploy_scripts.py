@@ -12,9 +12,11 @@ import http.server
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -467,3 +469,161 @@ def test_the_image_has_what_the_cpu_kernels_build_with():
     text = (ROOT / "Dockerfile").read_text()
     install = next(line for line in text.splitlines() if "apt-get install" in line)
     assert {"g++", "ninja-build"} <= set(install.split())
+
+
+def test_the_cpu_image_refuses_a_cuda_torch(tmp_path):
+    """The Dockerfile's check after the dependencies are installed: in the CPU image (the CPU
+    torch index) a CUDA torch fails the build, as it would if a dependency had made pip swap
+    the CPU wheel for PyPI's; the CUDA image passes it. Run with a stand-in torch module."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    [run] = [line for line in text.splitlines() if "pip install -e '.[engine,nixl]'" in line]
+    check = run[run.index("case ") : run.index("esac") + len("esac")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    for cuda, url, ok in (
+        ("12.8", "https://download.pytorch.org/whl/cpu", False),
+        ("12.8", "https://download.pytorch.org/whl/cpu/", False),
+        (None, "https://download.pytorch.org/whl/cpu", True),
+        ("12.8", "https://download.pytorch.org/whl/cu128", True),
+    ):
+        torch_dir = tmp_path / f"torch-{cuda}" / "torch"
+        torch_dir.mkdir(parents=True, exist_ok=True)
+        (torch_dir / "__init__.py").write_text("__version__ = '2.13.0'\nfrom . import version\n")
+        (torch_dir / "version.py").write_text(f"cuda = {cuda!r}\n")
+        proc = subprocess.run(
+            ["sh", "-c", check],
+            capture_output=True,
+            text=True,
+            env={
+                "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                "PYTHONPATH": str(torch_dir.parent),
+                "TORCH_INDEX_URL": url,
+            },
+            timeout=60,
+            check=False,
+        )
+        assert (proc.returncode == 0) == ok, (cuda, url, proc.stderr)
+        if not ok:
+            assert "CUDA build" in proc.stderr
+
+
+# ---- scripts/setup.sh: which torch it installs ----------------------------------------------------
+
+SETUP = ROOT / "scripts" / "setup.sh"
+
+
+def setup_torch_index(tmp_path: Path, gpu: bool = False, **env: str) -> tuple[str, str]:
+    """(the --index-url scripts/setup.sh would install torch from, "" for pip's own
+    configuration; what it said) on a machine with or without a GPU (a fake `nvidia-smi -L`
+    that succeeds or fails)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\n" if gpu else "#!/bin/sh\nexit 9\n"
+    )
+    smi.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    base["PATH"] = f"{bin_dir}:{base.get('PATH', '')}"
+    proc = subprocess.run(
+        [str(SETUP), "--print-torch-index"],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), proc.stderr
+
+
+@pytest.fixture
+def torch_index_server():
+    """A package index on loopback that has a page for torch (what the probe asks for)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path.rstrip("/").endswith("/torch")
+            body = b"<a href='torch-2.13.0+cpu.whl'>torch</a>" if found else b"no"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+    server.shutdown()
+
+
+def test_setup_installs_the_cpu_torch_when_its_index_answers(tmp_path, torch_index_server):
+    # plain `pip install torch` on Linux x86_64 is PyPI's CUDA build: the CPU index instead
+    got, said = setup_torch_index(tmp_path, PDSERVE_TORCH_CPU_INDEX_URL=torch_index_server)
+    assert got == torch_index_server, said
+    auto = {"PDSERVE_TORCH_INDEX_URL": "auto", "PDSERVE_TORCH_CPU_INDEX_URL": torch_index_server}
+    assert setup_torch_index(tmp_path, **auto)[0] == torch_index_server
+
+
+def test_setup_takes_pips_configuration_when_the_cpu_index_does_not_answer(tmp_path):
+    """An offline machine or one with only its own mirror (pip's find-links, index-url): pip's
+    configuration, at once when the connection is refused."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got, said = setup_torch_index(tmp_path, PDSERVE_TORCH_CPU_INDEX_URL=f"http://127.0.0.1:{port}/")
+    assert got == "" and "does not answer" in said
+
+
+def test_setup_waits_for_a_silent_cpu_index_only_the_probe_timeout(tmp_path):
+    """A network that swallows the connection (pip would wait PIP_DEFAULT_TIMEOUT, retried)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)  # accepts, never answers
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        got, said = setup_torch_index(
+            tmp_path,
+            PDSERVE_TORCH_CPU_INDEX_URL=f"http://127.0.0.1:{port}/",
+            PDSERVE_TORCH_INDEX_PROBE_TIMEOUT="1",
+        )
+        assert got == "" and "does not answer" in said
+        assert time.monotonic() - start < 10
+
+
+def test_setup_takes_pips_configuration_on_a_gpu_machine(tmp_path, torch_index_server):
+    got, said = setup_torch_index(
+        tmp_path, gpu=True, PDSERVE_TORCH_CPU_INDEX_URL=torch_index_server
+    )
+    assert got == "" and "GPU" in said
+
+
+def test_setup_torch_index_override(tmp_path, torch_index_server):
+    cu = "https://download.pytorch.org/whl/cu128"
+    for gpu in (False, True):
+        assert setup_torch_index(tmp_path, gpu=gpu, PDSERVE_TORCH_INDEX_URL=cu)[0] == cu
+        got = setup_torch_index(
+            tmp_path,
+            gpu=gpu,
+            PDSERVE_TORCH_INDEX_URL="pip",
+            PDSERVE_TORCH_CPU_INDEX_URL=torch_index_server,
+        )[0]
+        assert got == ""
+
+
+def test_setup_script_documents_its_torch_settings():
+    text = SETUP.read_text()
+    header = text.split("\nset -euo pipefail", 1)[0]
+    for name in (
+        "PDSERVE_TORCH_INDEX_URL",
+        "PDSERVE_TORCH_CPU_INDEX_URL",
+        "PDSERVE_TORCH_INDEX_PROBE_TIMEOUT",
+        "https://download.pytorch.org/whl/cpu",
+        "--print-torch-index",
+    ):
+        assert name in header, name
+    readme = (ROOT / "README.md").read_text()
+    assert "PDSERVE_TORCH_INDEX_URL" in readme

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -190,9 +191,24 @@ def resolved_env(objs: list[dict], workload: dict, container: dict) -> dict[str,
         elif "fieldRef" in src:
             path = src["fieldRef"]["fieldPath"]
             env[var["name"]] = {"status.podIP": POD_IP, "metadata.name": "pod-0"}[path]
+        elif "resourceFieldRef" in src:
+            env[var["name"]] = _resource_field(container, src["resourceFieldRef"])
         else:
             raise AssertionError(f"{var['name']}: unexpected valueFrom {src}")
     return env
+
+
+def _resource_field(container: dict, ref: dict) -> str:
+    """The downward API's value of a container's request or limit (``resourceFieldRef``): the
+    quantity over the divisor, rounded up (the kubelet's ExtractContainerResourceValue). An
+    unset limit would be the node's allocatable: the manifests always set the ones they read."""
+    assert ref.get("containerName", container["name"]) == container["name"], ref
+    kind, _, resource = ref["resource"].partition(".")
+    assert kind in ("limits", "requests"), ref
+    resources = container["resources"][kind]
+    assert resource in resources, f"{container['name']}: no {ref['resource']} to read"
+    value = _quantity(resources[resource]) / _quantity(ref.get("divisor", "1"))
+    return str(math.ceil(round(value, 9)))
 
 
 def entrypoint_argv(args: list[str], env: dict[str, str]) -> list[str]:
@@ -577,6 +593,100 @@ def _quantity(text: str | int) -> float:
     units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "m": 1e-3, "": 1}
     number, suffix = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(text)).groups()
     return float(number) * units[suffix]
+
+
+# ---- CPUs and torch threads -----------------------------------------------------------------------
+
+
+def qos_class(spec: dict) -> str:
+    """A pod's QoS class as Kubernetes computes it (GetPodQOS): Guaranteed when every container,
+    init containers included, has CPU and memory limits and requests equal to them (a request
+    left out defaults to its limit); BestEffort when none has any CPU or memory request or
+    limit; Burstable otherwise."""
+    guaranteed, any_set = True, False
+    for c in spec["containers"] + spec.get("initContainers", []):
+        res = c.get("resources") or {}
+        limits = res.get("limits") or {}
+        requests = {**limits, **(res.get("requests") or {})}
+        for r in ("cpu", "memory"):
+            any_set = any_set or r in requests or r in limits
+            if r not in limits or _quantity(requests[r]) != _quantity(limits[r]):
+                guaranteed = False
+    return "Guaranteed" if guaranteed else "Burstable" if any_set else "BestEffort"
+
+
+def _worker_pods(target: str):
+    """(where, pod spec, container, env, parsed) of every prefill / decode worker pod of a
+    target: the Deployments' pods, and each LeaderWorkerSet's leader and worker pod."""
+    for name, (w, c, env, _argv, ns) in parsed(target).items():
+        if name in WORKER_ROLES:
+            yield f"{target} {w['metadata']['name']}", pod_spec(w), c, env, ns
+    objs = objects(target)
+    for lws in by_kind(objs, "LeaderWorkerSet"):
+        for index in (0, 1):
+            template, c, env, _argv, ns = _lws_pod(objs, lws, index)
+            yield f"{target} {lws['metadata']['name']}[{index}]", template["spec"], c, env, ns
+
+
+@unit
+def test_qos_class_follows_kubernetes_rules():
+    def pod(*resources, init=()):
+        return {
+            "containers": [{"name": f"c{i}", "resources": r} for i, r in enumerate(resources)],
+            "initContainers": [{"name": f"i{i}", "resources": r} for i, r in enumerate(init)],
+        }
+
+    whole = {"limits": {"cpu": "2", "memory": "4Gi"}}
+    assert qos_class(pod(whole)) == "Guaranteed"  # requests default to the limits
+    assert qos_class(pod({"requests": {"cpu": "2000m", "memory": "4Gi"}, **whole})) == "Guaranteed"
+    assert qos_class(pod({"requests": {"cpu": "1", "memory": "4Gi"}, **whole})) == "Burstable"
+    assert qos_class(pod({"limits": {"cpu": "2"}})) == "Burstable"  # no memory limit
+    assert qos_class(pod(whole, init=[{"requests": {"cpu": "250m"}, **whole}])) == "Burstable"
+    assert qos_class(pod({})) == "BestEffort"
+
+
+@unit
+def test_cpu_workers_get_whole_cpus_of_their_own_one_per_torch_thread():
+    """A CPU worker runs as many torch threads as its CPU limit, and its pod is Guaranteed with
+    whole CPUs, so that the static CPU manager pins it: requests below the limits (Burstable)
+    let other pods use the threads' CPUs, and the CFS quota then stalls a step's threads."""
+    checked = set()
+    for target in DEPLOYABLE:
+        for where, spec, c, env, ns in _worker_pods(target):
+            res = c["resources"]
+            if "nvidia.com/gpu" in res.get("limits", {}):
+                continue
+            assert ns.device in ("cpu", "auto"), where
+            checked.add(target)
+            cpu = _quantity(res["limits"]["cpu"])
+            for r in ("cpu", "memory"):
+                assert _quantity(res["requests"][r]) == _quantity(res["limits"][r]), (where, r)
+            assert cpu >= 1 and cpu == int(cpu), (where, "a whole number of CPUs", cpu)
+            assert int(env["PDSERVE_NUM_THREADS"]) == cpu, (where, env["PDSERVE_NUM_THREADS"])
+            assert int(env["OMP_NUM_THREADS"]) == cpu, (where, env.get("OMP_NUM_THREADS"))
+            assert qos_class(spec) == "Guaranteed", where
+    assert "overlays/cpu" in checked
+
+
+@unit
+def test_gpu_workers_cap_torch_cpu_threads_at_their_cpu_limit():
+    """torch starts one CPU thread per core of the node, not of the pod, unless told: each rank
+    process of a GPU worker gets OMP_NUM_THREADS = the pod's CPU limit over its ranks (one per
+    GPU)."""
+    checked = set()
+    for target in DEPLOYABLE:
+        for where, _spec, c, env, ns in _worker_pods(target):
+            limits = c["resources"].get("limits", {})
+            if "nvidia.com/gpu" not in limits:
+                continue
+            assert ns.device == "cuda", where
+            checked.add(target)
+            ranks = ns.tensor_parallel_size * ns.pipeline_parallel_size // ns.nnodes
+            assert limits["nvidia.com/gpu"] == ranks, where
+            cpu = _quantity(limits["cpu"])
+            assert "OMP_NUM_THREADS" in env, where
+            assert int(env["OMP_NUM_THREADS"]) * ranks == cpu, (where, env["OMP_NUM_THREADS"])
+    assert {"overlays/gpu", MULTINODE} <= checked
 
 
 # ---- ports, probes, grace periods ----------------------------------------------------------------
