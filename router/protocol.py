@@ -9,9 +9,17 @@ checks live in ``router/sampling.py`` so their errors can name the parameter.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidatorFunctionWrapHandler
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 from pydantic.functional_validators import WrapValidator
 
 
@@ -19,6 +27,34 @@ class OpenAIModel(BaseModel):
     # NaN / Infinity (which Python's JSON parser accepts) are refused with a 400 naming the
     # field; vLLM's users get a 400 for those too
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # fields with a default that do not take None themselves (``n: int = 1``): an explicit
+    # null means the default (set per class, below)
+    _null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        names = set()
+        for name, f in cls.model_fields.items():
+            if f.is_required() or f.annotation is None:
+                continue
+            try:
+                TypeAdapter(f.annotation).validate_python(None)
+            except ValidationError:
+                names.add(name)
+        cls._null_means_default = frozenset(names)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_take_defaults(cls, data: Any) -> Any:
+        """OpenAI's optional parameters are nullable (``n``, ``stream``, chat's ``logprobs``,
+        completions' ``echo``...: the SDK sends ``null`` for one passed as ``None``, and so do
+        frameworks that forward every option); vLLM declares them ``Optional`` and takes the
+        default. So does every field here that has a default: a null is as if not sent."""
+        drop = cls._null_means_default
+        if isinstance(data, dict) and drop and None in data.values():
+            data = {k: v for k, v in data.items() if v is not None or k not in drop}
+        return data
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())

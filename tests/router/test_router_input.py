@@ -49,6 +49,36 @@ def raw(r, content: bytes, path="/v1/completions", ctype="application/json"):
 MSGS = [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "check"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": MSGS, "n": None, "stream": None, "logprobs": None, "echo": None},
+            lambda j: len(j["choices"]) == 1 and j["choices"][0]["logprobs"] is None,
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "n": None, "echo": None, "stream": None, "ignore_eos": None},
+            lambda j: len(j["choices"]) == 1 and not j["choices"][0]["text"].startswith("hi"),
+        ),
+        ("/v1/responses", {"input": "hi", "stream": None}, lambda j: j["object"] == "response"),
+    ],
+)
+def test_an_explicit_null_is_the_default(router, path, body, check):
+    """The SDK sends ``null`` for a parameter passed as ``None`` (frameworks forward every
+    option so): OpenAI's parameters are nullable and vLLM takes the default; these were 400s
+    ("n: Input should be a valid integer")."""
+    limit = {"max_output_tokens": 4} if path == "/v1/responses" else {"max_tokens": 4}
+    resp = post(router, path, **body, **limit)
+    assert resp.status_code == 200, resp.text
+    assert check(resp.json()), resp.json()
+
+
+def test_null_for_a_required_parameter_is_still_a_400(router):
+    assert_error(post(router, "/v1/chat/completions", messages=None, max_tokens=4), 400)
+
+
 def test_the_wave1_request_is_a_400_naming_seed(router):
     # n=2 with seed 2^63-1 took every decode worker it was retried on down in wave 1
     assert_error(
