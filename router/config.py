@@ -161,6 +161,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     max_retries: int = 2
     stall_timeout_s: float = 60.0
+    worker_stall_timeout_s: float = 10.0  # a silent GenerateMux call fails (0: off)
     decode_stream: str = "mux"  # "mux" (one GenerateMux call per worker) | "per-request"
     max_inflight_requests: int = 0
     max_waiting_per_worker: int = 0
@@ -218,6 +219,8 @@ class RouterConfig:
             raise ValueError("give --redis-url (worker discovery) or --decode-workers (static)")
         if self.request_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ValueError("--request-timeout and --stall-timeout must be positive")
+        if self.worker_stall_timeout_s < 0:
+            raise ValueError("--worker-stall-timeout must be >= 0 (0 = off)")
         if self.max_retries < 0:
             raise ValueError("--max-retries must be >= 0")
         for flag, v in (
@@ -385,6 +388,15 @@ class RouterConfig:
             type=float,
             default=60.0,
             help="seconds without output before a decode worker counts as failed",
+        )
+        g.add_argument(
+            "--worker-stall-timeout",
+            type=float,
+            default=10.0,
+            help="seconds a decode worker's GenerateMux call may go without any message "
+            "(its heartbeats come every second from its event loop) while requests are on "
+            "it; past that its event loop counts as stuck and every request on the call "
+            "fails over (0 = off; workers that send no heartbeats are never timed out)",
         )
         g.add_argument(
             "--decode-stream",
@@ -563,6 +575,7 @@ class RouterConfig:
             request_timeout_s=ns.request_timeout,
             max_retries=ns.max_retries,
             stall_timeout_s=ns.stall_timeout,
+            worker_stall_timeout_s=ns.worker_stall_timeout,
             decode_stream=ns.decode_stream,
             max_inflight_requests=ns.max_inflight_requests,
             max_waiting_per_worker=ns.max_waiting_per_worker,

@@ -197,6 +197,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             refresh_interval_s=config.worker_refresh_interval_s,
             cooldown_s=config.worker_cooldown_s,
             security=config.security,
+            mux_stall_timeout_s=config.worker_stall_timeout_s,
         )
         dispatcher = Dispatcher(
             pool,

@@ -33,7 +33,7 @@ from shared.directory import (
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.channel_options import CLIENT_OPTIONS
-from shared.proto.mux import MuxClient
+from shared.proto.mux import DEFAULT_STALL_TIMEOUT_S, MuxClient
 from shared.security import ClusterSecurity
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class WorkerPool:
         rpc_timeout_s: float = 1.0,
         registry_grace_s: float = 3.0,
         security: ClusterSecurity | None = None,
+        mux_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         if reader is None and not static_decode:
             raise ValueError("without a Redis registry, static decode workers are required")
@@ -70,6 +71,7 @@ class WorkerPool:
         self.cooldown_s = cooldown_s
         self.rpc_timeout_s = rpc_timeout_s
         self.registry_grace_s = registry_grace_s
+        self.mux_stall_timeout_s = mux_stall_timeout_s  # --worker-stall-timeout
         self._role_empty_since: dict[str, float] = {}
         self._records: dict[str, WorkerRecord] = {}
         self._restarts: dict[str, int] = {}  # new generations seen per worker id
@@ -382,7 +384,9 @@ class WorkerPool:
         mux = self._muxes.get(address)
         if mux is None:
             stub = self.decode_stub(address)  # its calls carry the cluster token
-            mux = self._muxes[address] = MuxClient(lambda: stub.GenerateMux(None), address)
+            mux = self._muxes[address] = MuxClient(
+                lambda: stub.GenerateMux(None), address, stall_timeout_s=self.mux_stall_timeout_s
+            )
         return mux
 
 

@@ -23,6 +23,15 @@ for the router and a decode worker, without changing what a request's stream mea
   reading holds only its own call's queue (bounded by its ``max_tokens``), never the others'.
   If the shared call fails (the worker died, froze past keepalive, or restarted), every request
   on it gets that error and fails over; the next ``start`` opens a new call.
+- **Heartbeats**: the worker's call sends an empty ``MuxDown`` when it opens (the hello) and
+  after every :data:`HEARTBEAT_S` without another message, from its event loop (never waiting
+  on the engine thread, so a long engine step does not stop them). A worker whose event loop
+  is stuck still answers keepalive pings (gRPC's C core does), so only these show it: once a
+  call sent its hello, a router that gets no message on it for ``stall_timeout_s``
+  (``--worker-stall-timeout``) while requests are on it fails the call with ``UNAVAILABLE``,
+  and those requests fail over; the call that replaces it is watched from its start (a stuck
+  worker never runs its handler, so it sends no hello). A worker that sends no hello (an
+  older build) is never timed out.
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # together up to this many prompt tokens (a 32k-token prompt is ~160 KB on the wire).
 MAX_CHUNKS_PER_MESSAGE = 1024
 MAX_UP_TOKENS = 1 << 20
+# A worker's call sends an empty ``MuxDown`` when it opens (the hello) and whenever it sent
+# nothing else for this long: sent by the event loop, so they show the router that loop runs
+# (a long engine step does not stop them: the engine has its own thread). A router that saw
+# them fails the call after ``stall_timeout_s`` without any message (MuxClient).
+HEARTBEAT_S = 1.0
+DEFAULT_STALL_TIMEOUT_S = 10.0
 
 
 def status_code(value: int) -> grpc.StatusCode:
@@ -193,9 +208,27 @@ async def serve_mux(
         await closing.wait()
         outbox.put_nowait(None)  # wakes the writer to end the call
 
+    sent_at = time.monotonic()  # when the writer last sent a message
+    beat_due = False  # nothing sent for HEARTBEAT_S: the writer sends an empty message
+
+    async def beat() -> None:
+        nonlocal beat_due
+        while True:
+            delay = sent_at + HEARTBEAT_S - time.monotonic()
+            if delay <= 0:
+                beat_due = True
+                outbox.put_nowait(None)  # wakes the writer
+                delay = HEARTBEAT_S
+            await asyncio.sleep(delay)
+
     reader = asyncio.ensure_future(read())
     closer = asyncio.ensure_future(close())
+    beater: asyncio.Task[None] | None = None
     try:
+        if not closing.is_set():  # (a call opened while closing ends at once, unread)
+            yield pb.MuxDown()  # the hello: this worker sends heartbeats
+            sent_at = time.monotonic()
+        beater = asyncio.ensure_future(beat())
         while (reading and not closing.is_set()) or live or not outbox.empty():
             items = [await outbox.get()]
             while not outbox.empty():
@@ -211,11 +244,15 @@ async def serve_mux(
                 if len(down.chunks) >= MAX_CHUNKS_PER_MESSAGE:  # a backlog: a few messages
                     yield down
                     down = pb.MuxDown()
-            if down.chunks or down.ends:
+            if down.chunks or down.ends or beat_due:  # empty: a heartbeat
                 yield down
+                sent_at = time.monotonic()
+                beat_due = False
     finally:
         reader.cancel()
         pending = [reader, closer, *live]
+        if beater is not None:
+            pending.append(beater)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -394,16 +431,33 @@ class MuxClient:
     """The router's ``GenerateMux`` call to one decode worker, shared by its requests.
 
     ``method`` is the stub's ``GenerateMux`` multi-callable with the call's metadata bound
-    (the cluster token). The call opens on the first ``start`` and again after it failed."""
+    (the cluster token). The call opens on the first ``start`` and again after it failed.
 
-    def __init__(self, method: Callable[..., Any], address: str) -> None:
+    ``stall_timeout_s`` (0: off): once the worker showed it sends heartbeats (an empty
+    ``MuxDown``; an older build never sends one, and the watchdog stays off for it), a call
+    that has requests on it and got no message for this long fails with ``UNAVAILABLE``, as
+    if the worker had died: its event loop is stuck (keepalive pings are answered by gRPC's C
+    core, which goes on without it). The call that replaces a call failed that way is watched
+    from its start (a stuck worker never runs the new call's handler, so it sends no hello)."""
+
+    def __init__(
+        self,
+        method: Callable[..., Any],
+        address: str,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:
         self._method = method
         self.address = address
+        self.stall_timeout_s = stall_timeout_s
         self._call: Any = None
         self._calls: dict[str, MuxCall] = {}
         self._up: list[pb.MuxUp] = []
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._last_read = 0.0  # time.monotonic() of the current call's latest message
+        self._beats = False  # the current call is watched (the worker sends heartbeats)
+        self._expect_beats = False  # the previous call was failed by the watchdog
+        self._watchdog: asyncio.Task[None] | None = None
         self.generation = 0  # calls opened so far (for tests and logs)
 
     @property
@@ -434,10 +488,14 @@ class MuxClient:
         self._call = call = self._method()
         self._wake = asyncio.Event()
         self._up = []
+        self._last_read = time.monotonic()
+        self._beats = False
         self._tasks = [
             asyncio.ensure_future(self._write(call, self._wake)),
             asyncio.ensure_future(self._read(call)),
         ]
+        if self._expect_beats:
+            self._watch(call)
 
     async def _write(self, call: Any, wake: asyncio.Event) -> None:
         try:
@@ -455,12 +513,24 @@ class MuxClient:
             self._fail(call, e)  # the reader sees the same failure; whichever comes first
 
     async def _read(self, call: Any) -> None:
+        first = True
         try:
             while True:
                 down = await call.read()
+                if call is not self._call:  # failed meanwhile (the watchdog, a write)
+                    return
                 if down is grpc.aio.EOF:
                     self._fail(call, None)
                     return
+                self._last_read = time.monotonic()
+                if not down.chunks and not down.ends:  # a heartbeat (the first: the hello)
+                    first = False
+                    if not self._beats:
+                        self._watch(call)
+                    continue
+                if first:  # no hello: an older build, which sends no heartbeats
+                    first = False
+                    self._unwatch()
                 calls = self._calls
                 for chunk in down.chunks:
                     c = calls.get(chunk.request_id)
@@ -486,12 +556,56 @@ class MuxClient:
         except Exception as e:  # noqa: BLE001 - the call's error, or a bad message: end it all
             self._fail(call, e)
 
-    def _fail(self, call: Any, error: BaseException | None) -> None:
+    def _watch(self, call: Any) -> None:
+        """Watch ``call`` for a stall (the worker sends heartbeats)."""
+        self._beats = True
+        if self.stall_timeout_s > 0 and self._watchdog is None:
+            self._watchdog = dog = asyncio.ensure_future(self._stall_watchdog(call))
+            self._tasks.append(dog)
+
+    def _unwatch(self) -> None:
+        self._beats = False
+        self._expect_beats = False
+        dog, self._watchdog = self._watchdog, None
+        if dog is not None and dog is not asyncio.current_task():
+            dog.cancel()
+
+    async def _stall_watchdog(self, call: Any) -> None:
+        """One per watched call: wakes once per ``stall_timeout_s`` while messages come."""
+        stall = self.stall_timeout_s
+        try:
+            while call is self._call and self._beats:
+                now = time.monotonic()
+                silent = now - self._last_read
+                if silent < stall:
+                    await asyncio.sleep(stall - silent)
+                elif not self._calls:  # nothing waits on it: look again later
+                    await asyncio.sleep(stall)
+                else:
+                    self._fail(
+                        call,
+                        grpc.aio.AioRpcError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            grpc.aio.Metadata(),
+                            grpc.aio.Metadata(),
+                            f"no message from the worker at {self.address} for {silent:.1f} s "
+                            "(its event loop is stuck?)",
+                        ),
+                        stalled=True,
+                    )
+                    return
+        except asyncio.CancelledError:
+            pass
+
+    def _fail(self, call: Any, error: BaseException | None, stalled: bool = False) -> None:
         """The shared call ended: every request on it ends with its error (UNAVAILABLE when
-        the worker closed it without one); the next ``start`` opens a new call."""
+        the worker closed it without one); the next ``start`` opens a new call (watched from
+        its start when this one ``stalled``: the same worker, still stuck, sends no hello)."""
         if call is not self._call:
             return
         self._call = None
+        self._unwatch()
+        self._expect_beats = stalled
         if isinstance(error, grpc.aio.AioRpcError):
             e = error
         else:
@@ -505,9 +619,10 @@ class MuxClient:
         calls, self._calls = self._calls, {}
         if calls:
             logger.warning(
-                "GenerateMux call to %s failed (%s) with %d requests on it",
+                "GenerateMux call to %s failed (%s: %s) with %d requests on it",
                 self.address,
                 e.code().name,
+                e.details(),
                 len(calls),
             )
         for c in calls.values():
