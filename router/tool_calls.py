@@ -493,10 +493,13 @@ class ToolStream:
             self._content(_HERMES_OPEN)
             self.pos = self._call_start + len(_HERMES_OPEN)
             self._state = "content"
-        elif self.called:  # after a call: the rest is dropped
+        elif self.called or self.plan.mode == "required":
+            # after a call the rest is dropped; and the output ``required`` constrains is
+            # never content: cut short (max_tokens) before the first call's name, it is no
+            # call and no text (vLLM's stream sends it as neither)
             self.pos = len(self.text)
             self._state = "ignore"
-        else:  # llama3_json / required: the whole output is text
+        else:  # llama3_json: the whole output is text
             self._content(self.text[self._call_start :])
             self.pos = len(self.text)
             self._state = "passthrough"

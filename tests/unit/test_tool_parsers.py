@@ -102,6 +102,14 @@ CASES = [
         '[{"name": "get_weather", "parameters": {"q": 1}}, {"name": "noop", "parameters": {}}]',
         (None, [("get_weather", '{"q": 1}'), ("noop", "{}")]),
     ),
+    # required, cut short (max_tokens) before the first call's name: neither a call nor the
+    # constrained JSON as content (it was content: '[{"name": "get_w')
+    (plan("required"), '[{"name": "get_w', (None, [])),
+    (
+        plan("required"),
+        '[{"name": "noop", "parameters": {}}, {"na',
+        (None, [("noop", "{}")]),
+    ),
     (
         plan({"type": "function", "function": {"name": "get_weather"}}),
         '{"city": "Oslo"}',
