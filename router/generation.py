@@ -272,6 +272,25 @@ class Generation:
             prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details
         )
 
+    def choice_usage(self, index: int, completion_tokens: int | None = None) -> UsageInfo:
+        """The running usage of choice ``index`` alone, as vLLM's continuous_usage_stats
+        report it in each chunk: its prompt's tokens and its own output tokens so far
+        (``completion_tokens`` overrides: 0 for the chunks sent before its output, the role
+        and echo chunks). The cached count is the prompt's as its worker reported it with
+        the first tokens, as in the final usage."""
+        i = index // self.n
+        p = len(self.prompts[i])
+        c = len(self.samples[index].token_ids) if completion_tokens is None else completion_tokens
+        cached = self.streams[i].cached_tokens
+        return UsageInfo(
+            prompt_tokens=p,
+            completion_tokens=c,
+            total_tokens=p + c,
+            prompt_tokens_details=None
+            if cached is None
+            else PromptTokensDetails(cached_tokens=cached),
+        )
+
 
 async def run_generation(
     ctx: ServingContext, gen: Generation, on_step: Callable[[list[SampleDelta]], None] | None = None

@@ -199,13 +199,25 @@ def requested_max_tokens(req: SamplingRequest) -> int | None:
     return req.max_tokens
 
 
-def resolve_max_tokens(req: SamplingRequest, prompt_len: int, limits: Limits) -> int:
-    """The completion budget; 400 when prompt + budget exceed the context window."""
-    name = (
+def max_tokens_name(req: SamplingRequest) -> str:
+    """The name of the budget field the client sent (what an error about it names)."""
+    return (
         "max_completion_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
         else "max_tokens"
     )
+
+
+def check_max_tokens(req: SamplingRequest, max_tokens: int) -> None:
+    """A budget under 1 (0 only for a completion's echo of the prompt alone, vLLM's)."""
+    if max_tokens < 1 and not (max_tokens == 0 and echo_only(req)):
+        name = max_tokens_name(req)
+        raise _bad(f"{name} must be at least 1, got {max_tokens}", name)
+
+
+def resolve_max_tokens(req: SamplingRequest, prompt_len: int, limits: Limits) -> int:
+    """The completion budget; 400 when prompt + budget exceed the context window."""
+    name = max_tokens_name(req)
     if prompt_len >= limits.max_model_len:
         raise _bad(
             f"This model's maximum context length is {limits.max_model_len} tokens. "
@@ -216,10 +228,9 @@ def resolve_max_tokens(req: SamplingRequest, prompt_len: int, limits: Limits) ->
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
         return limits.max_model_len - prompt_len
-    if max_tokens == 0 and echo_only(req):
+    check_max_tokens(req, max_tokens)
+    if max_tokens == 0:  # echo_only (check_max_tokens)
         return 1  # vLLM's: one token is generated and dropped, the prompt is the answer
-    if max_tokens < 1:
-        raise _bad(f"{name} must be at least 1, got {max_tokens}", name)
     if prompt_len + max_tokens > limits.max_model_len:
         raise _bad(
             f"This model's maximum context length is {limits.max_model_len} tokens. "
@@ -271,8 +282,14 @@ def validate_common(req: SamplingRequest, limits: Limits) -> None:
             f"min_tokens must be in [0, {limits.max_model_len}], got {req.min_tokens}", "min_tokens"
         )
     mt = requested_max_tokens(req)
+    if mt is not None:
+        # before min_tokens' bound: a negative budget was refused as min_tokens exceeding it
+        check_max_tokens(req, mt)
     if mt is not None and req.min_tokens > mt:
-        raise _bad(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({mt})", "min_tokens")
+        raise _bad(
+            f"min_tokens ({req.min_tokens}) must not exceed {max_tokens_name(req)} ({mt})",
+            "min_tokens",
+        )
     stops = stop_strings(req)
     if len(stops) > limits.max_stop_strings:
         raise _bad(

@@ -75,8 +75,9 @@ from shared.prom import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# open without a key: the readiness probe (and /metrics with --disable-metrics-auth)
-_OPEN_PATHS = ("/health",)
+# open without a key: the readiness probes, /health and /ping (SageMaker's, as vLLM serves
+# it), and /metrics with --disable-metrics-auth
+_OPEN_PATHS = ("/health", "/ping")
 AUTHENTICATED = "api_key_valid"  # request.state flag: the request carried a valid API key
 # pages a person opens in a browser: their 401 asks for HTTP Basic auth, so the browser
 # prompts once and then sends the credentials itself, also with the page's own requests
@@ -354,6 +355,11 @@ def _add_routes(app: FastAPI, config: RouterConfig) -> None:
         }
         return JSONResponse(body, status_code=200 if decode else 503)
 
+    # SageMaker's health probe, GET or POST as vLLM serves it: /health's answer (a route per
+    # method: one route of both gave the OpenAPI schema the same operation id twice)
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
+
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -599,7 +605,7 @@ def _log_access_settings(config: RouterConfig) -> None:
         )
     else:
         logger.info(
-            "%d API key(s) configured: required on every route but /health%s",
+            "%d API key(s) configured: required on every route but /health, /ping%s",
             len(config.api_key),
             " and /metrics" if config.disable_metrics_auth else "",
         )

@@ -183,8 +183,8 @@ class ChunkFrame:
     """What every SSE chunk of one stream shares, pre-formatted: chunks are formatted by hand
     around JSON-encoded values (this runs once per token), the same bytes as ``json.dumps``
     of the whole chunk would give. ``usage_mode``: "" (no usage), "final" (a last chunk with
-    ``choices: []``) or "continuous" (also the running usage in every chunk, vLLM's
-    continuous_usage_stats)."""
+    ``choices: []``) or "continuous" (also the chunk's choice's running usage in every chunk,
+    vLLM's continuous_usage_stats)."""
 
     def __init__(self, gen: Generation, head: dict[str, Any], usage_mode: str) -> None:
         self.gen = gen
@@ -195,10 +195,13 @@ class ChunkFrame:
         #: after the first choice when the usage is not continuous
         self.fixed_tail = "]" + (',"usage":null' if self.include_usage else "") + "}\n\n"
 
-    def tail(self) -> str:
-        """After the (last) choice: the running usage when continuous."""
+    def tail(self, index: int, completion_tokens: int | None = None) -> str:
+        """After choice ``index``: when continuous, that choice's own running usage (vLLM's:
+        a chunk counts its choice's tokens, not the request's; ``completion_tokens`` 0 for
+        the chunks before its output, see :meth:`Generation.choice_usage`)."""
         if self.continuous:
-            return '],"usage":' + self.gen.usage().model_dump_json() + "}\n\n"
+            usage = self.gen.choice_usage(index, completion_tokens)
+            return '],"usage":' + usage.model_dump_json() + "}\n\n"
         return self.fixed_tail
 
 

@@ -2,10 +2,10 @@
 
 The template is the model's own (``router/chat_template.py``); the rendered prompt already
 holds BOS, so it is encoded WITHOUT special tokens (unless ``add_special_tokens``). Message
-content may be a string or a list of text parts (joined with newlines); other part types are
-refused. Streaming sends, per choice, a role chunk (``{"role": "assistant", "content": ""}``)
-right before its first content, then content deltas, the finish reason, an optional usage
-chunk with ``choices: []``, and ``data: [DONE]``.
+content may be a string or a list of text parts (joined with newlines; a refusal part is text,
+as vLLM's); other part types are refused. Streaming sends, per choice, a role chunk
+(``{"role": "assistant", "content": ""}``) right before its first content, then content
+deltas, the finish reason, an optional usage chunk with ``choices: []``, and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,21 @@ from router.serving import ChunkFrame, serve, stream_steps, truncate_prompt, war
 from router.sse import json_str
 from router.tool_calls import NO_TOOLS, ToolPlan, ToolStream, parse_all, plan_tools
 
+# a part's text by its type: a refusal part (an earlier assistant answer's, as OpenAI returns
+# it) is text for the template, as vLLM's chat_utils parses it
+_TEXT_FIELDS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+
+
+def part_text(part: Any, kinds: dict[str, str] = _TEXT_FIELDS) -> str | None:
+    """The text of a content part of one of ``kinds`` (type -> the field holding its text);
+    None for any other part."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    field = kinds.get(kind) if isinstance(kind, str) else None
+    text = part.get(field) if field is not None else None
+    return text if isinstance(text, str) else None
+
 
 def template_messages(
     messages: list[ChatMessage], max_json_depth: int = 64
@@ -60,15 +75,15 @@ def template_messages(
         if isinstance(content, list):
             texts = []
             for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                else:
+                text = part_text(part)
+                if text is None:
+                    kind = part.get("type") if isinstance(part, dict) else None
                     raise InvalidRequestError(
                         f"messages[{i}]: content parts of type {kind!r} are not supported "
-                        "(text only)",
+                        "(text and refusal only)",
                         param=f"messages.{i}.content",
                     )
+                texts.append(text)
             d["content"] = "\n".join(texts)
         for j, call in enumerate(d.get("tool_calls") or ()):
             fn = call.get("function") if isinstance(call, dict) else None
@@ -196,7 +211,8 @@ def message_text(content: str | list[dict[str, Any]] | None) -> str:
     """A message's text: its string, or its text parts joined by newlines (what ``echo``
     repeats; the parts were checked when the prompt was rendered)."""
     if isinstance(content, list):
-        return "\n".join(p["text"] for p in content)  # text parts only (template_messages)
+        # text and refusal parts only (template_messages)
+        return "\n".join(part_text(p) or "" for p in content)
     return content or ""
 
 
@@ -340,8 +356,9 @@ def _stream(
         stop_reason: int | str | None = None,
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
+        completion_tokens: int | None = None,
     ) -> str:
-        tail = frame.tail()
+        tail = frame.tail(index, completion_tokens)
         if prompt_token_ids is not None:  # a chunk-level field, after the choices
             tail = f'],"prompt_token_ids":{json.dumps(prompt_token_ids)}{tail[1:]}'
         extra = "" if token_ids is None else f',"token_ids":{json.dumps(token_ids)}'
@@ -378,14 +395,19 @@ def _stream(
             role_sent.add(d.index)
             # vLLM's return_token_ids: the prompt's ids with the stream's first chunk
             prompt_ids = gen.prompts[0] if ids and len(role_sent) == 1 else None
+            # the role and echo chunks come before the choice's output: vLLM's continuous
+            # usage counts none of its tokens there
             first = chunk(
                 d.index,
                 {"role": role, "content": ""},
                 token_ids=[] if ids else None,
                 prompt_token_ids=prompt_ids,
+                completion_tokens=0,
             )
             if echo:
-                first += chunk(d.index, {"content": echo}, token_ids=[] if ids else None)
+                first += chunk(
+                    d.index, {"content": echo}, token_ids=[] if ids else None, completion_tokens=0
+                )
         return first + chunk(
             d.index,
             delta,

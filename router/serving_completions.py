@@ -220,7 +220,7 @@ def _stream(
             return (
                 f'{frame.head}{d.index},"text":{json_str(text)},'
                 f'"logprobs":null,"finish_reason":{json.dumps(d.finish_reason)},'
-                f'"stop_reason":{json.dumps(d.stop_reason)}}}{frame.tail()}'
+                f'"stop_reason":{json.dumps(d.stop_reason)}}}{frame.tail(d.index)}'
             )
         if not text and d.finish_reason is None and not tokens and not echoed:
             return None
@@ -240,7 +240,7 @@ def _stream(
             choice["token_ids"] = [e.token_id for e in tokens]
         chunk = {**head, "choices": [choice]}
         if frame.include_usage:
-            chunk["usage"] = gen.usage().model_dump() if frame.continuous else None
+            chunk["usage"] = gen.choice_usage(d.index).model_dump() if frame.continuous else None
         return sse(chunk)
 
     plain = not want_lp and not frame.continuous and echo is None and not ids

@@ -37,7 +37,7 @@ from router.generation import Generation
 from router.output import OutputParams, TokenEntry
 from router.protocol import ChatCompletionRequest, ResponsesRequest
 from router.serving import serve, warn_unknown_fields
-from router.serving_chat import prepare_chat
+from router.serving_chat import part_text, prepare_chat
 from router.tool_calls import ToolPlan, ToolStream, parse_all
 
 _SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "seed", "priority", "cache_salt")
@@ -47,6 +47,11 @@ def _bad(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
+# an input message's text parts; a refusal (an earlier answer's output item) is text, as the
+# chat path's (router.serving_chat.part_text)
+_TEXT_FIELDS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+
+
 def _text_of(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
@@ -54,13 +59,14 @@ def _text_of(content: Any, param: str) -> str:
         raise _bad("content must be a string or a list of text parts", param)
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
+        text = part_text(part, _TEXT_FIELDS)
+        if text is None:
+            kind = part.get("type") if isinstance(part, dict) else None
             raise _bad(
-                f"content parts of type {kind!r} are not supported (text only)", f"{param}.{j}"
+                f"content parts of type {kind!r} are not supported (text and refusal only)",
+                f"{param}.{j}",
             )
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -395,17 +401,20 @@ def _body(
     items: list[tuple[str, Any]] = (
         parse_all(plan, [sample.text])[0].items() if plan.parses else [("text", sample.text)]
     )
-    # in the order written, as the stream's items are: text after a call is a message of its own
-    output: list[dict[str, Any]] = [
-        _message_item(_new_id("msg"), x, "completed")
-        if kind == "text"
-        else _call_item(x, "completed")
-        for kind, x in items
-        if x
-    ]
-    body = _response(
-        ctx, echo, request_id, created, _status(sample.finish_reason), output, _usage(gen)
-    )
+    status = _status(sample.finish_reason)
+    kept = [(kind, x) for kind, x in items if x]
+    # in the order written, as the stream's items are: text after a call is a message of its
+    # own. The last one was being written when the output ended: "incomplete" with the
+    # response when max_output_tokens cut it (OpenAI's item status), the others complete
+    output: list[dict[str, Any]] = []
+    for j, (kind, x) in enumerate(kept):
+        item_status = status if j == len(kept) - 1 else "completed"
+        output.append(
+            _message_item(_new_id("msg"), x, item_status)
+            if kind == "text"
+            else _call_item(x, item_status)
+        )
+    body = _response(ctx, echo, request_id, created, status, output, _usage(gen))
     return JSONResponse(body)
 
 
@@ -442,13 +451,15 @@ async def _stream(
     def response(status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         return _response(ctx, echo, request_id, created, status, list(output), usage)
 
-    def close_text() -> str:
+    # an item is closed "completed" when the next one starts; the one still open at the end
+    # takes the response's status ("incomplete": max_output_tokens cut it, as OpenAI's)
+    def close_text(status: str = "completed") -> str:
         nonlocal text_item
         if text_item is None:
             return ""
         item, text_item = text_item, None
         idx, text = item["index"], item["text"]
-        done = _message_item(item["id"], text, "completed")
+        done = _message_item(item["id"], text, status)
         part = done["content"][0]
         output.append(done)
         return (
@@ -459,12 +470,12 @@ async def _stream(
             + ev("response.output_item.done", output_index=idx, item=done)
         )  # fmt: skip
 
-    def close_calls() -> str:
+    def close_calls(status: str = "completed") -> str:
         out = []
         for i in sorted(call_items):
             item = call_items.pop(i)
             idx = item.pop("output_index")
-            item["status"] = "completed"
+            item["status"] = status
             output.append(item)
             out.append(
                 ev("response.function_call_arguments.done", item_id=item["id"],
@@ -547,8 +558,8 @@ async def _stream(
                     finish = d.finish_reason
             if chunk := "".join(parts):
                 yield chunk
-        tail = close_text() + close_calls()
         status = _status(finish)
+        tail = close_text(status) + close_calls(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         yield tail + ev(kind, response=response(status, _usage(gen)))
     except RouterError as e:

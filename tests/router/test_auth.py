@@ -1,6 +1,6 @@
 """API keys at the router's HTTP edge: where they come from (flags, files, environment), and
-that every route but ``/health`` needs one, listed from the app so a route added later is
-covered without touching this file.
+that every route but ``/health`` and ``/ping`` needs one, listed from the app so a route added
+later is covered without touching this file.
 
 The ``unit`` tests drive the ASGI app in-process (no lifespan, no worker: a request without a
 valid key never gets past the middleware); the ``integration`` ones run a router with a fake
@@ -438,7 +438,7 @@ def test_without_a_key_every_route_but_health_is_401(app):
     before = errors_counted(app, 401)
     checked = 0
     for method, path in app_routes(app) + _unknown_paths():
-        if path == "/health":
+        if path in ("/health", "/ping"):  # the readiness probes
             continue
         assert_401(call(app, method, path), path, sent=False)
         for headers in (bearer(WRONG), basic("admin", WRONG), {"Authorization": "Basic"}):
@@ -493,10 +493,12 @@ POSTS = {
         {"model": MODEL_NAME, "tokens": [1, 2]},
         lambda b: isinstance(b["prompt"], str),
     ),
+    "/ping": ({}, lambda b: b["status"] == "ok"),  # SageMaker's probe: GET or POST
 }
 GETS = {  # GET routes whose body is checked beyond the status
     "/v1/models": lambda r: r.json()["data"][0]["id"] == MODEL_NAME,
     "/health": lambda r: r.json()["status"] == "ok",
+    "/ping": lambda r: r.json()["status"] == "ok",
     "/metrics": lambda r: "pdserve:router_request_errors_total" in r.text,
     "/dashboard": lambda r: r.text.startswith("<!doctype html>"),
     "/dashboard/data": lambda r: r.json()["workers"][0]["id"] == "auth-d0",
@@ -566,6 +568,9 @@ def test_health_is_open_and_everything_else_is_not(cluster):
     r = cluster[0]
     resp = httpx.get(f"{r.url}/health", timeout=10)
     assert (resp.status_code, resp.json()["status"]) == (200, "ok")
+    for method in ("GET", "POST"):  # /ping (SageMaker's probe, vLLM's): open as /health
+        resp = httpx.request(method, f"{r.url}/ping", timeout=10)
+        assert (resp.status_code, resp.json()["status"]) == (200, "ok"), method
     for path in ("/metrics", "/v1/models", "/dashboard/data", "/docs"):
         assert_401(httpx.get(f"{r.url}{path}", timeout=10), path, sent=False)
     resp = httpx.post(f"{r.url}/v1/completions", json=POSTS["/v1/completions"][0], timeout=10)

@@ -85,6 +85,7 @@ def test_deltas_carry_token_entries_only_when_logprobs_were_asked(tok):
 class _FakeStream:
     def __init__(self, inp, deltas):
         self.inp, self.decision, self.attempts, self._deltas = inp, None, 0, deltas
+        self.cached_tokens = 3  # known with the first tokens, as its StreamEnd reports it
 
     def finish(self, index: int) -> None:
         pass
