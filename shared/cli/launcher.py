@@ -355,6 +355,18 @@ class Cluster:
         child.restart_at = None
         child.announced_ready = child.ready_file is None
 
+    @staticmethod
+    def _kill(c: Child) -> None:
+        """SIGKILL ``c``'s process group (it and its TP/PP rank processes); the next
+        :meth:`supervise` sees it exited and restarts it after its backoff."""
+        try:
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                c.proc.kill()
+            except ProcessLookupError:
+                pass
+
     def _schedule_restart(self, c: Child, now: float) -> float:
         """Set ``c``'s next restart after its backoff (doubling, up to 30 s); returns the delay."""
         delay = c.backoff_s or self.args.restart_backoff
@@ -384,7 +396,22 @@ class Cluster:
                     lines.append(
                         f"[pdserve] {c.name} ready again (restart {c.restarts}) gRPC {info['grpc']}"
                     )
-                if now - c.started_at >= STABLE_S:
+                elif (
+                    not c.announced_ready
+                    and c.ready_file is not None
+                    and now - c.started_at > self.args.startup_timeout
+                ):
+                    # the first start had --startup-timeout to become ready (wait_ready): a
+                    # restart gets as long, then it is killed and restarted (it may be stuck
+                    # in a start-up that never ends: a rank of it that never joins, a lock)
+                    lines.append(
+                        f"[pdserve] {c.name} not ready {now - c.started_at:.0f} s after restart "
+                        f"{c.restarts} (--startup-timeout {self.args.startup_timeout:.0f}); "
+                        "killing it to start it again"
+                    )
+                    self._kill(c)
+                    continue
+                if c.announced_ready and now - c.started_at >= STABLE_S:
                     c.backoff_s = 0.0
                 continue
             if c.restart_at is None:  # just noticed

@@ -187,8 +187,22 @@ class PendingLogits:
     work: object  # the irecv
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()  # type: ignore[attr-defined]
+        """The logits; on CPU (gloo) a last stage that does not send them within
+        ``PDSERVE_DIST_TIMEOUT_S`` raises ``CommTimeoutError`` (a stuck rank)."""
+        _wait_handoff(self.work, self.logits, "waiting for the last pipeline stage's logits")
         return self.logits
+
+
+def _wait_handoff(work: object, t: torch.Tensor, what: str) -> None:
+    """Wait for a pipeline hand-off (isend / irecv): bounded on CPU (gloo's wait with a
+    timeout, see shared/engine/distributed.py::wait_work); on CUDA NCCL's own (stream-ordered,
+    its watchdog holds the group's timeout)."""
+    if t.device.type == "cpu":
+        from shared.engine.distributed import wait_work
+
+        wait_work(work, what)
+    else:
+        work.wait()  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -407,7 +421,7 @@ class ModelRunner:
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # rank 0 of several: canonical transfer pool
-        self._sends: list = []  # pipeline hand-offs in flight (isend works)
+        self._sends: list = []  # pipeline hand-offs in flight: (isend work, its buffer)
         self._prompt_logprobs: dict[str, list[Logprob]] = {}  # the last collected step's
 
     def _shard_of(self, rank: int, group: object = None, comm: object = None) -> Shard:
@@ -571,6 +585,8 @@ class ModelRunner:
                 (num_host_blocks, *self.block_shape), self.kv_dtype, pin=self.device.type == "cuda"
             )
         self._init_scales()
+        if self.executor is not None:  # the last of start-up: every rank loaded
+            self.executor.wait_ready()
 
     @property
     def can_prefault(self) -> bool:
@@ -728,9 +744,11 @@ class ModelRunner:
         Rank 0 broadcasts the arguments first; a later pipeline stage receives its input
         hidden states from the previous stage and the last stage sends the logits to rank 0."""
         if self.executor is not None and (chunks or any(moves)):
-            self.executor.broadcast(("step", moves, chunks, logit_rows))
-        for work in self._sends:  # the last step's hand-offs (buffers live until done)
-            work.wait()
+            # greedy too: every rank must take the same path through the LM head (its
+            # collectives), not only rank 0
+            self.executor.broadcast(("step", moves, chunks, logit_rows, greedy))
+        for work, buf in self._sends:  # the last step's hand-offs (buffers live until done)
+            _wait_handoff(work, buf, "a pipeline hand-off to the next stage")
         self._sends.clear()
         self._move_blocks(*moves)
         if not chunks:
@@ -761,13 +779,18 @@ class ModelRunner:
             hidden_in = torch.empty(
                 (t, self.model_config.hidden_size), dtype=self.dtype, device=dev
             )
-            dist.recv(hidden_in, src=self.rank - tp)
+            _wait_handoff(
+                dist.irecv(hidden_in, src=self.rank - tp),
+                hidden_in,
+                "waiting for the previous pipeline stage's hidden states",
+            )
         hidden = self.model(input_ids, positions, self.kv_cache, meta, hidden_in)
         if not sh.last_stage:
             import torch.distributed as dist
 
             # non-blocking hand-offs: stage 0 starts the next step while later stages work
-            self._sends.append(dist.isend(hidden.contiguous(), dst=self.rank + tp))
+            out = hidden.contiguous()
+            self._sends.append((dist.isend(out, dst=self.rank + tp), out))
             if self.rank != 0 or not logit_rows:
                 return None
             logits = torch.empty(
@@ -777,7 +800,7 @@ class ModelRunner:
         if not logit_rows:
             return None
         last = hidden[torch.tensor(logit_rows, device=dev)]
-        if greedy and sh.pp_size == 1:
+        if greedy and sh.pp_size == 1:  # every rank of the stage gets the same ``greedy``
             ids = self.model.greedy_tokens(last)
             if ids is not None:
                 return GreedyTokens(ids)
@@ -785,7 +808,8 @@ class ModelRunner:
         if sh.pp_size > 1 and sh.tp_rank == 0:
             import torch.distributed as dist
 
-            self._sends.append(dist.isend(logits.contiguous(), dst=0))
+            out = logits.contiguous()
+            self._sends.append((dist.isend(out, dst=0), out))
         return logits if self.rank == 0 else None
 
     def _move_blocks(
@@ -834,11 +858,12 @@ class ModelRunner:
         assert self.kv_cache is not None
         ids = torch.tensor(list(block_ids), device=self.device)
         mine = self.kv_cache.view(torch.uint8)[ids].contiguous()
-        if self.rank != 0:
-            dist.gather(mine, None, dst=0)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._collective(
+            lambda a: dist.gather(mine, parts, dst=0, async_op=a), "the KV export's gather"
+        )
+        if parts is None:
             return
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.gather(mine, parts, dst=0)
         pool = self.transfer_pool.view(torch.uint8)
         host_ids = ids.to(pool.device)
         full = torch.empty((len(block_ids), *pool.shape[1:]), dtype=torch.uint8)
@@ -861,14 +886,25 @@ class ModelRunner:
         kv = self.kv_cache.view(torch.uint8)
         ids = torch.tensor(list(block_ids), device=self.device)
         mine = torch.empty((len(block_ids), *kv.shape[1:]), dtype=torch.uint8, device=self.device)
-        if self.rank != 0:
-            dist.scatter(mine, None, src=0)
-        else:
+        pieces = None
+        if self.rank == 0:
             pool = self.transfer_pool.view(torch.uint8)
             full = pool[ids.to(pool.device)]
             pieces = []
             for r in range(self.world_size):
                 layers, heads = self._shard_box(r)
                 pieces.append(full[:, layers, :, :, heads].contiguous().to(self.device))
-            dist.scatter(mine, pieces, src=0)
+        self._collective(
+            lambda a: dist.scatter(mine, pieces, src=0, async_op=a), "the KV import's scatter"
+        )
         kv[ids] = mine
+
+    def _collective(self, op, what: str) -> None:  # type: ignore[no-untyped-def]
+        """Run ``op(async_op)``: on CPU asynchronously and waited with gloo's bound (a stuck
+        rank raises ``CommTimeoutError``); on CUDA as NCCL runs it."""
+        if self.device.type == "cpu":
+            from shared.engine.distributed import wait_work
+
+            wait_work(op(True), what)
+        else:
+            op(False)

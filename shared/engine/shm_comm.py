@@ -18,12 +18,17 @@ vLLM's CPU backend does (its C++ ``shm_allreduce``). Here:
 
 For a tensor larger than a slot the methods return ``None`` and the caller (``Shard``) uses the
 group's own collective (same results up to summation order, which is then gloo's). The segment is unlinked by the rank that created it as soon as
-every rank has opened it, so nothing is left in ``/dev/shm`` whatever happens later (a crash
-between the create and the unlink, at start-up, is the only window).
+every rank has opened it, so nothing is left in ``/dev/shm`` whatever happens later; a start
+that fails in between unlinks it too (only a rank 0 killed in that window leaves one, and the
+next start on its port removes it: shared/engine/distributed.py::remove_segments). Its pages
+are reserved when it is created (``posix_fallocate``): a ``/dev/shm`` too small for it (Docker's
+64 MiB default) fails the start with the size it needs, instead of a SIGBUS at the first large
+collective.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import platform
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.config import env_float
+from shared.config import ConfigError, env_float
 
 HEADER = 64  # bytes per rank counter (one cache line: no false sharing)
 SLOT_BYTES = int(env_float("PDSERVE_SHM_SLOT_MB", 8, minimum=0.0625) * (1 << 20))
@@ -48,7 +53,7 @@ class PeerDiedError(RuntimeError):
     """A rank this one waits for in shared memory has exited."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # not published yet
     try:
@@ -68,13 +73,41 @@ def _check_peers(counters: np.ndarray, seq: int) -> None:
     """Raise PeerDiedError if a rank that has not reached ``seq`` (column 0 of its header
     row) has exited (its pid is in column 1)."""
     for r in range(counters.shape[0]):
-        if counters[r, 0] < seq and not _pid_alive(int(counters[r, 1])):
+        if counters[r, 0] < seq and not pid_alive(int(counters[r, 1])):
             raise PeerDiedError(f"rank process {int(counters[r, 1])} exited")
 
 
 def shm_supported() -> bool:
     """Ordered stores/loads are assumed (x86-64); elsewhere use gloo."""
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Size the new segment ``fd`` with its pages reserved (a sparse file on a full tmpfs
+    faults with SIGBUS when a page is first written), or raise a ConfigError that says what
+    is missing."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            os.ftruncate(fd, size)  # a filesystem without fallocate: sparse, as before
+            return
+        try:
+            st = os.statvfs(os.path.dirname(path))
+            free = f"{st.f_bavail * st.f_frsize / (1 << 20):.0f} MiB free of " + (
+                f"{st.f_blocks * st.f_frsize / (1 << 20):.0f} MiB"
+            )
+        except OSError:
+            free = "its free space unknown"
+        raise ConfigError(
+            f"{os.path.dirname(path)} has no room for the {size / (1 << 20):.0f} MiB "
+            f"shared-memory segment {os.path.basename(path)} of this worker's TP/PP ranks "
+            f"({free}; {e.strerror}): give the container a larger /dev/shm (docker run "
+            "--shm-size, compose shm_size, a Kubernetes emptyDir with medium Memory), "
+            "lower PDSERVE_SHM_SLOT_MB / PDSERVE_SHM_CONTROL_MB, or set PDSERVE_SHM_COMM=0 "
+            "(gloo over loopback, slower)"
+        ) from None
 
 
 class _Segment:
@@ -89,8 +122,12 @@ class _Segment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                _reserve(fd, self.path, size)
             self.buf = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
 
@@ -102,14 +139,20 @@ class _Segment:
 
 
 def _open_segment(name: str, size: int, rank: int, group: Any) -> _Segment:
-    """Rank 0 creates, the others open, then the name is removed (two barriers on group)."""
+    """Rank 0 creates, the others open, then the name is removed (two barriers on group).
+    A start that fails in between (a rank that never opens it) removes it as well."""
     import torch.distributed as dist
 
     seg = _Segment(name, size, create=True) if rank == 0 else None
-    dist.barrier(group=group)
-    if seg is None:
-        seg = _Segment(name, size, create=False)
-    dist.barrier(group=group)
+    try:
+        dist.barrier(group=group)
+        if seg is None:
+            seg = _Segment(name, size, create=False)
+        dist.barrier(group=group)
+    except BaseException:
+        if rank == 0 and seg is not None:
+            seg.unlink()
+        raise
     if rank == 0:
         seg.unlink()
     return seg
@@ -219,10 +262,10 @@ class ShmBroadcast:
         self._data = memoryview(buf)[header:]
         self._seq = 0
 
-    def send(self, msg: object, alive: Any = None) -> None:
+    def send(self, msg: object, alive: Any = None, timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        """Publish ``msg`` once every reader took the last one (waiting at most ``timeout_s``
+        for that: :class:`CommTimeoutError`)."""
         import pickle
-
-        import torch.distributed as dist
 
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         seq, head = self._seq + 1, self._head
@@ -237,10 +280,10 @@ class ShmBroadcast:
                         alive()
                     _check_peers(head[1 : self.size], seq - 1)
                     last_check = now
-                if now - start > WAIT_TIMEOUT_S:
+                if now - start > timeout_s:
                     raise CommTimeoutError(
                         f"a rank has not taken control message {seq - 1} for "
-                        f"{WAIT_TIMEOUT_S:.0f} s: {head[1 : self.size, 0].tolist()}"
+                        f"{timeout_s:g} s: {head[1 : self.size, 0].tolist()}"
                     )
                 time.sleep(IDLE_SLEEP_S)
         big = len(payload) > CONTROL_BYTES
@@ -249,13 +292,14 @@ class ShmBroadcast:
         head[0, 1] = -1 if big else len(payload)
         head[0, 0] = seq
         self._seq = seq
-        if big:
-            dist.broadcast_object_list([msg], src=0, group=self.group)
+        if big:  # every reader is on its way to the same broadcast (bounded on this side)
+            from shared.engine.distributed import broadcast_object
+
+            broadcast_object(msg, self.group, 0, timeout_s)
 
     def recv(self) -> object:
+        """The next message; waits as long as rank 0 sends none (the worker is idle)."""
         import pickle
-
-        import torch.distributed as dist
 
         self._seq += 1
         seq, head = self._seq, self._head
@@ -272,10 +316,10 @@ class ShmBroadcast:
                 time.sleep(IDLE_SLEEP_S)
         n = int(head[0, 1])
         if n < 0:
+            from shared.engine.distributed import broadcast_object
+
             head[self.rank, 0] = seq
-            box: list[object] = [None]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            return box[0]
+            return broadcast_object(None, self.group, self.rank, None)
         msg = pickle.loads(bytes(self._data[:n]))
         head[self.rank, 0] = seq
         return msg

@@ -80,7 +80,12 @@ class Shard:
             return x
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        if x.device.type == "cpu":  # gloo: bounded (a stuck rank raises CommTimeoutError)
+            from shared.engine.distributed import wait_work
+
+            wait_work(dist.all_reduce(x, group=self.group, async_op=True), "a TP all-reduce")
+        else:
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +99,13 @@ class Shard:
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        if x.device.type == "cpu":
+            from shared.engine.distributed import wait_work
+
+            work = dist.all_gather(parts, x.contiguous(), group=self.group, async_op=True)
+            wait_work(work, "a TP all-gather")
+        else:
+            dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 

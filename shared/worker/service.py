@@ -102,7 +102,8 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
         default=60.0,
         help="seconds without a finished engine step (while work is queued) after which the "
         "worker reports NOT_SERVING and lets its registry lease lapse, until a step finishes "
-        "(vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S plays this part)",
+        "(vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S plays this part); a worker of several ranks "
+        "(TP/PP) still hung after 3 times this exits with status 1 (to be restarted); 0 = off",
     )
     g.add_argument(
         "--drain-timeout",
@@ -486,16 +487,54 @@ async def serve_worker(
     return 1 if died else 0
 
 
+#: A worker of several ranks (TP / PP) whose engine stays hung this many times
+#: ``--engine-hang-timeout`` exits (status 1) so that its supervisor restarts it. Every wait on
+#: another rank is bounded (``PDSERVE_DIST_TIMEOUT_S`` / ``PDSERVE_SHM_TIMEOUT_S``, 60 s: the
+#: step fails and the worker exits by itself); this is the backstop for a wait that is not. A
+#: worker of one rank only turns NOT_SERVING (a slow step there recovers by itself).
+HANG_EXIT_FACTOR = 3
+
+
+def _hang_exit_after(runtime: WorkerRuntime, limit: float) -> float | None:
+    """Seconds of a hung engine after which this worker exits (``None``: never)."""
+    world = getattr(getattr(runtime.engine, "parallel_config", None), "world_size", 1)
+    if limit <= 0 or not isinstance(world, int) or world <= 1:
+        return None
+    return HANG_EXIT_FACTOR * limit
+
+
+def _exit_hung(runtime: WorkerRuntime, stalled: float) -> None:
+    """The backstop: kill this node's rank processes (a stopped one would outlive us) and
+    exit at once; a clean shutdown would wait on the hung engine thread and on its ranks."""
+    logger.critical(
+        "engine made no progress for %.0f s (%d x --engine-hang-timeout) on a worker of "
+        "several ranks: exiting so that it is restarted",
+        stalled,
+        HANG_EXIT_FACTOR,
+    )
+    executor = getattr(getattr(runtime.engine, "runner", None), "executor", None)
+    for p in getattr(executor, "procs", None) or []:
+        try:
+            p.proc.kill()  # SIGKILL: a stopped process too
+        except Exception:
+            logger.debug("killing rank %s failed", getattr(p, "rank", "?"), exc_info=True)
+    logging.shutdown()
+    os._exit(1)
+
+
 async def _watch_hang(runtime: WorkerRuntime, health_servicer, period_s: float = 0.5) -> None:
     """Liveness that tells the truth: when no engine step finished for
     ``--engine-hang-timeout`` while work is queued, turn NOT_SERVING, let the lease lapse
     (routers stop sending here) and fail the requests in flight with UNAVAILABLE (the router
     resumes them elsewhere, a decode worker prefills locally); turn SERVING again once a step
-    finishes."""
+    finishes. A worker of several ranks hung ``HANG_EXIT_FACTOR`` times as long exits."""
     limit = runtime.args.engine_hang_timeout
+    exit_after = _hang_exit_after(runtime, limit)
     while True:
         await asyncio.sleep(period_s)
         stalled = runtime.loop.stalled_for()
+        if exit_after is not None and stalled > exit_after:
+            _exit_hung(runtime, stalled)
         hung = limit > 0 and stalled > limit
         if hung and not runtime.hung:
             runtime.hung = True
