@@ -265,6 +265,17 @@ def test_worker_threads_come_from_one_setting():
             assert services[name]["environment"]["OMP_NUM_THREADS"] == gpu_threads, name
 
 
+def test_workers_have_room_for_their_ranks_shared_memory():
+    """A worker of several ranks (-tp / -pp in WORKER_ARGS) reserves its ranks' channels in
+    /dev/shm (16 MiB + 2 x TP x 8 MiB per stage: 48 MiB at TP 2); Docker's default 64 MiB holds
+    one such worker at most, and too little fails its start."""
+    services = active_services(("cpu", "gpu"))
+    for name in CPU_WORKERS + GPU_WORKERS:
+        size = str(services[name].get("shm_size", "0"))
+        mib = int(size) / 2**20 if size.isdigit() else int(size.rstrip("mM"))
+        assert mib >= 128, (name, size)
+
+
 def test_default_model_is_the_generated_tiny_model_in_a_named_volume():
     services = active_services(("cpu",))
     assert services["model-init"]["environment"]["MODEL"] == "/models/tiny-llama"
