@@ -144,6 +144,16 @@ def wait_work(work: Any, what: str, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> 
         raise comm_error(e, what, timeout_s) from e
 
 
+def run_collective(op: Any, what: str, device_type: str) -> None:
+    """Run the collective ``op(async_op)``: on CPU (gloo) asynchronously and waited with
+    :func:`wait_work`'s bound (a stuck rank raises :class:`CommTimeoutError`); on CUDA as NCCL
+    runs it (stream-ordered; its watchdog holds the group's timeout)."""
+    if device_type == "cpu":
+        wait_work(op(True), what)
+    else:
+        op(False)
+
+
 def _wait_watched(work: Any, what: str, alive: Any, timeout_s: float) -> None:
     """As :func:`wait_work` for a collective, calling ``alive()`` (which raises when a rank
     process exited) while it waits: start-up's waits, which may be long."""

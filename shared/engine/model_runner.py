@@ -853,14 +853,18 @@ class ModelRunner:
             return
         import torch.distributed as dist
 
+        from shared.engine.distributed import run_collective
+
         if self.executor is not None:
             self.executor.broadcast(("export", list(block_ids)))
         assert self.kv_cache is not None
         ids = torch.tensor(list(block_ids), device=self.device)
         mine = self.kv_cache.view(torch.uint8)[ids].contiguous()
         parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-        self._collective(
-            lambda a: dist.gather(mine, parts, dst=0, async_op=a), "the KV export's gather"
+        run_collective(
+            lambda a: dist.gather(mine, parts, dst=0, async_op=a),
+            "the KV export's gather",
+            self.device.type,
         )
         if parts is None:
             return
@@ -880,6 +884,8 @@ class ModelRunner:
             return
         import torch.distributed as dist
 
+        from shared.engine.distributed import run_collective
+
         if self.executor is not None:
             self.executor.broadcast(("import", list(block_ids)))
         assert self.kv_cache is not None
@@ -894,17 +900,9 @@ class ModelRunner:
             for r in range(self.world_size):
                 layers, heads = self._shard_box(r)
                 pieces.append(full[:, layers, :, :, heads].contiguous().to(self.device))
-        self._collective(
-            lambda a: dist.scatter(mine, pieces, src=0, async_op=a), "the KV import's scatter"
+        run_collective(
+            lambda a: dist.scatter(mine, pieces, src=0, async_op=a),
+            "the KV import's scatter",
+            self.device.type,
         )
         kv[ids] = mine
-
-    def _collective(self, op, what: str) -> None:  # type: ignore[no-untyped-def]
-        """Run ``op(async_op)``: on CPU asynchronously and waited with gloo's bound (a stuck
-        rank raises ``CommTimeoutError``); on CUDA as NCCL runs it."""
-        if self.device.type == "cpu":
-            from shared.engine.distributed import wait_work
-
-            wait_work(op(True), what)
-        else:
-            op(False)

@@ -80,12 +80,14 @@ class Shard:
             return x
         import torch.distributed as dist
 
-        if x.device.type == "cpu":  # gloo: bounded (a stuck rank raises CommTimeoutError)
-            from shared.engine.distributed import wait_work
+        from shared.engine.distributed import run_collective
 
-            wait_work(dist.all_reduce(x, group=self.group, async_op=True), "a TP all-reduce")
-        else:
-            dist.all_reduce(x, group=self.group)
+        # on gloo bounded: a stuck rank raises CommTimeoutError
+        run_collective(
+            lambda a: dist.all_reduce(x, group=self.group, async_op=a),
+            "a TP all-reduce",
+            x.device.type,
+        )
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +101,14 @@ class Shard:
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        if x.device.type == "cpu":
-            from shared.engine.distributed import wait_work
+        from shared.engine.distributed import run_collective
 
-            work = dist.all_gather(parts, x.contiguous(), group=self.group, async_op=True)
-            wait_work(work, "a TP all-gather")
-        else:
-            dist.all_gather(parts, x.contiguous(), group=self.group)
+        xc = x.contiguous()
+        run_collective(
+            lambda a: dist.all_gather(parts, xc, group=self.group, async_op=a),
+            "a TP all-gather",
+            x.device.type,
+        )
         return torch.cat(parts, dim=-1)
 
 
