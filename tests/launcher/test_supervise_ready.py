@@ -11,17 +11,9 @@ import pytest
 
 from shared.cli import launcher
 from shared.cli.launcher import Child, Cluster, cluster_args
+from tests.launcher.test_supervise import FakeProc
 
 pytestmark = pytest.mark.unit
-
-
-class FakeProc:
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        return self.returncode
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -29,6 +30,7 @@ from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.mux import MuxClient, serve_mux
 from tests.ports import free_port
 from tests.router.test_generate_mux import Scripted, _client, _drain, _server
+from tests.router.test_mux_start_cancel import _Ups
 
 STALL_S = 0.3
 BEAT_S = 0.05
@@ -82,6 +84,18 @@ async def _other_tasks() -> set[asyncio.Task]:
     return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
 
+def _call_factory() -> tuple[list[_FakeCall], Callable[[], _FakeCall]]:
+    """A ``method`` for MuxClient that opens a new :class:`_FakeCall` each time, and the list
+    of the calls it opened."""
+    calls: list[_FakeCall] = []
+
+    def method() -> _FakeCall:
+        calls.append(_FakeCall())
+        return calls[-1]
+
+    return calls, method
+
+
 async def _stalled_read(call) -> tuple[grpc.aio.AioRpcError, float]:
     t0 = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -95,12 +109,7 @@ async def _stalled_read(call) -> tuple[grpc.aio.AioRpcError, float]:
 @pytest.mark.unit
 def test_a_worker_silent_after_its_hello_fails_the_call_and_the_next_call_is_watched_at_once():
     async def scenario():
-        calls: list[_FakeCall] = []
-
-        def method():
-            calls.append(_FakeCall())
-            return calls[-1]
-
+        calls, method = _call_factory()
         client = MuxClient(method, "d:1", stall_timeout_s=STALL_S)
         m = client.start(pb.GenerateRequest(request_id="r1"))
         calls[0].send(pb.MuxDown())  # the hello, then nothing: the worker's loop is stuck
@@ -153,12 +162,7 @@ def test_an_older_build_answering_a_watched_call_turns_the_watchdog_off():
     (its first message is not a hello: the worker was replaced), the watchdog is off again."""
 
     async def scenario():
-        calls: list[_FakeCall] = []
-
-        def method():
-            calls.append(_FakeCall())
-            return calls[-1]
-
+        calls, method = _call_factory()
         client = MuxClient(method, "d:1", stall_timeout_s=STALL_S)
         m = client.start(pb.GenerateRequest(request_id="r1"))
         calls[0].send(pb.MuxDown())
@@ -224,21 +228,6 @@ def test_heartbeats_keep_a_call_with_a_quiet_request_open():
 
 
 # ---- worker side: serve_mux's hello and heartbeats -------------------------------------------
-
-
-class _Ups:
-    def __init__(self) -> None:
-        self._q: asyncio.Queue = asyncio.Queue()
-
-    def send(self, up) -> None:
-        self._q.put_nowait(up)
-
-    def close(self) -> None:
-        self._q.put_nowait(None)
-
-    async def __aiter__(self):
-        while (up := await self._q.get()) is not None:
-            yield up
 
 
 @pytest.mark.unit
