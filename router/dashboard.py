@@ -121,7 +121,7 @@ class LiveStats:
 
     def output(self, tokens: int, ttft_s: float | None = None, itl_s: float | None = None) -> None:
         """One output event of a request: ``tokens`` new tokens, and its TTFT (first event) or
-        the gap since the request's previous event (ITL)."""
+        the gap since the same prompt's previous event (ITL)."""
         s = self._slot()
         s.output_tokens += tokens
         self.output_tokens_total += tokens
@@ -217,6 +217,8 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
         for s in family.samples:
             key = _WORKER_SERIES.get(s.name)
             if key is not None:
+                if not math.isfinite(s.value):  # JSON has no NaN: one bad gauge broke the page
+                    raise ValueError(f"{s.name} is {s.value}")
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -224,6 +226,7 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
 @dataclass(slots=True)
 class _History:
     samples: deque[tuple[float, dict[str, float]]]  # (monotonic time, figures), newest last
+    generation: str = ""  # the worker process the samples came from (its registry record's)
     error: str | None = None
 
 
@@ -261,13 +264,19 @@ class WorkerScraper:
         for wid in [w for w in self._hist if w not in live]:
             del self._hist[wid]
         for r, res in zip(records, parsed, strict=True):
-            h = self._hist.setdefault(r.worker_id, _History(deque()))
+            h = self._hist.setdefault(r.worker_id, _History(deque(), r.generation))
             if isinstance(res, BaseException):
                 h.error = _describe(res)
                 continue
             h.error = None
-            if h.samples and any(res.get(k, 0.0) < h.samples[-1][1].get(k, 0.0) for k in COUNTERS):
-                h.samples.clear()  # counters went back: the worker restarted under the same id
+            if h.samples and (
+                h.generation != r.generation  # restarted: another process's counters
+                or any(res.get(k, 0.0) < h.samples[-1][1].get(k, 0.0) for k in COUNTERS)
+                # scrapes run while a page polls: after a gap, a new window (not an hour's)
+                or h.samples[-1][0] < now - self.history_s
+            ):
+                h.samples.clear()  # (counters that went back: a restart seen only that way)
+            h.generation = r.generation
             h.samples.append((now, res))
             while len(h.samples) > 2 and h.samples[0][0] < now - self.history_s:
                 h.samples.popleft()
@@ -283,8 +292,13 @@ class WorkerScraper:
         if not h.samples:
             return out
         (t0, first), (t1, last) = h.samples[0], h.samples[-1]
-        out.update(last)
+        out.update(last)  # the last good figures, with their age; no rates once stale
         out["age_s"] = self._clock() - t1
+        if h.error is not None or out["age_s"] > self.history_s:
+            out.update(delta=None, transfer_bytes_per_s=None, prefix_hit_rate=None)
+            q, hits = last.get("prefix_queries", 0.0), last.get("prefix_hits", 0.0)
+            out["prefix_hit_rate_total"] = hits / q if q else None
+            return out
         q, hits = last.get("prefix_queries", 0.0), last.get("prefix_hits", 0.0)
         out["prefix_hit_rate_total"] = hits / q if q else None
         dt = t1 - t0
@@ -321,8 +335,10 @@ def _describe(e: BaseException) -> str:
 
 
 def pool_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals and block-weighted averages over one role's worker views (see ``Dashboard``)."""
-    scraped = [w["scrape"] for w in workers if "running" in w["scrape"]]
+    """Totals and block-weighted averages over one role's worker views (see ``Dashboard``):
+    the figures of this scrape's answers only (a worker that stopped answering kept adding its
+    last ones), and for running / waiting the lease's where the scrape failed."""
+    scraped = [w["scrape"] for w in workers if w["scrape"].get("ok")]
 
     def total(key: str) -> float:
         return cast(float, sum(s.get(key, 0.0) for s in scraped))
@@ -348,8 +364,8 @@ def pool_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
         "prefix_hit_rate_total": (
             total("prefix_hits") / total("prefix_queries") if total("prefix_queries") else None
         ),
-        "running": total("running"),
-        "waiting": total("waiting"),
+        "running": sum(_live(w, "running") for w in workers),
+        "waiting": sum(_live(w, "waiting") for w in workers),
         "preemptions": total("preemptions"),
         "preemptions_window": sum(d["preemptions"] for d in deltas),
         "transfer_bytes_per_s": sum(rates) if rates else None,
@@ -367,6 +383,12 @@ def pool_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
             else None
         ),
     }
+
+
+def _live(worker: dict[str, Any], key: str) -> float:
+    """A worker's running or waiting count: this scrape's, else its lease's."""
+    s = worker["scrape"]
+    return cast(float, s[key] if s.get("ok") and key in s else worker[key])
 
 
 def router_totals(registry: Any) -> dict[str, Any]:

@@ -87,7 +87,9 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, Any, BaseException | None]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._first: list[tuple[int, Any]] = []
-        self._last_token_time: float | None = None
+        # per prompt: with several prompts in one request their events interleave, and one
+        # shared time read ~1/k of each sequence's gap as its inter-token latency
+        self._last_token_time: list[float | None] = [None] * len(prompts)
         self._ttft: float | None = None
         self._closed = False
 
@@ -203,13 +205,14 @@ class Generation:
             return out
         now = time.monotonic()
         metrics = self.ctx.metrics
-        last = self._last_token_time
-        self._last_token_time = now
-        if last is None:
-            itl = None
+        last = self._last_token_time[prompt_index]
+        self._last_token_time[prompt_index] = now
+        first = self._ttft is None  # the request's first token (TTFT is the request's)
+        itl = None
+        if first:
             self._ttft = now - self.arrival
             metrics.c_ttft.observe(self._ttft)
-        else:
+        elif last is not None:
             itl = now - last
             metrics.c_itl.observe(itl)
         samples = self.samples
@@ -226,7 +229,7 @@ class Generation:
             if (d := s.take()) is not None:
                 out.append(d)
         if self.ctx.live is not None:
-            self.ctx.live.output(tokens, self._ttft if itl is None else None, itl)
+            self.ctx.live.output(tokens, self._ttft if first else None, itl)
         return out
 
     def client_left(self) -> bool:

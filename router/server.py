@@ -430,7 +430,8 @@ class _ApiKey:
                 "missing API key: send 'Authorization: Bearer KEY' (or HTTP Basic auth "
                 "with the key as the password)"
             )
-        self.metrics.error(err.status)
+        if sent or not basic:  # a browser's first, credential-less load is the challenge's
+            self.metrics.error(err.status)  # handshake: opening the dashboard was an "error"
         return await JSONResponse(
             err.to_dict(),
             status_code=err.status,

@@ -437,7 +437,8 @@ def test_failing_workers_are_reported_and_do_not_hold_up_the_others():
     assert not s["decode-4"]["ok"] and s["decode-4"]["error"]
     assert s["decode-5"] == {"ok": False, "error": "no metrics URL in the registry"}
     assert d["pools"]["decode"]["workers"] == 6 and d["pools"]["decode"]["scraped"] == 1
-    assert d["pools"]["decode"]["running"] == 1
+    # decode-0 scraped (1); the five others by their leases (1 running, 2 waiting each)
+    assert d["pools"]["decode"]["running"] == 1 + 5 and d["pools"]["decode"]["waiting"] == 10
 
 
 def test_last_good_figures_survive_a_failed_scrape_and_a_restart_resets_rates():
@@ -528,3 +529,120 @@ def test_routes_serve_a_self_contained_page_and_the_json():
         body = data.json()
         assert body["recent"][0]["request_id"] == "cmpl-1"
         assert body["workers"][0]["id"] == "decode-0" and body["window"]["requests_total"] == 1
+
+
+def test_a_worker_that_stopped_answering_leaves_the_pool_figures():
+    # it kept adding its last scrape's queue, KV use and transfer rate to the pool and the
+    # cluster headline however long it had been gone (a static worker, or until its lease lapsed)
+    clock = Clock(100.0)
+    w = Workers()
+    recs = [rec("decode-0", ROLE_DECODE, 9002), rec("decode-1", ROLE_DECODE, 9003)]
+    w.texts[9002] = worker_text("decode", "decode-0", received=0, running=5, waiting=3, usage=0.9)
+    w.texts[9003] = worker_text("decode", "decode-1", received=0, running=0, usage=0.1)
+    dash = make_dashboard(recs, w, clock)
+
+    async def run():
+        await dash.data()
+        clock.t += 2.0
+        w.texts[9002] = worker_text(
+            "decode", "decode-0", received=2_000_000_000, running=5, waiting=3, usage=0.9
+        )
+        live = await dash.data()
+        w.broken[9002] = "refused"
+        clock.t += 599.0
+        await dash.data()
+        clock.t += 1.0
+        return live, await dash.data()
+
+    live, gone = asyncio.run(run())
+    assert live["pools"]["decode"]["transfer_bytes_per_s"] == pytest.approx(1e9)
+    s = gone["workers"][0]["scrape"]
+    assert not s["ok"] and s["running"] == 5 and s["age_s"] == pytest.approx(600.0)
+    assert s["transfer_bytes_per_s"] is None and s["delta"] is None
+    p = gone["pools"]["decode"]
+    assert p["scraped"] == 1
+    assert p["transfer_bytes_per_s"] == pytest.approx(0.0)  # decode-1's, only
+    assert gone["cluster"]["transfer_bytes_per_s"] == pytest.approx(0.0)
+    assert p["kv_usage"] == pytest.approx(0.1)
+    assert p["running"] == 1 and p["waiting"] == 2  # decode-0's lease (1, 2) + decode-1's (0, 0)
+
+
+def test_a_scrape_after_an_idle_gap_starts_a_new_window():
+    # scrapes run only while a page polls: the first one after an hour compared against the
+    # hour-old sample and showed an hour's average as "recent"
+    clock = Clock(100.0)
+    w = Workers()
+    recs = [rec("decode-0", ROLE_DECODE, 9002)]
+    w.texts[9002] = worker_text("decode", "decode-0", preempt=0, received=0, queries=0)
+    dash = make_dashboard(recs, w, clock)
+
+    async def run():
+        await dash.data()
+        clock.t += 1.0
+        await dash.data()
+        clock.t += 3600.0
+        w.texts[9002] = worker_text(
+            "decode", "decode-0", preempt=500, received=3_600_000, queries=1000, hits=900
+        )
+        first = await dash.data()
+        clock.t += 1.0
+        w.texts[9002] = worker_text(
+            "decode", "decode-0", preempt=501, received=3_601_000, queries=1010, hits=901
+        )
+        return first, await dash.data()
+
+    first, second = asyncio.run(run())
+    s = first["workers"][0]["scrape"]
+    assert s["window_s"] == 0.0 and s["transfer_bytes_per_s"] is None
+    assert s["prefix_hit_rate"] is None and first["cluster"]["preemptions_window"] == 0
+    assert s["prefix_hit_rate_total"] == pytest.approx(0.9)
+    s = second["workers"][0]["scrape"]
+    assert s["window_s"] == pytest.approx(1.0) and s["transfer_bytes_per_s"] == pytest.approx(1000)
+    assert (
+        s["prefix_hit_rate"] == pytest.approx(0.1) and second["cluster"]["preemptions_window"] == 1
+    )
+
+
+def test_a_restart_is_known_by_its_generation_not_only_by_counters_going_back():
+    # the new process's counters had passed the old one's: their difference was shown as a rate
+    clock = Clock(100.0)
+    w = Workers()
+    recs = [rec("decode-0", ROLE_DECODE, 9002)]
+    w.texts[9002] = worker_text("decode", "decode-0", received=1000, queries=10, hits=5)
+    dash = make_dashboard(recs, w, clock)
+
+    async def run():
+        await dash.data()
+        clock.t += 1.0
+        await dash.data()
+        old = recs[0]
+        recs[0] = WorkerRecord(old.info, old.load, "g2", 1)
+        w.texts[9002] = worker_text(
+            "decode", "decode-0", received=900_000_000, queries=2000, hits=100
+        )
+        clock.t += 1.0
+        return await dash.data()
+
+    s = asyncio.run(run())["workers"][0]["scrape"]
+    assert s["ok"] and s["window_s"] == 0.0
+    assert s["transfer_bytes_per_s"] is None and s["prefix_hit_rate"] is None
+
+
+def test_a_non_finite_value_fails_that_worker_not_the_page():
+    # JSON has no NaN: one worker's NaN gauge made /dashboard/data a 500 for the whole cluster
+    clock = Clock(100.0)
+    w = Workers()
+    recs = [rec("decode-0", ROLE_DECODE, 9002), rec("decode-1", ROLE_DECODE, 9003)]
+    w.texts[9002] = worker_text("decode", "decode-0", running=2)
+    w.texts[9003] = worker_text("decode", "decode-1").replace(
+        'kv_cache_usage_perc{model_name="m",role="decode",worker_id="decode-1"} 0.0',
+        'kv_cache_usage_perc{model_name="m",role="decode",worker_id="decode-1"} NaN',
+    )
+    app = FastAPI()
+    add_dashboard_routes(app)
+    app.state.dashboard = make_dashboard(recs, w, clock)
+    r = TestClient(app).get("/dashboard/data")
+    assert r.status_code == 200, r.text
+    s = {x["id"]: x["scrape"] for x in r.json()["workers"]}
+    assert s["decode-0"]["ok"] and s["decode-0"]["running"] == 2
+    assert not s["decode-1"]["ok"] and "NaN" in s["decode-1"]["error"].replace("nan", "NaN")

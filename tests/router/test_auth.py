@@ -625,6 +625,14 @@ def test_rejections_show_in_the_metrics(cluster):
     for _ in range(3):
         assert httpx.get(f"{r.url}/v1/models", headers=bearer(WRONG), timeout=10).status_code == 401
     assert count() - before == 3
+    # a browser opening the dashboard asks without credentials first: that challenge is the
+    # Basic handshake, not an error (the dashboard's own error figure counted every page load)
+    for path in ("/dashboard", "/dashboard/data"):
+        assert httpx.get(f"{r.url}{path}", timeout=10).status_code == 401
+    assert count() - before == 3
+    auth = httpx.BasicAuth("", WRONG)
+    assert httpx.get(f"{r.url}/dashboard", auth=auth, timeout=10).status_code == 401
+    assert count() - before == 4
 
 
 @pytest.mark.integration

@@ -133,6 +133,69 @@ def run_stream(tok, module, deltas, n=1, usage_mode="", **out):
     return writes, [json.loads(e[6:]) for e in events[:-1]]
 
 
+class _PacedStream(_FakeStream):
+    """One token every ``gap`` seconds after ``offset`` (real sleeps: gaps are never shorter)."""
+
+    def __init__(self, inp, offset, gap, count):
+        super().__init__(inp, [])
+        self.offset, self.gap, self.count = offset, gap, count
+
+    async def events(self):
+        await asyncio.sleep(self.offset)
+        for k in range(self.count):
+            if k:
+                await asyncio.sleep(self.gap)
+            yield [SeqOutput(0, [100 + k], "length" if k == self.count - 1 else "")]
+        yield StreamEnd("local", "w0", 0, None)
+
+
+class _RecordingLive(LiveStats):
+    def __init__(self):
+        super().__init__()
+        self.ttfts: list[float] = []
+        self.itls: list[float] = []
+
+    def output(self, tokens, ttft_s=None, itl_s=None):
+        super().output(tokens, ttft_s, itl_s)
+        self.ttfts += [] if ttft_s is None else [ttft_s]
+        self.itls += [] if itl_s is None else [itl_s]
+
+
+def test_inter_token_latency_is_per_prompt_in_a_batched_request(tok):
+    # two prompts in one completion request, each a token per 50 ms, 25 ms apart: one shared
+    # "last token" time read their interleaved events' 25 ms gaps as every sequence's ITL
+    started: list[_PacedStream] = []
+
+    class Dispatcher:
+        def stream(self, inp):
+            started.append(_PacedStream(inp, 0.025 * len(started), 0.05, 8))
+            return started[-1]
+
+    live = _RecordingLive()
+    metrics = RouterMetrics("tiny")
+    ctx = ServingContext(
+        "tiny", tok, Dispatcher(), Limits(4096, tok.vocab_size), metrics, 60.0, live=live
+    )
+    sp = pb.SamplingParams(n=1)
+    gen = Generation(
+        ctx, "req-b", [[5, 6, 7], [5, 6, 8]], [sp, sp], OutputParams(n=1), "", time.monotonic()
+    )
+
+    async def go():
+        await gen.start()
+        async for _ in gen.steps():
+            pass
+
+    asyncio.run(go())
+    assert len(live.ttfts) == 1  # the request's first token, once
+    assert len(live.itls) == 2 * 7  # each prompt's 7 gaps
+    # asyncio.sleep(0.05) is never shorter; but start() hands out the first tokens once every
+    # prompt has one, so prompt 0's first gap (from then) is ~25 ms
+    assert sorted(live.itls)[1] >= 0.045, live.itls
+    text = metrics.render().decode()
+    assert 'pdserve:inter_token_latency_seconds_count{model_name="tiny"} 14.0' in text
+
+
 def token_deltas(tok, text, n=1):
     ids = tok.encode(text, add_special_tokens=False)
     out = [[SeqOutput(i, [t]) for i in range(n)] for t in ids]
