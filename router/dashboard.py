@@ -179,6 +179,8 @@ class LiveStats:
 
 # ---- worker scraping ------------------------------------------------------------------------
 
+MAX_METRICS_BYTES = 8 << 20  # a worker's page is ~30 KB; anything near this is not one
+
 _WORKER_SERIES = {
     "pdserve:num_requests_running": "running",
     "pdserve:num_requests_waiting": "waiting",
@@ -247,10 +249,17 @@ class WorkerScraper:
         self._hist: dict[str, _History] = {}
 
     async def _fetch(self, url: str) -> str:
-        async with asyncio.timeout(self.timeout_s):
-            r = await self.client.get(url, timeout=self.timeout_s)
+        async with (
+            asyncio.timeout(self.timeout_s),
+            self.client.stream("GET", url, timeout=self.timeout_s) as r,
+        ):
             r.raise_for_status()
-            return r.text
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:  # held in the router's memory otherwise
+                    raise ValueError(f"metrics page larger than {MAX_METRICS_BYTES} bytes")
+            return body.decode(r.encoding or "utf-8", errors="replace")
 
     async def scrape(self, records: Iterable[WorkerRecord]) -> None:
         """Fetch every record's metrics URL at once; bounded by ``timeout_s`` in total."""

@@ -646,3 +646,19 @@ def test_a_non_finite_value_fails_that_worker_not_the_page():
     s = {x["id"]: x["scrape"] for x in r.json()["workers"]}
     assert s["decode-0"]["ok"] and s["decode-0"]["running"] == 2
     assert not s["decode-1"]["ok"] and "NaN" in s["decode-1"]["error"].replace("nan", "NaN")
+
+
+def test_an_oversized_metrics_page_fails_that_worker(monkeypatch):
+    # the whole body was read into the router's memory, however large
+    import router.dashboard as dashboard_mod
+
+    monkeypatch.setattr(dashboard_mod, "MAX_METRICS_BYTES", 4096)
+    clock = Clock(100.0)
+    w = Workers()
+    recs = [rec("decode-0", ROLE_DECODE, 9002), rec("decode-1", ROLE_DECODE, 9003)]
+    w.texts[9002] = worker_text("decode", "decode-0", running=2)
+    w.texts[9003] = worker_text("decode", "decode-1") + "# " + "x" * 10_000 + "\n"
+    d = asyncio.run(make_dashboard(recs, w, clock).data())
+    s = {x["id"]: x["scrape"] for x in d["workers"]}
+    assert s["decode-0"]["ok"] and s["decode-0"]["running"] == 2
+    assert not s["decode-1"]["ok"] and "larger than 4096 bytes" in s["decode-1"]["error"]
