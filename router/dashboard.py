@@ -413,8 +413,8 @@ def router_totals(registry: Any) -> dict[str, Any]:
     simple = {
         "pdserve:router_retries_total": "retries",
         "pdserve:router_num_requests_inflight": "inflight",
-        "pdserve:prompt_tokens_total": "prompt_tokens",
-        "pdserve:generation_tokens_total": "generation_tokens",
+        "pdserve:router_prompt_tokens_total": "prompt_tokens",
+        "pdserve:router_generation_tokens_total": "generation_tokens",
     }
     for family in registry.collect():
         for s in family.samples:

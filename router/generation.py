@@ -158,7 +158,6 @@ class Generation:
                 yield self._process(i, ev)
         now = time.monotonic()
         self.ctx.metrics.c_e2e.observe(now - self.arrival)
-        self.ctx.metrics.c_gen.inc(self.completion_tokens)
         if self.ctx.live is not None:
             self._record(self.ctx.live, now - self.arrival)
 
@@ -216,18 +215,22 @@ class Generation:
             itl = now - last
             metrics.c_itl.observe(itl)
         samples = self.samples
-        tokens = 0
+        tokens = kept = 0
         for sd in cast("list[SeqOutput]", ev):  # not a StreamEnd (returned above)
             ids = sd.token_ids
             tokens += len(ids)
             s = samples[base + sd.index]
             if s.finish_reason is not None:
                 continue  # ended here by a stop string; the worker had sent more already
+            had = len(s.token_ids)
             s.add(ids, sd.logprobs, sd.finish_reason, sd.stop_token_id)
+            kept += len(s.token_ids) - had
             if s.finish_reason is not None and not sd.finish_reason:
                 self.streams[prompt_index].finish(sd.index)  # a stop string matched: stop it
             if (d := s.take()) is not None:
                 out.append(d)
+        # as they come (a request's end alone made bursts, and a client that left counted none)
+        metrics.c_gen.inc(kept)
         if self.ctx.live is not None:
             self.ctx.live.output(tokens, self._ttft if first else None, itl)
         return out

@@ -111,7 +111,7 @@ class RouterMetrics:
             registry=r,
         )
         self.ttft = Histogram(
-            "pdserve:time_to_first_token_seconds",
+            "pdserve:router_time_to_first_token_seconds",
             "Arrival at the router -> first output token",
             labels,
             buckets=_TTFT_BUCKETS,
@@ -120,14 +120,14 @@ class RouterMetrics:
         GcCollector({"model_name": model_name, "role": "router"}, r)
         # observed once per streamed token: the lock-free kind (one label set: this model)
         self.itl = LoopHistogram(
-            "pdserve:inter_token_latency_seconds",
-            "Time between output deltas of one request",
+            "pdserve:router_inter_token_latency_seconds",
+            "Time between output deltas of one prompt's stream",
             {"model_name": model_name},
             _ITL_BUCKETS,
             r,
         )
         self.e2e = Histogram(
-            "pdserve:e2e_request_latency_seconds",
+            "pdserve:router_e2e_request_latency_seconds",
             "Arrival at the router -> last output token",
             labels,
             buckets=_E2E_BUCKETS,
@@ -179,10 +179,13 @@ class RouterMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "pdserve:prompt_tokens", "Prompt tokens routed", labels, registry=r
+            "pdserve:router_prompt_tokens", "Prompt tokens routed", labels, registry=r
         )
         self.generation_tokens = Counter(
-            "pdserve:generation_tokens", "Output tokens returned", labels, registry=r
+            "pdserve:router_generation_tokens",
+            "Output tokens returned (counted as they are streamed)",
+            labels,
+            registry=r,
         )
         self.inflight = Gauge(
             "pdserve:router_num_requests_inflight",

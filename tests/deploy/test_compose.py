@@ -546,6 +546,8 @@ def test_dashboard_covers_the_serving_signals():
     used = {name for _, expr in _dashboard_targets() for name in promql_metric_names(expr)}
     for name in (
         "pdserve:router_requests_total",
+        "pdserve:router_time_to_first_token_seconds_bucket",
+        "pdserve:router_inter_token_latency_seconds_bucket",
         "pdserve:time_to_first_token_seconds_bucket",
         "pdserve:inter_token_latency_seconds_bucket",
         "pdserve:kv_cache_usage_perc",

@@ -1,6 +1,6 @@
 """Router findings of the second review (2026-12-06), each failing before its fix: the length
 ``/v1/models`` and ``/tokenize`` report is the one admission enforces; a refused request adds
-nothing to ``pdserve:prompt_tokens_total``; unknown field names cannot forge log lines."""
+nothing to ``pdserve:router_prompt_tokens_total``; unknown field names cannot forge log lines."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_a_refused_request_adds_no_prompt_tokens(tiny_model, redis_server):
     with router_with_one_worker(
         tiny_model, redis_server.url, "ptok", {"token_delay": 0.1}, max_inflight_requests=1
     ) as router:
-        before = router.metric("pdserve:prompt_tokens_total")
+        before = router.metric("pdserve:router_prompt_tokens_total")
         slow = threading.Thread(
             target=lambda: httpx.post(
                 f"{router.url}/v1/completions",
@@ -54,7 +54,7 @@ def test_a_refused_request_adds_no_prompt_tokens(tiny_model, redis_server):
         )
         slow.start()
         deadline = time.monotonic() + 10
-        while router.metric("pdserve:prompt_tokens_total") == before:
+        while router.metric("pdserve:router_prompt_tokens_total") == before:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         codes = [
@@ -67,7 +67,7 @@ def test_a_refused_request_adds_no_prompt_tokens(tiny_model, redis_server):
         ]
         slow.join()
         assert codes == [429, 429, 429]
-        assert router.metric("pdserve:prompt_tokens_total") - before == 10
+        assert router.metric("pdserve:router_prompt_tokens_total") - before == 10
 
 
 def test_unknown_field_names_are_logged_quoted_on_one_line(tiny_model, redis_server):

@@ -193,7 +193,40 @@ def test_inter_token_latency_is_per_prompt_in_a_batched_request(tok):
     # prompt has one, so prompt 0's first gap (from then) is ~25 ms
     assert sorted(live.itls)[1] >= 0.045, live.itls
     text = metrics.render().decode()
-    assert 'pdserve:inter_token_latency_seconds_count{model_name="tiny"} 14.0' in text
+    assert 'pdserve:router_inter_token_latency_seconds_count{model_name="tiny"} 14.0' in text
+
+
+def test_generation_tokens_are_counted_as_they_stream(tok):
+    # counted only when a request ended: a client that left mid-stream counted none, and
+    # long generations showed as bursts in rate()
+    metrics = RouterMetrics("tiny")
+    deltas = [[SeqOutput(0, [100 + k], "")] for k in range(6)]
+    ctx = ServingContext(
+        "tiny", tok, _FakeDispatcher(deltas), Limits(4096, tok.vocab_size), metrics, 60.0
+    )
+    gen = Generation(
+        ctx, "req-g", [[5, 6, 7]], [pb.SamplingParams(n=1)], OutputParams(n=1), "", time.monotonic()
+    )
+
+    def counted() -> float:
+        return metrics.registry.get_sample_value(
+            "pdserve:router_generation_tokens_total", {"model_name": "tiny"}
+        )
+
+    async def go() -> list[float]:
+        await gen.start()
+        seen = []
+        steps = gen.steps()
+        async for _ in steps:
+            seen.append(counted())
+            if len(seen) == 4:
+                break  # the client left
+        await steps.aclose()
+        await gen.aclose()
+        return seen
+
+    assert asyncio.run(go()) == [1.0, 2.0, 3.0, 4.0]
+    assert counted() == 4.0
 
 
 def token_deltas(tok, text, n=1):
