@@ -423,7 +423,7 @@ class RouterConfig:
         )
         g = parser.add_argument_group(
             "authentication and TLS",
-            "with any API key configured, every route but /health needs one: "
+            "with any API key configured, every route but /health and /ping needs one: "
             "'Authorization: Bearer KEY', or HTTP Basic auth with the key as the password "
             "(any user name; the browser asks for it on /dashboard). Keys from all sources "
             "are merged",

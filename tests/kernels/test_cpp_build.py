@@ -17,8 +17,6 @@ from torch.utils.cpp_extension import _get_build_directory
 
 from kernels import cpu_paged
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parents[2]
 LOAD = (
     "from kernels import cpp_build, cpu_paged; "
@@ -26,6 +24,7 @@ LOAD = (
 )
 
 
+@pytest.mark.integration  # a subprocess that loads (or builds) the C++ extension
 def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_one():
     directory = Path(_get_build_directory(cpu_paged.extension_name(), verbose=False))
     directory.mkdir(parents=True, exist_ok=True)
@@ -50,6 +49,7 @@ def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_one():
     assert "left by a build or load that was killed" in out.stderr
 
 
+@pytest.mark.unit
 def test_two_checkouts_of_one_kernel_build_in_directories_of_their_own(tmp_path):
     """ninja's build file names the source's path: two checkouts of the same kernel text shared
     one build directory and rewrote it in turn, so every load of one rebuilt the other's

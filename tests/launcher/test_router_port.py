@@ -23,8 +23,6 @@ from shared.cli import launcher
 from shared.cli.launcher import Child, Cluster, cluster_args
 from tests.ports import free_port
 
-pytestmark = pytest.mark.unit
-
 
 class FakeProc:
     def __init__(self, pid: int, polls_until_exit: int | None = None) -> None:
@@ -40,6 +38,7 @@ class FakeProc:
         return self.returncode
 
 
+@pytest.mark.unit
 def test_the_router_port_is_held_from_the_start_and_passed_to_the_router(tmp_path, monkeypatch):
     started: list[dict] = []
 
@@ -81,6 +80,7 @@ def test_the_router_port_is_held_from_the_start_and_passed_to_the_router(tmp_pat
         again.bind(("127.0.0.1", port))
 
 
+@pytest.mark.unit
 def test_port_zero_takes_the_port_the_system_chose(tmp_path):
     c = Cluster(cluster_args(["--run-dir", str(tmp_path), "--port", "0"]))
     try:
@@ -90,6 +90,7 @@ def test_port_zero_takes_the_port_the_system_chose(tmp_path):
         c.stop()
 
 
+@pytest.mark.unit
 def test_the_health_check_outlives_a_server_that_does_not_speak_http(tmp_path):
     """Before: ``http.client.BadStatusLine`` escaped ``_wait_http`` (it is not an OSError),
     a traceback instead of the child's exit and log."""
@@ -158,6 +159,7 @@ def test_pdserve_up_on_a_taken_port_fails_at_once_and_starts_no_worker(tmp_path)
     assert not list(run.glob("decode-*.log")) and not list(run.glob("prefill-*.log"))
 
 
+@pytest.mark.unit
 def test_a_stop_asked_for_while_workers_start_ends_the_wait_at_once(tmp_path):
     """Ctrl-C while the workers loaded used to wait for every one of them to be ready (and
     for the router), minutes for a large model; now the wait ends at its next poll."""
