@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +104,14 @@ def classify(got: list[int], want: tuple[int, ...], error: str | None) -> str:
     return "wrong"
 
 
+def _cancelled(got: list[int], want: tuple[int, ...]) -> str:
+    """A stream cancelled after ``got``: "cancelled" when ``got`` is a prefix of the expected
+    output, else "duplicated" or "wrong" (what :func:`classify` calls it)."""
+    if list(want[: len(got)]) == got:
+        return "cancelled"
+    return classify(got, want, "cancelled")
+
+
 def token_ids(logprobs: dict | None) -> list[int]:
     if not logprobs:
         return []
@@ -147,6 +157,7 @@ async def stream_one(
         got: list[int] = []
         error = None
         status = 0  # no response yet
+        done = finished = False  # saw ``data: [DONE]`` / a choice's finish_reason
         try:
             async with client.stream(
                 "POST", f"{url}/v1/completions", json=body, timeout=timeout_s
@@ -157,7 +168,10 @@ async def stream_one(
                 else:
                     paused = False
                     async for line in resp.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
+                        if line == "data: [DONE]":
+                            done = True
+                            continue
+                        if not line.startswith("data: "):
                             continue
                         ev = json.loads(line[6:])
                         if "error" in ev:
@@ -165,11 +179,22 @@ async def stream_one(
                             break
                         for ch in ev.get("choices") or ():
                             got += token_ids(ch.get("logprobs"))
+                            finished = finished or bool(ch.get("finish_reason"))
                         if pause_s and not paused and got:
                             paused = True
                             await asyncio.sleep(pause_s)
                         if cancel_after is not None and len(got) >= cancel_after:
-                            return Result("cancel", "cancelled", time.monotonic() - t0)
+                            outcome = _cancelled(got, case.expected)
+                            return Result(
+                                "cancel",
+                                outcome,
+                                time.monotonic() - t0,
+                                detail="" if outcome == "cancelled" else repr(got)[:200],
+                            )
+                    if error is None and not done:
+                        error = "the stream ended without data: [DONE]"
+                    elif error is None and not finished:
+                        error = "the stream ended without a finish_reason"
         except _STALE_CONNECTION as e:
             if retry_stale and status == 0 and attempt == 0:
                 retried = True
@@ -495,9 +520,15 @@ async def inject(fault: str, cluster, sup: Supervisor, args) -> str:
     raise ValueError(fault)
 
 
+def load_seed(fault: str) -> int:
+    """The load's seed for ``fault``: the same in every process (``hash()`` of a str is
+    randomised per process)."""
+    return zlib.crc32(fault.encode()) & 0xFFFF
+
+
 async def run_fault(fault: str, cluster, sup: Supervisor, cases: list[Case], args) -> dict:
     model = cluster.served_model_name
-    load = Load(cluster.url, model, cases, args.streams, seed=hash(fault) & 0xFFFF)
+    load = Load(cluster.url, model, cases, args.streams, seed=load_seed(fault))
     load.retry_stale = fault == "kill-router"
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(stop))
@@ -643,11 +674,12 @@ def rss_summary(samples: list[dict]) -> dict:
 
 def _largest_rise_pct(values: list[float]) -> float | None:
     """The largest ``(later - earlier) / earlier`` over pairs of samples in order, in percent
-    (0 when the series only falls); None without a positive sample."""
+    (0 when the series only falls); None without a positive sample. A NaN (the RSS of a
+    process that had exited when sampled) or infinite sample is skipped."""
     low = None
     rise = 0.0
     for v in values:
-        if v <= 0:
+        if not math.isfinite(v) or v <= 0:
             continue
         if low is None or v < low:
             low = v
@@ -709,7 +741,16 @@ async def expected_outputs(url: str, model: str, cases: list[Case]) -> list[Case
             text = (await client.post(f"{url}/v1/completions", json=body, timeout=120)).json()[
                 "choices"
             ][0]["text"]
-            out.append(Case(c.prompt, c.max_tokens, tuple(token_ids(ch["logprobs"])), text))
+            ids = tuple(token_ids(ch["logprobs"]))
+            if len(ids) != c.max_tokens or not text:
+                # ignore_eos: every output is max_tokens long. An empty oracle would pass every
+                # stream (a server that sent no token ids would look identical)
+                raise RuntimeError(
+                    f"the undisturbed output of a {len(c.prompt)}-token prompt has {len(ids)} "
+                    f"token ids (max_tokens {c.max_tokens}, ignore_eos) and "
+                    f"{len(text)} characters of text: no oracle to compare streams with"
+                )
+            out.append(Case(c.prompt, c.max_tokens, ids, text))
     return out
 
 

@@ -23,6 +23,11 @@ over); the two systems get the same seeds, each on a freshly started server.
     .venv/bin/python bench/compare_vllm.py --skip-vllm      # reuse the saved vLLM half
     .venv/bin/python bench/compare_vllm.py --temperature 1 --top-p 0.9   # sampled, both systems
 
+A saved half is reused only when it ran the same model, sampling, workload flags, seeds and
+server flags (its ``setup``); ratios use the seeds both halves ran. A run with failed requests
+marks its ratios with ``!`` (``vllm bench serve`` times the successful requests only) and makes
+the exit status 1. ``--workloads`` without ``--tag`` saves under its own name.
+
 The suite is greedy (``--temperature 0``, as vLLM's); ``--temperature`` and ``--top-p`` send
 other sampling settings with every timed request, to both systems (the warm-up stays greedy).
 
@@ -969,9 +974,23 @@ def _stats(values: list[float]) -> dict | None:
     }
 
 
-def per_workload(rec: dict, key: str) -> dict[str, dict | None]:
+def seeds_by_workload(rec: dict) -> dict[str, set[int]]:
+    """The seeds a saved half ran, per workload (failed runs included)."""
+    out: dict[str, set[int]] = {}
+    for r in rec.get("runs", []):
+        out.setdefault(r["workload"], set()).add(r["seed"])
+    return out
+
+
+def per_workload(
+    rec: dict, key: str, seeds: dict[str, set[int]] | None = None
+) -> dict[str, dict | None]:
+    """``key``'s stats over each workload's runs that completed requests; with ``seeds``, only
+    the runs of a workload named there whose seed is in its set."""
     by: dict[str, list[float]] = {}
     for r in rec.get("runs", []):
+        if seeds is not None and r["workload"] in seeds and r["seed"] not in seeds[r["workload"]]:
+            continue
         m = r.get("metrics")
         if not m or m.get("completed", 0) == 0:
             continue
@@ -979,29 +998,58 @@ def per_workload(rec: dict, key: str) -> dict[str, dict | None]:
     return {w: _stats(v) for w, v in by.items()}
 
 
+def failed_runs(rec: dict, seeds: dict[str, set[int]] | None = None) -> dict[str, list[str]]:
+    """Per workload, the runs (of ``seeds``, as in :func:`per_workload`) with failed requests
+    or no result: ``vllm bench serve`` computes latencies and throughput over the successful
+    requests only, so such a run's figures flatter it."""
+    out: dict[str, list[str]] = {}
+    for r in rec.get("runs", []):
+        if seeds is not None and r["workload"] in seeds and r["seed"] not in seeds[r["workload"]]:
+            continue
+        m = r.get("metrics") or {}
+        if r.get("error") or not m or m.get("failed"):
+            n = m.get("completed", 0) + m.get("failed", 0)
+            what = f"{m['failed']} of {n} requests failed" if m.get("failed") else "no result"
+            out.setdefault(r["workload"], []).append(f"seed {r['seed']}: {what}")
+    return out
+
+
+def _workload_order(name: str) -> int:
+    names = [x.name for x in WORKLOADS]
+    return names.index(name) if name in names else 99
+
+
 def ratios(pd: dict, vl: dict) -> dict:
+    """Per workload and metric: pdserve / vLLM over the seeds both halves ran (a seed only one
+    half ran is left out of both), each side's stats, those seeds, and the runs with failures
+    (``failed``: system -> runs; empty when none)."""
+    sa_seeds, sb_seeds = seeds_by_workload(pd), seeds_by_workload(vl)
+    common = {w: sa_seeds[w] & sb_seeds[w] for w in sa_seeds.keys() & sb_seeds.keys()}
+    fa, fb = failed_runs(pd, common), failed_runs(vl, common)
     out: dict[str, dict] = {}
     for key, _, _ in TABLE_METRICS + [
         ("median_itl_ms", "ITL p50", False),
         ("p99_tpot_ms", "TPOT p99", False),
         ("median_e2el_ms", "E2E p50", False),
     ]:
-        a, b = per_workload(pd, key), per_workload(vl, key)
-        for w in sorted(
-            set(a) | set(b),
-            key=lambda n: (
-                [x.name for x in WORKLOADS].index(n) if n in [x.name for x in WORKLOADS] else 99
-            ),
-        ):
+        a, b = per_workload(pd, key, common), per_workload(vl, key, common)
+        for w in sorted(set(a) | set(b) | set(common), key=_workload_order):
             sa, sb = a.get(w), b.get(w)
             r = None
-            if sa and sb and sb["mean"] > 0:
+            if w in common and sa and sb and sb["mean"] > 0:
                 r = {
                     "mean": sa["mean"] / sb["mean"],
                     "lo": sa["min"] / sb["max"] if sb["max"] > 0 else None,
                     "hi": sa["max"] / sb["min"] if sb["min"] > 0 else None,
                 }
-            out.setdefault(w, {})[key] = {"ratio": r, "pdserve": sa, "vllm": sb}
+            failed = {k: v[w] for k, v in (("pdserve", fa), ("vllm", fb)) if w in v}
+            out.setdefault(w, {})[key] = {
+                "ratio": r,
+                "pdserve": sa,
+                "vllm": sb,
+                "seeds": sorted(common.get(w, ())),
+                "failed": failed,
+            }
     return out
 
 
@@ -1026,12 +1074,24 @@ def format_tables(rat: dict) -> str:
         "| workload | " + " | ".join(lbl for _, lbl, _ in TABLE_METRICS) + " |",
         "|---|" + "---|" * len(TABLE_METRICS),
     ]
+    notes: list[str] = []
     for w, ms in rat.items():
         cells = []
+        failed: dict[str, list[str]] = {}
         for key, _, _ in TABLE_METRICS:
             r = ms.get(key, {}).get("ratio")
-            cells.append(f"{r['mean']:.2f}x" if r else "n/a")
+            failed = failed or ms.get(key, {}).get("failed") or {}
+            mark = "!" if failed else ""
+            cells.append(f"{r['mean']:.2f}x{mark}" if r else "n/a")
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
+        for sysname, runs in failed.items():
+            notes.append(f"! {w}: {sysname} {'; '.join(runs)}")
+    if notes:
+        lines += [
+            "",
+            "! runs with failed requests (their figures count the successful requests only):",
+            *notes,
+        ]
     lines += [
         "",
         "Absolute figures, mean (min-max) over seeds; latencies in ms",
@@ -1145,7 +1205,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="1GiB", help="pdserve KV memory per worker")
     p.add_argument("--vllm-port", type=int, default=8100)
     p.add_argument("--pdserve-port", type=int, default=8200)
-    p.add_argument("--tag", default=None, help="result file stem (default: quick / full)")
+    p.add_argument(
+        "--tag",
+        default=None,
+        help="result file stem (default: quick / full; with --workloads, workloads_NAME+NAME)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--raw-dir", type=Path, default=RAW, help="raw bench JSON, server logs")
     p.add_argument("--startup-timeout", type=float, default=600)
@@ -1171,6 +1235,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def half_setup(
+    system: str,
+    a: argparse.Namespace,
+    model: str,
+    chosen: list[tuple[int, Workload]],
+    topologies: dict[str, tuple[int, int, int | None, str | None]],
+) -> dict:
+    """What a saved half's figures depend on: the model, the sampling, each workload's bench
+    flags and seeds, and the server's own settings (not its port or log paths)."""
+    setup: dict = {
+        "model": model,
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+        "workloads": {
+            w.name: {
+                "args": list(w.args),
+                "seeds": [seed_for(i, rep, a.seed_base) for rep in range(a.seeds)],
+            }
+            for i, w in chosen
+        },
+    }
+    if system == "vllm":
+        setup["server"] = {"vllm_config": a.vllm_config, "extra": shlex.split(a.vllm_extra)}
+    else:
+        prefill, decode, threads, transport = topologies[system]
+        setup["server"] = {
+            "prefill": prefill,
+            "decode": decode,
+            "threads_per_worker": threads,
+            "kv_transport": transport,
+            "kv_cache_memory": a.kv_cache_memory,
+            "extra": shlex.split(a.pdserve_extra),
+        }
+    return setup
+
+
+def setup_mismatch(saved: dict | None, want: dict) -> str | None:
+    """Why a saved half's setup (``half_setup``) cannot stand in for ``want``; None when it
+    can (it may have run more workloads than ``want`` asks for)."""
+    if not saved:
+        return "it records no setup (saved by an older version): run that half again"
+    diffs = []
+    for key in ("model", "temperature", "top_p", "server"):
+        if saved.get(key) != want[key]:
+            diffs.append(f"{key} {saved.get(key)!r}, not {want[key]!r}")
+    for name, w in want["workloads"].items():
+        was = saved.get("workloads", {}).get(name)
+        if was is None:
+            diffs.append(f"it did not run {name}")
+        elif was["seeds"] != w["seeds"]:
+            diffs.append(f"{name} ran seeds {was['seeds']}, not {w['seeds']}")
+        elif was["args"] != w["args"]:
+            diffs.append(f"{name} ran with {was['args']}, not {w['args']}")
+    return "; ".join(diffs) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     tag = a.tag or ("quick" if a.quick else "full")
@@ -1181,6 +1301,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown workload(s) {bad}; known: {[w.name for w in WORKLOADS]}")
             return 2
         chosen = [(i, w) for i, w in enumerate(WORKLOADS) if w.name in names]
+        if not a.tag:  # a subset: its own files, not the whole suite's
+            tag = "workloads_" + "+".join(w.name for _, w in chosen)
     else:
         chosen = [(i, w) for i, w in enumerate(WORKLOADS) if w.quick or not a.quick]
     if a.top_p is not None:  # vllm bench serve sends it with every request, to both systems
@@ -1209,12 +1331,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--skip-{system}: {saved[system]} does not exist")
                 return 2
             recs[system] = json.loads(saved[system].read_text())
-            was = (recs[system].get("temperature", 0.0), recs[system].get("top_p"))
-            if was != (a.temperature, a.top_p):
-                print(
-                    f"--skip-{system}: {saved[system]} was run at (temperature, top-p) {was}, "
-                    f"not {(a.temperature, a.top_p)}"
-                )
+            why = setup_mismatch(
+                recs[system].get("setup"), half_setup(system, a, model, chosen, topologies)
+            )
+            if why:
+                print(f"--skip-{system}: cannot reuse {saved[system]}: {why}")
                 return 2
             print(f"[compare] reusing {saved[system]} ({recs[system].get('started')})", flush=True)
             continue
@@ -1261,12 +1382,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rec["top_p"] = a.top_p
         rec["workloads"] = {w.name: w.desc for _, w in chosen}
+        rec["setup"] = half_setup(system, a, model, chosen, topologies)
         saved[system].write_text(json.dumps(rec, indent=1))
         recs[system] = rec
 
     first = next(iter(topologies))
     rat = ratios(recs[first], recs["vllm"])
     by_topology = {name: ratios(recs[name], recs["vllm"]) for name in topologies}
+    fails = {s: failures(recs[s]) for s in recs}
     summary = {
         "tag": tag,
         "model": model,
@@ -1290,7 +1413,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "workloads": {w.name: w.desc for w in WORKLOADS if w.name in rat},
         "ratios": rat,
-        "failures": {s: failures(recs[s]) for s in recs},
+        "failures": fails,
     }
     if len(topologies) > 1 or first != "pdserve":
         summary["topologies"] = {
@@ -1308,7 +1431,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in recs:
         print(f"threads {s}: {json.dumps(summary['threads'][s])}")
         print(f"load    {s}: {json.dumps(summary['load'][s])}")
-        for f in summary["failures"][s]:
+        for f in fails[s]:
             print(f"FAILED  {s}: {f}")
     print(f"\nwrote {out}")
     if not a.no_plot:
@@ -1321,6 +1444,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {png}")
         except (ImportError, OSError, ValueError, KeyError) as e:  # optional; the JSON has it all
             print(f"plot skipped: {type(e).__name__}: {e}")
+    failed = sum(len(f) for f in fails.values())
+    if failed:
+        print(f"{failed} runs had failed requests or no result (marked ! in the tables)")
+        return 1
     return 0
 
 

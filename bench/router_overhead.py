@@ -156,20 +156,40 @@ async def _via_router_aiohttp(
     return ttft, time.perf_counter() - t0
 
 
-async def _stream_one(session, url: str, prompt: str, max_tokens: int) -> int:
-    """One streaming completion; returns the number of SSE events received."""
+async def _stream_one(session, url: str, prompt: str, max_tokens: int) -> tuple[int, int]:
+    """One streaming completion; returns the number of SSE events received and of output
+    tokens (the usage chunk's ``completion_tokens``; without one, the events that carried a
+    choice, a lower bound). An error event, or a stream that ends without ``data: [DONE]``,
+    raises."""
     body = _completion_body(prompt, max_tokens)
-    events = 0
-    tail = b""
+    events = choices = 0
+    tokens = None
+    done = False
     async with session.post(f"{url}/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"router answered {r.status}: {await r.text()!r}")
-        async for chunk in r.content.iter_any():
-            events += (tail + chunk[:1]).count(b"\n\n") + chunk.count(b"\n\n")
-            tail = chunk[-1:]
-    if not tail:
-        raise RuntimeError("empty stream")
-    return events
+        async for raw in r.content:  # one line at a time
+            if not raw.startswith(b"data: "):
+                continue
+            events += 1
+            data = raw[6:].strip()
+            if data == b"[DONE]":
+                done = True
+                continue
+            # parse only what can be an error or a usage chunk (the others carry
+            # "usage":null), so that the client's own CPU stays small
+            if b'"error"' in data or (b'"usage"' in data and b'"usage":null' not in data):
+                ev = json.loads(data)
+                if "error" in ev:
+                    raise RuntimeError(f"error event in the stream: {ev['error']!r}")
+                if ev.get("usage"):
+                    tokens = int(ev["usage"]["completion_tokens"])
+                choices += bool(ev.get("choices"))
+            else:
+                choices += 1
+    if not done:
+        raise RuntimeError(f"the stream ended without data: [DONE] after {events} events")
+    return events, tokens if tokens is not None else choices
 
 
 async def _concurrent(url: str, pid: int, args, prompts: list[str]) -> dict:
@@ -182,21 +202,25 @@ async def _concurrent(url: str, pid: int, args, prompts: list[str]) -> dict:
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
     ) as session:
 
-        async def one(p: str) -> int:
+        async def one(p: str) -> tuple[int, int]:
             async with sem:
                 return await _stream_one(session, url, p, args.stream_tokens)
 
         load0 = os.getloadavg()[0]
         cpu0 = _cpu_s(pid)
         t0 = time.perf_counter()
-        events = sum(await asyncio.gather(*(one(p) for p in prompts)))
+        got = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - t0
         cpu = _cpu_s(pid) - cpu0
-    tokens = len(prompts) * args.stream_tokens
+    events = sum(e for e, _ in got)
+    tokens = sum(t for _, t in got)  # received, not asked for
+    if tokens <= 0:
+        raise RuntimeError(f"{len(prompts)} streams delivered no output tokens")
     return {
         "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
         "events": events,
+        "output_tokens": tokens,
         "router_cpu_us_per_token": cpu / tokens * 1e6,
         "router_cpu_ms_per_request": cpu / len(prompts) * 1e3,
         "router_cpu_util": cpu / wall,

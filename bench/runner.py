@@ -18,7 +18,7 @@ import aiohttp
 import numpy as np
 
 from bench.client import RequestRecord, build_payload, stream_request
-from bench.datasets import Session
+from bench.datasets import Session, TextMaker, Turn
 from bench.tokenizer import BenchTokenizer
 
 
@@ -154,15 +154,25 @@ class Runner:
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout)
         return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False)
 
+    def _warmup_sessions(self, sessions: list[Session], n: int) -> list[Session]:
+        """``n`` one-turn sessions shaped like the first turns of ``sessions`` (prompt tokens,
+        max_tokens) with prompts drawn from another seed: warm-ups that sent the timed prompts
+        would leave them in the server's prefix cache and flatter the timed TTFT."""
+        maker = TextMaker(self.tok, np.random.default_rng(self.cfg.seed + 2_000_003))
+        out = []
+        for i in range(n):
+            s = sessions[i % len(sessions)]
+            prompt, n_tokens = maker.fit(s.turns[0].prompt_len)
+            out.append(Session(s.session_id, (Turn(prompt, n_tokens, s.turns[0].output_len),)))
+        return out
+
     async def _warmup(self, http: aiohttp.ClientSession, sessions: list[Session]) -> None:
         n = self.cfg.num_warmups
         if n <= 0:
             return
         self._t0 = time.perf_counter()
-        firsts = [Session(s.session_id, s.turns[:1], s.system) for s in sessions]
-        recs = await asyncio.gather(
-            *(self._one(http, firsts[i % len(firsts)], 0, [], i) for i in range(n))
-        )
+        firsts = self._warmup_sessions(sessions, n)
+        recs = await asyncio.gather(*(self._one(http, firsts[i], 0, [], i) for i in range(n)))
         failed = [r for r in recs if not r.success]
         if failed:
             raise BenchRunError(

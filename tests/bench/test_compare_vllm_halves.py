@@ -1,0 +1,141 @@
+"""``bench/compare_vllm.py``: ratios over the seeds both halves ran, runs with failed requests
+marked and failing the exit status, and a saved half reused only when it was run the same way
+(servers and ``vllm bench serve`` faked: no process, no network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import compare_vllm as cv
+
+pytestmark = pytest.mark.unit
+
+
+def _run(workload, seed, tput, ttft, failed=0, completed=64):
+    return {
+        "workload": workload,
+        "seed": seed,
+        "metrics": {
+            "completed": completed,
+            "failed": failed,
+            "output_throughput": tput,
+            "median_ttft_ms": ttft,
+            "p99_ttft_ms": ttft,
+            "median_tpot_ms": 1.0,
+            "p99_itl_ms": 1.0,
+        },
+    }
+
+
+def test_ratios_use_only_the_seeds_both_halves_ran():
+    """A vLLM half of seeds 100-102 against a pdserve half of 100-101: seed 102 (vLLM's
+    slowest here) must not be in vLLM's mean."""
+    pd = {"runs": [_run("r256_n64", 100, 1000, 50), _run("r256_n64", 101, 1000, 50)]}
+    vl = {"runs": [_run("r256_n64", s, 1000, t) for s, t in ((100, 50), (101, 50), (102, 500))]}
+    m = cv.ratios(pd, vl)["r256_n64"]["median_ttft_ms"]
+    assert m["vllm"]["n"] == 2 and m["ratio"]["mean"] == pytest.approx(1.0)
+    assert m["seeds"] == [100, 101]
+    # no seed in common: no ratio
+    other = {"runs": [_run("r256_n64", 500, 1000, 25)]}
+    assert cv.ratios(other, vl)["r256_n64"]["median_ttft_ms"]["ratio"] is None
+
+
+def test_a_ratio_over_runs_with_failed_requests_is_marked():
+    """60 of 64 failed: vllm bench serve's TTFT is over the 4 that succeeded (2x "better")."""
+    pd = {"runs": [_run("r256_n64", 100, 1000, 50, failed=60, completed=4)]}
+    vl = {"runs": [_run("r256_n64", 100, 1000, 100)]}
+    text = cv.format_tables(cv.ratios(pd, vl))
+    row = next(ln for ln in text.splitlines() if ln.startswith("| r256_n64 | 1"))
+    assert "0.50x!" in row, row
+    assert "r256_n64: pdserve seed 100: 60 of 64 requests failed" in text
+    clean = cv.format_tables(cv.ratios(vl, vl))
+    assert "!" not in clean
+
+
+# ---- main(): saved halves --------------------------------------------------------------
+
+
+@pytest.fixture
+def harness(tmp_path, monkeypatch):
+    """main() with fake measure(): records which halves ran; ``failed[(label, workload)]``
+    gives a run failed requests."""
+    vllm_py = tmp_path / "python"
+    vllm_py.write_text("")
+    monkeypatch.setattr(cv, "VLLM_PY", vllm_py)
+    monkeypatch.setattr(cv, "ensure_model", lambda p: p)
+    monkeypatch.setattr(cv, "loadavg", lambda: [0.0, 0.0, 0.0])
+    state: dict = {"ran": [], "failed": {}}
+
+    def fake_measure(server, model, workloads, seeds, seed_base, raw, label, *rest):
+        state["ran"].append(label)
+        runs = []
+        for wi, w in workloads:
+            for rep in range(seeds):
+                bad = state["failed"].get((label, w.name), 0)
+                runs.append(_run(w.name, cv.seed_for(wi, rep, seed_base), 1000, 50, bad, 64 - bad))
+        return {"system": label, "runs": runs, "started": "now", "temperature": rest[-1]}
+
+    monkeypatch.setattr(cv, "measure", fake_measure)
+
+    def main(*args: str) -> int:
+        base = ["--out-dir", str(tmp_path / "out"), "--raw-dir", str(tmp_path / "raw")]
+        return cv.main([*base, "--no-plot", "--seeds", "2", *args])
+
+    state["main"] = main
+    state["out"] = tmp_path / "out"
+    return state
+
+
+def test_a_failed_run_makes_the_exit_status_non_zero(harness, capsys):
+    assert harness["main"]("--quick") == 0
+    harness["failed"][("pdserve", "r256_n64")] = 3
+    capsys.readouterr()
+    assert harness["main"]("--quick", "--skip-vllm") == 1
+    out = capsys.readouterr().out
+    assert "3 of 64 requests failed" in out and "1.00x!" in out, out
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--seed-base", "500"], "seeds"),
+        (["--seeds", "3"], "seeds"),
+        (["--model-dir", "/elsewhere"], "model"),
+        (["--vllm-extra=--enforce-eager"], "server"),
+        (["--top-p", "0.9"], "top_p"),
+    ],
+)
+def test_a_saved_half_run_another_way_is_not_reused(harness, capsys, flags, needle):
+    assert harness["main"]("--quick") == 0
+    capsys.readouterr()
+    assert harness["main"]("--quick", "--skip-vllm", *flags) == 2
+    out = capsys.readouterr().out
+    assert "--skip-vllm: cannot reuse" in out and needle in out, out
+    assert harness["ran"] == ["vllm", "pdserve"]  # nothing ran the second time
+
+
+def test_a_saved_pdserve_half_with_other_flags_is_not_reused(harness, capsys):
+    assert harness["main"]("--quick") == 0
+    capsys.readouterr()
+    assert harness["main"]("--quick", "--skip-pdserve", "--pdserve-extra=--spec 2") == 2
+    assert "--skip-pdserve: cannot reuse" in capsys.readouterr().out
+
+
+def test_a_saved_half_run_the_same_way_is_reused(harness):
+    assert harness["main"]("--quick") == 0
+    assert harness["main"]("--quick", "--skip-vllm") == 0
+    assert harness["ran"] == ["vllm", "pdserve", "pdserve"]
+
+
+def test_a_workload_subset_does_not_overwrite_the_full_run(harness):
+    assert harness["main"]() == 0
+    full = {p.name: p.read_text() for p in Path(harness["out"]).glob("compare_full*.json")}
+    assert "compare_full_vllm.json" in full
+    assert harness["main"]("--workloads", "r256_n64") == 0
+    after = {p.name: p.read_text() for p in Path(harness["out"]).glob("compare_full*.json")}
+    assert after == full
+    sub = json.loads((harness["out"] / "compare_workloads_r256_n64_vllm.json").read_text())
+    assert {r["workload"] for r in sub["runs"]} == {"r256_n64"}
