@@ -97,6 +97,13 @@ class _Flight:
     heard: float = 0.0  # when the stream last took outputs (0: not yet; the arrival counts)
     prompt_tokens: int = 0
     cached: int = 0
+    # its request metrics: the samples counted in request_success here, the samples the
+    # router ended by a stop string (Abort with indices), how the stream ended, whether e2e
+    # was observed (``_count_end`` counts the rest once the flight ends)
+    ended: set[int] = field(default_factory=set)
+    stopped: set[int] = field(default_factory=set)
+    failed: bool = False
+    e2e_done: bool = False
     outbox: asyncio.Queue | None = None  # the mux call's, where ``_direct`` may put chunks
     task: asyncio.Task | None = None  # the handler's task (a cancel stops ``_direct``)
     direct_ok: bool = False  # set while ``_stream`` reads this flight's queue
@@ -272,6 +279,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     grpc.StatusCode.INTERNAL, e.message, failure_metadata(FAILURE_REQUEST)
                 )
         finally:
+            ended_at = time.monotonic()
             try:
                 if timer is not None:
                     timer.cancel()
@@ -289,6 +297,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             finally:
                 if counted:
                     rt.metrics.path(flight.path)
+                    self._count_end(flight, ended_at)
                 if self.flights.get(rid) is flight:
                     del self.flights[rid]
                 self.by_engine_id.pop(eid, None)
@@ -320,6 +329,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             first = flight.first_token_time is None
             for o in batch:
                 if o.failure is not None:  # this request, or the whole engine, failed
+                    flight.failed = True
                     raise _Failed(o.failure.kind, o.failure.message)
                 if o.prompt_logprobs is not None:
                     prompt_lps = o.prompt_logprobs
@@ -332,7 +342,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     if o.stop_token_id is not None:
                         d.stop_token_id = o.stop_token_id
                     done.add(o.index)
-                    rt.metrics.finished(o.finish_reason)
+                    self._count_finished(flight, o.index, o.finish_reason)
                     timing_src = o
             flight.heard = now
             chunk = pb.GenerateChunk(
@@ -362,12 +372,36 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 chunk.timings.CopyFrom(
                     self._timings(flight, timing_src, flight.first_token_time, now)
                 )
-                if chunk.timings.queue_s:
-                    rt.metrics.queue.observe(chunk.timings.queue_s)
-                rt.metrics.e2e.observe(now - flight.arrival)
-                rt.metrics.prompt_tokens.inc(flight.prompt_tokens)
-                rt.metrics.generation_tokens.inc(completion)
+                if not flight.request.resume:  # (as TTFT: it arrived on the worker that failed)
+                    rt.metrics.e2e.observe(now - flight.arrival)
+                flight.e2e_done = True
             yield chunk
+
+    def _count_finished(self, flight: _Flight, index: int, reason: str) -> None:
+        """Sample ``index`` ended here with ``reason``: once into request_success. An abort
+        the router asked for because a stop string matched (``Abort`` with indices) is a
+        ``stop``, as vLLM counts a stop string."""
+        if index in flight.ended:
+            return
+        flight.ended.add(index)
+        if reason == "abort" and index in flight.stopped:
+            reason = "stop"
+        self.rt.metrics.finished(reason)
+
+    def _count_end(self, flight: _Flight, ended_at: float) -> None:
+        """The flight of an admitted request ended: each sample that did not finish here (and
+        not on an earlier worker) counts once in request_success, ``error`` when the engine
+        failed it, else ``abort`` (the client left, the router cancelled the call after a
+        stop string, a deadline); e2e is observed for a request that ended early, unless it
+        was resumed here."""
+        reason = "error" if flight.failed else "abort"
+        for i in range(flight.n):
+            if i not in flight.done_before and i not in flight.ended:
+                self._count_finished(flight, i, reason)
+        if not flight.e2e_done:
+            flight.e2e_done = True
+            if not flight.request.resume:
+                self.rt.metrics.e2e.observe(ended_at - flight.arrival)
 
     def _add_tokens(
         self,
@@ -377,8 +411,9 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         now: float,
         pending: Counter[int] | None = None,
     ) -> None:
-        """``o``'s tokens (and logprobs) into ``d``, and into the stream's counts and token
-        timings: TTFT once per request (its first tokens, whichever sample), and one ITL gap
+        """``o``'s tokens (and logprobs) into ``d``, and into the stream's counts, the token
+        metrics and token timings: generation tokens as they come; prompt tokens, queue time
+        and TTFT once per request (its first tokens, whichever sample); and one ITL gap
         per sample per engine step (one output, however many tokens it carries) after that
         sample's first, since the sample's previous output. ``pending``: how many outputs
         with tokens each sample still has in the batch ``o`` came in (``None``: this one
@@ -393,8 +428,13 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             i = o.index
             flight.counts[i] += len(o.new_token_ids)
             metrics = self.rt.metrics
+            metrics.generation_tokens.inc(len(o.new_token_ids))
             if flight.first_token_time is None:
                 flight.first_token_time = now
+                # a resumed request's prompt too: it is prefilled again here
+                metrics.prompt_tokens.inc(o.num_prompt_tokens)
+                if o.first_scheduled_time is not None:
+                    metrics.queue.observe(max(0.0, o.first_scheduled_time - flight.arrival))
                 if not flight.request.resume:  # a resumed request's first token came earlier,
                     metrics.ttft.observe(now - flight.arrival)  # on the worker that failed
             ahead = 1  # this output and the sample's later ones in the batch
@@ -732,6 +772,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         indices = sorted(i for i in set(request.indices) if 0 <= i < flight.n)
         if not indices:
             return pb.AbortReply(aborted=0)
+        flight.stopped.update(indices)  # a stop string ended them: request_success's "stop"
         eid = flight.engine_id
         loop = self.rt.loop
         try:

@@ -185,6 +185,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         if out.first_scheduled_time is not None:
                             note.queue_s = max(0.0, out.first_scheduled_time - arrival)
                             note.prefill_s = max(0.0, time.monotonic() - out.first_scheduled_time)
+                            # once per request (the result is built once); a Histogram may be
+                            # observed from this thread (its lock)
+                            rt.metrics.queue.observe(note.queue_s)
                         result = note
                         try:
                             handle.finish(note.SerializeToString())

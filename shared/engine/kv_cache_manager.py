@@ -69,9 +69,12 @@ class KVCacheManager:
         return self.enable_caching and not request.wants_prompt_logprobs
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """Count ``request``'s prefix lookup in the hit-rate stats: once per admission, with
-        the ``num_hit_tokens`` it was admitted with (vLLM's rule), not at every look."""
-        if self._looks_up(request):
+        """Count ``request``'s prefix lookup in the hit-rate stats: once per request, at its
+        first admission, with the ``num_hit_tokens`` it was admitted with (vLLM's rule), not
+        at every look. A re-admission after a preemption (a recompute) is not counted, as in
+        vLLM's ``prefix_cache_queries`` / ``hits``: it would count the prompt again, and hit
+        on the blocks the request itself had computed."""
+        if request.num_preemptions == 0 and self._looks_up(request):
             self.prefix_queries += request.num_tokens
             self.prefix_hits += num_hit_tokens
 

@@ -367,7 +367,8 @@ class Scheduler:
     def _admitted(self, req: Request, num_computed: int) -> None:
         """``req`` got its blocks with ``num_computed`` tokens from the prefix cache. Only now
         do the hit and usage's cached tokens count: until its allocation succeeds a waiting
-        request looks again every step, and what it found may be evicted meanwhile."""
+        request looks again every step, and what it found may be evicted meanwhile. A
+        re-admission after a preemption counts neither (``record_lookup``)."""
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:  # the first admission's (vLLM's), not a recompute's
             req.num_cached_tokens = num_computed

@@ -7,10 +7,12 @@ state), labelled with ``role``, ``worker_id`` and ``model_name``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from shared.engine import EngineStats
 from shared.prom import GcCollector, LoopHistogram
@@ -114,11 +116,15 @@ class _EngineCollector:
         )
         yield counter(
             "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
+            "Prompt tokens looked up in the prefix cache, once per request at its first "
+            "admission (a re-admission after a preemption is not counted, as in vLLM).",
             s.prefix_cache_queries,
         )
         yield counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache, at a request's first admission (as "
+            "prefix_cache_queries).",
+            s.prefix_cache_hits,
         )
         yield counter("num_preemptions", "Preempted sequences.", s.num_preemptions)
         # speculative decoding, vLLM's names (zero without --speculative-config)
@@ -141,6 +147,35 @@ class _EngineCollector:
         for pos, n in enumerate(s.spec_accepted_per_pos):
             per_pos.add_metric([*values, str(pos)], n)
         yield per_pos
+
+
+class _LoopCounter:
+    """A Prometheus counter with one fixed label set and no lock, for a count taken on every
+    streamed output (``Counter.inc`` takes a lock each time). Counted and collected on the
+    event loop thread only, as :class:`shared.prom.LoopHistogram`; exposed as ``Counter``'s
+    (``_total`` and ``_created``)."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: dict[str, str], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labels = labels
+        self._value = 0.0
+        self._created = time.time()
+        registry.register(self)
+
+    def inc(self, amount: float = 1) -> None:
+        self._value += amount
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self._name, self._doc, "counter")]
+
+    def collect(self) -> list[Metric]:
+        m = Metric(self._name, self._doc, "counter")
+        m.add_sample(self._name + "_total", self._labels, self._value)
+        m.add_sample(self._name + "_created", self._labels, self._created)
+        return [m]
 
 
 class WorkerMetrics:
@@ -169,13 +204,15 @@ class WorkerMetrics:
         )
         self.e2e = Histogram(
             "pdserve:e2e_request_latency_seconds",
-            "Arrival to finish.",
+            "Arrival to finish, or to the end of a request ended early (aborted, a stop string, "
+            "a deadline, a failure); once per request. Not for a request resumed here after a "
+            "failover (it arrived on the worker that failed).",
             buckets=LATENCY_BUCKETS + (160.0, 320.0),
             **kw,
         ).labels(**labels)
         self.queue = Histogram(
             "pdserve:request_queue_time_seconds",
-            "Arrival to first scheduled.",
+            "Arrival to first scheduled; once per request, at its first token.",
             buckets=LATENCY_BUCKETS,
             **kw,
         ).labels(**labels)
@@ -194,16 +231,28 @@ class WorkerMetrics:
         ).labels(**labels)
         self.requests = Counter(
             "pdserve:request_success",
-            "Finished requests by finish reason.",
+            "Finished sequences (each sample of an n > 1 request) by finish reason, once each: "
+            "stop, length, abort (ended early: client gone, deadline, failover, or a stop "
+            "string the worker cannot tell from those), error (failed); stop also counts a "
+            "sample the router ended by a stop string while others ran on (DecodeWorker.Abort).",
             labelnames=names + ["finished_reason"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "pdserve:prompt_tokens", "Prompt tokens processed.", **kw
+            "pdserve:prompt_tokens",
+            "Prompt tokens of requests, counted once per request at its first token (also for "
+            "a request that ends early after it; a request resumed here after a failover counts "
+            "its prompt again: it is prefilled again here).",
+            **kw,
         ).labels(**labels)
-        self.generation_tokens = Counter(
-            "pdserve:generation_tokens", "Tokens generated.", **kw
-        ).labels(**labels)
+        # counted per output on the gRPC event loop: the lock-free kind
+        self.generation_tokens = _LoopCounter(
+            "pdserve:generation_tokens",
+            "Tokens generated, counted as each step's tokens are streamed (also those of "
+            "requests that end early).",
+            labels,
+            self.registry,
+        )
         self.prefill_fallbacks = Counter(
             "pdserve:prefill_fallbacks",
             "Remote prefills that failed and were done locally.",
