@@ -257,8 +257,7 @@ def test_a_sample_ended_by_a_stop_string_is_aborted_on_the_decode_worker(cluster
             total += sum(
                 float(ln.split()[-1])
                 for ln in text.splitlines()
-                if ln.startswith("pdserve:request_success_total")
-                and 'finished_reason="stop"' in ln
+                if ln.startswith("pdserve:request_success_total") and 'finished_reason="stop"' in ln
             )
         return total
 
