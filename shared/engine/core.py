@@ -175,8 +175,14 @@ class EngineCore:
     def _set_up(self, connector: KVConnector | None) -> None:
         """The KV pool, the scheduler and speculation, once the runner exists."""
         cc = self.cache_config
+        draft = self.spec_config is not None and self.spec_config.method == "draft_model"
+        load_draft = getattr(self.runner, "load_draft_model", None) if draft else None
+        # the draft's weights first: a CUDA profile of the KV budget then counts them
+        draft_block_bytes = load_draft(self.spec_config) if load_draft is not None else 0
         if cc.num_gpu_blocks_override:
             num_blocks = cc.num_gpu_blocks_override
+        elif draft_block_bytes:
+            num_blocks = self._split_draft_budget(draft_block_bytes)
         else:
             num_blocks = self.runner.num_blocks_for(self.runner.kv_cache_budget())
         if num_blocks * cc.block_size < self.model_config.max_model_len:
@@ -211,6 +217,22 @@ class EngineCore:
         self.capacity_line = self._capacity_line(num_blocks, num_host)
         logger.info(self.capacity_line)
         self._set_up_prefault()
+
+    def _split_draft_budget(self, draft_block_bytes: int) -> int:
+        """The target pool's blocks when a draft model's twin pool (one block per target
+        block, ``draft_block_bytes`` each) must fit in the same KV budget."""
+        budget = self.runner.kv_cache_budget()
+        target_block_bytes = self.runner.block_bytes
+        num_blocks = max(0, budget // (target_block_bytes + draft_block_bytes))
+        logger.info(
+            "KV budget %.2f GiB split with the draft model: %d blocks, target pool %.2f GiB + "
+            "draft twin pool %.2f GiB",
+            budget / GiB,
+            num_blocks,
+            num_blocks * target_block_bytes / GiB,
+            num_blocks * draft_block_bytes / GiB,
+        )
+        return num_blocks
 
     def _set_up_prefault(self) -> None:
         """The pool's memory is committed only as pages are first written

@@ -41,7 +41,11 @@ def _vocab(model_dir: str) -> dict | None:
 
 
 class DraftModelProposer:
-    def __init__(self, runner, spec: SpeculativeConfig, num_blocks: int) -> None:  # type: ignore[no-untyped-def]
+    """``num_blocks``: the twin pool's blocks (the target pool's); ``None`` loads the weights
+    only (the engine sizes its KV pools with the draft's weights in memory and its twin pool
+    in the budget, :attr:`block_bytes`, then calls :meth:`allocate_kv`)."""
+
+    def __init__(self, runner, spec: SpeculativeConfig, num_blocks: int | None = None) -> None:  # type: ignore[no-untyped-def]
         target = runner.model_config
         assert spec.model is not None
         cfg = EngineArgs(
@@ -64,19 +68,41 @@ class DraftModelProposer:
         self.backend = runner.backend
         self.model = load_model(cfg, str(self.device), self.backend)
         self.block_size = runner.block_size
-        shape = (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = getattr(torch, cfg.dtype)
+        # the catch-up forward's bound (what the CUDA profile sized activations for)
+        self.max_forward_tokens = max(1, runner.scheduler_config.max_num_batched_tokens)
+        self.kv: torch.Tensor | None = None
+        # seq id -> (positions with valid draft KV, the block ids they were computed in)
+        self.state: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.name = spec.model
+        if num_blocks is not None:
+            self.allocate_kv(num_blocks)
+
+    @property
+    def _block_shape(self) -> tuple[int, ...]:
+        cfg = self.config
+        return (cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the twin pool (one per block of the target's pool)."""
+        n = 1
+        for d in self._block_shape:
+            n *= d
+        return n * torch.empty((), dtype=getattr(torch, self.config.dtype)).element_size()
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The twin pool: ``num_blocks`` blocks, as many as the target's pool."""
+        shape = (num_blocks, *self._block_shape)
+        dtype = getattr(torch, self.config.dtype)
         if self.device.type == "cpu":
             self.kv = zeroed_host_tensor(shape, dtype)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
-        # seq id -> (positions with valid draft KV, the block ids they were computed in)
-        self.state: dict[str, tuple[int, tuple[int, ...]]] = {}
         nbytes = self.kv.numel() * self.kv.element_size()
         logger.info(
             "draft model %s: %d layers, KV twin pool %.2f GiB",
-            spec.model,
-            cfg.num_layers,
+            self.name,
+            self.config.num_layers,
             nbytes / (1 << 30),
         )
 
@@ -96,12 +122,47 @@ class DraftModelProposer:
     def _forward(self, chunks: list[tuple[ScheduledSeq, int, list[int]]]) -> torch.Tensor:
         """One draft forward: per sequence, tokens at positions ``start ..``; returns the
         logits of each sequence's last position ``[S, V]``."""
+        assert self.kv is not None, "allocate_kv() first"
         ids, pos, meta = pack_chunks(
             [(s.block_ids, start, toks) for s, start, toks in chunks], self.block_size, self.device
         )
         hidden = self.model(ids, pos, self.kv, meta)
         last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
+
+    def _forward_bounded(self, chunks: list[tuple[ScheduledSeq, int, list[int]]]) -> torch.Tensor:
+        """:meth:`_forward` in forwards of at most ``max_forward_tokens`` tokens (a long
+        catch-up split by positions: its earlier pieces write the KV its last one reads);
+        one forward, as before, where they fit."""
+        limit = self.max_forward_tokens
+        if sum(len(t) for _, _, t in chunks) <= limit:
+            return self._forward(chunks)
+        rows: list[torch.Tensor | None] = [None] * len(chunks)
+        batch: list[tuple[int | None, tuple[ScheduledSeq, int, list[int]]]] = []
+        n = 0
+
+        def flush() -> None:
+            nonlocal n
+            if batch:
+                logits = self._forward([c for _, c in batch])
+                for j, (idx, _) in enumerate(batch):
+                    if idx is not None:
+                        rows[idx] = logits[j]
+            batch.clear()
+            n = 0
+
+        for idx, (s, start, toks) in enumerate(chunks):
+            off = 0
+            while off < len(toks):
+                take = min(len(toks) - off, limit - n)
+                last = off + take == len(toks)
+                batch.append((idx if last else None, (s, start + off, toks[off : off + take])))
+                n += take
+                off += take
+                if n >= limit:
+                    flush()
+        flush()
+        return torch.stack(rows)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def propose(
@@ -119,7 +180,7 @@ class DraftModelProposer:
             chunks.append((s, valid, context))
         live = chunks
         for _ in range(max(s.num_lookahead for s in work)):
-            logits = self._forward(live)
+            logits = self._forward_bounded(live)
             nxt = []
             for row, (s, start, toks) in enumerate(live):
                 (spec,) = s.samples

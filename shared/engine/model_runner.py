@@ -15,6 +15,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +44,9 @@ from shared.models.llama import AttentionMetadata
 from shared.models.loader import load_model
 from shared.models.quantization import weight_bytes
 from shared.models.sharding import Shard
+
+if TYPE_CHECKING:
+    from shared.engine.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -224,6 +228,9 @@ class _Dispatched:
     draft_probs: dict[str, torch.Tensor]
     # prompt_logprobs: (seq id, targets, top-N) per chunk, their logit rows after ``rows``'
     prompt_rows: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    # seq ids whose grammar matchers a later dispatch dropped while this step was in flight
+    # (pipeline parallelism: an abort): dropped again once this step's draws are made
+    dropped: set[str] = field(default_factory=set)
 
 
 SMALL_STEP_TOKENS = 4
@@ -415,7 +422,7 @@ class ModelRunner:
             cut_rows=getattr(self.backend, "cut_rows", None),
         )
         self.block_size = cache_config.block_size
-        self.drafter = None  # DraftModelProposer (shared/engine/draft_model.py) when configured
+        self.drafter: DraftModelProposer | None = None  # a draft model, when configured
         self.kv_cache: torch.Tensor | None = None
         self.host_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
@@ -423,6 +430,7 @@ class ModelRunner:
         self._staging: torch.Tensor | None = None  # rank 0 of several: canonical transfer pool
         self._sends: list = []  # pipeline hand-offs in flight: (isend work, its buffer)
         self._prompt_logprobs: dict[str, list[Logprob]] = {}  # the last collected step's
+        self._uncollected: list[_Dispatched] = []  # dispatched steps not collected yet
 
     def _shard_of(self, rank: int, group: object = None, comm: object = None) -> Shard:
         """What rank ``rank`` of this worker holds (global rank ``pp_rank * TP + tp_rank``)."""
@@ -459,11 +467,21 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.shutdown()
 
-    def attach_draft_model(self, spec, num_blocks: int) -> None:  # type: ignore[no-untyped-def]
-        """Load the speculative draft model with a KV twin pool of ``num_blocks`` blocks."""
+    def load_draft_model(self, spec) -> int:  # type: ignore[no-untyped-def]
+        """Load the speculative draft model's weights (before the KV budget is measured, so
+        a CUDA profile counts them); the bytes of one block of its KV twin pool."""
         from shared.engine.draft_model import DraftModelProposer
 
-        self.drafter = DraftModelProposer(self, spec, num_blocks)
+        if self.drafter is None:
+            self.drafter = DraftModelProposer(self, spec)
+        return self.drafter.block_bytes
+
+    def attach_draft_model(self, spec, num_blocks: int) -> None:  # type: ignore[no-untyped-def]
+        """Load the speculative draft model (unless :meth:`load_draft_model` did) with a KV
+        twin pool of ``num_blocks`` blocks."""
+        self.load_draft_model(spec)
+        assert self.drafter is not None
+        self.drafter.allocate_kv(num_blocks)
 
     # ---- KV pool -----------------------------------------------------------------------
     @property
@@ -601,9 +619,10 @@ class ModelRunner:
         range (:func:`populate_pages`)."""
         assert self.can_prefault, "prefault_blocks needs a single-rank CPU pool"
         pools = [self.kv_cache]
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.kv is not None:
             pools.append(self.drafter.kv)
         for pool in pools:
+            assert pool is not None
             per_block = pool[0].numel() * pool.element_size()
             populate_pages(pool, start * per_block, stop * per_block)
 
@@ -636,6 +655,15 @@ class ModelRunner:
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         if out.finished_seq_ids:
             self.sampler.matchers.drop(out.finished_seq_ids)
+            # a step still in flight may hold one of them (aborted meanwhile): its draws
+            # would build the matcher again, so it drops them again once collected
+            for older in self._uncollected:
+                older.dropped.update(out.finished_seq_ids)
+        d = self._dispatch(out)
+        self._uncollected.append(d)
+        return d
+
+    def _dispatch(self, out: SchedulerOutput) -> _Dispatched:
         moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if not out.scheduled:
             self.run_step(moves, [], [])
@@ -684,6 +712,17 @@ class ModelRunner:
     @torch.inference_mode()
     def collect(self, d: _Dispatched) -> dict[str, SampleResult]:
         """Finish a dispatched step: wait for its logits, draw; the draws by ``seq_id``."""
+        for i, x in enumerate(self._uncollected):
+            if x is d:
+                del self._uncollected[i]
+                break
+        try:
+            return self._collect(d)
+        finally:
+            if d.dropped:  # their sequences ended while in flight: no matcher stays behind
+                self.sampler.matchers.drop(d.dropped & {r.seq_id for r in d.rows})
+
+    def _collect(self, d: _Dispatched) -> dict[str, SampleResult]:
         logits = d.logits.wait() if isinstance(d.logits, PendingLogits) else d.logits
         self._prompt_logprobs = {}
         if logits is None:

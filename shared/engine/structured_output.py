@@ -1,13 +1,14 @@
 """Structured outputs (vLLM's ``structured_outputs`` / ``response_format``) through xgrammar.
 
 ``GrammarCompiler`` compiles a request's JSON schema, regex, choice list, EBNF grammar or "any
-JSON object" once per distinct spec (xgrammar's compiler caches by spec; an LRU of ours keeps
-the compiled handles). The worker compiles on its gRPC threads before the request reaches the
-engine thread (``precompile``), so the engine thread only finds it in the cache. The sampler
-keeps one ``GrammarMatcher`` per constrained sequence, rebuilt from the sequence's output tokens
-wherever it lacks one (a decode worker continuing a prefill worker's first token, a resumed
-stream), applies every constrained row's token bitmask to the logits in one call, and advances
-the matcher with each sampled token. Requests without a grammar pay nothing.
+JSON object" once per distinct spec (xgrammar's compiler caches by spec, up to
+``PDSERVE_GRAMMAR_CACHE_MIB``; an LRU of ours keeps the compiled handles). The worker compiles
+on its gRPC threads before the request reaches the engine thread (``precompile``), so the
+engine thread only finds it in the cache. The sampler keeps one ``GrammarMatcher`` per
+constrained sequence, rebuilt from the sequence's output tokens wherever it lacks one (a decode
+worker continuing a prefill worker's first token, a resumed stream), applies every constrained
+row's token bitmask to the logits in one call, and advances the matcher with each sampled
+token. Requests without a grammar pay nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +22,20 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+from shared.config import env_int
 from shared.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _CACHE = 256  # compiled grammars kept
+#: The bound of xgrammar's own compiler cache, MiB (PDSERVE_GRAMMAR_CACHE_MIB; 0: no cache).
+#: Unbounded by default in xgrammar: every distinct schema a client sent stayed in memory
+#: (about 16 KiB for a small one), whatever our LRU of compiled handles keeps.
+GRAMMAR_CACHE_MIB = 512
+
+
+def grammar_cache_bytes() -> int:
+    """xgrammar's compiler cache bound in bytes (``PDSERVE_GRAMMAR_CACHE_MIB``; 0: off)."""
+    return env_int("PDSERVE_GRAMMAR_CACHE_MIB", GRAMMAR_CACHE_MIB) << 20
 
 
 class StructuredOutputError(SamplingParamsError):
@@ -80,7 +91,13 @@ class GrammarCompiler:
             self._info = xgr.TokenizerInfo.from_huggingface(
                 tok, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
             )
-            self._compiler = xgr.GrammarCompiler(self._info, max_threads=2)
+            limit = grammar_cache_bytes()
+            self._compiler = xgr.GrammarCompiler(
+                self._info,
+                max_threads=2,
+                cache_enabled=limit > 0,
+                cache_limit_bytes=limit if limit > 0 else -1,
+            )
             special = set(self.eos_token_ids)
             vocab = self._info.decoded_vocab
             self._control = [
