@@ -28,10 +28,13 @@ def test_timings_match_injected_delays(bench):
     assert m["completed"] == 6 and m["failed"] == 0
     # The mock counts prompts with the same tokenizer: it saw exactly 32 tokens each.
     assert m["total_input_tokens"] == 6 * 32 and m["prompt_len_mismatches"] == 0
-    assert 200 <= m["ttft"]["mean"] < 260
-    assert 24 <= m["itl"]["median"] < 35
-    assert 24 <= m["tpot"]["mean"] < 35
-    assert 200 + 9 * 25 <= m["e2el"]["mean"] < 200 + 9 * 25 + 90
+    # Upper bounds leave room for a loaded 2-core CI machine (the test measures the injected
+    # delays, not speed) while staying below twice each delay: a unit error, a gap counted
+    # twice or the TTFT counted as an ITL still fails.
+    assert 200 <= m["ttft"]["mean"] < 350
+    assert 24 <= m["itl"]["median"] < 50
+    assert 24 <= m["tpot"]["mean"] < 50
+    assert 200 + 9 * 25 <= m["e2el"]["mean"] < 200 + 9 * 25 + 225
     for r in res["requests"]:
         assert len(r["itl"]) == 9  # one gap per content event after the first
         assert r["latency"] == pytest.approx(r["ttft"] + sum(r["itl"]), abs=1e-6)
@@ -46,7 +49,8 @@ def test_chat_backend_timings_and_payload(bench, mock_get):
     )
     assert rc == 0, out
     m = res["metrics"]
-    assert 100 <= m["ttft"]["mean"] < 160 and 19 <= m["itl"]["median"] < 30
+    # upper bounds below twice each delay (see test_timings_match_injected_delays)
+    assert 100 <= m["ttft"]["mean"] < 200 and 19 <= m["itl"]["median"] < 40
     seen = mock_get(f"/mock/requests?model={name}")
     assert len(seen) == 4
     body = seen[0]["body"]

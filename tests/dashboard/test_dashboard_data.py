@@ -428,7 +428,8 @@ def test_failing_workers_are_reported_and_do_not_hold_up_the_others():
     dash = make_dashboard(recs, w, clock)
     t0 = time.monotonic()
     d = asyncio.run(dash.data())
-    assert time.monotonic() - t0 < 2.0  # the hung worker costs one scrape timeout (0.3 s)
+    # the hung worker (30 s) costs one scrape timeout (0.3 s); room for a loaded machine
+    assert time.monotonic() - t0 < 5.0
     s = {x["id"]: x["scrape"] for x in d["workers"]}
     assert s["decode-0"]["ok"] and s["decode-0"]["running"] == 1
     assert s["decode-1"] == {"ok": False, "error": "HTTP 500"}

@@ -124,7 +124,8 @@ def test_expired_lease_is_not_live_and_role_set_is_cleaned(redis_server, keys):
 
 
 def test_background_heartbeats_keep_a_short_lease_alive(redis_server, keys):
-    lease, _ = make_worker(redis_server.url, keys, "d1", ttl=0.4)
+    # a TTL with room for a loaded machine's scheduling delays between 0.1 s heartbeats
+    lease, _ = make_worker(redis_server.url, keys, "d1", ttl=1.0)
     calls = []
 
     def load():
@@ -134,7 +135,7 @@ def test_background_heartbeats_keep_a_short_lease_alive(redis_server, keys):
     lease.register()
     lease.start(load, interval_s=0.1)
     try:
-        time.sleep(0.8)  # twice the TTL
+        time.sleep(2.0)  # twice the TTL: without the heartbeats the lease expired by now
         (rec,) = read(redis_server.url, keys, lambda r: r.live_workers())
         assert rec.load.running >= 3
     finally:

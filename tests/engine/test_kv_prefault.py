@@ -8,6 +8,7 @@ ahead of use"). These tests read the pool mapping's resident size from /proc/sel
 from __future__ import annotations
 
 import errno
+import threading
 import time
 
 import pytest
@@ -162,9 +163,13 @@ def test_a_host_out_of_memory_turns_prefault_off(monkeypatch, tiny_llama, caplog
 class PrefaultingEngine:
     """What EngineLoop calls of an idle engine, with ``chunks`` chunks of prefault work."""
 
-    def __init__(self, chunks: int) -> None:
+    def __init__(self, chunks: int, park_at: int = 0) -> None:
         self.left = chunks
         self.done = 0
+        # after ``park_at`` chunks the loop waits for ``go``; ``parked`` tells the test
+        self.park_at = park_at
+        self.parked = threading.Event()
+        self.go = threading.Event()
 
     def check_alive(self) -> None:
         pass
@@ -178,19 +183,22 @@ class PrefaultingEngine:
         time.sleep(0.001)
         self.left -= 1
         self.done += 1
+        if self.done == self.park_at:
+            self.parked.set()
+            self.go.wait(30)
         return True
 
 
 def test_the_engine_loop_prefaults_while_idle_and_runs_commands_between_chunks():
-    fake = PrefaultingEngine(chunks=400)
+    fake = PrefaultingEngine(chunks=400, park_at=5)
     loop = EngineLoop(fake)  # type: ignore[arg-type]
     loop.start()
     try:
         deadline = time.monotonic() + 30
-        while fake.done < 5:  # the loop is into its chunks
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        ran_at = loop.submit(lambda eng: eng.done).result(timeout=30)
+        assert fake.parked.wait(30)  # the loop is into its chunks, held inside the fifth
+        ran = loop.submit(lambda eng: eng.done)  # queued with 395 chunks still to do
+        fake.go.set()
+        ran_at = ran.result(timeout=30)
         assert ran_at < 400, "the command waited for every chunk"
         while fake.left:  # then the loop finishes the work, and goes idle
             assert time.monotonic() < deadline

@@ -407,11 +407,12 @@ def test_bounded_active_transfers_queue_in_order(loopback_pair):
     r1, r2 = receiver.expect("q1", [1], 5), receiver.expect("q2", [2], 5)
     s1 = sender.open("q1", receiver.address, [1], 5)
     s2 = sender.open("q2", receiver.address, [2], 5)
-    time.sleep(0.1)
+    # the reactor thread updates the counters: wait for them, bounded
+    _wait_until(lambda: sender.active_transfers == 1 and sender.queued_transfers == 1)
     assert sender.active_transfers == 1 and sender.queued_transfers == 1
     s2.send_blocks([5], 0)
     s2.finish()
-    time.sleep(0.1)
+    time.sleep(0.1)  # a window for a regression to start the queued transfer early
     assert s2.state is TransferState.PENDING and r2.blocks_done == 0
     s1.send_blocks([4], 0)
     s1.finish()

@@ -32,14 +32,22 @@ def test_callbacks_run_in_order_on_the_reactor_thread(reactor):
 
 def test_timers_fire_in_order_and_cancel(reactor):
     fired = []
+    late = threading.Event()
+
+    def on_late():
+        fired.append("late")
+        late.set()
 
     def arm():
-        reactor.call_later(0.06, fired.append, "late")
+        reactor.call_later(0.06, on_late)
         reactor.call_later(0.02, fired.append, "early")
         reactor.call_later(0.04, fired.append, "cancelled").cancel()
 
     reactor.run_sync(arm)
-    time.sleep(0.3)
+    assert late.wait(5)
+    # the cancelled timer was due before the late one; a round trip through the loop lets
+    # anything it still had ready run before the check
+    reactor.run_sync(lambda: None)
     assert fired == ["early", "late"]
 
 

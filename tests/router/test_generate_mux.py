@@ -199,7 +199,7 @@ def test_the_shared_call_failing_fails_every_request_on_it_and_the_next_opens_an
         server = await _server(svc, port)
         ch, mux = _client(port)
         calls = [mux.start(pb.GenerateRequest(request_id=f"hang-{j}")) for j in range(3)]
-        await asyncio.sleep(0.2)
+        await _all_started(svc, 3)  # every handler runs on the worker: stopping cancels them
         await server.stop(0)  # the worker goes away
         codes = []
         for c in calls:

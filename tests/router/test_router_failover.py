@@ -164,14 +164,15 @@ def test_stalled_worker_is_abandoned_and_the_stream_resumed(
 ):
     stuck = make_worker("stuck", stall_after_tokens=5)
     make_worker("backup", report_waiting=3)
-    r = make_router(replace(router_config, stall_timeout_s=0.5))
+    # a stall timeout a healthy real worker process on a loaded machine never trips
+    r = make_router(replace(router_config, stall_timeout_s=1.5))
     r.wait_workers(2)
     r.wait_waiting("backup", 3)  # so the other one is picked first
     t0 = time.monotonic()
     out = r.openai().completions.create(
         model=MODEL_NAME, prompt="stall", max_tokens=12, extra_body={"ignore_eos": True}
     )
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # abandoned after the stall, not hung
     expected, _ = fw.expected_output(
         tok.encode("stall"), max_tokens=12, vocab=2048, ignore_eos=True
     )
@@ -289,7 +290,7 @@ def test_deadline_bounds_requests(make_worker, make_router, router_config):
 
 def test_deadline_mid_stream_ends_with_an_error_event(make_worker, make_router, router_config):
     make_worker("trickle", token_delay=0.2)
-    r = make_router(replace(router_config, request_timeout_s=1.0))
+    r = make_router(replace(router_config, request_timeout_s=2.0))
     r.wait_workers(1)
     body = {
         "model": MODEL_NAME,
@@ -302,10 +303,12 @@ def test_deadline_mid_stream_ends_with_an_error_event(make_worker, make_router, 
     with httpx.stream("POST", f"{r.url}/v1/completions", json=body, timeout=10) as resp:
         assert resp.status_code == 200
         data = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 5
     assert data[-1] == "[DONE]"
     assert json.loads(data[-2])["error"]["code"] == "request_timeout"
-    assert 1 <= len(data) - 2 <= 7  # some tokens came before the deadline
+    # some tokens came before the deadline, and the deadline cut the stream: one token at
+    # once, then one per 0.2 s for 2 s makes at most 11 (of 100)
+    assert 1 <= len(data) - 2 <= 12
 
 
 def test_cached_tokens_after_a_resume_are_the_prompts(make_worker, make_router, router_config):

@@ -132,8 +132,9 @@ def test_dead_worker_is_skipped_within_one_lease_period(make_worker, make_router
     out = complete(r, "second")  # d0's lease still looks alive: one failed try, then d1
     assert out.usage.completion_tokens == 4
     assert r.metric("pdserve:router_retries_total") == 1
-    r.wait_workers(1, timeout=ttl + 1.0)
-    assert time.monotonic() - killed <= ttl + 1.0
+    # within one lease period, with room for a loaded machine (a leaked lease never expires)
+    r.wait_workers(1, timeout=ttl + 3.0)
+    assert time.monotonic() - killed <= ttl + 3.0
     for i in range(3):
         complete(r, f"after {i}")
     assert r.metric("pdserve:router_retries_total") == 1  # no more tries on the dead worker

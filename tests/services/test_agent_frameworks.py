@@ -6,6 +6,7 @@ parses only because the grammar forces it, which is the point of these tests."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import pytest
@@ -59,12 +60,24 @@ def chat_model(cluster):
     )
 
 
+def _assert_person_json(fields: dict, parsed: Person) -> None:
+    """The model's own JSON has the schema's types (pydantic's lax mode would also take
+    ``"42"`` or ``"true"``, so ``isinstance`` alone misses a grammar that emits strings), and
+    the parsed object is what it says."""
+    assert {"name", "age", "admin"} <= set(fields), fields
+    assert type(fields["age"]) is int and type(fields["admin"]) is bool, fields
+    assert Person(**fields).model_dump() == parsed.model_dump(), (fields, parsed)
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(chat_model, method):
-    structured = chat_model.with_structured_output(Person, method=method)
+    structured = chat_model.with_structured_output(Person, method=method, include_raw=True)
     for i in range(3):
-        out = structured.invoke(f"Describe person {i}.")
-        assert isinstance(out, Person)
+        res = structured.invoke(f"Describe person {i}.")
+        out, raw = res["parsed"], res["raw"]
+        assert res["parsing_error"] is None and isinstance(out, Person), res
+        fields = json.loads(raw.content) if method == "json_schema" else raw.tool_calls[0]["args"]
+        _assert_person_json(fields, out)
 
 
 def test_langchain_bind_tools_invoke_and_stream(chat_model):
@@ -110,7 +123,7 @@ def test_instructor(cluster, mode):
         mode=getattr(instructor.Mode, mode),
     )
     for seed in range(3):
-        person = client.chat.completions.create(
+        person, completion = client.chat.completions.create_with_completion(
             model=c.served_model_name,
             response_model=Person,
             messages=[{"role": "user", "content": f"Describe person {seed}."}],
@@ -120,3 +133,6 @@ def test_instructor(cluster, mode):
             max_retries=0,  # no re-asking: the first answer must validate
         )
         assert isinstance(person, Person)
+        msg = completion.choices[0].message
+        raw = msg.tool_calls[0].function.arguments if mode == "TOOLS" else msg.content
+        _assert_person_json(json.loads(raw), person)

@@ -18,6 +18,7 @@ import concurrent.futures
 import threading
 import time
 
+import grpc
 import pytest
 
 from decode_service.server import DecodeServicer
@@ -271,16 +272,24 @@ def test_a_prefill_cancelled_while_it_cleans_up_unpins_its_blocks(prefill_runtim
             dst_block_ids=list(range(3)),
             transfer_id="p1:t",
         )
+        in_abort = asyncio.Event()  # set once the handler's finally submits the engine abort
+        real_abort_and_release = servicer._abort_and_release
+
+        def abort_and_release(*a):
+            in_abort.set()
+            return real_abort_and_release(*a)
+
+        servicer._abort_and_release = abort_and_release
         ctx = _Context()
         task = asyncio.ensure_future(servicer.Prefill(req, ctx))
         await asyncio.wait_for(ctx.aborted.wait(), 30)  # P's transfer failed: status UNAVAILABLE
-        await asyncio.sleep(0.01)  # its finally now waits for the engine abort
+        # its finally now waits for the engine abort (a slow step: 0.4 s)
+        await asyncio.wait_for(in_abort.wait(), 30)
         if cancel:
             task.cancel()  # D saw the failure too and cancels the Prefill call
-        try:
+        # the handler ends with its status (the abort), or with the cancel
+        with pytest.raises(asyncio.CancelledError if cancel else _Aborted):
             await task
-        except BaseException:  # noqa: BLE001 - its status, or the cancel
-            pass
         await _settle(lambda: rt.inflight == 0 and not servicer.queues)
         pinned = await _engine_settled(rt, lambda e: e.kv.num_pinned_blocks)
         sent = sender.handles[0].sent
@@ -295,6 +304,7 @@ def test_a_prefill_cancelled_while_it_cleans_up_unpins_its_blocks(prefill_runtim
         return ctx.code, sent, state
 
     code, sent, state = asyncio.run(scenario())
+    assert code == grpc.StatusCode.UNAVAILABLE, code  # the transfer's failure, as its status
     assert sent, "the blocks were handed to the sender (and pinned)"
     assert state == dict(pinned_blocks=0, inflight=0, pending_sends=0, queues=[], sinks=[]), state
 

@@ -414,11 +414,21 @@ def test_a_prefill_waiting_for_its_abort_stops_waiting_when_the_hang_is_declared
         sender = _Sender()
         sv = PrefillServicer(rt, sender, transfer_timeout_s=60.0)
         sv.abort_wait_s = 600.0  # far beyond this test's waits: only the hang ends the wait
+        in_abort = asyncio.Event()  # set as the handler submits the abort it then waits for
+        real_abort_and_release = sv._abort_and_release
+
+        def abort_and_release(*a):
+            in_abort.set()
+            return real_abort_and_release(*a)
+
+        sv._abort_and_release = abort_and_release
         ctx = _Context()
         task = asyncio.ensure_future(sv.Prefill(_request("p1", 3, rt.engine.block_size), ctx))
         assert await _settle(gate.entered.is_set), "p1's step never began"
         task.cancel()  # cancelled while the engine stalls: the handler waits for the abort
-        await asyncio.sleep(0.2)
+        # it submitted the abort and waits for it (a hang declared before would skip the wait)
+        await asyncio.wait_for(in_abort.wait(), WAIT_S)
+        await asyncio.sleep(0)  # (its next step: into that wait)
         _declare_hang(rt)  # ... the stall is declared a hang: the wait ends
         await _ended(task)
         during = _servicer_state(rt, sv)

@@ -49,6 +49,12 @@ def test_openai_sdk_parse_returns_pydantic_objects(cluster_url):
         )
         msg = completion.choices[0].message
         assert isinstance(msg.parsed, Person), msg.content
+        # the content itself has the schema's types (pydantic's lax mode would take "42" or
+        # "true" too), and exactly its fields (the strict schema has no additional properties)
+        fields = json.loads(msg.content)
+        assert set(fields) == {"name", "age", "admin"}, fields
+        assert type(fields["age"]) is int and type(fields["admin"]) is bool, fields
+        assert Person(**fields) == msg.parsed
 
 
 def test_json_object_and_structured_outputs_extra(cluster_url):

@@ -354,6 +354,10 @@ def test_responses_structured_text_format(cluster, client):
             extra_body={"seed": seed},
         )
         assert isinstance(r.output_parsed, City), r.output_text
+        # the text itself has the schema's types (pydantic's lax mode would take "42" too)
+        fields = json.loads(r.output_text)
+        assert type(fields["population"]) is int and type(fields["city"]) is str, fields
+        assert City(**fields) == r.output_parsed
 
 
 def test_responses_refusals_name_the_field(cluster):

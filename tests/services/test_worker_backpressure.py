@@ -37,7 +37,9 @@ def cluster(tiny_llama, tmp_path_factory):
     c.stop()
 
 
-def _run(stub, rid: str, tokens: int):
+def _run(stub, rid: str, tokens: int, calls: dict | None = None):
+    """Stream request ``rid`` to its end: ``(status, seconds)``. ``calls`` gets the call, for
+    the test to cancel it."""
     req = pb.GenerateRequest(
         request_id=rid,
         prompt_token_ids=[5, 6, 7],
@@ -45,7 +47,10 @@ def _run(stub, rid: str, tokens: int):
     )
     t0 = time.monotonic()
     try:
-        for _ in stub.Generate(req, timeout=120):
+        call = stub.Generate(req, timeout=120)
+        if calls is not None:
+            calls[rid] = call
+        for _ in call:
             pass
         return "ok", time.monotonic() - t0
     except grpc.RpcError as e:
@@ -65,17 +70,26 @@ def test_a_full_queue_answers_resource_exhausted_at_once(cluster):
                     what=what,
                 )
 
-            # the first is scheduled before the others come: while it still waited, the
-            # second and third together would find the queue at its bound already
-            futs = [pool.submit(_run, stub, "r0", 3000)]
-            at(1, 0, "the first request to run")
-            futs += [pool.submit(_run, stub, f"r{i}", 3000) for i in (1, 2)]
-            at(1, 2, "one running and two waiting requests")  # the queue is at its bound
-            refused = [pool.submit(_run, stub, f"x{i}", 4) for i in range(3)]
-            late = [f.result() for f in refused]
-            first = [f.result() for f in futs]
-    assert [s for s, _ in first] == ["ok"] * 3
-    assert all(s == "RESOURCE_EXHAUSTED" and dt < 1.0 for s, dt in late), late
+            calls: dict = {}
+            try:
+                # the first is scheduled before the others come: while it still waited, the
+                # second and third together would find the queue at its bound already
+                futs = [pool.submit(_run, stub, "r0", 3000, calls)]
+                at(1, 0, "the first request to run")
+                futs += [pool.submit(_run, stub, f"r{i}", 4) for i in (1, 2)]
+                at(1, 2, "one running and two waiting requests")  # the queue is at its bound
+                refused = [pool.submit(_run, stub, f"x{i}", 4) for i in range(3)]
+                late = [f.result(timeout=60) for f in refused]
+                # the bound held the queued two, not refused them: the long first request is
+                # cancelled (its 3000 tokens proved the point), and the queued two then run
+                calls["r0"].cancel()
+                first = [f.result(timeout=60) for f in futs]
+            finally:
+                for call in calls.values():  # a failure above does not wait for 3000 tokens
+                    call.cancel()
+    assert [s for s, _ in first] == ["CANCELLED", "ok", "ok"], first
+    # refused at once (ms), not after the first request's run (its 3000 tokens: ~4 s here)
+    assert all(s == "RESOURCE_EXHAUSTED" and dt < 2.5 for s, dt in late), late
     with channel_to(cluster.ready["decode-0"]["grpc"]) as ch:  # room again afterwards
         assert _run(decode_stub(ch), "after", 4)[0] == "ok"
 
