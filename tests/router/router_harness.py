@@ -128,7 +128,14 @@ class RouterThread:
         self.app = create_app(self.config)
         self.server = uvicorn.Server(
             uvicorn.Config(
-                self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                access_log=False,
+                # as ``pdserve router`` (--shutdown-timeout), but short: a connection a test
+                # left open must not hold the teardown up
+                timeout_graceful_shutdown=2,
             )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -191,8 +198,12 @@ class RouterThread:
         return total
 
     def stop(self) -> None:
+        """Stop serving and wait for the app's clean-up; a router thread still running after
+        15 s fails the test instead of outliving it."""
         self.server.should_exit = True
         self.thread.join(15)
+        if self.thread.is_alive():
+            raise RuntimeError(f"router on port {self.port} did not stop within 15 s")
 
 
 def load_fake_worker_module():
