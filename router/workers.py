@@ -107,7 +107,9 @@ class WorkerPool:
             try:
                 await self._task
             except asyncio.CancelledError:
-                pass
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # our caller's cancellation: pass it on
+                    raise
             self._task = None
         channels, self._channels = self._channels, {}
         self._stubs.clear()
@@ -118,12 +120,20 @@ class WorkerPool:
         )
 
     async def _loop(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
         while True:
             await asyncio.sleep(self.refresh_interval_s)
             try:
                 await self.refresh()
             except Exception:  # never let the refresher die
+                if task.cancelling():
+                    raise asyncio.CancelledError from None
                 logger.exception("worker refresh failed")
+            # Python 3.11's asyncio.wait_for (redis-py's socket writes) swallows a cancellation
+            # that lands as the inner write completes: honour it here, or close() waits forever
+            if task.cancelling():
+                raise asyncio.CancelledError
 
     async def refresh(self) -> None:
         """Re-read the registry (and poll static workers); keeps the old view on failure."""
