@@ -527,6 +527,8 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
 
 async def _sweep(reader: DirectoryReader, config: RouterConfig) -> None:
     """Janitor: clean stale directory members a bounded batch at a time."""
+    task = asyncio.current_task()
+    assert task is not None
     cursor = 0
     while True:
         await asyncio.sleep(config.directory_sweep_interval_s if cursor == 0 else 0.05)
@@ -537,6 +539,8 @@ async def _sweep(reader: DirectoryReader, config: RouterConfig) -> None:
         except Exception as e:  # noqa: BLE001 - the janitor must outlive any failure
             logger.debug("directory sweep failed: %r", e)
             cursor = 0
+        if task.cancelling():  # a cancel redis-py's wait_for swallowed (Python 3.11): stop
+            raise asyncio.CancelledError
 
 
 # ---- CLI ------------------------------------------------------------------------------------
