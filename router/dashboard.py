@@ -303,13 +303,11 @@ class WorkerScraper:
         (t0, first), (t1, last) = h.samples[0], h.samples[-1]
         out.update(last)  # the last good figures, with their age; no rates once stale
         out["age_s"] = self._clock() - t1
-        if h.error is not None or out["age_s"] > self.history_s:
-            out.update(delta=None, transfer_bytes_per_s=None, prefix_hit_rate=None)
-            q, hits = last.get("prefix_queries", 0.0), last.get("prefix_hits", 0.0)
-            out["prefix_hit_rate_total"] = hits / q if q else None
-            return out
         q, hits = last.get("prefix_queries", 0.0), last.get("prefix_hits", 0.0)
         out["prefix_hit_rate_total"] = hits / q if q else None
+        if h.error is not None or out["age_s"] > self.history_s:
+            out.update(delta=None, transfer_bytes_per_s=None, prefix_hit_rate=None)
+            return out
         dt = t1 - t0
         out["window_s"] = dt
         delta = {k: last.get(k, 0.0) - first.get(k, 0.0) for k in COUNTERS}
