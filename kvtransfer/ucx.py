@@ -372,6 +372,19 @@ class UcxLink(Link):
             ep.close_blocking(period=10_000_000, max_attempts=1)
         except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
             logger.debug("kvtransfer: closing UCX endpoint to %s: %s", self.peer, e)
+        worker = self._transport.worker
+        try:
+            # When the endpoint failed first (a peer that died), ucxx's error handler moved its
+            # outstanding requests to the worker's to-cancel list, which only the worker's own
+            # progress thread drains (not used here) and close_blocking no longer sees: cancel
+            # them now, or a receive posted for the dead peer never completes and its transfer
+            # never settles.
+            worker.worker.cancel_inflight_requests(period=0, max_attempts=1)
+        except Exception as e:  # noqa: BLE001  (any UCX failure ends this link)
+            logger.debug("kvtransfer: cancelling requests of %s: %s", self.peer, e)
+        # Cancelled requests complete inside the calls above, not in a later progress: make
+        # the next progress pass look for completions even if UCX reports no progress.
+        worker._dirty = True
 
     def _schedule_notify(self, error: BaseException) -> None:
         if self._started and not self._notified:

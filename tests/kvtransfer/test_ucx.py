@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import numpy as np
@@ -527,3 +528,59 @@ def test_a_frozen_receiver_holds_only_its_own_slots_and_window(src_pool):
         sender.close()
         frozen.close()
         healthy.close()
+
+
+@pytest.mark.parametrize("who_closes", ["peer", "self"])
+def test_a_receive_posted_for_a_peer_that_leaves_completes(who_closes):
+    """A receive posted on a connection whose peer goes away (or that this side closes)
+    completes with an error at once. When the peer left first, ucxx's endpoint error handler
+    moved the receive to the worker's to-cancel list, which nothing drained: the receive
+    never completed, so a KV transfer cancelled after its prefill worker died never settled
+    (the decode worker then failed the request; seen in CI as
+    test_prefill_killed_midprefill_falls_back)."""
+    from kvtransfer.pool import Region
+    from kvtransfer.protocol import ReceiverAddress
+    from kvtransfer.ucx import UcxTransport
+
+    a, b = UcxTransport(name="a"), UcxTransport(name="b")
+    accepted, closed, received = [], threading.Event(), threading.Event()
+    errors: list[BaseException | None] = []
+
+    def on_accept(link):
+        link.on_ctrl = lambda _payload: None
+        link.on_closed = lambda _error: closed.set()
+        link.start()
+        accepted.append(link)
+
+    def connect():
+        link = b.connect(ReceiverAddress("ucx", host, port, "x"))
+        link.on_ctrl = lambda _payload: None
+        link.on_closed = lambda _error: None
+        link.start()
+        link.send_ctrl(b"hello")  # the connection is accepted once something arrives
+
+    def on_received(error):
+        errors.append(error)
+        received.set()
+
+    try:
+        host, port = a.reactor.run_sync(lambda: a.listen("127.0.0.1", 0, on_accept))
+        b.reactor.run_sync(connect)
+        deadline = time.monotonic() + 10
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert accepted, "the connection was not accepted"
+        buf = np.zeros(64 * 1024, np.uint8)  # above the eager limit: a rendezvous receive
+        region = Region(0, 1, buf.nbytes, buf, False)
+        a.reactor.run_sync(lambda: accepted[0].recv_data(12345, region, on_received))
+        if who_closes == "peer":
+            b.close()
+            assert closed.wait(10), "the peer's close was not noticed"
+        else:
+            a.reactor.run_sync(accepted[0].close)
+        assert received.wait(5), "the posted receive never completed"
+        assert errors[0] is not None
+        assert a.reactor.run_sync(lambda: a.worker.outstanding) == 0
+    finally:
+        b.close()
+        a.close()
