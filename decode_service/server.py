@@ -40,12 +40,14 @@ from shared.worker.service import (
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
+    compile_grammar,
     failure_metadata,
     kv_transport_options,
     run_worker,
     serve_worker,
     unpin_when_terminal,
     wait_transfer,
+    within,
     worker_stats,
 )
 from shared.worker.wire import (
@@ -184,18 +186,16 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             # requests waiting it refused an invalid prompt RESOURCE_EXHAUSTED (and before
             # that the call waited its turn on the engine thread)
             rt.engine.validate_prompt(request.prompt_token_ids, params)
-            if params.structured_outputs is not None:  # compiled here, not on the engine thread
-                compiled = asyncio.ensure_future(
-                    asyncio.to_thread(rt.engine.compile_grammar, params)
+            # compiled here, not on the engine thread (past the deadline or the compile bound
+            # a running compile goes on in its thread, for nobody)
+            if params.structured_outputs is not None and not await compile_grammar(
+                rt.engine, params, deadline
+            ):
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {rid} exceeded its deadline of {request.deadline_s}s "
+                    "while its grammar compiled",
                 )
-                # (past the deadline the compile goes on in its thread, for nobody)
-                if not await _within(compiled, deadline):
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"request {rid} exceeded its deadline of {request.deadline_s}s "
-                        "while its grammar compiled",
-                    )
-                compiled.result()
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.flights:
@@ -237,7 +237,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
 
                 added = rt.loop.submit(add)
                 admitted = asyncio.wrap_future(added)
-                if not await _within(admitted, deadline):  # a long engine turn: bounded too
+                if not await within(admitted, deadline):  # a long engine turn: bounded too
                     added.cancel()  # not run yet: never runs (else the abort below ends it)
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -791,22 +791,6 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             transfer=self.receiver.stats,
             remote_prefills_noted=self.remote_prefills_noted,
         )
-
-
-async def _within(fut: asyncio.Future, deadline: float | None) -> bool:
-    """Wait for ``fut`` until ``deadline`` (``time.monotonic()``; ``None``: no bound); False
-    if it passed first (``fut`` is left as it is)."""
-    if deadline is None:
-        await fut
-        return True
-    try:
-        done, _ = await asyncio.wait((fut,), timeout=max(0.0, deadline - time.monotonic()))
-    except asyncio.CancelledError:
-        fut.cancel()  # as ``await fut`` would
-        raise
-    if not done:  # its outcome, whenever it comes, is nobody's: read it (no "never retrieved")
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return bool(done)
 
 
 def _deliver(loop, outs: list[EngineCoreOutput]) -> int:

@@ -32,6 +32,7 @@ from shared.worker.service import (
     WorkerRuntime,
     add_worker_cli_args,
     cancel_transfer,
+    compile_grammar,
     failure_metadata,
     kv_transport_options,
     run_worker,
@@ -137,7 +138,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     "dst_block_ids",
                 )
             if params.structured_outputs is not None:  # compiled here, not on the engine thread
-                await asyncio.to_thread(rt.engine.compile_grammar, params)
+                await compile_grammar(rt.engine, params)
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         first_token_only(params)

@@ -2,8 +2,9 @@
 
 ``GrammarCompiler`` compiles a request's JSON schema, regex, choice list, EBNF grammar or "any
 JSON object" once per distinct spec (xgrammar's compiler caches by spec, up to
-``PDSERVE_GRAMMAR_CACHE_MIB``; an LRU of ours keeps the compiled handles). The worker compiles
-on its gRPC threads before the request reaches the engine thread (``precompile``), so the
+``PDSERVE_GRAMMAR_CACHE_MIB``; an LRU of ours keeps the compiled handles). A worker compiles
+on threads of its own (:func:`compile_executor`, half the CPUs as vLLM's), for at most
+``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S``, before the request reaches the engine thread, so the
 engine thread only finds it in the cache. The sampler keeps one ``GrammarMatcher`` per
 constrained sequence, rebuilt from the sequence's output tokens wherever it lacks one (a decode
 worker continuing a prefill worker's first token, a resumed stream), applies every constrained
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from shared.config import env_int
+from shared.config import env_float, env_int
 from shared.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,39 @@ GRAMMAR_CACHE_MIB = 512
 def grammar_cache_bytes() -> int:
     """xgrammar's compiler cache bound in bytes (``PDSERVE_GRAMMAR_CACHE_MIB``; 0: off)."""
     return env_int("PDSERVE_GRAMMAR_CACHE_MIB", GRAMMAR_CACHE_MIB) << 20
+
+
+#: How long a worker waits for one grammar to compile, s (PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S;
+#: 0: no bound). Past it the request is refused as too complex; the compile cannot be
+#: interrupted and finishes on its thread (then cached, for nobody in particular).
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0
+
+
+def grammar_compile_timeout_s() -> float:
+    """The bound on one grammar's compile, seconds (0: none)."""
+    return env_float("PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S", GRAMMAR_COMPILE_TIMEOUT_S)
+
+
+def check_environment() -> None:
+    """Read the structured-output settings once at start-up, so that a bad value is a
+    :class:`~shared.config.ConfigError` then, not at the first constrained request."""
+    grammar_cache_bytes()
+    grammar_compile_timeout_s()
+
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def compile_executor() -> ThreadPoolExecutor:
+    """The threads grammars compile on: half the CPUs (vLLM's choice), apart from asyncio's
+    default executor, which a worker's drain and shutdown also need."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            workers = max(1, ((os.cpu_count() or 2) + 1) // 2)
+            _executor = ThreadPoolExecutor(workers, thread_name_prefix="pdserve-grammar")
+        return _executor
 
 
 class StructuredOutputError(SamplingParamsError):

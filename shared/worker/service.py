@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.config import ConfigError, EngineArgs, port_number
-from shared.engine import EngineCore
+from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
 from shared.ports import host_port
@@ -141,6 +141,9 @@ def run_worker(
     not a traceback."""
     configure_logging(args.log_level)
     try:
+        from shared.engine.structured_output import check_environment
+
+        check_environment()
         if getattr(args, "node_rank", 0) > 0:
             return run_follower(EngineArgs.from_cli_args(args))
         return asyncio.run(main(args))
@@ -602,6 +605,49 @@ async def wait_transfer(handle, timeout_s: float) -> None:
     if not handle.done:
         await asyncio.wait_for(handle, timeout_s)  # (a handle's await is shielded)
     handle.raise_for_state()
+
+
+async def within(fut: asyncio.Future, deadline: float | None) -> bool:
+    """Wait for ``fut`` until ``deadline`` (``time.monotonic()``; ``None``: no bound); False
+    if it passed first (``fut`` is left as it is)."""
+    if deadline is None:
+        await fut
+        return True
+    try:
+        done, _ = await asyncio.wait((fut,), timeout=max(0.0, deadline - time.monotonic()))
+    except asyncio.CancelledError:
+        fut.cancel()  # as ``await fut`` would
+        raise
+    if not done:  # its outcome, whenever it comes, is nobody's: read it (no "never retrieved")
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return bool(done)
+
+
+async def compile_grammar(engine: EngineCore, params, deadline: float | None = None) -> bool:
+    """Compile ``params``' grammar off the event loop, on the grammar threads. True once
+    compiled (then the engine thread finds it in the cache); False when the request's
+    ``deadline`` (``time.monotonic()``) passed first. ``InvalidRequestError`` when it does not
+    compile, or not within ``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S`` (a schema too complex to
+    serve: the worker's wait is bounded, and a compile not yet started is dropped)."""
+    from shared.engine.structured_output import compile_executor, grammar_compile_timeout_s
+
+    bound = grammar_compile_timeout_s()
+    limit = time.monotonic() + bound if bound > 0 else None
+    fut = asyncio.get_running_loop().run_in_executor(
+        compile_executor(), engine.compile_grammar, params
+    )
+    ends = [t for t in (deadline, limit) if t is not None]
+    if await within(fut, min(ends) if ends else None):
+        fut.result()
+        return True
+    fut.cancel()  # a compile still queued never starts; one running ends on its thread
+    if limit is not None and (deadline is None or limit < deadline):
+        raise InvalidRequestError(
+            f"structured_outputs did not compile within {bound:g} s "
+            "(PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S): the schema or grammar is too complex",
+            "structured_outputs",
+        )
+    return False
 
 
 CANCEL_SETTLE_S = 10.0  # how long a cancelled transfer may take to become terminal

@@ -334,6 +334,12 @@ def test_prefill_killed_midprefill_falls_back(tiny_llama, tmp_path):
         assert elapsed < 60
         st = _stats(d_addr, "decode")
         assert st.prefill_fallbacks == 1 and st.integrity_ok
+        # The dead worker's transfer settled: no block stays pinned for it.
+        wait_until(
+            lambda: _stats(d_addr, "decode").used_blocks == 0,
+            timeout=10,
+            what="the decode worker's blocks to be released",
+        )
         r = redis.Redis.from_url(c.redis_url)
         wait_until(
             lambda: not r.exists("pds:worker:prefill-0"),

@@ -1,0 +1,109 @@
+"""A worker's wait for a grammar to compile is bounded (``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S``),
+also for a request without a deadline, and compiles run on the worker's own grammar threads.
+
+Before, a request without ``deadline_s`` waited for its compile however long it took (a
+900-deep schema took 66 s here), on asyncio's default executor, which the worker's drain also
+needs. Asserted on events (the compile stalls up to 6 s against a 0.3 s bound), not timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from decode_service.server import DecodeServicer
+from kvtransfer import LoopbackNetwork, create_receiver
+from shared.proto import pdserve_pb2 as pb
+from tests.services.inprocess_worker import Aborted, AbortingContext, running_runtime
+
+pytestmark = pytest.mark.integration
+
+STALL_S = 6.0
+
+
+@pytest.fixture
+def runtime(tiny_llama):
+    with running_runtime(tiny_llama, "decode") as rt:
+        yield rt
+
+
+def _request(rid: str, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=[1, 2, 3, 4],
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0, **sampling),
+    )
+
+
+async def _collect(servicer, req) -> tuple[list, object]:
+    """A ``Generate`` call's chunks and how it ended: "OK", or the abort's (code, details)."""
+    chunks = []
+    try:
+        async for c in servicer.Generate(req, AbortingContext()):
+            chunks.append(c)
+        return chunks, "OK"
+    except Aborted as e:
+        return chunks, e.args
+
+
+def test_a_compile_past_the_bound_is_refused_and_others_are_served(runtime, monkeypatch):
+    rt = runtime
+    monkeypatch.setenv("PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "0.3")
+    compiling = threading.Event()
+    compile_over = threading.Event()
+    compile_ended = threading.Event()
+    threads: list[str] = []
+
+    def slow_compile(params):
+        threads.append(threading.current_thread().name)
+        compiling.set()
+        compile_over.wait(STALL_S)
+        compile_ended.set()
+
+    rt.engine.compile_grammar = slow_compile  # type: ignore[method-assign]
+
+    async def scenario():
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
+        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        slow = _request("g", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
+        try:
+            refused = asyncio.ensure_future(_collect(servicer, slow))
+            plain_chunks, plain_status = await asyncio.wait_for(
+                _collect(servicer, _request("plain")), 30
+            )
+            chunks, status = await asyncio.wait_for(refused, 30)
+            compiled_still = not compile_ended.is_set()
+            compile_over.set()
+            assert compiling.is_set() and threads[0].startswith("pdserve-grammar")
+            assert status[0] == grpc.StatusCode.INVALID_ARGUMENT and not chunks, status
+            assert "did not compile within 0.3 s" in status[1], status
+            assert compiled_still, "the call waited for the compile to end"
+            # a request without a grammar was served while the compile stalled
+            assert plain_status == "OK"
+            assert sum(len(o.token_ids) for c in plain_chunks for o in c.outputs) == 4
+            assert not servicer.flights and rt.inflight == 0
+        finally:
+            compile_over.set()
+            receiver.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value", ["soon", "-1"])
+def test_a_bad_compile_bound_says_why_at_start_and_exits_2(tiny_llama, value):
+    argv = [sys.executable, "-m", "shared.cli", "decode", "--model", str(tiny_llama)]
+    env = {**os.environ, "PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S": value}
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"pdserve decode: error: PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S={value!r}" in p.stderr, (
+        p.stderr[-2000:]
+    )
+    assert "Traceback" not in p.stderr
