@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +137,23 @@ def block_digests(pool: np.ndarray, geometry: KVGeometry, ids: list[int]) -> lis
     return [
         hashlib.blake2b(block_bytes_of(pool, geometry, b), digest_size=16).hexdigest() for b in ids
     ]
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process group ``pid`` and return once every thread of ``pid`` is stopped
+    (``/proc``'s state ``T``): ``killpg`` only queues the signal, and a thread still running
+    on a descheduled vCPU of a loaded host could answer one more message first."""
+    os.killpg(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.001)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from kvt_helpers import Peer, block_digests, random_pool, small_geometry
+from kvt_helpers import Peer, block_digests, freeze, random_pool, small_geometry
 
 from kvtransfer import create_sender
 
@@ -155,7 +155,7 @@ def test_frozen_receiver_times_out_sender():
             {"cmd": "expect", "id": "frozen", "blocks": list(range(32)), "timeout": 30}
         )
         sender.request({"cmd": "connect", "address": receiver.address.hex()})
-        os.killpg(receiver.proc.pid, signal.SIGSTOP)
+        freeze(receiver.proc.pid)
         t = time.monotonic()
         cmd = {"cmd": "send", "id": "frozen", "address": receiver.address.hex()}
         result = sender.request(

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from kvt_helpers import Peer, block_digests, free_port, random_pool, small_geometry
+from kvt_helpers import Peer, block_digests, free_port, freeze, random_pool, small_geometry
 
 from kvtransfer import (
     ChecksumMismatchError,
@@ -381,7 +381,7 @@ def test_frozen_receiver_times_out_sender(src_pool):
     try:
         peer.request({"cmd": "expect", "id": "frozen", "blocks": list(range(32)), "timeout": 30})
         sender.connect(peer.address)
-        os.killpg(peer.proc.pid, signal.SIGSTOP)
+        freeze(peer.proc.pid)
         t = time.monotonic()
         sh = sender.open("frozen", peer.address, list(range(32)), 1.0)
         sh.send_blocks(list(range(32)), 0)
@@ -500,7 +500,7 @@ def test_a_frozen_receiver_holds_only_its_own_slots_and_window(src_pool):
         for peer, tid in ((frozen, "stuck"), (healthy, "free")):
             peer.request({"cmd": "expect", "id": tid, "blocks": blocks, "timeout": 30})
             sender.connect(peer.address)
-        os.killpg(frozen.proc.pid, signal.SIGSTOP)
+        freeze(frozen.proc.pid)
         # a deadline far past the free transfer's own: waiting for it fails that one
         stuck = sender.open("stuck", frozen.address, blocks, 30.0)
         stuck.send_blocks(blocks, 0)
