@@ -24,7 +24,9 @@ So the receiver is the only process that ever writes into its pool, and it does 
 receive it posted is outstanding: once ``recv_data``'s ``done`` has run (success, error or a
 closed link) no byte of that message can land any more, which is what lets a handle turn
 terminal (``kvtransfer/base.py``). A sender that is frozen cannot write into a receiver's pool
-late, unlike a push design; a receiver frozen past the sender's deadline and settle time could
+late, unlike a push design: a read in flight is not released until it ends (NIXL's release of a
+read in flight does not stop it on every path), so a link closing with reads from a frozen
+peer waits for them, and their transfers settle only then; a receiver frozen past the sender's deadline and settle time could
 still read source blocks the sender has since reused, which the per-block checksums catch
 (keep them on).
 
@@ -287,8 +289,9 @@ class NixlLink(Link):
                 reactor.call_soon(done, error)
             self._posted.clear()
             self._ready.clear()
-        # reads in flight end (cancelled) before the link lets go of its peer and reports
-        # closed: until then a read could still write into the pool
+        # reads in flight end (completed, failed, or cancelled before they started moving)
+        # before the link lets go of its peer and reports closed: until then a read could
+        # still write into the pool
         for finished in list(self._reading.values()):
             self._t.agent.cancel(finished)
         if self._reading:
@@ -297,7 +300,8 @@ class NixlLink(Link):
             elif time.monotonic() - self._closing_since > _TEARDOWN_S and not self._warned:
                 self._warned = True
                 logger.warning(
-                    "kvtransfer: NIXL link to %s: %d read(s) not cancelled after %.0f s",
+                    "kvtransfer: NIXL link to %s: %d read(s) still in flight %.0f s after "
+                    "the link closed (a frozen peer?); their transfers settle when they end",
                     self.peer,
                     len(self._reading),
                     _TEARDOWN_S,

@@ -228,10 +228,22 @@ class NixlAgent:
         return bool(finished)
 
     def cancel(self, callback: Callable[[BaseException | None], None]) -> bool:
-        """Cancel the in-flight read completing with ``callback``; True once it can no longer
-        write (its callback then runs with a cancellation error), False if NIXL refused."""
+        """Cancel the read completing with ``callback``; True once it can no longer write (its
+        callback then runs with a cancellation error). False while it is still in flight, or
+        if NIXL refused to release it: then it stays polled and its callback runs when it ends.
+
+        A read in flight is never released: NIXL's release returned success for one whose
+        bytes still landed afterwards (over TCP, a read from a frozen peer went on once the
+        peer ran again), after its transfer had settled and its blocks could belong to
+        another request. A read ends by itself when its peer dies (UCX fails it)."""
+        nb = self._nb
         for key, r in self._reads.items():
             if r.callback is callback:
+                try:
+                    if self.agent.getXferStatus(r.handle) == nb.NIXL_IN_PROG:
+                        return False
+                except Exception as e:  # noqa: BLE001  (NIXL raises one type per status)
+                    logger.debug("kvtransfer: NIXL status of a cancelled read: %s", e)
                 if not self._release(r.handle):
                     return False
                 del self._reads[key]

@@ -24,6 +24,8 @@ then answers each command with one JSON line:
 * NIXL senders only, on their one connection: ``{"cmd": "tamper", "mode": "address" |
   "size"}`` makes the next READY frame point outside the pool or announce one byte more;
   ``{"cmd": "garbage"}`` sends an undecodable READY frame -> ``{"event": "ok", "alive"}``
+* ``{"cmd": "nixl_reads"}`` (NIXL receivers) -> ``{"event": "reads", "outstanding"}``: NIXL
+  reads posted and not yet ended
 * ``{"cmd": "stats"}`` -> counters; ``{"cmd": "quit"}`` exits cleanly.
 """
 
@@ -198,7 +200,7 @@ def main() -> None:
     ap.add_argument("--secret", default="", help="cluster secret, hex (empty: none)")
     ap.add_argument("--hello-timeout", type=float, default=5.0)
     ap.add_argument("--kind", default="ucx", choices=("ucx", "nixl"), help="transport")
-    ap.add_argument("--settle-timeout", type=float, default=5.0, help="sender settle bound")
+    ap.add_argument("--settle-timeout", type=float, default=5.0, help="settle bound (either role)")
     ap.add_argument(
         "--corrupt", action="append", default=[], help="TRANSFER_ID:BLOCK_INDEX to corrupt (sender)"
     )
@@ -222,6 +224,7 @@ def main() -> None:
             verify_checksums=not args.no_checksums,
             secret=secret,
             hello_timeout_s=args.hello_timeout,
+            settle_timeout_s=args.settle_timeout,
         )
         emit({"event": "ready", "address": endpoint.address.hex()})
     else:
@@ -296,6 +299,10 @@ def main() -> None:
                         "digest": hashlib.blake2b(pool.tobytes(), digest_size=16).hexdigest(),
                     }
                 )
+            elif kind == "nixl_reads":
+                agent = endpoint._transport.agent
+                n = endpoint._transport.reactor.run_sync(getattr, agent, "outstanding")
+                emit({"event": "reads", "outstanding": n})
             elif kind == "stats":
                 emit(
                     {

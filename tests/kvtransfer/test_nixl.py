@@ -270,3 +270,52 @@ def test_an_undecodable_frame_closes_only_that_link(sender_peer, receiver_peer):
     assert sent["state"] == got["state"] == "done", (sent, got)
     assert got["digests"] == block_digests(random_pool(POOL_BLOCKS, g, seed=0), g, [5])
     assert sender_peer.request({"cmd": "stats"})["connections_opened"] == 2
+
+
+def test_a_frozen_senders_reads_never_land_after_the_transfer_settled(monkeypatch):
+    """Over TCP (as between hosts without RDMA) a NIXL read needs the sender's progress: with
+    the sender frozen mid-transfer the reads stay in flight. Before, the receiver's settle
+    timeout closed the link, NIXL's release of the reads returned success, the transfer
+    turned terminal, and once the sender ran again the reads' bytes still landed in the pool,
+    in blocks that could belong to another request by then. Now the transfer turns terminal
+    only once its reads ended, and nothing lands after that."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the peers inherit it
+    g = small_geometry()
+    n = 2500  # 80 MiB: long enough over TCP to freeze the sender in the middle
+    receiver = Peer("receiver", g, n, "--kind", "nixl", "--settle-timeout", "0.5")
+    sender = Peer("sender", g, n, "--kind", "nixl", "--seed", "5")
+    frozen = False
+    try:
+        sender.request({"cmd": "connect", "address": receiver.address.hex()})
+        receiver.request({"cmd": "expect", "id": "x", "blocks": list(range(n)), "timeout": 1.0})
+        cmd = {"cmd": "send", "id": "x", "address": receiver.address.hex()}
+        sender.send(
+            {**cmd, "src": list(range(n)), "dst": list(range(n)), "timeout": 60}
+            | {"finish": False, "wait": False}
+        )
+        assert sender.read(30)["event"] == "sending"
+        deadline = time.monotonic() + 20
+        while receiver.request({"cmd": "nixl_reads"})["outstanding"] == 0:
+            assert time.monotonic() < deadline, "the receiver never started reading"
+        freeze(sender.proc.pid)  # its reads in flight need its progress to go on
+        assert receiver.request({"cmd": "nixl_reads"})["outstanding"] > 0, "all read already"
+        frozen = True
+        # past the 1 s deadline and the 0.5 s settle bound: failed, or not yet settled
+        first = receiver.request({"cmd": "wait", "id": "x", "timeout": 4.0}, timeout=20)
+        if first["state"] in ("done", "failed", "cancelled"):
+            settled_digest = receiver.request({"cmd": "pool_digest"})["digest"]
+        os.killpg(sender.proc.pid, signal.SIGCONT)
+        frozen = False
+        last = receiver.request({"cmd": "wait", "id": "x", "timeout": 20.0}, timeout=40)
+        assert last["state"] == "failed", last
+        if first["state"] != "failed":
+            settled_digest = receiver.request({"cmd": "pool_digest"})["digest"]
+        time.sleep(1.0)  # the sender runs again: anything still in flight would land now
+        assert receiver.request({"cmd": "pool_digest"})["digest"] == settled_digest, (
+            "bytes landed in the pool after the transfer was terminal"
+        )
+    finally:
+        if frozen:
+            os.killpg(sender.proc.pid, signal.SIGCONT)
+        sender.close()
+        receiver.close()
