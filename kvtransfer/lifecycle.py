@@ -5,8 +5,9 @@ finalize (reactor thread only).
    error and the metrics reason) and tells the peer (each end its own way: the sender sends
    ``cancel``, the receiver ``fail``);
 2. while the transfer is ``busy`` (sends, receives or checksum jobs still read or write its
-   blocks) it waits; past ``settle_timeout_s`` the end breaks the connection, which makes the
-   transport complete every outstanding operation with an error;
+   blocks) it waits; past ``settle_timeout_s`` with sends or receives still outstanding the end
+   breaks the connection, which makes the transport complete them with errors (checksum jobs
+   alone end by themselves: it waits for them);
 3. :meth:`TransferEnd._finalize` then settles the handle: from that moment no byte of the
    transfer touches the pool (the contract the services' KV pins rely on), and the metrics,
    the live set and the id set drop it.
@@ -101,6 +102,11 @@ class TransferEnd:
         if t.handle.done or outstanding is None:
             return
         count, peer = outstanding
+        if count == 0:
+            # Only checksum jobs still read its blocks: local work that ends by itself (and
+            # settles the transfer then). Breaking the connection would not end them sooner,
+            # and would fail every other transfer on it.
+            return
         logger.warning(
             "kvtransfer: %d %s operations of transfer %r did not settle within %.1fs; "
             "closing the connection with %s",

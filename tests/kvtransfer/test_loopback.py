@@ -998,3 +998,57 @@ def test_a_peer_not_yet_authenticated_cannot_send_large_control_frames(geometry)
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_slow_checksum_past_the_settle_bound_does_not_break_the_connection(monkeypatch):
+    """A cancelled transfer whose only outstanding work is a checksum job (a local
+    computation that ends by itself) waits for it. Before, the settle timeout "broke the peer"
+    with 0 operations outstanding, which failed every other transfer on that connection."""
+    from kvtransfer import pool as poolmod
+
+    real = poolmod.PoolView.checksums
+    slow, hashing, release = threading.Event(), threading.Event(), threading.Event()
+
+    def checksums(self, region):
+        if slow.is_set():
+            hashing.set()
+            release.wait(10)
+        return real(self, region)
+
+    monkeypatch.setattr(poolmod.PoolView, "checksums", checksums)
+    g = small_geometry()
+    net = LoopbackNetwork()
+    src = random_pool(64, g, 1)
+    dst = np.zeros(64 * g.block_bytes, np.uint8)
+    receiver = create_receiver("loopback", dst, g, network=net)
+    sender = create_sender(
+        "loopback", src, g, network=net, settle_timeout_s=0.2, inline_checksum_bytes=0
+    )
+    try:
+        rb = receiver.expect("B", list(range(32, 40)), 20)
+        sb = sender.open("B", receiver.address, list(range(32, 40)), 20)
+        sb.send_blocks(list(range(4)), 0)  # B runs on the same connection, unfinished
+        deadline = time.monotonic() + 10
+        while rb.blocks_done < 4:
+            assert time.monotonic() < deadline, rb
+            time.sleep(0.005)
+        receiver.expect("A", list(range(8)), 20)
+        sa = sender.open("A", receiver.address, list(range(8)), 20)
+        slow.set()
+        sa.send_blocks(list(range(8, 16)), 0)
+        sa.finish()
+        assert hashing.wait(10)  # A's checksum job runs (and holds its blocks)
+        slow.clear()
+        sa.cancel()
+        time.sleep(0.6)  # three settle bounds: the timer fired while the job still ran
+        assert not sa.done and not sb.done, (sa, sb.error)
+        release.set()
+        assert sa.wait(10) is TransferState.CANCELLED
+        sb.send_blocks(list(range(4, 8)), 4)
+        sb.finish()
+        assert sb.wait(10) is TransferState.DONE, sb.error
+        assert rb.wait(10) is TransferState.DONE, rb.error
+    finally:
+        release.set()
+        sender.close()
+        receiver.close()
