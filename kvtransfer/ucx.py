@@ -506,6 +506,7 @@ class UcxTransport(Transport):
             self.worker.progress()
         if self.worker.outstanding:
             self.worker.worker.cancel_inflight_requests(period=10**8, max_attempts=5)
+            self.worker._dirty = True  # completed inside the call: look for them
             end = time.monotonic() + 0.5
             while self.worker.outstanding and time.monotonic() < end:
                 self.worker.progress()
