@@ -47,7 +47,6 @@ from shared.worker.service import (
     serve_worker,
     unpin_when_terminal,
     wait_transfer,
-    within,
     worker_stats,
 )
 from shared.worker.wire import (
@@ -82,6 +81,8 @@ class _Flight:
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
     aborting: bool = False  # set first thing when the flight ends without finishing
+    # set when the engine is declared hung: ends a wait for admission behind the stuck step
+    hang: asyncio.Event = field(default_factory=asyncio.Event)
     done_before: frozenset[int] = frozenset()  # samples that finished on an earlier worker
     path: str = "local"
     remote_task: asyncio.Task | None = None
@@ -162,6 +163,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             flight.queue.put_nowait(
                 EngineCoreOutput(flight.engine_id, 0, [], [], "error", failure=failure)
             )
+            flight.hang.set()  # those still waiting for admission: their add is queued behind
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -174,6 +176,12 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if rt.hung:  # it would wait behind the stuck step: the router resumes it elsewhere
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                _HUNG_MESSAGE.format(rt.worker_id),
+                failure_metadata(FAILURE_ENGINE),
+            )
         try:
             check_text(rid, "request_id", MAX_ID_CHARS, required=True)
             check_text(request.cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
@@ -235,10 +243,24 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                         arrival_time=flight.arrival,
                     )
 
+                if rt.hung:  # declared while the call was validated
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        _HUNG_MESSAGE.format(rt.worker_id),
+                        failure_metadata(FAILURE_ENGINE),
+                    )
                 added = rt.loop.submit(add)
                 admitted = asyncio.wrap_future(added)
-                if not await within(admitted, deadline):  # a long engine turn: bounded too
+                # a long engine turn: bounded by the deadline, and by a hang's declaration
+                ended = await _admission(admitted, flight.hang, deadline)
+                if ended is not None:
                     added.cancel()  # not run yet: never runs (else the abort below ends it)
+                    if ended == "hung":
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            _HUNG_MESSAGE.format(rt.worker_id),
+                            failure_metadata(FAILURE_ENGINE),
+                        )
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"request {rid} exceeded its deadline of {request.deadline_s}s "
@@ -791,6 +813,32 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             transfer=self.receiver.stats,
             remote_prefills_noted=self.remote_prefills_noted,
         )
+
+
+_HUNG_MESSAGE = "the engine of worker {} is hung (no progress for --engine-hang-timeout)"
+
+
+async def _admission(
+    admitted: asyncio.Future, hang: asyncio.Event, deadline: float | None
+) -> str | None:
+    """Wait for a request's add command until ``deadline`` or a hang's declaration: None once
+    it ran (``admitted`` is then done), else ``"deadline"`` or ``"hung"`` (``admitted`` is left
+    as it is: its outcome, whenever it comes, is read and dropped)."""
+    if admitted.done():
+        return None
+    hung = asyncio.ensure_future(hang.wait())
+    try:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        await asyncio.wait({admitted, hung}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        admitted.cancel()  # as ``await admitted`` would
+        raise
+    finally:
+        hung.cancel()
+    if admitted.done():
+        return None
+    admitted.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return "hung" if hang.is_set() else "deadline"
 
 
 def _deliver(loop, outs: list[EngineCoreOutput]) -> int:
