@@ -21,10 +21,11 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 from shared.config import env_float, env_int
+from shared.daemon_pool import DaemonPool
 from shared.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -58,18 +59,20 @@ def check_environment() -> None:
     grammar_compile_timeout_s()
 
 
-_executor: ThreadPoolExecutor | None = None
+_executor: DaemonPool | None = None
 _executor_lock = threading.Lock()
 
 
-def compile_executor() -> ThreadPoolExecutor:
+def compile_executor() -> DaemonPool:
     """The threads grammars compile on: half the CPUs (vLLM's choice), apart from asyncio's
-    default executor, which a worker's drain and shutdown also need."""
+    default executor, which a worker's drain and shutdown also need. Daemon threads: a compile
+    that outlived its request's wait cannot be interrupted, and must not keep a worker that
+    should exit (its engine died, SIGTERM) alive until it ends."""
     global _executor
     with _executor_lock:
         if _executor is None:
             workers = max(1, ((os.cpu_count() or 2) + 1) // 2)
-            _executor = ThreadPoolExecutor(workers, thread_name_prefix="pdserve-grammar")
+            _executor = DaemonPool(workers, "pdserve-grammar")
         return _executor
 
 

@@ -62,6 +62,7 @@ def test_a_compile_past_the_bound_is_refused_and_others_are_served(runtime, monk
 
     def slow_compile(params):
         threads.append(threading.current_thread().name)
+        assert threading.current_thread().daemon  # never holds up the worker's exit
         compiling.set()
         compile_over.wait(STALL_S)
         compile_ended.set()
