@@ -73,6 +73,14 @@ class RequestTooLargeError(RouterError):
     code = "request_too_large"
 
 
+class RequestTimeoutError(RouterError):
+    """The client stopped sending its request body (408)."""
+
+    status = HTTPStatus.REQUEST_TIMEOUT
+    err_type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class OverloadedError(RouterError):
     """Admission refused: too many requests in flight here or queued on the workers (429)."""
 

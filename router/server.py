@@ -42,6 +42,7 @@ from router.errors import (
     AuthenticationError,
     InvalidRequestError,
     NotFoundError,
+    RequestTimeoutError,
     RequestTooLargeError,
     RouterError,
 )
@@ -101,12 +102,26 @@ def load_model_files(
     return tok, model_cfg, defaults
 
 
-class _BodyLimit:
-    """ASGI middleware: 413 for bodies over ``max_bytes`` (declared or streamed)."""
+#: The longest a client may pause while sending its request body (nginx's
+#: ``client_body_timeout``); past it the request ends 408. uvicorn has no such bound: a client
+#: that sent its headers and part of a body held the request's task and connection for ever.
+BODY_IDLE_TIMEOUT_S = 60.0
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class _BodyStalled(Exception):
+    """The client sent nothing of its request body for ``BODY_IDLE_TIMEOUT_S``."""
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for bodies over ``max_bytes`` (declared or streamed), 408 for a
+    body whose next part does not come within ``idle_timeout_s``."""
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.idle_timeout_s = idle_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -114,13 +129,38 @@ class _BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._reject(scope, send)
+        stalled = False
+        bounded = self._bounded(receive)
+
+        async def body_receive() -> Message:
+            nonlocal stalled
+            try:
+                return await bounded()
+            except _BodyStalled:
+                stalled = True
+                raise
+
+        async def guarded_send(message: Message) -> None:
+            if not stalled:  # else the app's answer to the stall (FastAPI: a 400): ours goes
+                await send(message)
+
         if declared is not None:
-            return await self.app(scope, receive, send)
+            try:
+                await self.app(scope, body_receive, guarded_send)
+            except Exception:
+                if not stalled:
+                    raise
+            if stalled:
+                await self._stalled(scope, send)
+            return None
         body: list[Message] = []
         more = True  # chunked: buffer up to the limit, then replay
         size = 0
         while more:
-            message = await receive()
+            try:
+                message = await bounded()
+            except _BodyStalled:
+                return await self._stalled(scope, send)
             if message["type"] != "http.request":
                 return await self.app(scope, _replay([message]), send)
             size += len(message.get("body", b""))
@@ -129,6 +169,34 @@ class _BodyLimit:
             body.append(message)
             more = message.get("more_body", False)
         return await self.app(scope, _replay(body, receive), send)
+
+    def _bounded(self, receive: Receive) -> Receive:
+        """``receive`` whose waits for the body's next part are bounded; once the body is
+        complete (or the client left) it waits as long as the app likes (a stream's
+        disconnect watch)."""
+        complete = False
+
+        async def bounded() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            except TimeoutError:
+                raise _BodyStalled from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        return bounded
+
+    async def _stalled(self, scope: Scope, send: Send) -> None:
+        err = RequestTimeoutError(
+            f"the request body stalled: nothing arrived for {self.idle_timeout_s:g} s"
+        )
+        headers = {"Connection": "close"}  # what is left of the body would read as a request
+        response = JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+        await response(scope, _replay([]), send)
 
     async def _reject(self, scope: Scope, send: Send) -> None:
         err = RequestTooLargeError(f"request body exceeds {self.max_bytes} bytes")
@@ -296,7 +364,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.metrics = metrics
     app.state.live = live
     _install_error_handlers(app, metrics)
-    app.add_middleware(_BodyLimit, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(
+        _BodyLimit, max_bytes=config.max_request_body_bytes, idle_timeout_s=BODY_IDLE_TIMEOUT_S
+    )
     if config.api_key:  # outermost: unauthenticated bodies are not even read
         open_paths = _OPEN_PATHS + (("/metrics",) if config.disable_metrics_auth else ())
         app.add_middleware(
