@@ -44,6 +44,7 @@ from router.sampling import (
 from router.serving import ChunkFrame, serve, stream_steps, truncate_prompt, warn_unknown_fields
 from router.sse import json_str
 from router.tool_calls import NO_TOOLS, ToolPlan, ToolStream, parse_all, plan_tools
+from shared.daemon_pool import DaemonPool
 
 # a part's text by its type: a refusal part (an earlier assistant answer's, as OpenAI returns
 # it) is text for the template, as vLLM's chat_utils parses it
@@ -141,9 +142,10 @@ async def render_chat_prompt(
         # flattening and rendering are Python (Jinja), per message: off the loop for long
         # conversations (the GIL still gives the loop its turns between bytecodes), and for
         # a request's own template, whose cost nobody here knows
-        if (
-            template is not None
-            or len(messages) > 64
+        if template is not None:  # a request's own: its time is bounded, its thread a daemon
+            text = await _render_request_template(render)
+        elif (
+            len(messages) > 64
             or sum(len(m.content) if isinstance(m.content, str) else 64 for m in messages) > 8192
         ):
             text = await asyncio.to_thread(render)
@@ -153,6 +155,29 @@ async def render_chat_prompt(
         param = "chat_template" if template is not None else "messages"
         raise InvalidRequestError(str(e), param=param) from e
     return await ctx.encode(text, add_special_tokens)
+
+
+#: The longest a request's own chat template may render (``--trust-request-chat-template``):
+#: Jinja's sandbox bounds what a template may touch, not how long it loops.
+REQUEST_TEMPLATE_TIMEOUT_S = 10.0
+_template_pool: DaemonPool | None = None
+
+
+async def _render_request_template(render: Callable[[], str]) -> str:
+    """``render()`` on a daemon thread, for at most ``REQUEST_TEMPLATE_TIMEOUT_S``: a render
+    cannot be interrupted, and one that never ends must hold neither a thread asyncio's
+    default executor needs (tokenizing, building responses) nor the router's exit."""
+    global _template_pool
+    if _template_pool is None:
+        _template_pool = DaemonPool(2, "pdserve-template")
+    fut = asyncio.get_running_loop().run_in_executor(_template_pool, render)
+    try:
+        return await asyncio.wait_for(fut, REQUEST_TEMPLATE_TIMEOUT_S)
+    except TimeoutError:
+        raise InvalidRequestError(
+            f"chat_template did not render within {REQUEST_TEMPLATE_TIMEOUT_S:g} s",
+            param="chat_template",
+        ) from None
 
 
 def request_chat_template(

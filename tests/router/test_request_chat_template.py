@@ -117,3 +117,25 @@ def test_a_bad_request_template_is_a_400(trusting, template, contains):
         param="chat_template_kwargs",
     )
     assert chat(trusting).status_code == 200
+
+
+def test_a_template_that_renders_too_long_is_a_400_on_a_daemon_thread(trusting, monkeypatch):
+    """Jinja's sandbox bounds what a template touches, not how long it loops: a request's
+    template is cut off after ``REQUEST_TEMPLATE_TIMEOUT_S`` (a 400 naming it), its render goes
+    on in a daemon thread (neither asyncio's default executor nor the router's exit waits for
+    it). Before, the request waited for the render however long it took."""
+    import time
+
+    from router import serving_chat
+
+    monkeypatch.setattr(serving_chat, "REQUEST_TEMPLATE_TIMEOUT_S", 0.3)
+    slow = "{% for i in range(6000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x"
+    r = chat(trusting, chat_template=slow)  # renders in ~2 s here: a 200 without the bound
+    assert_error(r, 400, param="chat_template", contains="did not render within 0.3 s")
+    pool = serving_chat._template_pool
+    assert pool is not None and all(t.daemon for t in pool._threads)
+    assert chat(trusting).status_code == 200  # the router serves meanwhile
+    deadline = time.monotonic() + 60  # let the render end: it would slow the tests after
+    while pool._idle < len(pool._threads):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
