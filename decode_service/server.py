@@ -196,9 +196,10 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             rt.engine.validate_prompt(request.prompt_token_ids, params)
             # compiled here, not on the engine thread (past the deadline or the compile bound
             # a running compile goes on in its thread, for nobody)
-            if params.structured_outputs is not None and not await compile_grammar(
-                rt.engine, params, deadline
-            ):
+            grammar = None
+            if params.structured_outputs is not None:
+                grammar = await compile_grammar(rt.engine, params, deadline)
+            if params.structured_outputs is not None and grammar is None:
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"request {rid} exceeded its deadline of {request.deadline_s}s "
@@ -241,6 +242,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                         resume=resume,
                         resume_finished=resume_finished,
                         arrival_time=flight.arrival,
+                        grammar=grammar,
                     )
 
                 if rt.hung:  # declared while the call was validated

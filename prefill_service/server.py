@@ -137,8 +137,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     f"destination blocks, got {len(dst)}",
                     "dst_block_ids",
                 )
+            grammar = None
             if params.structured_outputs is not None:  # compiled here, not on the engine thread
-                await compile_grammar(rt.engine, params)
+                grammar = await compile_grammar(rt.engine, params)
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         first_token_only(params)
@@ -218,6 +219,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         cache_salt=request.cache_salt or None,
                         kv_transfer=RemoteDecodeParams(first),
                         arrival_time=arrival,
+                        grammar=grammar,
                     )
 
                 if rt.hung:  # declared while the call was validated

@@ -400,6 +400,7 @@ class EngineCore:
         resume: Sequence[Sequence[int]] | None = None,
         resume_finished: Collection[int] = (),
         arrival_time: float | None = None,
+        grammar: object | None = None,
     ) -> None:
         """Validate and queue a request (``params.n`` sequences).
 
@@ -410,7 +411,10 @@ class EngineCore:
         ``resume``: failover; per sample, output tokens already produced elsewhere (continue
         after them); the samples in ``resume_finished`` already ended there and are not
         continued (no output comes for them). Raises ``InvalidRequestError`` (nothing queued)
-        on bad input.
+        on bad input. ``grammar``: ``params.structured_outputs`` compiled by
+        :meth:`compile_grammar` off the engine thread (else it is compiled here, on the engine
+        thread: an LRU eviction between the two would otherwise stall every step for a
+        compile).
         """
         mc = self.model_config
         if not isinstance(request_id, str) or not request_id:
@@ -420,8 +424,9 @@ class EngineCore:
                 f"request id {request_id!r} is already in flight", "request_id"
             )
         prompt, params = self._checked(prompt_token_ids, params)
-        grammar = None
-        if params.structured_outputs is not None:
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
             grammar = self.compile_grammar(params)
         room = mc.max_model_len - len(prompt)
         if params.max_tokens is None or params.max_tokens > room:

@@ -623,10 +623,13 @@ async def within(fut: asyncio.Future, deadline: float | None) -> bool:
     return bool(done)
 
 
-async def compile_grammar(engine: EngineCore, params, deadline: float | None = None) -> bool:
-    """Compile ``params``' grammar off the event loop, on the grammar threads. True once
-    compiled (then the engine thread finds it in the cache); False when the request's
-    ``deadline`` (``time.monotonic()``) passed first. ``InvalidRequestError`` when it does not
+async def compile_grammar(
+    engine: EngineCore, params, deadline: float | None = None
+) -> object | None:
+    """Compile ``params``' grammar off the event loop, on the grammar threads: the compiled
+    grammar, for ``add_request(grammar=...)`` (so the engine thread never compiles, even if
+    the LRU evicted it meanwhile); None when the request's ``deadline``
+    (``time.monotonic()``) passed first. ``InvalidRequestError`` when it does not
     compile, or not within ``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S`` (a schema too complex to
     serve: the worker's wait is bounded, and a compile not yet started is dropped)."""
     from shared.engine.structured_output import compile_executor, grammar_compile_timeout_s
@@ -638,8 +641,7 @@ async def compile_grammar(engine: EngineCore, params, deadline: float | None = N
     )
     ends = [t for t in (deadline, limit) if t is not None]
     if await within(fut, min(ends) if ends else None):
-        fut.result()
-        return True
+        return fut.result()
     fut.cancel()  # a compile still queued never starts; one running ends on its thread
     if limit is not None and (deadline is None or limit < deadline):
         raise InvalidRequestError(
@@ -647,7 +649,7 @@ async def compile_grammar(engine: EngineCore, params, deadline: float | None = N
             "(PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S): the schema or grammar is too complex",
             "structured_outputs",
         )
-    return False
+    return None
 
 
 CANCEL_SETTLE_S = 10.0  # how long a cancelled transfer may take to become terminal

@@ -108,3 +108,34 @@ def test_a_bad_compile_bound_says_why_at_start_and_exits_2(tiny_llama, value):
         p.stderr[-2000:]
     )
     assert "Traceback" not in p.stderr
+
+
+def test_the_engine_thread_never_compiles_a_grammar(runtime):
+    """The compiled grammar travels with the request into ``add_request``. Before, the engine
+    thread looked it up in the LRU again, and compiled it itself (every step waiting) when
+    256 other grammars had evicted it between the two."""
+    rt = runtime
+    real = rt.engine.compile_grammar
+    where: list[str] = []
+
+    def recording(params):
+        where.append(threading.current_thread().name)
+        return real(params)
+
+    rt.engine.compile_grammar = recording  # type: ignore[method-assign]
+
+    async def scenario():
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
+        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        try:
+            req = _request("g", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
+            chunks, status = await asyncio.wait_for(_collect(servicer, req), 60)
+            assert status == "OK", status
+            assert sum(len(o.token_ids) for c in chunks for o in c.outputs) == 4
+        finally:
+            receiver.close()
+
+    asyncio.run(scenario())
+    assert where and all(name.startswith("pdserve-grammar") for name in where), where
