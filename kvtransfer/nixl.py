@@ -306,7 +306,10 @@ class NixlLink(Link):
                     len(self._reading),
                     _TEARDOWN_S,
                 )
-            self._t.reactor.call_later(0.001, self._shutdown, error)
+            # every ms at first; a peer frozen for long is polled every 50 ms (the agent's own
+            # progress polls its reads meanwhile)
+            waited = time.monotonic() - self._closing_since
+            self._t.reactor.call_later(0.001 if waited < 1.0 else 0.05, self._shutdown, error)
             return
         if self._remote is not None:
             self._t.detach(self._remote)
