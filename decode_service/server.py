@@ -639,10 +639,16 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             await asyncio.gather(*self._closing, return_exceptions=True)
 
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
-        entry = self.channels.get(address)
+        entry = self.channels.pop(address, None)
         if entry is None:
             channel = self.rt.security.aio_channel(address, CLIENT_GRPC_OPTIONS)
-            entry = self.channels[address] = (channel, pb_grpc.PrefillWorkerStub(channel))
+            entry = (channel, pb_grpc.PrefillWorkerStub(channel))
+            # the least recently used beyond the bound go (closed once their calls end):
+            # prefill workers that left after a call that did not fail as unreachable (a
+            # restart on a new port, a pod replaced) were kept for the worker's lifetime
+            for old in list(self.channels)[: max(0, len(self.channels) + 1 - MAX_CHANNELS)]:
+                self._drop_channel(old)
+        self.channels[address] = entry  # (re)inserted last: the dict's order is recency
         return entry[1]
 
     async def _remote_prefill(
@@ -817,6 +823,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         )
 
 
+MAX_CHANNELS = 64  # cached channels to prefill workers (least recently used dropped first)
 _HUNG_MESSAGE = "the engine of worker {} is hung (no progress for --engine-hang-timeout)"
 
 

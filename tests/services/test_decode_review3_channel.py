@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def runtime(tiny_llama, monkeypatch):
-    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET")
     rt = standalone_runtime(tiny_llama, "decode")
     rt.security = ClusterSecurity.from_environ({})
     rt.loop.start()
@@ -159,6 +159,45 @@ def test_a_prefill_call_cancelled_under_the_request_falls_back_locally(runtime):
             assert servicer.fallbacks == 1
             assert await _engine_idle(rt) == (0, 0, 0)
         finally:
+            receiver.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_channel_cache_is_bounded_least_recently_used_first(runtime, monkeypatch):
+    """Found by review: a channel left the cache only when a call on it failed as unreachable,
+    so prefill workers that went away after an ordinary answer (restarted on a new port, a
+    replaced pod) kept theirs for the decode worker's lifetime (300 addresses: 296 channels).
+    Now at most ``MAX_CHANNELS``, the least recently used dropped first (closed once their
+    calls end), and a used one is kept."""
+    import decode_service.server as server
+
+    monkeypatch.setattr(server, "MAX_CHANNELS", 8)
+
+    async def scenario():
+        receiver = create_receiver(
+            "loopback",
+            runtime.engine.runner.kv_cache,
+            runtime.kv_geometry(),
+            network=LoopbackNetwork(),
+        )
+        servicer = DecodeServicer(runtime, receiver, prefill_timeout_s=5.0)
+        try:
+            first = "127.0.0.1:1"
+            stub = servicer._stub(first)
+            for port in range(2, 40):
+                servicer._stub(f"127.0.0.1:{port}")
+                assert servicer._stub(first) is stub  # used all along: never dropped
+            assert len(servicer.channels) == 8
+            assert list(servicer.channels)[-1] == first
+            assert set(servicer.channels) == {first} | {f"127.0.0.1:{p}" for p in range(33, 40)}
+            for _ in range(50):  # the dropped ones close (no call was on them)
+                if not servicer._closing:
+                    break
+                await asyncio.sleep(0.02)
+            assert not servicer._closing and not servicer._dropped_channels
+        finally:
+            await servicer.close_channels()
             receiver.close()
 
     asyncio.run(scenario())
