@@ -207,6 +207,8 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                 )
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:  # the grammar threads' queue
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         if rid in self.flights:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already in flight"

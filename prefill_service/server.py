@@ -142,6 +142,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 grammar = await compile_grammar(rt.engine, params)
         except (WireError, SamplingParamsError, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:  # the grammar threads' queue
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         first_token_only(params)
         try:
             handle = self.sender.open(

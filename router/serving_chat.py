@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from router.body import lone_surrogate
 from router.chat_template import ChatTemplateError
 from router.context import ServingContext
-from router.errors import InvalidRequestError
+from router.errors import InvalidRequestError, OverloadedError
 from router.generation import Generation
 from router.logprobs import chat_logprobs, vllm_prompt_logprobs
 from router.output import OutputParams, SampleDelta, TokenEntry
@@ -44,7 +44,7 @@ from router.sampling import (
 from router.serving import ChunkFrame, serve, stream_steps, truncate_prompt, warn_unknown_fields
 from router.sse import json_str
 from router.tool_calls import NO_TOOLS, ToolPlan, ToolStream, parse_all, plan_tools
-from shared.daemon_pool import DaemonPool
+from shared.daemon_pool import DaemonPool, PoolBusyError
 
 # a part's text by its type: a refusal part (an earlier assistant answer's, as OpenAI returns
 # it) is text for the template, as vLLM's chat_utils parses it
@@ -169,8 +169,11 @@ async def _render_request_template(render: Callable[[], str]) -> str:
     default executor needs (tokenizing, building responses) nor the router's exit."""
     global _template_pool
     if _template_pool is None:
-        _template_pool = DaemonPool(2, "pdserve-template")
-    fut = asyncio.get_running_loop().run_in_executor(_template_pool, render)
+        _template_pool = DaemonPool(2, "pdserve-template", max_queued=8)
+    try:
+        fut = asyncio.get_running_loop().run_in_executor(_template_pool, render)
+    except PoolBusyError as e:  # both threads stuck in long renders, 8 more waiting
+        raise OverloadedError(f"request chat templates at capacity ({e})") from None
     try:
         return await asyncio.wait_for(fut, REQUEST_TEMPLATE_TIMEOUT_S)
     except TimeoutError:

@@ -631,14 +631,20 @@ async def compile_grammar(
     the LRU evicted it meanwhile); None when the request's ``deadline``
     (``time.monotonic()``) passed first. ``InvalidRequestError`` when it does not
     compile, or not within ``PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S`` (a schema too complex to
-    serve: the worker's wait is bounded, and a compile not yet started is dropped)."""
+    serve: the worker's wait is bounded, and a compile not yet started is dropped).
+    ``QueueFullError`` (busy, RESOURCE_EXHAUSTED) when every grammar thread is taken and
+    enough compiles already wait."""
+    from shared.daemon_pool import PoolBusyError
     from shared.engine.structured_output import compile_executor, grammar_compile_timeout_s
 
     bound = grammar_compile_timeout_s()
     limit = time.monotonic() + bound if bound > 0 else None
-    fut = asyncio.get_running_loop().run_in_executor(
-        compile_executor(), engine.compile_grammar, params
-    )
+    try:
+        fut = asyncio.get_running_loop().run_in_executor(
+            compile_executor(), engine.compile_grammar, params
+        )
+    except PoolBusyError as e:  # every grammar thread stuck in a long compile: busy, not bad
+        raise QueueFullError(f"grammar compiles at capacity ({e})") from None
     ends = [t for t in (deadline, limit) if t is not None]
     if await within(fut, min(ends) if ends else None):
         return fut.result()

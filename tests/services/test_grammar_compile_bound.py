@@ -139,3 +139,53 @@ def test_the_engine_thread_never_compiles_a_grammar(runtime):
 
     asyncio.run(scenario())
     assert where and all(name.startswith("pdserve-grammar") for name in where), where
+
+
+def test_compiles_past_the_queue_bound_are_refused_as_busy(runtime, monkeypatch):
+    """Found by review: while every grammar thread was stuck in a long compile, each refused
+    request left its compile queued, payload and all (2,000 requests: 45 MB). Past the queue's
+    bound a compile is refused at once, RESOURCE_EXHAUSTED (the router tries another worker,
+    then answers 429); the ones queued before it are served once a thread frees up."""
+    from shared.daemon_pool import DaemonPool
+    from shared.engine import structured_output
+
+    rt = runtime
+    monkeypatch.setattr(structured_output, "_executor", DaemonPool(1, "g", max_queued=1))
+    real = rt.engine.compile_grammar
+    started, gate = threading.Event(), threading.Event()
+
+    def gated(params):
+        started.set()
+        gate.wait(30)
+        return real(params)
+
+    rt.engine.compile_grammar = gated  # type: ignore[method-assign]
+
+    async def scenario():
+        receiver = create_receiver(
+            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+        )
+        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        so = pb.StructuredOutputs(regex="[ab]+")
+        try:
+            running = asyncio.ensure_future(
+                _collect(servicer, _request("a", structured_outputs=so))
+            )
+            assert await asyncio.to_thread(started.wait, 10)
+            queued = asyncio.ensure_future(_collect(servicer, _request("b", structured_outputs=so)))
+            while structured_output._executor.queued < 1:  # its compile waits behind "a"
+                await asyncio.sleep(0.001)
+            refused = await asyncio.wait_for(
+                _collect(servicer, _request("c", structured_outputs=so)), 10
+            )
+            assert refused[1][0] == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+            assert "grammar compiles at capacity" in refused[1][1]
+            gate.set()
+            for fut in (running, queued):
+                _chunks, status = await asyncio.wait_for(fut, 30)
+                assert status == "OK", status
+        finally:
+            gate.set()
+            receiver.close()
+
+    asyncio.run(scenario())

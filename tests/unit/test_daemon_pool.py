@@ -81,3 +81,27 @@ def test_a_job_that_never_ends_does_not_hold_up_the_exit():
     )
     assert out.stdout.strip() == "bye"
     assert time.monotonic() - t0 < 20
+
+
+def test_a_full_queue_refuses_at_once_and_cancelled_jobs_free_their_places():
+    """Found by review: while every thread was stuck (a template that loops for hours), each
+    refused request left its job, and its payload, queued (2,000 requests: 25 MB)."""
+    from shared.daemon_pool import PoolBusyError
+
+    pool = DaemonPool(1, "t", max_queued=2)
+    gate = threading.Event()
+    stuck = pool.submit(gate.wait, 30)
+    deadline = time.monotonic() + 10
+    while not stuck.running():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    waiting = [pool.submit(lambda: 1), pool.submit(lambda: 2)]
+    with pytest.raises(PoolBusyError):
+        pool.submit(lambda: 3)
+    for f in waiting:
+        assert f.cancel()  # their callers gave up
+    again = [pool.submit(lambda: 4), pool.submit(lambda: 5)]
+    assert pool.queued == 2  # the cancelled ones were dropped, not counted
+    gate.set()
+    assert [f.result(10) for f in again] == [4, 5]
+    pool.shutdown()
