@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # keepalive (a frozen worker fails its streams within seconds) and short reconnect backoff
 _CHANNEL_OPTIONS = CLIENT_OPTIONS
+#: How long the pool keeps the state of a worker id the registry stopped listing.
+FORGET_AFTER_S = 600.0
 
 
 class WorkerPool:
@@ -92,6 +94,9 @@ class WorkerPool:
         self._stubs: dict[str, _MemberStub] = {}
         self._muxes: dict[str, MuxClient] = {}
         self._wrong_model: set[str] = set()
+        # worker ids no longer registered -> since when: their state above is forgotten after
+        # FORGET_AFTER_S with nothing in flight (workers restarted under new ids, replaced pods)
+        self._gone_since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self.last_refresh_ok: float | None = None
         self.last_error: str | None = None
@@ -152,7 +157,9 @@ class WorkerPool:
             return
         records: list[WorkerRecord] = []
         previous = [r for r in self._records.values() if r.generation]  # registry-backed only
+        listed: set[str] = set()  # every id the registry lists, serving this model or not
         for r in registry if registry is not None else previous:
+            listed.add(r.worker_id)
             if r.info.model != self.model:
                 if r.worker_id not in self._wrong_model:
                     self._wrong_model.add(r.worker_id)
@@ -200,6 +207,7 @@ class WorkerPool:
             self._left_at_refresh[r.worker_id] = self._left.get(r.worker_id, 0)
         self._records = {r.worker_id: r for r in records}
         if registry is not None or self.reader is None:
+            self._forget_departed(listed | set(self._records))
             self.last_refresh_ok = time.monotonic()
             if self.last_error is not None and registry is not None:
                 logger.info("worker registry reachable again")
@@ -257,6 +265,43 @@ class WorkerPool:
         return WorkerRecord(
             info, WorkerLoad(stats.free_blocks, stats.running, stats.waiting), "", 0
         )
+
+    def _forget_departed(self, present: set[str]) -> None:
+        """Drop the per-worker state of ids the registry stopped listing, once they have
+        been gone ``FORGET_AFTER_S`` with nothing in flight (a worker that comes back sooner
+        keeps its restart count and cooldown). Before, every id that ever served stayed in
+        seven tables for the router's lifetime: with ids per process (the default) or per
+        pod, a long-lived router's tables grew with every restart."""
+        now = time.monotonic()
+        for wid in present:
+            self._gone_since.pop(wid, None)
+        known = (
+            set(self._restarts)
+            | set(self._cooldown)
+            | set(self._inflight)
+            | set(self._left)
+            | set(self._left_at_refresh)
+            | self._wrong_model
+        )
+        for wid in known - present:
+            since = self._gone_since.setdefault(wid, now)
+            if now - since < FORGET_AFTER_S or self._inflight.get(wid):
+                continue
+            for table in (
+                self._restarts,
+                self._cooldown,
+                self._cooldown_gen,
+                self._inflight,
+                self._left,
+                self._left_at_refresh,
+                self._left_before_report,
+            ):
+                table.pop(wid, None)
+            self._wrong_model.discard(wid)
+            del self._gone_since[wid]
+        for a in [a for a, n in self._inflight_by_address.items() if not n]:
+            if a not in self._channels:
+                del self._inflight_by_address[a]
 
     async def _close_unused_channels(self) -> None:
         wanted = {r.info.grpc for r in self._records.values()}
