@@ -38,7 +38,9 @@ from shared.worker.service import (
     CLIENT_GRPC_OPTIONS,
     QueueFullError,
     WorkerRuntime,
+    abort_hung,
     add_worker_cli_args,
+    admission,
     cancel_transfer,
     compile_grammar,
     failure_metadata,
@@ -177,11 +179,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if rt.hung:  # it would wait behind the stuck step: the router resumes it elsewhere
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                _HUNG_MESSAGE.format(rt.worker_id),
-                failure_metadata(FAILURE_ENGINE),
-            )
+            await abort_hung(context, rt)
         try:
             check_text(rid, "request_id", MAX_ID_CHARS, required=True)
             check_text(request.cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
@@ -248,29 +246,19 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
                     )
 
                 if rt.hung:  # declared while the call was validated
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        _HUNG_MESSAGE.format(rt.worker_id),
-                        failure_metadata(FAILURE_ENGINE),
-                    )
+                    await abort_hung(context, rt)
                 added = rt.loop.submit(add)
-                admitted = asyncio.wrap_future(added)
                 # a long engine turn: bounded by the deadline, and by a hang's declaration
-                ended = await _admission(admitted, flight.hang, deadline)
-                if ended is not None:
-                    added.cancel()  # not run yet: never runs (else the abort below ends it)
-                    if ended == "hung":
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            _HUNG_MESSAGE.format(rt.worker_id),
-                            failure_metadata(FAILURE_ENGINE),
-                        )
+                # (an add not run yet never runs; one running is ended by the abort below)
+                ended = await admission(added, flight.hang, deadline)
+                if ended == "hung":
+                    await abort_hung(context, rt)
+                if ended == "deadline":
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"request {rid} exceeded its deadline of {request.deadline_s}s "
                         "waiting for admission",
                     )
-                admitted.result()
             except QueueFullError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except DuplicateRequestError as e:
@@ -826,30 +814,6 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
 
 
 MAX_CHANNELS = 64  # cached channels to prefill workers (least recently used dropped first)
-_HUNG_MESSAGE = "the engine of worker {} is hung (no progress for --engine-hang-timeout)"
-
-
-async def _admission(
-    admitted: asyncio.Future, hang: asyncio.Event, deadline: float | None
-) -> str | None:
-    """Wait for a request's add command until ``deadline`` or a hang's declaration: None once
-    it ran (``admitted`` is then done), else ``"deadline"`` or ``"hung"`` (``admitted`` is left
-    as it is: its outcome, whenever it comes, is read and dropped)."""
-    if admitted.done():
-        return None
-    hung = asyncio.ensure_future(hang.wait())
-    try:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        await asyncio.wait({admitted, hung}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        admitted.cancel()  # as ``await admitted`` would
-        raise
-    finally:
-        hung.cancel()
-    if admitted.done():
-        return None
-    admitted.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return "hung" if hang.is_set() else "deadline"
 
 
 def _deliver(loop, outs: list[EngineCoreOutput]) -> int:

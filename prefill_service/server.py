@@ -30,7 +30,9 @@ from shared.worker.engine_loop import EngineDeadError
 from shared.worker.service import (
     QueueFullError,
     WorkerRuntime,
+    abort_hung,
     add_worker_cli_args,
+    admission,
     cancel_transfer,
     compile_grammar,
     failure_metadata,
@@ -103,11 +105,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         if rt.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if rt.hung:  # it would wait behind the stuck step: D prefills locally now instead
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                _HUNG_MESSAGE.format(rt.worker_id),
-                failure_metadata(FAILURE_ENGINE),
-            )
+            await abort_hung(context, rt)
         prompt = request.prompt_token_ids
         bs = rt.engine.block_size
         n_blocks = -(-len(prompt) // bs)
@@ -228,17 +226,13 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     raise _EngineHungError
                 submitted = True
                 added = rt.loop.submit(add)
-                if not await _admitted(added, hang):
+                if await admission(added, hang) is not None:
                     # not admitted when the hang was declared: the add never runs if it had
                     # not begun, else the abort below ends the request it admitted
                     submitted = not added.cancelled()
                     raise _EngineHungError
             except _EngineHungError:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    _HUNG_MESSAGE.format(rt.worker_id),
-                    failure_metadata(FAILURE_ENGINE),
-                )
+                await abort_hung(context, rt)
             except QueueFullError as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except InvalidRequestError as e:
@@ -376,28 +370,6 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return await worker_stats(
             self.rt, request, transfer=self.sender.stats, pending_sends=self.pending_sends
         )
-
-
-_HUNG_MESSAGE = "the engine of worker {} is hung (no progress for --engine-hang-timeout)"
-
-
-async def _admitted(added: concurrent.futures.Future, hang: asyncio.Event) -> bool:
-    """Wait for a request's add command: True once it ran (raising what it raised), False
-    when the engine is declared hung first (the add is then cancelled if it has not begun:
-    ``added.cancelled()``)."""
-    admitted = asyncio.wrap_future(added)
-    hung = asyncio.ensure_future(hang.wait())
-    try:
-        await asyncio.wait({admitted, hung}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        hung.cancel()
-        if not admitted.done():  # hung, or this call cancelled: never let it run now
-            added.cancel()  # (at once: ``admitted``'s cancel reaches ``added`` only later)
-            admitted.cancel()
-    if admitted.cancelled():
-        return False
-    admitted.result()
-    return True
 
 
 def _retrieved(fut: asyncio.Future) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from shared.engine.outputs import EngineCoreOutput
 from shared.ports import host_port
 from shared.prom import freeze_startup_heap
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
-from shared.proto.failure import failure_metadata  # noqa: F401 - re-exported for the roles
+from shared.proto.failure import FAILURE_ENGINE, failure_metadata
 from shared.security import ClusterSecurity, SecurityConfigError
 from shared.worker.engine_loop import EngineDeadError, EngineLoop
 from shared.worker.metrics import WorkerMetrics
@@ -605,6 +606,44 @@ async def wait_transfer(handle, timeout_s: float) -> None:
     if not handle.done:
         await asyncio.wait_for(handle, timeout_s)  # (a handle's await is shielded)
     handle.raise_for_state()
+
+
+HUNG_MESSAGE = "the engine of worker {} is hung (no progress for --engine-hang-timeout)"
+
+
+async def abort_hung(context: grpc.aio.ServicerContext, rt: WorkerRuntime) -> None:
+    """End a call UNAVAILABLE with the engine failure: the engine is hung, and a request would
+    wait behind its stuck step (the router resumes it elsewhere; a decode worker prefills
+    locally instead)."""
+    await context.abort(
+        grpc.StatusCode.UNAVAILABLE,
+        HUNG_MESSAGE.format(rt.worker_id),
+        failure_metadata(FAILURE_ENGINE),
+    )
+
+
+async def admission(
+    added: concurrent.futures.Future, hang: asyncio.Event, deadline: float | None = None
+) -> str | None:
+    """Wait for a request's add command (``EngineLoop.submit``'s future) until ``deadline``
+    (``time.monotonic()``; None: no bound) or a hang's declaration: None once it ran (raising
+    what it raised), else ``"hung"`` or ``"deadline"``. The add is then cancelled if it has not
+    begun (``added.cancelled()``); if it had, it admits the request, which the caller's abort
+    ends."""
+    admitted = asyncio.wrap_future(added)
+    hung = asyncio.ensure_future(hang.wait())
+    try:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        await asyncio.wait({admitted, hung}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung.cancel()
+        if not admitted.done():  # hung, past the deadline or this call cancelled: not now
+            added.cancel()  # (at once: ``admitted``'s cancel reaches ``added`` only later)
+            admitted.cancel()
+    if admitted.cancelled():
+        return "hung" if hang.is_set() else "deadline"
+    admitted.result()
+    return None
 
 
 async def within(fut: asyncio.Future, deadline: float | None) -> bool:
