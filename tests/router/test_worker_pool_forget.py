@@ -41,13 +41,19 @@ def _record(wid: str, role: str, port: int, gen: str = "g1", model: str = "tiny"
     return WorkerRecord(info, WorkerLoad(64, 0, 0), gen, 1)
 
 
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The pool's ``time.monotonic``, which the test moves by hand."""
+    now = [1000.0]
+    monkeypatch.setattr(workers.time, "monotonic", lambda: now[0])
+    return now
+
+
 def _sizes(pool: WorkerPool) -> dict[str, int]:
     return {t: len(getattr(pool, t)) for t in TABLES}
 
 
-def test_departed_worker_ids_are_forgotten_after_the_bound(monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(workers.time, "monotonic", lambda: clock[0])
+def test_departed_worker_ids_are_forgotten_after_the_bound(clock):
 
     async def scenario():
         reader = _Reader()
@@ -96,9 +102,7 @@ def test_departed_worker_ids_are_forgotten_after_the_bound(monkeypatch):
     asyncio.run(scenario())
 
 
-def test_a_worker_back_within_the_bound_keeps_its_restart_count(monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(workers.time, "monotonic", lambda: clock[0])
+def test_a_worker_back_within_the_bound_keeps_its_restart_count(clock):
 
     async def scenario():
         reader = _Reader()

@@ -54,25 +54,41 @@ class RejectingContext:
 
 
 class Aborted(Exception):
-    """What :class:`AbortingContext` raises: ``args`` are the call's code and details."""
+    """What :class:`AbortingContext` raises: ``args`` are the call's code, details and
+    trailing metadata (a dict)."""
 
 
 class AbortingContext:
     """A servicer context whose abort ends the call as gRPC's does (an exception)."""
 
     async def abort(self, code, details="", trailing_metadata=()):
-        raise Aborted(code, details)
+        raise Aborted(code, details, dict(trailing_metadata))
 
 
 async def collect(servicer, req) -> tuple[list, object]:
     """A decode ``Generate`` call's chunks and how it ended ("OK", or the abort's code)."""
+    chunks, ending = await collect_ending(servicer, req)
+    return chunks, ending if ending == "OK" else ending[0]
+
+
+async def collect_ending(servicer, req) -> tuple[list, object]:
+    """A decode ``Generate`` call's chunks and how it ended: "OK", or the abort's (code,
+    details, trailing metadata)."""
     chunks = []
     try:
         async for c in servicer.Generate(req, AbortingContext()):
             chunks.append(c)
         return chunks, "OK"
     except Aborted as e:
-        return chunks, e.args[0]
+        return chunks, e.args
+
+
+def loopback_servicer(rt: WorkerRuntime) -> tuple[DecodeServicer, object]:
+    """A decode servicer on ``rt`` with a loopback KV receiver (close it afterwards)."""
+    receiver = create_receiver(
+        "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
+    )
+    return DecodeServicer(rt, receiver, prefill_timeout_s=5.0), receiver
 
 
 def decode_runtime(

@@ -14,11 +14,14 @@ import threading
 import grpc
 import pytest
 
-from decode_service.server import DecodeServicer
-from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.failure import FAILURE_ENGINE, FAILURE_KEY
-from tests.services.inprocess_worker import Aborted, AbortingContext, serve, standalone_runtime
+from tests.services.inprocess_worker import (
+    collect_ending,
+    loopback_servicer,
+    serve,
+    standalone_runtime,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -32,29 +35,12 @@ def _request(rid: str, deadline_s: float = 0.0) -> pb.GenerateRequest:
     )
 
 
-class _Context(AbortingContext):
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise Aborted(code, details, dict(trailing_metadata))
-
-
-async def _end(servicer, req) -> tuple:
-    try:
-        async for _ in servicer.Generate(req, _Context()):
-            pass
-        return ("OK",)
-    except Aborted as e:
-        return e.args
-
-
 def test_requests_waiting_for_admission_fail_over_when_the_hang_is_declared(tiny_llama, tmp_path):
     ready = tmp_path / "ready.json"
     rt = standalone_runtime(
         tiny_llama, "decode", "--engine-hang-timeout", "1", "--ready-file", str(ready)
     )
-    receiver = create_receiver(
-        "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-    )
-    servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+    servicer, receiver = loopback_servicer(rt)
     release, in_step = threading.Event(), threading.Event()
     real = rt.engine.runner.execute
 
@@ -67,18 +53,19 @@ def test_requests_waiting_for_admission_fail_over_when_the_hang_is_declared(tiny
         worker, _address = await serve(rt, servicer, ready)
         try:
             rt.engine.runner.execute = stuck
-            first = asyncio.ensure_future(_end(servicer, _request("in-step")))
+            first = asyncio.ensure_future(collect_ending(servicer, _request("in-step")))
             assert await asyncio.to_thread(in_step.wait, 10)
             queued = [
-                asyncio.ensure_future(_end(servicer, _request("no-deadline"))),
-                asyncio.ensure_future(_end(servicer, _request("deadline-60", 60.0))),
+                asyncio.ensure_future(collect_ending(servicer, _request("no-deadline"))),
+                asyncio.ensure_future(collect_ending(servicer, _request("deadline-60", 60.0))),
             ]
             ends = await asyncio.wait_for(asyncio.gather(first, *queued), 20)
             assert not release.is_set() and rt.hung
-            for code, details, metadata in ends:
+            for _chunks, ending in ends:
+                code, details, metadata = ending
                 assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
                 assert metadata.get(FAILURE_KEY) == FAILURE_ENGINE, metadata
-            late = await asyncio.wait_for(_end(servicer, _request("late")), 5)
+            _chunks, late = await asyncio.wait_for(collect_ending(servicer, _request("late")), 5)
             assert late[0] == grpc.StatusCode.UNAVAILABLE and "hung" in late[1], late
         finally:
             release.set()

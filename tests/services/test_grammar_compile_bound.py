@@ -17,10 +17,8 @@ import threading
 import grpc
 import pytest
 
-from decode_service.server import DecodeServicer
-from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
-from tests.services.inprocess_worker import Aborted, AbortingContext, running_runtime
+from tests.services.inprocess_worker import collect_ending, loopback_servicer, running_runtime
 
 pytestmark = pytest.mark.integration
 
@@ -41,17 +39,6 @@ def _request(rid: str, **sampling) -> pb.GenerateRequest:
     )
 
 
-async def _collect(servicer, req) -> tuple[list, object]:
-    """A ``Generate`` call's chunks and how it ended: "OK", or the abort's (code, details)."""
-    chunks = []
-    try:
-        async for c in servicer.Generate(req, AbortingContext()):
-            chunks.append(c)
-        return chunks, "OK"
-    except Aborted as e:
-        return chunks, e.args
-
-
 def test_a_compile_past_the_bound_is_refused_and_others_are_served(runtime, monkeypatch):
     rt = runtime
     monkeypatch.setenv("PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "0.3")
@@ -70,15 +57,12 @@ def test_a_compile_past_the_bound_is_refused_and_others_are_served(runtime, monk
     rt.engine.compile_grammar = slow_compile  # type: ignore[method-assign]
 
     async def scenario():
-        receiver = create_receiver(
-            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-        )
-        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        servicer, receiver = loopback_servicer(rt)
         slow = _request("g", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
         try:
-            refused = asyncio.ensure_future(_collect(servicer, slow))
+            refused = asyncio.ensure_future(collect_ending(servicer, slow))
             plain_chunks, plain_status = await asyncio.wait_for(
-                _collect(servicer, _request("plain")), 30
+                collect_ending(servicer, _request("plain")), 30
             )
             chunks, status = await asyncio.wait_for(refused, 30)
             compiled_still = not compile_ended.is_set()
@@ -125,13 +109,10 @@ def test_the_engine_thread_never_compiles_a_grammar(runtime):
     rt.engine.compile_grammar = recording  # type: ignore[method-assign]
 
     async def scenario():
-        receiver = create_receiver(
-            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-        )
-        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        servicer, receiver = loopback_servicer(rt)
         try:
             req = _request("g", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
-            chunks, status = await asyncio.wait_for(_collect(servicer, req), 60)
+            chunks, status = await asyncio.wait_for(collect_ending(servicer, req), 60)
             assert status == "OK", status
             assert sum(len(o.token_ids) for c in chunks for o in c.outputs) == 4
         finally:
@@ -162,21 +143,20 @@ def test_compiles_past_the_queue_bound_are_refused_as_busy(runtime, monkeypatch)
     rt.engine.compile_grammar = gated  # type: ignore[method-assign]
 
     async def scenario():
-        receiver = create_receiver(
-            "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-        )
-        servicer = DecodeServicer(rt, receiver, prefill_timeout_s=5.0)
+        servicer, receiver = loopback_servicer(rt)
         so = pb.StructuredOutputs(regex="[ab]+")
         try:
             running = asyncio.ensure_future(
-                _collect(servicer, _request("a", structured_outputs=so))
+                collect_ending(servicer, _request("a", structured_outputs=so))
             )
             assert await asyncio.to_thread(started.wait, 10)
-            queued = asyncio.ensure_future(_collect(servicer, _request("b", structured_outputs=so)))
+            queued = asyncio.ensure_future(
+                collect_ending(servicer, _request("b", structured_outputs=so))
+            )
             while structured_output._executor.queued < 1:  # its compile waits behind "a"
                 await asyncio.sleep(0.001)
             refused = await asyncio.wait_for(
-                _collect(servicer, _request("c", structured_outputs=so)), 10
+                collect_ending(servicer, _request("c", structured_outputs=so)), 10
             )
             assert refused[1][0] == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
             assert "grammar compiles at capacity" in refused[1][1]
