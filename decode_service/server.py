@@ -195,9 +195,10 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             # compiled here, not on the engine thread (past the deadline or the compile bound
             # a running compile goes on in its thread, for nobody)
             grammar = None
-            if params.structured_outputs is not None:
-                grammar = await compile_grammar(rt.engine, params, deadline)
-            if params.structured_outputs is not None and grammar is None:
+            if (
+                params.structured_outputs is not None
+                and (grammar := await compile_grammar(rt.engine, params, deadline)) is None
+            ):
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"request {rid} exceeded its deadline of {request.deadline_s}s "

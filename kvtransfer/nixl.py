@@ -26,9 +26,9 @@ closed link) no byte of that message can land any more, which is what lets a han
 terminal (``kvtransfer/base.py``). A sender that is frozen cannot write into a receiver's pool
 late, unlike a push design: a read in flight is not released until it ends (NIXL's release of a
 read in flight does not stop it on every path), so a link closing with reads from a frozen
-peer waits for them, and their transfers settle only then; a receiver frozen past the sender's deadline and settle time could
-still read source blocks the sender has since reused, which the per-block checksums catch
-(keep them on).
+peer waits for them, and their transfers settle only then; a receiver frozen past the sender's
+deadline and settle time could still read source blocks the sender has since reused, which the
+per-block checksums catch (keep them on).
 
 Link frames (on the inner UCX link's control stream, first byte the kind):
 
