@@ -36,6 +36,7 @@ from shared.proto.mux import GenerateMuxMixin, mux_outbox
 from shared.worker.engine_loop import AsyncOutputs, EngineDeadError
 from shared.worker.service import (
     CLIENT_GRPC_OPTIONS,
+    FALLBACK_SETTLE_S,
     QueueFullError,
     WorkerRuntime,
     abort_hung,
@@ -703,8 +704,9 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
     async def _fall_back(
         self, flight: _Flight, handle, reply: asyncio.Future | None, exc: BaseException
     ) -> None:
-        """The remote prefill of ``flight`` failed with ``exc``: prefill it locally, unless its
-        KV transfer did not stop (then the request fails)."""
+        """The remote prefill of ``flight`` failed with ``exc``: prefill it locally, into the
+        blocks reserved for the transfer, or into new ones when its KV receive did not stop
+        (the reserved ones stay pinned until the receive ends)."""
         req = flight.request
         eid = flight.engine_id
         if reply is not None:
@@ -717,18 +719,15 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             reason,
             exc if str(exc) else type(exc).__name__,
         )
-        if handle is not None and not await cancel_transfer(handle):
-            # A receive still outstanding could land in the blocks a local prefill would
-            # fill: fail the request instead (an error to its client, nothing corrupted).
-            loop = self.rt.loop
-            why = f"remote prefill failed ({reason}) and its KV transfer did not stop"
-            try:
-                await asyncio.wrap_future(
-                    loop.submit(lambda e: loop.deliver(e.fail_request(eid, why)))
-                )
-            except EngineDeadError:
-                pass
-            return
+        # A receive still outstanding could land in the reserved blocks under the local
+        # prefill's KV: then the request leaves them to the transfer's pin and is admitted
+        # again on new blocks (its client sees a slower first token, nothing else).
+        fresh = handle is not None and not await cancel_transfer(handle, FALLBACK_SETTLE_S)
+        if fresh:
+            logger.warning(
+                "%s: its KV receive did not stop; prefilling it locally on new blocks",
+                req.request_id,
+            )
         if reason == "unreachable" and not isinstance(exc, asyncio.CancelledError):
             self._drop_channel(req.prefill_address)  # a restarted P: connect afresh
         self.fallbacks += 1
@@ -737,7 +736,9 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         loop = self.rt.loop
         try:
             await asyncio.wrap_future(
-                loop.submit(lambda e: loop.deliver(e.finish_remote_prefill(eid, None)))
+                loop.submit(
+                    lambda e: loop.deliver(e.finish_remote_prefill(eid, None, fresh_blocks=fresh))
+                )
             )
         except EngineDeadError:
             pass

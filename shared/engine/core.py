@@ -566,15 +566,19 @@ class EngineCore:
         request_id: str,
         first_tokens: list[SampledToken] | None,
         received_block_ids: Sequence[int] = (),
+        fresh_blocks: bool = False,
     ) -> list[EngineCoreOutput]:
         """The remote prefill of ``request_id`` ended: its KV arrived in ``received_block_ids``
-        (of the runner's transfer pool) with ``first_tokens``, or failed (``None``)."""
+        (of the runner's transfer pool) with ``first_tokens``, or failed (``None``; with
+        ``fresh_blocks`` the local prefill uses new blocks: ``Scheduler.finish_remote_prefill``)."""
         seqs = self.parents.get(request_id)
         if not seqs:
             return []
         if first_tokens is not None and self._import is not None:
             self._import(list(received_block_ids))
-        updates = self.scheduler.finish_remote_prefill(seqs[0].request_id, first_tokens)
+        updates = self.scheduler.finish_remote_prefill(
+            seqs[0].request_id, first_tokens, fresh_blocks
+        )
         return self._outputs(updates)
 
     # ---- stepping ----------------------------------------------------------------------

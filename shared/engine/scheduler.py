@@ -574,12 +574,25 @@ class Scheduler:
 
     # ---- remote prefill (decode role) --------------------------------------------------
     def finish_remote_prefill(
-        self, request_id: str, first_tokens: list[SampledToken] | None
+        self,
+        request_id: str,
+        first_tokens: list[SampledToken] | None,
+        fresh_blocks: bool = False,
     ) -> list[SeqUpdate]:
         """The prefill worker's KV for ``request_id`` arrived (``first_tokens``: one per
-        sample) or failed (``None``: prefill the missing blocks locally)."""
+        sample) or failed (``None``: prefill the missing blocks locally). ``fresh_blocks``
+        (with ``None``): the blocks reserved for the transfer may still be written (its receive
+        did not stop), so the request leaves them to the transfer's pin and goes back to the
+        front of the queue, to be admitted afresh (its cached prefix again, new blocks for the
+        rest) and prefilled here."""
         req = self.remote_waiting.pop(request_id, None)
         if req is None:
+            return []
+        if first_tokens is None and fresh_blocks:
+            self.kv.free(req)  # the pinned blocks stay pinned until the receive ends
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
             return []
         req.status = RequestStatus.RUNNING
         self.running.append(req)

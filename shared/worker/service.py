@@ -698,22 +698,24 @@ async def compile_grammar(
 
 
 CANCEL_SETTLE_S = 10.0  # how long a cancelled transfer may take to become terminal
+# how long a decode worker falling back to a local prefill waits for the cancelled receive
+# before it prefills on new blocks instead of the reserved ones (they stay pinned meanwhile)
+FALLBACK_SETTLE_S = 1.0
 
 
-async def cancel_transfer(handle) -> bool:
+async def cancel_transfer(handle, settle_s: float | None = None) -> bool:
     """Cancel and wait until the handle is terminal: after that no byte of the transfer is read
     from or written to the pool any more (the kvtransfer contract). False when it is still not
-    terminal after ``CANCEL_SETTLE_S``: its blocks may yet be written, so nothing else may
-    write them (the pin holding them drops only when it ends)."""
+    terminal after ``settle_s`` (``CANCEL_SETTLE_S`` by default): its blocks may yet be
+    written, so nothing else may write them (the pin holding them drops only when it ends)."""
+    bound = CANCEL_SETTLE_S if settle_s is None else settle_s
     handle.cancel()
     if not handle.done:
         try:
-            await asyncio.wait_for(handle, CANCEL_SETTLE_S)
+            await asyncio.wait_for(handle, bound)
         except TimeoutError:
-            logger.error(
-                "transfer %s did not settle %.0f s after cancel",
-                handle.transfer_id,
-                CANCEL_SETTLE_S,
+            logger.warning(
+                "transfer %s did not settle %.1f s after cancel", handle.transfer_id, bound
             )
             return False
     return True
