@@ -956,6 +956,94 @@ def measure(
     return rec
 
 
+def _cpu(server: Server) -> dict[str, float]:
+    assert server.proc is not None
+    return tree_cpu(server.proc.pid)
+
+
+def measure_interleaved(
+    servers: dict[str, Server],
+    model: str,
+    workloads,
+    seeds: int,
+    seed_base: int,
+    raw_dir: Path,
+    startup_timeout: float,
+    max_load: float,
+    load_wait: float,
+    run_load_wait: float = 0.0,
+    temperature: float = 0.0,
+) -> dict[str, dict]:
+    """Every system up at once, each run of the suite on each in turn: for each workload and
+    seed, one run per system (the order rotated by seed), so a slow stretch of a shared host
+    falls on every system alike instead of on whichever half it happened to hit. The systems
+    not being measured sit idle; each run records the CPU they used meanwhile
+    (``idle_peers_cpu_s``), so a peer that was not idle shows."""
+    labels = list(servers)
+    recs: dict[str, dict] = {}
+    try:
+        for label, server in servers.items():
+            la = wait_quiet(max_load, load_wait, f"starting {server.name}")
+            recs[label] = {
+                "system": label,
+                "load_at_start": la,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "interleaved_with": [x for x in labels if x != label],
+            }
+            if isinstance(server, PdserveServer):
+                recs[label]["code"] = code_version()
+            server.start(startup_timeout)
+        for label, server in servers.items():
+            recs[label]["warmup"] = warmup(server, model, raw_dir, label)
+        la = wait_quiet(max_load, load_wait, "the interleaved suite")
+        before = {x: scrape_all(srv) for x, srv in servers.items()}
+        cpu0 = {x: _cpu(srv) for x, srv in servers.items()}
+        for label in labels:
+            recs[label]["load_at_suite_start"] = la
+            recs[label]["runs"] = []
+        for wi, w in workloads:
+            for rep in range(seeds):
+                seed = seed_for(wi, rep, seed_base)
+                k = rep % len(labels)
+                for label in labels[k:] + labels[:k]:
+                    others = {x: srv for x, srv in servers.items() if x != label}
+                    idle0 = {x: _cpu(srv) for x, srv in others.items()}
+                    (run,) = run_suite(
+                        servers[label],
+                        model,
+                        [(wi, w)],
+                        1,
+                        seed_base + rep,  # seed_for(wi, 0, base + rep) == seed
+                        raw_dir,
+                        label,
+                        max_load,
+                        run_load_wait,
+                        temperature,
+                    )
+                    run["idle_peers_cpu_s"] = {
+                        x: round(sum(cpu_delta(idle0[x], _cpu(srv)).values()), 2)
+                        for x, srv in others.items()
+                    }
+                    recs[label]["runs"].append(run)
+        for label, server in servers.items():
+            rec = recs[label]
+            rec["temperature"] = temperature
+            rec["server_cpu_s"] = cpu_delta(cpu0[label], _cpu(server))
+            rec["server_metrics"] = deltas(before[label], scrape_all(server))
+            rec["load_at_end"] = loadavg()
+    finally:
+        for label, server in servers.items():
+            rec = recs.setdefault(label, {"system": label})
+            rec["server"] = server.describe()
+            server.stop()
+            if isinstance(server, PdserveServer):
+                rec["log_issues"] = server.log_issues()
+            else:
+                rec["log_issues"] = {server.log.name: scan_log(server.log)}
+            rec["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return recs
+
+
 # ---------------------------------------------------------------------------------------
 # Ratios and the table
 # ---------------------------------------------------------------------------------------
@@ -1231,8 +1319,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=60,
         help="longest wait for --max-load before each bench run (s; 0: don't)",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every system at once and run each workload seed on each in turn (order "
+        "rotated by seed) instead of one whole half after the other: a slow stretch of the "
+        "host then hits both; pdserve topologies take ports --pdserve-port, +1, ...",
+    )
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
+
+
+def make_server(
+    system: str,
+    a: argparse.Namespace,
+    model: str,
+    raw: Path,
+    topologies: dict[str, tuple[int, int, int | None, str | None]],
+    pdserve_port: int,
+) -> Server:
+    """The server of ``system``: "vllm", or a pdserve topology's name."""
+    if system == "vllm":
+        return VllmServer(
+            model,
+            a.vllm_port,
+            raw / "vllm_serve.log",
+            omp_bind="0-1" if a.vllm_config == "C" else None,
+            extra=shlex.split(a.vllm_extra),
+        )
+    prefill, decode, threads, transport = topologies[system]
+    sub = "" if system == "pdserve" else f"_{system}"
+    return PdserveServer(
+        model,
+        pdserve_port,
+        raw / f"pdserve_up{sub}.log",
+        raw / f"pdserve_run{sub}",
+        prefill=prefill,
+        decode=decode,
+        threads_per_worker=threads,
+        kv_cache_memory=a.kv_cache_memory,
+        extra=shlex.split(a.pdserve_extra) + (["--kv-transport", transport] if transport else []),
+    )
 
 
 def half_setup(
@@ -1320,6 +1447,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    if a.interleave and (a.skip_vllm or a.skip_pdserve):
+        print("--interleave runs every system afresh: it takes no --skip-* flag")
+        return 2
     topologies = parse_topologies(a)
     for name in topologies:
         saved.setdefault(name, a.out_dir / f"compare_{tag}_{name}.json")
@@ -1339,29 +1469,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(f"[compare] reusing {saved[system]} ({recs[system].get('started')})", flush=True)
             continue
-        if system == "vllm":
-            server: Server = VllmServer(
-                model,
-                a.vllm_port,
-                raw / "vllm_serve.log",
-                omp_bind="0-1" if a.vllm_config == "C" else None,
-                extra=shlex.split(a.vllm_extra),
-            )
-        else:
-            prefill, decode, threads, transport = topologies[system]
-            sub = "" if system == "pdserve" else f"_{system}"
-            server = PdserveServer(
-                model,
-                a.pdserve_port,
-                raw / f"pdserve_up{sub}.log",
-                raw / f"pdserve_run{sub}",
-                prefill=prefill,
-                decode=decode,
-                threads_per_worker=threads,
-                kv_cache_memory=a.kv_cache_memory,
-                extra=shlex.split(a.pdserve_extra)
-                + (["--kv-transport", transport] if transport else []),
-            )
+        if a.interleave:
+            continue  # all at once, below
+        server = make_server(system, a, model, raw, topologies, a.pdserve_port)
         try:
             rec = measure(
                 server,
@@ -1385,6 +1495,36 @@ def main(argv: list[str] | None = None) -> int:
         rec["setup"] = half_setup(system, a, model, chosen, topologies)
         saved[system].write_text(json.dumps(rec, indent=1))
         recs[system] = rec
+
+    if a.interleave:
+        systems = ("vllm", *topologies)
+        servers = {
+            system: make_server(system, a, model, raw, topologies, a.pdserve_port + i - 1)
+            for i, system in enumerate(systems)
+        }
+        try:
+            both = measure_interleaved(
+                servers,
+                model,
+                chosen,
+                a.seeds,
+                a.seed_base,
+                raw,
+                a.startup_timeout,
+                a.max_load,
+                a.load_wait,
+                a.run_load_wait,
+                a.temperature,
+            )
+        except (RuntimeError, TimeoutError) as e:
+            print(f"[compare] interleaved run failed: {e}", flush=True)
+            return 1
+        for system, rec in both.items():
+            rec["top_p"] = a.top_p
+            rec["workloads"] = {w.name: w.desc for _, w in chosen}
+            rec["setup"] = half_setup(system, a, model, chosen, topologies)
+            saved[system].write_text(json.dumps(rec, indent=1))
+            recs[system] = rec
 
     first = next(iter(topologies))
     rat = ratios(recs[first], recs["vllm"])

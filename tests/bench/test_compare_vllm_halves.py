@@ -139,3 +139,60 @@ def test_a_workload_subset_does_not_overwrite_the_full_run(harness):
     assert after == full
     sub = json.loads((harness["out"] / "compare_workloads_r256_n64_vllm.json").read_text())
     assert {r["workload"] for r in sub["runs"]} == {"r256_n64"}
+
+
+# ---- --interleave ----------------------------------------------------------------------
+
+
+def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, monkeypatch):
+    """All servers up at once, started and stopped once each; every (workload, seed) runs on
+    every system, the first system of each seed rotating, and each run lands in its own
+    system's record with the CPU its idle peers used meanwhile."""
+    import os
+    from types import SimpleNamespace
+
+    events: list[tuple] = []
+
+    class FakeServer(cv.Server):
+        def __init__(self, name: str) -> None:
+            super().__init__(0, tmp_path / f"{name}.log", 60)
+            self.name = name
+
+        def start(self, startup_timeout: float) -> None:
+            events.append(("start", self.name))
+            self.proc = SimpleNamespace(pid=os.getpid(), poll=lambda: None)
+
+        def stop(self, grace_s: float = 60.0) -> None:
+            events.append(("stop", self.name))
+
+    monkeypatch.setattr(cv, "loadavg", lambda: [0.0, 0.0, 0.0])
+    monkeypatch.setattr(cv, "scrape_all", lambda server: {})
+    monkeypatch.setattr(cv, "warmup", lambda server, *a: {"short": {}, "long": {}})
+    monkeypatch.setattr(cv, "scan_log", lambda path: {})
+
+    def fake_bench(base_url, model, args, seed, raw_dir, name, **kw):
+        events.append(("run", name))
+        return {"seed": seed, "rc": 0, "metrics": {}, "load_before": [0.0], "load_after": [0.0]}
+
+    monkeypatch.setattr(cv, "vllm_bench", fake_bench)
+    servers = {n: FakeServer(n) for n in ("vllm", "pdserve-colocated-1D", "pdserve-1P1D")}
+    chosen = [(i, w) for i, w in enumerate(cv.WORKLOADS) if w.name in ("r256_n64", "r1088_n64")]
+    recs = cv.measure_interleaved(servers, "m", chosen, 3, 100, tmp_path, 60, 0, 0)
+    starts = [e[1] for e in events if e[0] == "start"]
+    stops = [e[1] for e in events if e[0] == "stop"]
+    assert starts == stops == list(servers)
+    runs = [e[1] for e in events if e[0] == "run"]
+    assert len(runs) == 2 * 3 * 3
+    firsts = [runs[i].split("_")[0] for i in range(0, len(runs), 3)]
+    assert firsts[:3] == ["vllm", "pdserve-colocated-1D", "pdserve-1P1D"]  # rotated per seed
+    for label, rec in recs.items():
+        got = sorted((r["workload"], r["seed"]) for r in rec["runs"])
+        want = sorted((w.name, cv.seed_for(wi, rep, 100)) for wi, w in chosen for rep in range(3))
+        assert got == want, label
+        assert all(set(r["idle_peers_cpu_s"]) == set(servers) - {label} for r in rec["runs"])
+        assert rec["interleaved_with"] == [x for x in servers if x != label]
+
+
+def test_interleave_takes_no_saved_half(harness, capsys):
+    assert harness["main"]("--quick", "--interleave", "--skip-vllm") == 2
+    assert "takes no --skip" in capsys.readouterr().out
