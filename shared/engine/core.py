@@ -576,6 +576,14 @@ class EngineCore:
             return []
         if first_tokens is not None and self._import is not None:
             self._import(list(received_block_ids))
+        if first_tokens is None and fresh_blocks and not self.scheduler.fits_beside_pins(seqs[0]):
+            # new blocks for the whole prompt are not there while the old ones stay pinned:
+            # queued, it would stall the queue (or preempt itself) until the receive ends
+            return self.fail_request(
+                request_id,
+                "remote prefill failed, its KV transfer did not stop, and the prompt does not "
+                "fit in the KV blocks left beside the ones that transfer still holds",
+            )
         updates = self.scheduler.finish_remote_prefill(
             seqs[0].request_id, first_tokens, fresh_blocks
         )

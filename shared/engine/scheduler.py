@@ -372,7 +372,8 @@ class Scheduler:
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:  # the first admission's (vLLM's), not a recompute's
             req.num_cached_tokens = num_computed
-        self.kv.record_lookup(req, num_computed)
+            # (nor a fresh-block fallback's: Scheduler.finish_remote_prefill)
+            self.kv.record_lookup(req, num_computed)
 
     def _num_new_tokens_from(self, req: Request, num_computed: int, budget: int) -> int:
         num_new = req.num_tokens - num_computed
@@ -605,6 +606,12 @@ class Scheduler:
             req.first_scheduled_time = now
         sibs = [(s, t) for s, t in zip(req.siblings, first_tokens[1:]) if not s.is_finished]
         return self._first_tokens(req, first_tokens[0], sibs, now)
+
+    def fits_beside_pins(self, req: Request) -> bool:
+        """Whether ``req``'s whole prompt and its first new token fit in the pool's blocks that
+        no KV transfer pins (a fresh-block re-admission's bound: ``finish_remote_prefill``)."""
+        need = cdiv(req.num_tokens + 1, self.block_size)
+        return need <= self.kv.pool.num_blocks - self.kv.num_pinned_blocks
 
     # ---- abort -------------------------------------------------------------------------
     def abort(

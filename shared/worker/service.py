@@ -714,8 +714,13 @@ async def cancel_transfer(handle, settle_s: float | None = None) -> bool:
         try:
             await asyncio.wait_for(handle, bound)
         except TimeoutError:
-            logger.warning(
-                "transfer %s did not settle %.1f s after cancel", handle.transfer_id, bound
+            # past the default bound the blocks may stay pinned for good: an error; a caller's
+            # own shorter bound has a way on (a fallback on new blocks): a warning
+            logger.log(
+                logging.ERROR if settle_s is None else logging.WARNING,
+                "transfer %s did not settle %.1f s after cancel",
+                handle.transfer_id,
+                bound,
             )
             return False
     return True
