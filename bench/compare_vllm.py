@@ -22,6 +22,13 @@ over); the two systems get the same seeds, each on a freshly started server.
     .venv/bin/python bench/compare_vllm.py                  # the whole suite, 3 seeds each
     .venv/bin/python bench/compare_vllm.py --skip-vllm      # reuse the saved vLLM half
     .venv/bin/python bench/compare_vllm.py --temperature 1 --top-p 0.9   # sampled, both systems
+    .venv/bin/python bench/compare_vllm.py --topologies 0x1,1x1 --interleave   # all up at once
+
+``--interleave`` starts every system first and then runs each workload seed on each in turn (the
+order rotated by seed), instead of one whole half after the other: on a shared host whose speed
+drifts over tens of minutes, a slow stretch then falls on every system alike. The systems not
+being measured are stopped (SIGSTOP of the whole process tree) and resumed, and must answer a
+short completion, before their own runs.
 
 A saved half is reused only when it ran the same model, sampling, workload flags, seeds and
 server flags (its ``setup``); ratios use the seeds both halves ran. A run with failed requests
@@ -233,6 +240,22 @@ def _label(pid: int) -> str:
     return comm
 
 
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every live descendant (parents before their children)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _proc_stat(int(d))
+            if st:
+                kids.setdefault(st[0], []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+
 def tree_cpu(root: int) -> dict[str, float]:
     """CPU seconds used so far by ``root`` and every descendant, by process label."""
     stats = {}
@@ -373,6 +396,7 @@ class Server:
     """A server process started with ``timeout`` in its own session; stopped by its PID."""
 
     name = "server"
+    model = ""  # the served model's name (as the client sends it)
 
     def __init__(self, port: int, log: Path, lifetime_s: int) -> None:
         self.port = port
@@ -440,6 +464,46 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def pause(self) -> None:
+        """SIGSTOP the server's whole process tree (``--interleave``: a system not being
+        measured takes no CPU at all, not even its idle timers' wake-ups)."""
+        assert self.proc is not None
+        for pid in tree_pids(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+
+    def resume(self, timeout_s: float = 120.0) -> float:
+        """SIGCONT the tree, then wait until it serves again (``serving_again``); returns the
+        seconds that took. Raises ``TimeoutError`` past ``timeout_s``."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        for pid in tree_pids(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        while not self.serving_again():
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"{self.name} not serving {timeout_s:.0f}s after SIGCONT")
+            time.sleep(0.5)
+        return time.monotonic() - t0
+
+    def serving_again(self) -> bool:
+        """One short completion answered (after a resume: every part of the server runs)."""
+        body = json.dumps({"model": self.model, "prompt": "hello", "max_tokens": 2}).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to our ``timeout`` process (it forwards it to the server); SIGKILL to the
@@ -977,8 +1041,10 @@ def measure_interleaved(
     """Every system up at once, each run of the suite on each in turn: for each workload and
     seed, one run per system (the order rotated by seed), so a slow stretch of a shared host
     falls on every system alike instead of on whichever half it happened to hit. The systems
-    not being measured sit idle; each run records the CPU they used meanwhile
-    (``idle_peers_cpu_s``), so a peer that was not idle shows."""
+    not being measured are stopped (SIGSTOP of their whole process tree: idle, their timers'
+    wake-ups had taken 1-5 % of a core and perturbed the measured one); each is resumed and
+    answers a short completion before its run (``resume_s``), and each run records the CPU its
+    peers used meanwhile (``idle_peers_cpu_s``, 0 when frozen)."""
     labels = list(servers)
     recs: dict[str, dict] = {}
     try:
@@ -995,6 +1061,7 @@ def measure_interleaved(
             server.start(startup_timeout)
         for label, server in servers.items():
             recs[label]["warmup"] = warmup(server, model, raw_dir, label)
+            server.pause()
         la = wait_quiet(max_load, load_wait, "the interleaved suite")
         before = {x: scrape_all(srv) for x, srv in servers.items()}
         cpu0 = {x: _cpu(srv) for x, srv in servers.items()}
@@ -1003,10 +1070,10 @@ def measure_interleaved(
             recs[label]["runs"] = []
         for wi, w in workloads:
             for rep in range(seeds):
-                seed = seed_for(wi, rep, seed_base)
                 k = rep % len(labels)
                 for label in labels[k:] + labels[:k]:
                     others = {x: srv for x, srv in servers.items() if x != label}
+                    resume_s = servers[label].resume()
                     idle0 = {x: _cpu(srv) for x, srv in others.items()}
                     (run,) = run_suite(
                         servers[label],
@@ -1024,7 +1091,11 @@ def measure_interleaved(
                         x: round(sum(cpu_delta(idle0[x], _cpu(srv)).values()), 2)
                         for x, srv in others.items()
                     }
+                    run["resume_s"] = round(resume_s, 2)
+                    servers[label].pause()
                     recs[label]["runs"].append(run)
+        for server in servers.values():
+            server.resume()
         for label, server in servers.items():
             rec = recs[label]
             rec["temperature"] = temperature
@@ -1035,6 +1106,12 @@ def measure_interleaved(
         for label, server in servers.items():
             rec = recs.setdefault(label, {"system": label})
             rec["server"] = server.describe()
+            if server.proc is not None:  # a stopped tree gets SIGTERM only once it runs
+                for pid in tree_pids(server.proc.pid):
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
             server.stop()
             if isinstance(server, PdserveServer):
                 rec["log_issues"] = server.log_issues()
@@ -1323,8 +1400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--interleave",
         action="store_true",
         help="start every system at once and run each workload seed on each in turn (order "
-        "rotated by seed) instead of one whole half after the other: a slow stretch of the "
-        "host then hits both; pdserve topologies take ports --pdserve-port, +1, ...",
+        "rotated by seed; the others SIGSTOPped meanwhile) instead of one whole half after the "
+        "other: a slow stretch of the host then hits both; pdserve topologies take ports "
+        "--pdserve-port, +1, ...",
     )
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)

@@ -146,8 +146,8 @@ def test_a_workload_subset_does_not_overwrite_the_full_run(harness):
 
 def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, monkeypatch):
     """All servers up at once, started and stopped once each; every (workload, seed) runs on
-    every system, the first system of each seed rotating, and each run lands in its own
-    system's record with the CPU its idle peers used meanwhile."""
+    every system, the first system of each seed rotating, only that system running (the others
+    paused), and each run lands in its own system's record."""
     import os
     from types import SimpleNamespace
 
@@ -165,6 +165,13 @@ def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, m
         def stop(self, grace_s: float = 60.0) -> None:
             events.append(("stop", self.name))
 
+        def pause(self) -> None:
+            events.append(("pause", self.name))
+
+        def resume(self, timeout_s: float = 120.0) -> float:
+            events.append(("resume", self.name))
+            return 0.5
+
     monkeypatch.setattr(cv, "loadavg", lambda: [0.0, 0.0, 0.0])
     monkeypatch.setattr(cv, "scrape_all", lambda server: {})
     monkeypatch.setattr(cv, "warmup", lambda server, *a: {"short": {}, "long": {}})
@@ -181,6 +188,15 @@ def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, m
     starts = [e[1] for e in events if e[0] == "start"]
     stops = [e[1] for e in events if e[0] == "stop"]
     assert starts == stops == list(servers)
+    # each run: its system resumed just before, paused right after; the others stay paused
+    running: set[str] = set()
+    for kind, name in events:
+        if kind == "resume":
+            running.add(name)
+        elif kind == "pause":
+            running.discard(name)
+        elif kind == "run":
+            assert running == {name.split("_")[0]}, (name, running)
     runs = [e[1] for e in events if e[0] == "run"]
     assert len(runs) == 2 * 3 * 3
     firsts = [runs[i].split("_")[0] for i in range(0, len(runs), 3)]
@@ -191,6 +207,7 @@ def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, m
         assert got == want, label
         assert all(set(r["idle_peers_cpu_s"]) == set(servers) - {label} for r in rec["runs"])
         assert rec["interleaved_with"] == [x for x in servers if x != label]
+        assert all(r["resume_s"] == 0.5 for r in rec["runs"])
 
 
 def test_interleave_takes_no_saved_half(harness, capsys):
