@@ -218,6 +218,7 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         remote = bool(request.prefill_address) and resume is None and params.prompt_logprobs is None
         eid = f"{rid}@{next(self._serial)}"
         flight = _Flight(request, eid, params.n, self.outputs.register(eid))
+        flight.arrival = arrived  # its times count from arrival here, as its deadline does
         flight.done_before = resume_finished
         flight.counts = [0] * params.n
         flight.outbox = mux_outbox(context) if params.n == 1 else None

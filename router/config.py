@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import ssl
 import stat
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import cast
 
 from router.policy import PolicyConfig
@@ -217,6 +218,14 @@ class RouterConfig:
             )
         if not self.redis_url and not self.decode_workers:
             raise ValueError("give --redis-url (worker discovery) or --decode-workers (static)")
+        # inf / nan pass every "> 0" check below: a "no timeout" --request-timeout inf went to
+        # the workers as an infinite deadline, which they refuse (every request a 400)
+        for owner in (self, self.policy):
+            for f in fields(owner):
+                v = getattr(owner, f.name)
+                if isinstance(v, float) and not math.isfinite(v):
+                    flag = "--" + f.name.removesuffix("_s").replace("_", "-")
+                    raise ValueError(f"{flag} must be a finite number, not {v}")
         if self.request_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ValueError("--request-timeout and --stall-timeout must be positive")
         if self.worker_stall_timeout_s < 0:

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.config import ConfigError, EngineArgs, port_number
+from shared.config import ConfigError, EngineArgs, float_at_least, port_number
 from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
@@ -69,7 +69,7 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument(
         "--kv-transfer-timeout",
-        type=float,
+        type=float_at_least(0.001),
         default=30.0,
         help="seconds a KV transfer may take before it fails (and D prefills locally)",
     )
@@ -99,7 +99,7 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument(
         "--engine-hang-timeout",
-        type=float,
+        type=float_at_least(0),
         default=60.0,
         help="seconds without a finished engine step (while work is queued) after which the "
         "worker reports NOT_SERVING and lets its registry lease lapse, until a step finishes "
@@ -108,7 +108,7 @@ def add_worker_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=float_at_least(0),
         default=30.0,
         help="on SIGTERM, seconds to finish in-flight requests before exiting",
     )

@@ -169,3 +169,30 @@ def test_compiles_past_the_queue_bound_are_refused_as_busy(runtime, monkeypatch)
             receiver.close()
 
     asyncio.run(scenario())
+
+
+def test_the_worker_times_a_request_from_its_arrival_compile_included(runtime):
+    """``Timings.first_token_s`` (and the worker's TTFT / queue histograms) count from the
+    request's arrival, as its deadline does: they started once the grammar had compiled, so a
+    0.5 s compile was missing from them (found by review)."""
+    rt = runtime
+    compile_grammar = rt.engine.compile_grammar
+
+    def slow_compile(params):
+        threading.Event().wait(0.5)
+        return compile_grammar(params)
+
+    rt.engine.compile_grammar = slow_compile  # type: ignore[method-assign]
+
+    async def scenario():
+        servicer, receiver = loopback_servicer(rt)
+        req = _request("t", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
+        try:
+            chunks, status = await asyncio.wait_for(collect_ending(servicer, req), 60)
+        finally:
+            receiver.close()
+        assert status == "OK", status
+        (timings,) = [c.timings for c in chunks if c.HasField("timings")]
+        assert timings.first_token_s >= 0.5, timings
+
+    asyncio.run(scenario())

@@ -80,3 +80,40 @@ def test_zero_engine_sizes_are_an_error_not_the_default(flag, field, tiny_llama)
     with pytest.raises(ConfigError, match=f"{flag} 0: must be positive"):
         mc = args.create_model_config()
         args.create_scheduler_config(mc, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [
+        ("request_timeout_s", float("inf"), "--request-timeout"),
+        ("request_timeout_s", float("nan"), "--request-timeout"),
+        ("worker_cooldown_s", float("inf"), "--worker-cooldown"),
+    ],
+)
+def test_the_router_refuses_a_duration_that_is_not_finite(field, value, flag):
+    """``--request-timeout inf`` (a "no timeout") passed the > 0 check and went to the workers
+    as an infinite deadline, which they refuse: every request answered 400; nan made every
+    deadline 1 ms (found by review)."""
+    with pytest.raises(ValueError, match=f"{flag} must be a finite number"):
+        RouterConfig(model="m", decode_workers=("127.0.0.1:1",), **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--kv-transfer-timeout", "0"),
+        ("--kv-transfer-timeout", "-1"),
+        ("--kv-transfer-timeout", "inf"),
+        ("--engine-hang-timeout", "nan"),
+        ("--drain-timeout", "-5"),
+    ],
+)
+def test_worker_durations_are_checked_where_they_are_parsed(flag, value, capsys):
+    """A zero, negative or infinite ``--kv-transfer-timeout`` started a worker whose every
+    transfer raised ValueError: each request fell back to a local prefill, disaggregation off
+    with one warning per request (found by review)."""
+    w = argparse.ArgumentParser()
+    add_worker_cli_args(w, "decode")
+    with pytest.raises(SystemExit):
+        w.parse_args(["--model", "m", flag, value])
+    assert f"argument {flag}" in capsys.readouterr().err
