@@ -684,6 +684,18 @@ class PdserveServer(Server):
             raise RuntimeError(f"pdserve up failed to start; log tail:\n{_tail(self.log)}")
         return "Ctrl-C to stop" in text
 
+    def serving_again(self) -> bool:
+        """After a resume: every worker registered again (their leases lapsed while stopped:
+        the router's ``/health`` counts them) and a short completion answered."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as r:
+                h = json.loads(r.read())
+        except (OSError, ValueError):
+            return False
+        if h.get("decode_workers") != self.decode or h.get("prefill_workers") != self.prefill:
+            return False
+        return super().serving_again()
+
     def workers(self) -> dict[str, dict]:
         out = {}
         for f in sorted(self.run_dir.glob("*.ready.json")):
@@ -1039,14 +1051,18 @@ def measure_interleaved(
     temperature: float = 0.0,
 ) -> dict[str, dict]:
     """Every system up at once, each run of the suite on each in turn: for each workload and
-    seed, one run per system (the order rotated by seed), so a slow stretch of a shared host
-    falls on every system alike instead of on whichever half it happened to hit. The systems
-    not being measured are stopped (SIGSTOP of their whole process tree: idle, their timers'
-    wake-ups had taken 1-5 % of a core and perturbed the measured one); each is resumed and
-    answers a short completion before its run (``resume_s``), and each run records the CPU its
-    peers used meanwhile (``idle_peers_cpu_s``, 0 when frozen)."""
+    seed, one run per system (the order rotated by seed: balanced when the seeds are a multiple
+    of the systems), so a slow stretch of a shared host falls on every system alike instead of
+    on whichever half it happened to hit. The systems not being measured are stopped (SIGSTOP
+    of their whole process tree); each is resumed, and must answer a short completion with
+    every worker registered, before its run (``resume_s``); each run records the CPU its peers
+    used meanwhile (``idle_peers_cpu_s``, 0 when frozen). A system that does not come back
+    gets an error run for each of its remaining seeds; the others go on."""
     labels = list(servers)
     recs: dict[str, dict] = {}
+    gone: dict[str, str] = {}  # systems that did not come back from a pause: why
+    for server in servers.values():  # SIGSTOP does not stop their `timeout`'s countdown
+        server.lifetime_s *= len(servers)
     try:
         for label, server in servers.items():
             la = wait_quiet(max_load, load_wait, f"starting {server.name}")
@@ -1061,10 +1077,12 @@ def measure_interleaved(
             server.start(startup_timeout)
         for label, server in servers.items():
             recs[label]["warmup"] = warmup(server, model, raw_dir, label)
-            server.pause()
-        la = wait_quiet(max_load, load_wait, "the interleaved suite")
+        # scraped while every system runs (a stopped one cannot answer), after the warm-ups
         before = {x: scrape_all(srv) for x, srv in servers.items()}
         cpu0 = {x: _cpu(srv) for x, srv in servers.items()}
+        for server in servers.values():
+            server.pause()
+        la = wait_quiet(max_load, load_wait, "the interleaved suite")
         for label in labels:
             recs[label]["load_at_suite_start"] = la
             recs[label]["runs"] = []
@@ -1072,8 +1090,19 @@ def measure_interleaved(
             for rep in range(seeds):
                 k = rep % len(labels)
                 for label in labels[k:] + labels[:k]:
+                    seed = seed_for(wi, rep, seed_base)
+                    if label not in gone:
+                        try:
+                            resume_s = servers[label].resume()
+                        except TimeoutError as e:
+                            gone[label] = str(e)
+                            print(f"[compare] {e}: no more runs on it", flush=True)
+                    if label in gone:
+                        recs[label]["runs"].append(
+                            {"workload": w.name, "seed": seed, "rc": None, "error": gone[label]}
+                        )
+                        continue
                     others = {x: srv for x, srv in servers.items() if x != label}
-                    resume_s = servers[label].resume()
                     idle0 = {x: _cpu(srv) for x, srv in others.items()}
                     (run,) = run_suite(
                         servers[label],
@@ -1094,25 +1123,37 @@ def measure_interleaved(
                     run["resume_s"] = round(resume_s, 2)
                     servers[label].pause()
                     recs[label]["runs"].append(run)
-        for server in servers.values():
-            server.resume()
         for label, server in servers.items():
             rec = recs[label]
             rec["temperature"] = temperature
+            if label in gone:
+                rec["gone"] = gone[label]
+                continue
+            try:  # best effort: every run is recorded already
+                server.resume()
+            except TimeoutError as e:
+                rec["gone"] = str(e)
+                continue
             rec["server_cpu_s"] = cpu_delta(cpu0[label], _cpu(server))
             rec["server_metrics"] = deltas(before[label], scrape_all(server))
             rec["load_at_end"] = loadavg()
     finally:
-        for label, server in servers.items():
-            rec = recs.setdefault(label, {"system": label})
-            rec["server"] = server.describe()
-            if server.proc is not None:  # a stopped tree gets SIGTERM only once it runs
+        # every tree running again first (a stopped one acts on SIGTERM only once it runs),
+        # then each stopped; one that fails to stop never leaves the others frozen
+        for server in servers.values():
+            if server.proc is not None:
                 for pid in tree_pids(server.proc.pid):
                     try:
                         os.kill(pid, signal.SIGCONT)
                     except ProcessLookupError:
                         pass
-            server.stop()
+        for label, server in servers.items():
+            rec = recs.setdefault(label, {"system": label})
+            rec["server"] = server.describe()
+            try:
+                server.stop()
+            except Exception as e:  # noqa: BLE001 - the others must still stop
+                print(f"[compare] stopping {server.name} failed: {e!r}", flush=True)
             if isinstance(server, PdserveServer):
                 rec["log_issues"] = server.log_issues()
             else:
@@ -1451,6 +1492,7 @@ def half_setup(
     flags and seeds, and the server's own settings (not its port or log paths)."""
     setup: dict = {
         "model": model,
+        "interleaved": bool(a.interleave),
         "temperature": a.temperature,
         "top_p": a.top_p,
         "workloads": {
@@ -1485,6 +1527,8 @@ def setup_mismatch(saved: dict | None, want: dict) -> str | None:
     for key in ("model", "temperature", "top_p", "server"):
         if saved.get(key) != want[key]:
             diffs.append(f"{key} {saved.get(key)!r}, not {want[key]!r}")
+    if bool(saved.get("interleaved")) != want["interleaved"]:  # older halves: on their own
+        diffs.append("it ran interleaved" if saved.get("interleaved") else "it ran on its own")
     for name, w in want["workloads"].items():
         was = saved.get("workloads", {}).get(name)
         if was is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -144,23 +145,27 @@ def test_a_workload_subset_does_not_overwrite_the_full_run(harness):
 # ---- --interleave ----------------------------------------------------------------------
 
 
-def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, monkeypatch):
-    """All servers up at once, started and stopped once each; every (workload, seed) runs on
-    every system, the first system of each seed rotating, only that system running (the others
-    paused), and each run lands in its own system's record."""
-    import os
-    from types import SimpleNamespace
+@pytest.fixture
+def interleave(tmp_path, monkeypatch):
+    """measure_interleaved over three fake servers (a ``sleep`` process each, so the real
+    SIGCONT of the clean-up touches nothing else): records starts, stops, pauses, resumes and
+    runs in order; ``fail[name] = n``: that server's n-th resume times out."""
+    import subprocess
 
     events: list[tuple] = []
+    fail: dict[str, int] = {}
+    procs: list[subprocess.Popen] = []
 
     class FakeServer(cv.Server):
         def __init__(self, name: str) -> None:
             super().__init__(0, tmp_path / f"{name}.log", 60)
             self.name = name
+            self.resumes = 0
 
         def start(self, startup_timeout: float) -> None:
             events.append(("start", self.name))
-            self.proc = SimpleNamespace(pid=os.getpid(), poll=lambda: None)
+            self.proc = subprocess.Popen(["sleep", "60"])
+            procs.append(self.proc)
 
         def stop(self, grace_s: float = 60.0) -> None:
             events.append(("stop", self.name))
@@ -169,6 +174,9 @@ def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, m
             events.append(("pause", self.name))
 
         def resume(self, timeout_s: float = 120.0) -> float:
+            self.resumes += 1
+            if fail.get(self.name) == self.resumes:
+                raise TimeoutError(f"{self.name} not serving 120s after SIGCONT")
             events.append(("resume", self.name))
             return 0.5
 
@@ -184,7 +192,22 @@ def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, m
     monkeypatch.setattr(cv, "vllm_bench", fake_bench)
     servers = {n: FakeServer(n) for n in ("vllm", "pdserve-colocated-1D", "pdserve-1P1D")}
     chosen = [(i, w) for i, w in enumerate(cv.WORKLOADS) if w.name in ("r256_n64", "r1088_n64")]
-    recs = cv.measure_interleaved(servers, "m", chosen, 3, 100, tmp_path, 60, 0, 0)
+
+    def run():
+        return cv.measure_interleaved(servers, "m", chosen, 3, 100, tmp_path, 60, 0, 0)
+
+    yield SimpleNamespace(events=events, fail=fail, servers=servers, chosen=chosen, run=run)
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_interleave_runs_every_seed_on_every_system_in_rotated_order(interleave):
+    """All servers up at once, started and stopped once each; every (workload, seed) runs on
+    every system, the first system of each seed rotating, only that system running (the others
+    paused), and each run lands in its own system's record."""
+    recs = interleave.run()
+    events, servers, chosen = interleave.events, interleave.servers, interleave.chosen
     starts = [e[1] for e in events if e[0] == "start"]
     stops = [e[1] for e in events if e[0] == "stop"]
     assert starts == stops == list(servers)
@@ -208,8 +231,33 @@ def test_interleave_runs_every_seed_on_every_system_in_rotated_order(tmp_path, m
         assert all(set(r["idle_peers_cpu_s"]) == set(servers) - {label} for r in rec["runs"])
         assert rec["interleaved_with"] == [x for x in servers if x != label]
         assert all(r["resume_s"] == 0.5 for r in rec["runs"])
+        assert "server_cpu_s" in rec and "gone" not in rec
+    # SIGSTOP does not stop a server's `timeout` countdown: the lifetime covers all of them
+    assert all(srv.lifetime_s == 60 * 3 for srv in servers.values())
+
+
+def test_a_system_that_does_not_come_back_fails_its_own_runs_only(interleave):
+    """Its third resume times out: its remaining seeds are error runs, the other systems run
+    every seed, every record is returned (before, the error left measure_interleaved and every
+    system's results were lost), and every server is stopped."""
+    interleave.fail["pdserve-1P1D"] = 3
+    recs = interleave.run()
+    bad = recs["pdserve-1P1D"]
+    assert [("error" in r) for r in bad["runs"]] == [False, False] + [True] * 4
+    assert "not serving" in bad["gone"] and "server_cpu_s" not in bad
+    for label in ("vllm", "pdserve-colocated-1D"):
+        assert len(recs[label]["runs"]) == 6 and not any("error" in r for r in recs[label]["runs"])
+    assert [e[1] for e in interleave.events if e[0] == "stop"] == list(interleave.servers)
 
 
 def test_interleave_takes_no_saved_half(harness, capsys):
     assert harness["main"]("--quick", "--interleave", "--skip-vllm") == 2
     assert "takes no --skip" in capsys.readouterr().out
+
+
+def test_a_saved_interleaved_half_is_not_reused_by_a_run_on_its_own():
+    want = {"model": "m", "temperature": 0, "top_p": None, "server": {}, "workloads": {}}
+    assert cv.setup_mismatch({**want, "interleaved": False}, {**want, "interleaved": False}) is None
+    assert cv.setup_mismatch(dict(want), {**want, "interleaved": False}) is None  # older halves
+    why = cv.setup_mismatch({**want, "interleaved": True}, {**want, "interleaved": False})
+    assert why == "it ran interleaved"
