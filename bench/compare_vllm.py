@@ -685,8 +685,10 @@ class PdserveServer(Server):
         return "Ctrl-C to stop" in text
 
     def serving_again(self) -> bool:
-        """After a resume: every worker registered again (their leases lapsed while stopped:
-        the router's ``/health`` counts them) and a short completion answered."""
+        """After a resume: the router's ``/health`` counts every worker and a short completion
+        is answered. (The workers' leases lapsed while stopped; they register again ~1 s after
+        the resume, which the router may not have seen yet: ``vllm bench serve``'s start-up,
+        ~10 s, is what keeps a run's first request clear of it.)"""
         try:
             with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as r:
                 h = json.loads(r.read())
