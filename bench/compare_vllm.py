@@ -240,14 +240,22 @@ def _label(pid: int) -> str:
     return comm
 
 
-def tree_pids(root: int) -> list[int]:
-    """``root`` and every live descendant (parents before their children)."""
-    kids: dict[int, list[int]] = {}
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """(ppid, CPU seconds) of every live process."""
+    stats = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             st = _proc_stat(int(d))
             if st:
-                kids.setdefault(st[0], []).append(int(d))
+                stats[int(d)] = st
+    return stats
+
+
+def tree_pids(root: int, stats: dict[int, tuple[int, float]] | None = None) -> list[int]:
+    """``root`` and every live descendant (parents before their children)."""
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in (_proc_table() if stats is None else stats).items():
+        kids.setdefault(ppid, []).append(pid)
     out, todo = [], [root]
     while todo:
         pid = todo.pop(0)
@@ -258,24 +266,13 @@ def tree_pids(root: int) -> list[int]:
 
 def tree_cpu(root: int) -> dict[str, float]:
     """CPU seconds used so far by ``root`` and every descendant, by process label."""
-    stats = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            st = _proc_stat(int(d))
-            if st:
-                stats[int(d)] = st
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        kids.setdefault(ppid, []).append(pid)
+    stats = _proc_table()
     out: dict[str, float] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
+    for pid in tree_pids(root, stats):
         if pid in stats:
             lbl = _label(pid)
             if lbl != "timeout":
                 out[lbl] = out.get(lbl, 0.0) + stats[pid][1]
-        todo.extend(kids.get(pid, []))
     return out
 
 
@@ -465,26 +462,28 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def signal_tree(self, sig: int) -> None:
+        """``sig`` to the server's whole process tree (none before it started)."""
+        if self.proc is None:
+            return
+        for pid in tree_pids(self.proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def pause(self) -> None:
         """SIGSTOP the server's whole process tree (``--interleave``: a system not being
         measured takes no CPU at all, not even its idle timers' wake-ups)."""
         assert self.proc is not None
-        for pid in tree_pids(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+        self.signal_tree(signal.SIGSTOP)
 
     def resume(self, timeout_s: float = 120.0) -> float:
         """SIGCONT the tree, then wait until it serves again (``serving_again``); returns the
         seconds that took. Raises ``TimeoutError`` past ``timeout_s``."""
         assert self.proc is not None
         t0 = time.monotonic()
-        for pid in tree_pids(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        self.signal_tree(signal.SIGCONT)
         while not self.serving_again():
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"{self.name} not serving {timeout_s:.0f}s after SIGCONT")
@@ -992,21 +991,14 @@ def measure(
     temperature: float = 0.0,
 ) -> dict:
     """Start ``server``, warm it up, run the suite, scrape metrics, stop it."""
-    la = wait_quiet(max_load, load_wait, f"starting {server.name}")
-    rec: dict = {
-        "system": label,
-        "load_at_start": la,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    if isinstance(server, PdserveServer):
-        rec["code"] = code_version()
+    rec = _open_record(server, label, max_load, load_wait)
     try:
         server.start(startup_timeout)
         rec["warmup"] = warmup(server, model, raw_dir, label)
         la = wait_quiet(max_load, load_wait, f"the {label} suite")
         rec["load_at_suite_start"] = la
         before = scrape_all(server)
-        cpu0 = tree_cpu(server.proc.pid)
+        cpu0 = _cpu(server)
         rec["runs"] = run_suite(
             server,
             model,
@@ -1020,18 +1012,37 @@ def measure(
             temperature,
         )
         rec["temperature"] = temperature
-        rec["server_cpu_s"] = cpu_delta(cpu0, tree_cpu(server.proc.pid))
+        rec["server_cpu_s"] = cpu_delta(cpu0, _cpu(server))
         rec["server_metrics"] = deltas(before, scrape_all(server))
         rec["load_at_end"] = loadavg()
     finally:
-        rec["server"] = server.describe()
+        _close_record(rec, server)
+    return rec
+
+
+def _open_record(server: Server, label: str, max_load: float, load_wait: float) -> dict:
+    """A system's record, opened once the host is quiet enough to start it."""
+    rec: dict = {
+        "system": label,
+        "load_at_start": wait_quiet(max_load, load_wait, f"starting {server.name}"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if isinstance(server, PdserveServer):
+        rec["code"] = code_version()
+    return rec
+
+
+def _close_record(rec: dict, server: Server) -> None:
+    """Stop ``server`` and close its record: how it ran, what its logs say, when it ended."""
+    rec["server"] = server.describe()
+    try:
         server.stop()
+    finally:
         if isinstance(server, PdserveServer):
             rec["log_issues"] = server.log_issues()
         else:
             rec["log_issues"] = {server.log.name: scan_log(server.log)}
-    rec["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    return rec
+        rec["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def _cpu(server: Server) -> dict[str, float]:
@@ -1067,15 +1078,8 @@ def measure_interleaved(
         server.lifetime_s *= len(servers)
     try:
         for label, server in servers.items():
-            la = wait_quiet(max_load, load_wait, f"starting {server.name}")
-            recs[label] = {
-                "system": label,
-                "load_at_start": la,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "interleaved_with": [x for x in labels if x != label],
-            }
-            if isinstance(server, PdserveServer):
-                recs[label]["code"] = code_version()
+            recs[label] = _open_record(server, label, max_load, load_wait)
+            recs[label]["interleaved_with"] = [x for x in labels if x != label]
             server.start(startup_timeout)
         for label, server in servers.items():
             recs[label]["warmup"] = warmup(server, model, raw_dir, label)
@@ -1143,24 +1147,12 @@ def measure_interleaved(
         # every tree running again first (a stopped one acts on SIGTERM only once it runs),
         # then each stopped; one that fails to stop never leaves the others frozen
         for server in servers.values():
-            if server.proc is not None:
-                for pid in tree_pids(server.proc.pid):
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+            server.signal_tree(signal.SIGCONT)
         for label, server in servers.items():
-            rec = recs.setdefault(label, {"system": label})
-            rec["server"] = server.describe()
             try:
-                server.stop()
+                _close_record(recs.setdefault(label, {"system": label}), server)
             except Exception as e:  # noqa: BLE001 - the others must still stop
                 print(f"[compare] stopping {server.name} failed: {e!r}", flush=True)
-            if isinstance(server, PdserveServer):
-                rec["log_issues"] = server.log_issues()
-            else:
-                rec["log_issues"] = {server.log.name: scan_log(server.log)}
-            rec["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return recs
 
 
@@ -1578,6 +1570,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in topologies:
         saved.setdefault(name, a.out_dir / f"compare_{tag}_{name}.json")
     recs: dict[str, dict] = {}
+
+    def save_half(system: str, rec: dict) -> None:
+        rec["top_p"] = a.top_p
+        rec["workloads"] = {w.name: w.desc for _, w in chosen}
+        rec["setup"] = half_setup(system, a, model, chosen, topologies)
+        saved[system].write_text(json.dumps(rec, indent=1))
+        recs[system] = rec
+
     for system in ("vllm", *topologies):
         skip = a.skip_vllm if system == "vllm" else a.skip_pdserve
         if skip:
@@ -1614,11 +1614,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError) as e:
             print(f"[compare] {system} failed: {e}", flush=True)
             return 1
-        rec["top_p"] = a.top_p
-        rec["workloads"] = {w.name: w.desc for _, w in chosen}
-        rec["setup"] = half_setup(system, a, model, chosen, topologies)
-        saved[system].write_text(json.dumps(rec, indent=1))
-        recs[system] = rec
+        save_half(system, rec)
 
     if a.interleave:
         systems = ("vllm", *topologies)
@@ -1644,11 +1640,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[compare] interleaved run failed: {e}", flush=True)
             return 1
         for system, rec in both.items():
-            rec["top_p"] = a.top_p
-            rec["workloads"] = {w.name: w.desc for _, w in chosen}
-            rec["setup"] = half_setup(system, a, model, chosen, topologies)
-            saved[system].write_text(json.dumps(rec, indent=1))
-            recs[system] = rec
+            save_half(system, rec)
 
     first = next(iter(topologies))
     rat = ratios(recs[first], recs["vllm"])

@@ -13,10 +13,8 @@ import threading
 import grpc
 import pytest
 
-from decode_service.server import DecodeServicer
-from kvtransfer import LoopbackNetwork, create_receiver
 from shared.proto import pdserve_pb2 as pb
-from tests.services.inprocess_worker import collect, running_runtime
+from tests.services.inprocess_worker import collect, loopback_servicer, running_runtime
 
 pytestmark = pytest.mark.integration
 
@@ -27,13 +25,6 @@ STALL_S = 6.0
 def runtime(tiny_llama):
     with running_runtime(tiny_llama, "decode") as rt:
         yield rt
-
-
-def _servicer(rt) -> tuple[DecodeServicer, object]:
-    receiver = create_receiver(
-        "loopback", rt.engine.runner.kv_cache, rt.kv_geometry(), network=LoopbackNetwork()
-    )
-    return DecodeServicer(rt, receiver, prefill_timeout_s=5.0), receiver
 
 
 async def _nothing_left(rt, servicer) -> None:
@@ -64,7 +55,7 @@ def test_the_deadline_bounds_the_wait_for_admission(runtime, added):
     rt = runtime
 
     async def scenario():
-        servicer, receiver = _servicer(rt)
+        servicer, receiver = loopback_servicer(rt)
         stalling = threading.Event()
         stall_over = threading.Event()  # set by the test: the stall may end
         stall_ended = threading.Event()  # set by the stall once it ended
@@ -118,7 +109,7 @@ def test_the_deadline_bounds_the_grammar_compile(runtime):
     rt.engine.compile_grammar = slow_compile  # type: ignore[method-assign]
 
     async def scenario():
-        servicer, receiver = _servicer(rt)
+        servicer, receiver = loopback_servicer(rt)
         req = _request("g", structured_outputs=pb.StructuredOutputs(regex="[ab]+"))
         try:
             chunks, status = await asyncio.wait_for(collect(servicer, req), 30)
