@@ -13,7 +13,8 @@ import pytest
 from decode_service.server import _Flight
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import pdserve_pb2 as pb
-from tests.services.test_decode_review3_deadline import _servicer, runtime  # noqa: F401
+from tests.services.inprocess_worker import loopback_servicer
+from tests.services.test_decode_review3_deadline import runtime  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +23,7 @@ def test_an_abort_that_outwaits_its_bound_still_runs(runtime):  # noqa: F811
     rt = runtime
 
     async def scenario():
-        servicer, receiver = _servicer(rt)
+        servicer, receiver = loopback_servicer(rt)
         servicer.abort_wait_s = 0.2
         sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
         eid = "r@1"
