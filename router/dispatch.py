@@ -21,6 +21,10 @@ Failure rules:
   ``stall_timeout_s`` counts as a failure; the request deadline bounds everything (504).
 - Closing the event generator (client gone, stop string) cancels the request's stream, which
   aborts the request on D.
+- A failure seen within ``RESUME_GRACE_S`` of this router's own noticeable pause (SIGSTOP, a
+  paused VM: ``shared/pauses.py``) is tried once more on the same D, which is not cooled down:
+  the worker's messages waited in the socket, or its keepalive gave the silent router up;
+  the worker was healthy. The stall timeout does not count the pause either.
 """
 
 from __future__ import annotations
@@ -50,11 +54,17 @@ from router.workers import WorkerPool
 from shared.directory import ROLE_DECODE, ROLE_PREFILL, DirectoryReader, WorkerRecord
 from shared.directory.mirror import DirectoryMirror
 from shared.hashing import block_hashes, hash_seed
+from shared.pauses import PauseLog
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.failure import FAILURE_KEY, FAILURE_REQUEST
 from shared.proto.mux import MuxCall
 
 logger = logging.getLogger(__name__)
+
+#: A decode worker's failure this soon after the router's own noticeable pause is tried once
+#: more on it: keepalive (3 s pings, 3 s timeouts; the worker's own 10 + 5 s) and the mux's
+#: stall timer surface a pause's broken calls within a few seconds of the resume.
+RESUME_GRACE_S = 10.0
 
 _SC = grpc.StatusCode
 _RETRYABLE = {_SC.UNAVAILABLE, _SC.INTERNAL, _SC.UNKNOWN, _SC.ABORTED, _SC.DATA_LOSS, _SC.CANCELLED}
@@ -123,10 +133,17 @@ class _Watchdog:
     (``paused``: a client that stops reading, whose backpressure stops the router reading the
     worker) there is no stall, so a slow client never makes a healthy worker look failed."""
 
-    __slots__ = ("_handle", "call", "deadline", "last", "paused", "stall_s", "why")
+    __slots__ = ("_handle", "call", "deadline", "last", "pauses", "paused", "stall_s", "why")
 
-    def __init__(self, call: grpc.aio.Call | MuxCall, deadline: float, stall_s: float) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.Call | MuxCall,
+        deadline: float,
+        stall_s: float,
+        pauses: PauseLog | None = None,
+    ) -> None:
         self.call = call
+        self.pauses = pauses  # the router's own pauses: not the worker's silence
         self.deadline = deadline
         self.stall_s = stall_s
         self.last = 0.0  # time.monotonic() of the latest output; 0 before the first
@@ -142,7 +159,15 @@ class _Watchdog:
         now = time.monotonic()
         if now >= self.deadline:
             self.why = "deadline"
-        elif self.last and not self.paused and now - self.last >= self.stall_s:
+        elif (
+            self.last
+            and not self.paused
+            and now - self.last >= self.stall_s
+            and (
+                self.pauses is None
+                or now - self.last - self.pauses.paused_since(self.last) >= self.stall_s
+            )
+        ):
             self.why = "stall"
         if self.why:
             self.call.cancel()
@@ -376,6 +401,20 @@ class GenerationStream:
         # reported them; a resumed attempt's count covers the prompt plus the tokens it was
         # resumed with (its engine's prompt), so it is not the request's
         self.cached_tokens: int | None = None
+        # decode workers whose failure came right after this router's own pause, retried once
+        self._forgiven: set[str] = set()
+
+    def _after_own_pause(self, worker_id: str) -> bool:
+        """Whether a failure of ``worker_id`` is this router's pause's doing: one came within
+        ``RESUME_GRACE_S`` of a noticeable pause, and it is the first such for this request
+        on that worker (a second one is the worker's)."""
+        pauses = getattr(self.d.pool, "pauses", None)
+        if worker_id in self._forgiven or pauses is None:
+            return False
+        if not pauses.resumed_within(RESUME_GRACE_S):
+            return False
+        self._forgiven.add(worker_id)
+        return True
 
     def finish(self, index: int) -> None:
         """The consumer ended sample ``index`` (a stop string matched). With other samples
@@ -467,11 +506,19 @@ class GenerationStream:
                 except _Retryable as e:
                     last_error = f"{record.worker_id}: {e}"
                     overloaded = overloaded or e.overloaded
-                    exclude.add(record.worker_id)
-                    if not e.overloaded:
-                        self.d.pool.mark_failed(
-                            record.worker_id, str(e), generation=record.generation
+                    if not e.overloaded and self._after_own_pause(record.worker_id):
+                        logger.warning(
+                            "request %s: %s right after this router was paused; trying the "
+                            "same worker again",
+                            self.inp.request_id,
+                            last_error,
                         )
+                    else:
+                        exclude.add(record.worker_id)
+                        if not e.overloaded:
+                            self.d.pool.mark_failed(
+                                record.worker_id, str(e), generation=record.generation
+                            )
                     if len(self.finished) >= self.n:  # every sample had ended; only the final
                         yield StreamEnd(
                             self.path, record.worker_id, self.cached_tokens
@@ -551,7 +598,12 @@ class GenerationStream:
         self._call = call
         done = False
         got_output = False
-        dog = _Watchdog(call, self.inp.deadline, self.d.cfg.stall_timeout_s)
+        dog = _Watchdog(
+            call,
+            self.inp.deadline,
+            self.d.cfg.stall_timeout_s,
+            getattr(self.d.pool, "pauses", None),
+        )
         n, finished, tokens, want_lp = self.n, self.finished, self.tokens, self._want_logprobs
         try:
             while True:

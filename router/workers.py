@@ -30,6 +30,7 @@ from shared.directory import (
     WorkerLoad,
     WorkerRecord,
 )
+from shared.pauses import PauseLog
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
 from shared.proto.channel_options import CLIENT_OPTIONS
@@ -98,15 +99,23 @@ class WorkerPool:
         # FORGET_AFTER_S with nothing in flight (workers restarted under new ids, replaced pods)
         self._gone_since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
+        # this router's own pauses (SIGSTOP, a paused VM): a worker's call that failed because
+        # the router did not run is not the worker's failure (``Generation.events``)
+        self.pauses = PauseLog()
+        self._pause_task: asyncio.Task[None] | None = None
         self.last_refresh_ok: float | None = None
         self.last_error: str | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
+        self._pause_task = asyncio.create_task(self.pauses.run(), name="router-pauses")
         await self.refresh()
         self._task = asyncio.create_task(self._loop(), name="worker-pool-refresh")
 
     async def close(self) -> None:
+        if self._pause_task is not None:
+            self._pause_task.cancel()
+            self._pause_task = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -440,7 +449,10 @@ class WorkerPool:
         if mux is None:
             stub = self.decode_stub(address)  # its calls carry the cluster token
             mux = self._muxes[address] = MuxClient(
-                lambda: stub.GenerateMux(None), address, stall_timeout_s=self.mux_stall_timeout_s
+                lambda: stub.GenerateMux(None),
+                address,
+                stall_timeout_s=self.mux_stall_timeout_s,
+                pauses=self.pauses,
             )
         return mux
 

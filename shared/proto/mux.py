@@ -46,6 +46,7 @@ from typing import Any
 
 import grpc
 
+from shared.pauses import PauseLog
 from shared.proto import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -445,8 +446,10 @@ class MuxClient:
         method: Callable[..., Any],
         address: str,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        pauses: PauseLog | None = None,
     ) -> None:
         self._method = method
+        self._pauses = pauses  # this process's own pauses: silence then is not the worker's
         self.address = address
         self.stall_timeout_s = stall_timeout_s
         self._call: Any = None
@@ -577,6 +580,10 @@ class MuxClient:
             while call is self._call and self._beats:
                 now = time.monotonic()
                 silent = now - self._last_read
+                if silent >= stall and self._pauses is not None:
+                    # on resume from a pause the worker's messages wait in the socket, and
+                    # this timer may fire before they are read: the pause is not its silence
+                    silent -= self._pauses.paused_since(self._last_read)
                 if silent < stall:
                     await asyncio.sleep(stall - silent)
                 elif not self._calls:  # nothing waits on it: look again later

@@ -24,6 +24,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.workers import WorkerPool
+from shared.pauses import NOTICEABLE_S, PauseLog
 from shared.proto import mux as mux_mod
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
@@ -228,6 +229,52 @@ def test_heartbeats_keep_a_call_with_a_quiet_request_open():
     assert tokens == [3] and end is grpc.aio.EOF
     assert cancelled  # by close() only
     assert not left
+
+
+def _pause_loop(seconds: float) -> None:
+    """This process's event loop does not run for ``seconds`` and it uses no CPU meanwhile:
+    what a SIGSTOP or a paused VM looks like from inside."""
+    time.sleep(seconds)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("knows_pauses", [True, False], ids=["pause-log", "no-pause-log"])
+def test_a_pause_of_the_router_itself_is_not_the_workers_silence(knows_pauses):
+    """The router paused longer than the stall timeout, its worker's chunk waiting meanwhile:
+    on resume the stall timer (due first) used to fail the call before the reader got the
+    chunk, failing every request on it and cooling a healthy worker down. With the router's
+    ``PauseLog`` the paused time is not counted; without one (``knows_pauses`` False) the
+    old behaviour is kept, which shows this scenario does reach the timer first."""
+    pause_s = NOTICEABLE_S + 0.6
+
+    async def scenario():
+        pauses = PauseLog(period_s=0.05) if knows_pauses else None
+        ticker = asyncio.ensure_future(pauses.run()) if pauses else None
+        call = _FakeCall()
+        client = MuxClient(lambda: call, "d:1", stall_timeout_s=STALL_S, pauses=pauses)
+        m = client.start(pb.GenerateRequest(request_id="r1"))
+        call.send(pb.MuxDown())  # the hello: the call is watched
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        # the chunk "arrives" during the pause, after the stall timer fell due
+        loop.call_later(STALL_S * 1.5, lambda: (call.send(_chunk("r1", 7)), call.send(_ok("r1"))))
+        loop.call_soon(_pause_loop, pause_s)
+        try:
+            first = await asyncio.wait_for(m.read(), WAIT_S)
+        except grpc.aio.AioRpcError as e:
+            first = e
+        if ticker:
+            ticker.cancel()
+        await client.close()
+        return first, call.cancelled
+
+    first, cancelled = asyncio.run(scenario())
+    if knows_pauses:
+        assert not isinstance(first, grpc.aio.AioRpcError), first
+        assert list(first.outputs[0].token_ids) == [7]
+    else:
+        assert isinstance(first, grpc.aio.AioRpcError)
+        assert first.code() == grpc.StatusCode.UNAVAILABLE and "no message" in first.details()
 
 
 # ---- worker side: serve_mux's hello and heartbeats -------------------------------------------

@@ -340,3 +340,46 @@ def test_cached_tokens_after_a_resume_are_the_prompts(make_worker, make_router, 
     usage = chunks[-1].usage
     assert usage.prompt_tokens == 10 and usage.completion_tokens == 40
     assert usage.prompt_tokens_details.cached_tokens == 0  # the doomed worker's count
+
+
+def _pause_router(r, seconds: float) -> None:
+    """The router's event loop does not run for ``seconds`` and its process uses no CPU
+    meanwhile: a SIGSTOP of the router as its own clocks see it (the router runs in this
+    test's process, so it cannot be stopped with a signal here)."""
+    import threading
+
+    loop = r.ctx.dispatcher.pool._task.get_loop()
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: (time.sleep(seconds), done.set()))
+    assert done.wait(seconds + 10)
+
+
+@pytest.mark.parametrize("failures", [1, 2], ids=["once", "twice"])
+def test_a_failure_right_after_the_routers_own_pause_is_retried_on_the_same_worker(
+    make_worker, make_router, router_config, failures
+):
+    """A decode worker's call that fails right after the router was paused failed because of
+    the pause (keepalive gave the silent router up): it is tried once more on the same
+    worker, which is not cooled down; with one decode worker the request used to end in an
+    error and the next ones in 503 for --worker-cooldown. A second failure there is the
+    worker's own: the usual rules (excluded, cooled down)."""
+    from shared.pauses import NOTICEABLE_S
+
+    only = make_worker("only", fail_requests=failures, fail_code="UNAVAILABLE")
+    r = make_router(router_config)
+    r.wait_workers(1)
+    _pause_router(r, NOTICEABLE_S + 0.5)
+    resp = httpx.post(
+        f"{r.url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "after a pause", "max_tokens": 3, "ignore_eos": True},
+        timeout=30,
+    )
+    if failures == 1:
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 3
+        assert r.metric("pdserve:router_retries_total") == 1
+        assert only.stats().prefix_cache_queries == 1  # the retry went to the same worker
+        assert r.ctx.dispatcher.pool.healthy("decode")  # not cooled down
+    else:
+        assert resp.status_code >= 500, resp.text
+        assert not r.ctx.dispatcher.pool.healthy("decode")  # the second failure cooled it

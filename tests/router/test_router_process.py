@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -178,3 +179,83 @@ def test_pdserve_router_needs_workers_or_redis(tiny_model):
         env={**os.environ, "PDSERVE_REDIS_URL": ""},
     )
     assert out.returncode == 2 and "--redis-url" in out.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("decode_stream", ["mux", "per-request"])
+def test_a_router_paused_past_its_timeouts_loses_no_stream_and_cools_no_worker(
+    tiny_model, make_worker, redis_server, prefix, tmp_path, decode_stream
+):
+    """The router process itself stopped (SIGSTOP: a debugger, a paused VM) for longer than
+    ``--worker-stall-timeout`` and gRPC's keepalive timeout, with a stream in flight on the
+    only decode worker. On resume the router used to take its own silence for the worker's:
+    the stall timer or keepalive failed the call, the worker was excluded and cooled down,
+    and with no other decode worker the stream ended in an error and new requests got 503
+    for ``--worker-cooldown``. Now the pause is not counted and the stream goes on (resumed
+    on the same worker where its call broke): every token once, in order."""
+    from router_harness import load_fake_worker_module
+
+    from router.tokenizer import RouterTokenizer
+
+    fw = load_fake_worker_module()
+    tok = RouterTokenizer.from_model_dir(tiny_model)
+    make_worker("pause-d0", token_delay=0.02)
+    proc, url, log = _start_router(
+        tiny_model,
+        redis_server,
+        prefix,
+        tmp_path,
+        "--worker-stall-timeout",
+        "1",
+        "--decode-stream",
+        decode_stream,
+    )
+    prompt = "a router that sleeps"
+    try:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        text, errors = [], []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200, resp.read()
+            paused = False
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"])
+                    continue
+                text += [c["text"] for c in chunk["choices"]]
+                if not paused and len(text) >= 10:
+                    paused = True
+                    proc.send_signal(signal.SIGSTOP)
+                    time.sleep(4.5)  # > --worker-stall-timeout and keepalive's 3 + 3 s pings
+                    proc.send_signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        # a new request right after the resume is served by the same (only) worker
+        after = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "and wakes", "max_tokens": 4},
+            timeout=30,
+        )
+        took = time.monotonic() - resumed_at
+        expected, _ = fw.expected_output(
+            tok.encode(prompt), max_tokens=200, vocab=2048, ignore_eos=True
+        )
+        assert errors == []
+        assert "".join(text) == tok.decode(expected)  # nothing lost, nothing twice
+        assert after.status_code == 200, after.text
+        assert took < 5, took
+        logged = log.read_text()
+        assert "cooling down" not in logged, logged
+        assert "did not run for" in logged  # the router knew it had been paused
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
