@@ -22,6 +22,8 @@ injected while streams are mid-flight, then the load goes on until the cluster r
   kill-router      kill -9 the router; the supervisor starts it again on the listening socket
                    pdserve up holds, so requests sent meanwhile wait instead of being refused
                    (streams through the killed router end with it: counted as cut, not lost)
+  stop-router      SIGSTOP the router for --freeze seconds, then SIGCONT: its streams wait and
+                   go on (the router does not take its own pause for its workers' silence)
 
 Per fault: streams started, completed identical to the undisturbed output, lost (an error or a
 cut stream), duplicated (a token sent twice), wrong (any other difference), and the longest
@@ -63,6 +65,7 @@ FAULTS = (
     "slow-readers",
     "drain",
     "kill-router",
+    "stop-router",
 )
 
 
@@ -499,8 +502,8 @@ async def inject(fault: str, cluster, sup: Supervisor, args) -> str:
         await asyncio.sleep(args.redis_down)
         os.kill(pid, signal.SIGCONT)
         return f"Redis stopped (SIGSTOP) for {args.redis_down:g} s"
-    if fault in ("stop-decode", "stop-prefill"):
-        name = "decode-0" if fault == "stop-decode" else "prefill-0"
+    if fault in ("stop-decode", "stop-prefill", "stop-router"):
+        name = {"stop-decode": "decode-0", "stop-prefill": "prefill-0"}.get(fault, "router")
         pid = worker_pid(cluster, name)
         os.kill(pid, signal.SIGSTOP)
         await asyncio.sleep(args.freeze)

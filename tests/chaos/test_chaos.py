@@ -22,7 +22,8 @@ def test_faults_under_load_lose_nothing(tmp_path):
     args = p.parse_args(
         [
             "--faults",
-            "kill-decode,kill-prefill,stop-decode,slow-readers,kill-redis,drain,kill-router",
+            "kill-decode,kill-prefill,stop-decode,slow-readers,kill-redis,drain,kill-router,"
+            "stop-router",
             "--freeze",
             "8",
             "--slow-read",
@@ -40,6 +41,9 @@ def test_faults_under_load_lose_nothing(tmp_path):
             "--out",
             str(tmp_path / "chaos.json"),
             "--router-arg=--stall-timeout=1.5",
+            # the router's silent-call timer well inside the 8 s freezes, so that a stopped
+            # router resumes with it overdue (stop-router)
+            "--router-arg=--worker-stall-timeout=5",
         ]
     )
     report_rc = asyncio.run(chaos.main_async(args))
@@ -57,6 +61,11 @@ def test_faults_under_load_lose_nothing(tmp_path):
     # in flight through the killed router end with it
     kr = rows["kill-router"]
     assert kr["identical"] + kr["cut"] == kr["started"] and kr["identical"] > kr["cut"], kr
+    # a router stopped for 8 s (past its 5 s --worker-stall-timeout and gRPC's keepalive)
+    # takes its own pause for no worker's failure: every stream through it goes on whole
+    sr = rows["stop-router"]
+    assert sr["identical"] == sr["started"], sr
+    assert sr["longest_s"] >= 8.0, sr  # the streams really waited out the freeze
     # slow readers get their whole, identical streams (and fail no worker)
     assert rows["slow-readers"]["identical"] == rows["slow-readers"]["started"]
     soak = report["soak"]
