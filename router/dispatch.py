@@ -21,10 +21,11 @@ Failure rules:
   ``stall_timeout_s`` counts as a failure; the request deadline bounds everything (504).
 - Closing the event generator (client gone, stop string) cancels the request's stream, which
   aborts the request on D.
-- A failure seen within ``RESUME_GRACE_S`` of this router's own noticeable pause (SIGSTOP, a
-  paused VM: ``shared/pauses.py``) is tried once more on the same D, which is not cooled down:
-  the worker's messages waited in the socket, or its keepalive gave the silent router up;
-  the worker was healthy. The stall timeout does not count the pause either.
+- A call to D that broke with no word from D on why, in an attempt that began before a
+  noticeable pause of this router itself (SIGSTOP, a paused VM: ``shared/pauses.py``) ended
+  less than ``RESUME_GRACE_S`` ago, does not exclude or cool D down (once per D and request,
+  not counted against ``max_retries``): keepalive gave the silent router up, D was healthy.
+  The retry is routed as usual, D included. The stall timers do not count the pause either.
 """
 
 from __future__ import annotations
@@ -116,11 +117,14 @@ class StreamEnd:
 
 
 class _Retryable(Exception):
-    """This D failed in a way another D may not."""
+    """This D failed in a way another D may not. ``transport``: the call broke with no word
+    from the worker on why (no ``pdserve-failure``; not this router's stall timers): what a
+    pause of the router itself can cause."""
 
-    def __init__(self, reason: str, overloaded: bool = False) -> None:
+    def __init__(self, reason: str, overloaded: bool = False, transport: bool = False) -> None:
         super().__init__(reason)
         self.overloaded = overloaded
+        self.transport = transport
 
 
 class _Watchdog:
@@ -157,23 +161,19 @@ class _Watchdog:
 
     def _check(self) -> None:
         now = time.monotonic()
+        paused = 0.0  # the router's own paused time since the latest output
         if now >= self.deadline:
             self.why = "deadline"
-        elif (
-            self.last
-            and not self.paused
-            and now - self.last >= self.stall_s
-            and (
-                self.pauses is None
-                or now - self.last - self.pauses.paused_since(self.last) >= self.stall_s
-            )
-        ):
-            self.why = "stall"
+        elif self.last and not self.paused and now - self.last >= self.stall_s:
+            if self.pauses is not None:
+                paused = self.pauses.paused_since(self.last)
+            if now - self.last - paused >= self.stall_s:
+                self.why = "stall"
         if self.why:
             self.call.cancel()
             return
         if self.last:
-            wake = min(self.deadline, (now if self.paused else self.last) + self.stall_s)
+            wake = min(self.deadline, (now if self.paused else self.last + paused) + self.stall_s)
         else:
             wake = self.deadline
         self._arm(wake - now)
@@ -402,17 +402,22 @@ class GenerationStream:
         # resumed with (its engine's prompt), so it is not the request's
         self.cached_tokens: int | None = None
         # decode workers whose failure came right after this router's own pause, retried once
+        # each; those retries are not counted against --max-retries
         self._forgiven: set[str] = set()
+        self._attempt_started = 0.0  # time.monotonic() when the running attempt began
 
-    def _after_own_pause(self, worker_id: str) -> bool:
-        """Whether a failure of ``worker_id`` is this router's pause's doing: one came within
-        ``RESUME_GRACE_S`` of a noticeable pause, and it is the first such for this request
-        on that worker (a second one is the worker's)."""
+    def _after_own_pause(self, worker_id: str, e: _Retryable) -> bool:
+        """Whether a failure of ``worker_id`` is this router's pause's doing: the call broke
+        with no word from the worker (``transport``), a noticeable pause of the router ended
+        after the attempt began and less than ``RESUME_GRACE_S`` ago, and it is the first
+        such for this request on that worker (a second one is the worker's)."""
         pauses = getattr(self.d.pool, "pauses", None)
-        if worker_id in self._forgiven or pauses is None:
+        if not e.transport or worker_id in self._forgiven or pauses is None:
             return False
         if not pauses.resumed_within(RESUME_GRACE_S):
             return False
+        if pauses.paused_since(self._attempt_started) <= 0.0:
+            return False  # the attempt began after the pause: it cannot be its doing
         self._forgiven.add(worker_id)
         return True
 
@@ -492,7 +497,7 @@ class GenerationStream:
                         raise OverloadedError(
                             "every decode worker is at capacity; retry later"
                         ) from e
-                    if exclude:
+                    if exclude or self._forgiven:
                         raise UpstreamError(f"{e.message}; last failure: {last_error}") from e
                     raise
                 self.decision, self.path, self.worker_id = decision, decision.path, record.worker_id
@@ -506,14 +511,8 @@ class GenerationStream:
                 except _Retryable as e:
                     last_error = f"{record.worker_id}: {e}"
                     overloaded = overloaded or e.overloaded
-                    if not e.overloaded and self._after_own_pause(record.worker_id):
-                        logger.warning(
-                            "request %s: %s right after this router was paused; trying the "
-                            "same worker again",
-                            self.inp.request_id,
-                            last_error,
-                        )
-                    else:
+                    excused = self._after_own_pause(record.worker_id, e)
+                    if not excused:
                         exclude.add(record.worker_id)
                         if not e.overloaded:
                             self.d.pool.mark_failed(
@@ -525,7 +524,7 @@ class GenerationStream:
                         )  # chunk lost
                         return
                     self.attempts += 1
-                    if self.attempts > self.d.cfg.max_retries:
+                    if self.attempts - len(self._forgiven) > self.d.cfg.max_retries:
                         if overloaded and not any(self.tokens):
                             raise OverloadedError(
                                 "decode workers are at capacity; retry later"
@@ -536,10 +535,13 @@ class GenerationStream:
                         ) from None
                     sent = sum(map(len, self.tokens))
                     logger.warning(
-                        "request %s: %s; retrying (%s)",
+                        "request %s: %s; retrying (%s%s)",
                         self.inp.request_id,
                         last_error,
                         f"resuming after {sent} tokens" if sent else "no token sent yet",
+                        "; right after this router was paused: that worker not blamed"
+                        if excused
+                        else "",
                     )
         finally:
             if self.path is not None:
@@ -575,6 +577,7 @@ class GenerationStream:
         timers (this loop runs once per token; a gRPC-level deadline alone costs ~0.4 ms per
         call here). D also gets the deadline in ``deadline_s``."""
         pool = self.d.pool
+        self._attempt_started = time.monotonic()
         # the prefix hit of the prompt's stream, counted with the attempt that produced its
         # first output (a retry before it does not count it again; a resume never does)
         count_hit = not any(self.tokens)
@@ -699,7 +702,7 @@ class GenerationStream:
         if code == _SC.RESOURCE_EXHAUSTED:
             return _Retryable(f"worker at capacity: {details}", overloaded=True)
         if code in _RETRYABLE:
-            return _Retryable(f"{code.name}: {details}")
+            return _Retryable(f"{code.name}: {details}", transport=not _failure_kind(e))
         if code in _REFUSES_US and not got_output:
             return _Retryable(
                 f"{code.name}: {details} (the worker refuses this router: check "

@@ -100,7 +100,7 @@ class WorkerPool:
         self._gone_since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         # this router's own pauses (SIGSTOP, a paused VM): a worker's call that failed because
-        # the router did not run is not the worker's failure (``Generation.events``)
+        # the router did not run is not the worker's failure (``GenerationStream.events``)
         self.pauses = PauseLog()
         self._pause_task: asyncio.Task[None] | None = None
         self.last_refresh_ok: float | None = None
@@ -108,13 +108,14 @@ class WorkerPool:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        self._pause_task = asyncio.create_task(self.pauses.run(), name="router-pauses")
         await self.refresh()
+        self._pause_task = asyncio.create_task(self.pauses.run(), name="router-pauses")
         self._task = asyncio.create_task(self._loop(), name="worker-pool-refresh")
 
     async def close(self) -> None:
         if self._pause_task is not None:
             self._pause_task.cancel()
+            await asyncio.gather(self._pause_task, return_exceptions=True)
             self._pause_task = None
         if self._task is not None:
             self._task.cancel()

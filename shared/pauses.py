@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 #: A pause shorter than this is scheduling noise: not logged, and not a resume (``PauseLog``).
 NOTICEABLE_S = 1.0
+#: At most one warning per this many seconds (a starved host may show a pause every second).
+WARN_EVERY_S = 60.0
 
 
 class PauseMeter:
@@ -40,7 +42,11 @@ class PauseMeter:
         self.period_s = period_s
         self.slack_s = slack_s
         self._wall, self._cpu = wall, cpu
-        self._last = (wall(), cpu())
+        self.reset()
+
+    def reset(self) -> None:
+        """Start measuring from now (the ticks begin)."""
+        self._last = (self._wall(), self._cpu())
 
     def tick(self) -> float:
         """Seconds paused since the last tick (0 when on time or busy)."""
@@ -62,17 +68,27 @@ class PauseLog:
         self._meter = meter or PauseMeter(period_s)
         self._wall = self._meter._wall
         self._pauses: deque[tuple[float, float]] = deque(maxlen=32)  # (resumed at, seconds)
+        self._warned_at: float | None = None
+        self._unwarned = 0  # pauses since the last warning
 
     def check(self) -> None:
         """Tick the meter; record a noticeable pause that ended now."""
         paused = self._meter.tick()
         if paused >= NOTICEABLE_S:
-            self._pauses.append((self._wall(), paused))
-            logger.warning(
-                "this process did not run for %.1f s (stopped, or its machine paused); "
-                "timeouts that ran meanwhile are not held against its peers",
-                paused,
-            )
+            now = self._wall()
+            self._pauses.append((now, paused))
+            self._unwarned += 1
+            if self._warned_at is None or now - self._warned_at >= WARN_EVERY_S:
+                logger.warning(
+                    "this process did not run for %.1f s (stopped, its machine paused, or "
+                    "starved of CPU)%s; timeouts that ran meanwhile are not held against its "
+                    "peers",
+                    paused,
+                    f" ({self._unwarned - 1} more such pauses since the last warning)"
+                    if self._unwarned > 1
+                    else "",
+                )
+                self._warned_at, self._unwarned = now, 0
 
     def paused_since(self, t0: float) -> float:
         """Seconds of noticeable pauses after ``t0`` (``time.monotonic``)."""
@@ -86,6 +102,7 @@ class PauseLog:
 
     async def run(self) -> None:
         """Tick every ``period_s`` until cancelled."""
+        self._meter.reset()
         while True:
             await asyncio.sleep(self.period_s)
             self.check()

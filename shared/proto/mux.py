@@ -48,6 +48,7 @@ import grpc
 
 from shared.pauses import PauseLog
 from shared.proto import pdserve_pb2 as pb
+from shared.proto.failure import FAILURE_STALL, failure_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -594,7 +595,7 @@ class MuxClient:
                         grpc.aio.AioRpcError(
                             grpc.StatusCode.UNAVAILABLE,
                             grpc.aio.Metadata(),
-                            grpc.aio.Metadata(),
+                            grpc.aio.Metadata(*failure_metadata(FAILURE_STALL)),
                             f"no message from the worker at {self.address} for {silent:.1f} s "
                             "(its event loop is stuck?)",
                         ),

@@ -8,7 +8,8 @@ Registers in Redis with ``shared.directory`` and publishes the prompt's full blo
 "prefill" (LRU-evicting past ``--num-blocks``). Test controls: ``--token-delay``,
 ``--first-token-delay``, ``--report-waiting``, ``--die-after-tokens`` (SIGKILL itself after
 sending that many tokens in total), ``--stall-after-tokens`` (hang instead),
-``--fail-requests K --fail-code CODE`` (abort the first K calls before any token).
+``--fail-requests K --fail-code CODE`` (abort the first K calls before any token,
+``--fail-delay`` seconds after they arrive).
 
 Run: ``python tests/router/fake_worker.py --redis-url URL --model NAME --worker-id ID``;
 prints ``READY <port>`` once serving and registered.
@@ -153,6 +154,7 @@ class FakeDecodeWorker(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
         a = self.args
         if self.failures_left > 0:
             self.failures_left -= 1
+            await asyncio.sleep(a.fail_delay)
             await context.abort(getattr(grpc.StatusCode, a.fail_code), "injected failure")
         self.queries += 1
         self.running += 1
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-after-tokens", type=int, default=0)
     p.add_argument("--fail-requests", type=int, default=0)
     p.add_argument("--fail-code", default="UNAVAILABLE")
+    p.add_argument("--fail-delay", type=float, default=0.0, help="seconds before each failure")
     args = p.parse_args(argv)
     asyncio.run(serve(args))
     return 0

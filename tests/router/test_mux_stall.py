@@ -245,19 +245,21 @@ def test_a_pause_of_the_router_itself_is_not_the_workers_silence(knows_pauses):
     chunk, failing every request on it and cooling a healthy worker down. With the router's
     ``PauseLog`` the paused time is not counted; without one (``knows_pauses`` False) the
     old behaviour is kept, which shows this scenario does reach the timer first."""
-    pause_s = NOTICEABLE_S + 0.6
+    pause_s = QUIET_STALL_S * 1.5 + NOTICEABLE_S  # counted as a pause, past the chunk
 
     async def scenario():
         pauses = PauseLog(period_s=0.05) if knows_pauses else None
         ticker = asyncio.ensure_future(pauses.run()) if pauses else None
         call = _FakeCall()
-        client = MuxClient(lambda: call, "d:1", stall_timeout_s=STALL_S, pauses=pauses)
+        client = MuxClient(lambda: call, "d:1", stall_timeout_s=QUIET_STALL_S, pauses=pauses)
         m = client.start(pb.GenerateRequest(request_id="r1"))
         call.send(pb.MuxDown())  # the hello: the call is watched
         await asyncio.sleep(0.1)
         loop = asyncio.get_running_loop()
         # the chunk "arrives" during the pause, after the stall timer fell due
-        loop.call_later(STALL_S * 1.5, lambda: (call.send(_chunk("r1", 7)), call.send(_ok("r1"))))
+        loop.call_later(
+            QUIET_STALL_S * 1.5, lambda: (call.send(_chunk("r1", 7)), call.send(_ok("r1")))
+        )
         loop.call_soon(_pause_loop, pause_s)
         try:
             first = await asyncio.wait_for(m.read(), WAIT_S)

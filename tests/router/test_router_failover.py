@@ -354,32 +354,71 @@ def _pause_router(r, seconds: float) -> None:
     assert done.wait(seconds + 10)
 
 
-@pytest.mark.parametrize("failures", [1, 2], ids=["once", "twice"])
-def test_a_failure_right_after_the_routers_own_pause_is_retried_on_the_same_worker(
-    make_worker, make_router, router_config, failures
+@pytest.mark.parametrize(
+    ("failures", "pause_first", "max_retries"),
+    [(1, False, 2), (1, False, 0), (2, False, 2), (1, True, 2)],
+    ids=[
+        "paused-mid-attempt",
+        "no-retries-allowed",
+        "fails-again-after",
+        "paused-before-the-attempt",
+    ],
+)
+def test_a_call_broken_by_the_routers_own_pause_does_not_blame_the_worker(
+    make_worker, make_router, router_config, failures, pause_first, max_retries
 ):
-    """A decode worker's call that fails right after the router was paused failed because of
-    the pause (keepalive gave the silent router up): it is tried once more on the same
-    worker, which is not cooled down; with one decode worker the request used to end in an
-    error and the next ones in 503 for --worker-cooldown. A second failure there is the
-    worker's own: the usual rules (excluded, cooled down)."""
+    """A decode worker's call that broke (no word from the worker on why) right after the
+    router was paused mid-attempt broke because of the pause (keepalive gave the silent
+    router up): the worker is not excluded nor cooled down, and the retry goes to it again.
+    With one decode worker the request used to end in an error and the next ones in 503 for
+    --worker-cooldown. That retry is not counted against --max-retries (with 0 there would
+    be none). A second failure, or one of an attempt begun after the pause, is the worker's
+    own: the usual rules (excluded, cooled down)."""
+    import threading
+
     from shared.pauses import NOTICEABLE_S
 
-    only = make_worker("only", fail_requests=failures, fail_code="UNAVAILABLE")
-    r = make_router(router_config)
-    r.wait_workers(1)
-    _pause_router(r, NOTICEABLE_S + 0.5)
-    resp = httpx.post(
-        f"{r.url}/v1/completions",
-        json={"model": MODEL_NAME, "prompt": "after a pause", "max_tokens": 3, "ignore_eos": True},
-        timeout=30,
+    only = make_worker(
+        "only",
+        fail_requests=failures,
+        fail_code="UNAVAILABLE",
+        fail_delay=4.0 if not pause_first else 0.0,
     )
-    if failures == 1:
+    r = make_router(replace(router_config, max_retries=max_retries))
+    r.wait_workers(1)
+    pool = r.ctx.dispatcher.pool
+    if pause_first:
+        _pause_router(r, NOTICEABLE_S + 1.0)
+    out: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: out.append(
+            httpx.post(
+                f"{r.url}/v1/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "prompt": "after a pause",
+                    "max_tokens": 3,
+                    "ignore_eos": True,
+                },
+                timeout=60,
+            )
+        )
+    )
+    sender.start()
+    if not pause_first:
+        t0 = time.monotonic()
+        while pool.inflight("only") == 0:  # the attempt is on the worker: pause now
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        _pause_router(r, NOTICEABLE_S + 1.0)  # the call fails 4 s after it began: after this
+    sender.join(60)
+    (resp,) = out
+    if failures == 1 and not pause_first:
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 3
         assert r.metric("pdserve:router_retries_total") == 1
         assert only.stats().prefix_cache_queries == 1  # the retry went to the same worker
-        assert r.ctx.dispatcher.pool.healthy("decode")  # not cooled down
+        assert pool.healthy("decode")  # not cooled down
     else:
         assert resp.status_code >= 500, resp.text
-        assert not r.ctx.dispatcher.pool.healthy("decode")  # the second failure cooled it
+        assert not pool.healthy("decode")  # the worker's own failure cooled it down

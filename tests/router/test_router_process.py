@@ -187,8 +187,8 @@ def test_a_router_paused_past_its_timeouts_loses_no_stream_and_cools_no_worker(
     tiny_model, make_worker, redis_server, prefix, tmp_path, decode_stream
 ):
     """The router process itself stopped (SIGSTOP: a debugger, a paused VM) for longer than
-    ``--worker-stall-timeout`` and gRPC's keepalive timeout, with a stream in flight on the
-    only decode worker. On resume the router used to take its own silence for the worker's:
+    ``--worker-stall-timeout`` and ``--stall-timeout``, with a stream in flight on the only
+    decode worker. On resume the router used to take its own silence for the worker's:
     the stall timer or keepalive failed the call, the worker was excluded and cooled down,
     and with no other decode worker the stream ended in an error and new requests got 503
     for ``--worker-cooldown``. Now the pause is not counted and the stream goes on (resumed
@@ -207,6 +207,8 @@ def test_a_router_paused_past_its_timeouts_loses_no_stream_and_cools_no_worker(
         tmp_path,
         "--worker-stall-timeout",
         "1",
+        "--stall-timeout",
+        "2",
         "--decode-stream",
         decode_stream,
     )
@@ -235,7 +237,9 @@ def test_a_router_paused_past_its_timeouts_loses_no_stream_and_cools_no_worker(
                 if not paused and len(text) >= 10:
                     paused = True
                     proc.send_signal(signal.SIGSTOP)
-                    time.sleep(4.5)  # > --worker-stall-timeout and keepalive's 3 + 3 s pings
+                    # past both stall timeouts (1 s for the mux call, 2 s for the stream);
+                    # gRPC's keepalive (3 s pings, 3 s timeouts) may fire too
+                    time.sleep(4.5)
                     proc.send_signal(signal.SIGCONT)
         resumed_at = time.monotonic()
         # a new request right after the resume is served by the same (only) worker

@@ -160,3 +160,55 @@ def test_pause_log_keeps_noticeable_pauses_and_answers_for_a_window() -> None:
     run(PERIOD + 4.0, 4.0)  # late, but the process ran: not a pause
     assert log.paused_since(before) == pytest.approx(4.0)
     assert not log.resumed_within(PERIOD + 3.9) and log.resumed_within(PERIOD + 4.1)
+
+
+def test_the_stream_watchdog_forgives_the_routers_pause_without_spinning() -> None:
+    """``router.dispatch._Watchdog`` (``--stall-timeout``) on a stream whose latest output came
+    just before the router was paused for longer than the stall timeout: not a stall, and its
+    timer is re-armed for the end of the stall timeout counted without the pause (it was
+    re-armed for a time already past, so it ran on every loop turn: ~26,000 checks in 0.7 s);
+    a stream that then stays silent for the stall timeout is failed."""
+    import asyncio
+    import time
+
+    from router import dispatch
+    from shared.pauses import NOTICEABLE_S, PauseLog
+
+    stall_s = 1.0
+    checks: list[float] = []
+
+    class Counting(dispatch._Watchdog):
+        __slots__ = ()
+
+        def _check(self) -> None:
+            checks.append(time.monotonic())
+            super()._check()
+
+    class Call:
+        cancelled_at: float | None = None
+
+        def cancel(self) -> None:
+            self.cancelled_at = time.monotonic()
+
+    async def scenario() -> tuple[float, float, float | None]:
+        pauses = PauseLog(period_s=0.05)
+        ticker = asyncio.ensure_future(pauses.run())
+        call = Call()
+        dog = Counting(call, time.monotonic() + 60, stall_s, pauses)
+        dog.first_output()
+        await asyncio.sleep(0.2)
+        time.sleep(NOTICEABLE_S + 0.5)  # the router is paused
+        resumed = time.monotonic()
+        await asyncio.sleep(0.5)
+        during = len([t for t in checks if t >= resumed])
+        while call.cancelled_at is None and time.monotonic() - resumed < 5:
+            await asyncio.sleep(0.05)
+        dog.stop()
+        ticker.cancel()
+        return resumed, during, call.cancelled_at
+
+    resumed, during, cancelled_at = asyncio.run(scenario())
+    assert during <= 3, during  # re-armed once, not on every loop turn
+    assert cancelled_at is not None  # the stream stayed silent: a stall after all
+    # ... once the stall timeout has passed without the pause (0.2 s before it, ~0.8 s after)
+    assert cancelled_at - resumed >= 0.5
