@@ -53,6 +53,7 @@ from shared.worker.service import (
     worker_stats,
 )
 from shared.worker.wire import (
+    FAILURE_DRAINING,
     FAILURE_ENGINE,
     FAILURE_REQUEST,
     MAX_CACHE_SALT_CHARS,
@@ -178,7 +179,11 @@ class DecodeServicer(GenerateMuxMixin, pb_grpc.DecodeWorkerServicer):
             rt.loop.add_batch_sink(self.outputs)
         rid = request.request_id
         if rt.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "worker is draining",
+                failure_metadata(FAILURE_DRAINING),
+            )
         if rt.hung:  # it would wait behind the stuck step: the router resumes it elsewhere
             await abort_hung(context, rt)
         try:

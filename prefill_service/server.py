@@ -44,6 +44,7 @@ from shared.worker.service import (
     worker_stats,
 )
 from shared.worker.wire import (
+    FAILURE_DRAINING,
     FAILURE_ENGINE,
     FAILURE_REQUEST,
     MAX_ADDRESS_BYTES,
@@ -103,7 +104,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         rid = request.request_id
         arrival = time.monotonic()
         if rt.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "worker is draining",
+                failure_metadata(FAILURE_DRAINING),
+            )
         if rt.hung:  # it would wait behind the stuck step: D prefills locally now instead
             await abort_hung(context, rt)
         prompt = request.prompt_token_ids

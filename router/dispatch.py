@@ -62,10 +62,13 @@ from shared.proto.mux import MuxCall
 
 logger = logging.getLogger(__name__)
 
-#: A decode worker's failure this soon after the router's own noticeable pause is tried once
-#: more on it: keepalive (3 s pings, 3 s timeouts; the worker's own 10 + 5 s) and the mux's
-#: stall timer surface a pause's broken calls within a few seconds of the resume.
+#: A call broken this soon after the router's own noticeable pause may be the pause's doing:
+#: keepalive (3 s pings, 3 s timeouts; the worker's own 10 + 5 s) surfaces a connection the
+#: pause broke within a few seconds of the resume.
 RESUME_GRACE_S = 10.0
+#: An attempt begun this soon after a pause was noticed counts as begun before it: requests
+#: that waited in the sockets meanwhile start on connections the pause may have broken.
+RESUME_SETTLE_S = 1.0
 
 _SC = grpc.StatusCode
 _RETRYABLE = {_SC.UNAVAILABLE, _SC.INTERNAL, _SC.UNKNOWN, _SC.ABORTED, _SC.DATA_LOSS, _SC.CANCELLED}
@@ -416,8 +419,8 @@ class GenerationStream:
             return False
         if not pauses.resumed_within(RESUME_GRACE_S):
             return False
-        if pauses.paused_since(self._attempt_started) <= 0.0:
-            return False  # the attempt began after the pause: it cannot be its doing
+        if pauses.paused_since(self._attempt_started - RESUME_SETTLE_S) <= 0.0:
+            return False  # the attempt and the call it rode began after the pause
         self._forgiven.add(worker_id)
         return True
 
@@ -512,7 +515,13 @@ class GenerationStream:
                     last_error = f"{record.worker_id}: {e}"
                     overloaded = overloaded or e.overloaded
                     excused = self._after_own_pause(record.worker_id, e)
-                    if not excused:
+                    if excused:
+                        # not blamed, not cooled down: the retry still prefers another decode
+                        # worker (this one may have died meanwhile) and comes back to it
+                        # only when it is the last
+                        if self.d.pool.healthy(ROLE_DECODE, exclude | {record.worker_id}):
+                            exclude.add(record.worker_id)
+                    else:
                         exclude.add(record.worker_id)
                         if not e.overloaded:
                             self.d.pool.mark_failed(
@@ -593,6 +602,8 @@ class GenerationStream:
         except BaseException:
             held.release()
             raise
+        if isinstance(call, MuxCall):  # it rides a shared call: one the pause may have broken
+            self._attempt_started = min(self._attempt_started, call.opened_at)
         # the worker's stream ending (its last message, a failure, a cancel) gives the counts
         # back at once, even while the consumer holds this generator (a client that stopped
         # reading); the finally below is the fallback

@@ -314,10 +314,11 @@ _EOF = object()
 class MuxCall:
     """One request's stream on a :class:`MuxClient` (the ``Generate`` call it stands for)."""
 
-    __slots__ = ("_callbacks", "_client", "_done", "_items", "_waiter", "request_id")
+    __slots__ = ("_callbacks", "_client", "_done", "_items", "_waiter", "opened_at", "request_id")
 
     def __init__(self, client: MuxClient, request_id: str) -> None:
         self._client = client
+        self.opened_at = client.opened_at  # time.monotonic() when the shared call it rides opened
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
@@ -463,6 +464,7 @@ class MuxClient:
         self._expect_beats = False  # the previous call was failed by the watchdog
         self._watchdog: asyncio.Task[None] | None = None
         self.generation = 0  # calls opened so far (for tests and logs)
+        self.opened_at = 0.0  # time.monotonic() when the current call opened
 
     @property
     def inflight(self) -> int:
@@ -489,6 +491,7 @@ class MuxClient:
 
     def _open(self) -> None:
         self.generation += 1
+        self.opened_at = time.monotonic()
         self._call = call = self._method()
         self._wake = asyncio.Event()
         self._up = []

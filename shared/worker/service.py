@@ -30,7 +30,7 @@ from shared.config import ConfigError, EngineArgs, float_at_least, port_number
 from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
-from shared.pauses import NOTICEABLE_S, PauseMeter
+from shared.pauses import NOTICEABLE_S, WARN_EVERY_S, PauseMeter
 from shared.ports import host_port
 from shared.prom import freeze_startup_heap
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
@@ -548,6 +548,7 @@ async def _watch_hang(
     pauses = pauses or PauseMeter(period_s)
     forgiven = 0.0  # paused seconds inside the current stall
     last_raw = 0.0
+    warned_at: float | None = None
     while True:
         await asyncio.sleep(period_s)
         paused = pauses.tick()
@@ -555,7 +556,10 @@ async def _watch_hang(
         if raw < last_raw:
             forgiven = 0.0  # the engine progressed: this stall began after those pauses
         last_raw = raw
-        if paused >= NOTICEABLE_S:
+        if paused >= NOTICEABLE_S and (
+            warned_at is None or time.monotonic() - warned_at >= WARN_EVERY_S
+        ):
+            warned_at = time.monotonic()
             logger.warning(
                 "this process did not run for %.1f s (stopped, or its machine paused): "
                 "not counted as an engine hang",

@@ -22,6 +22,7 @@ from shared.engine.sampling_params import (
 from shared.engine.scheduler import SampledToken
 from shared.proto import pdserve_pb2 as pb
 from shared.proto.failure import (  # noqa: F401 - re-exported for the two roles
+    FAILURE_DRAINING,
     FAILURE_ENGINE,
     FAILURE_KEY,
     FAILURE_REQUEST,

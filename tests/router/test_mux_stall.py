@@ -28,6 +28,7 @@ from shared.pauses import NOTICEABLE_S, PauseLog
 from shared.proto import mux as mux_mod
 from shared.proto import pdserve_pb2 as pb
 from shared.proto import pdserve_pb2_grpc as pb_grpc
+from shared.proto.failure import FAILURE_KEY, FAILURE_STALL
 from shared.proto.mux import MuxClient, serve_mux
 from tests.ports import free_port
 from tests.router.test_generate_mux import Scripted, _client, _drain, _server
@@ -129,6 +130,8 @@ def test_a_worker_silent_after_its_hello_fails_the_call_and_the_next_call_is_wat
     err, took, err2, took2, calls, generation, inflight, left = asyncio.run(scenario())
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "no message from the worker at d:1" in err.details()
+    # marked as the router's own stall verdict: not a call a pause of the router broke
+    assert (FAILURE_KEY, FAILURE_STALL) in tuple(err.trailing_metadata())
     assert "event loop is stuck" in err.details()
     assert STALL_S * 0.9 <= took < WAIT_S / 2, took
     assert calls[0].cancelled  # the shared call is cancelled (the worker aborts them all)

@@ -388,7 +388,10 @@ def test_a_call_broken_by_the_routers_own_pause_does_not_blame_the_worker(
     r.wait_workers(1)
     pool = r.ctx.dispatcher.pool
     if pause_first:
+        from router.dispatch import RESUME_SETTLE_S
+
         _pause_router(r, NOTICEABLE_S + 1.0)
+        time.sleep(RESUME_SETTLE_S + 0.5)  # the request comes well after the resume
     out: list[httpx.Response] = []
     sender = threading.Thread(
         target=lambda: out.append(

@@ -66,6 +66,8 @@ def test_sigterm_drains_in_flight_then_deregisters(tiny_llama, tmp_path):
             with pytest.raises(Exception) as ei:
                 generate(decode_stub(ch), "late", prompt, "", max_tokens=2)
             assert "draining" in str(ei.value) or "UNAVAILABLE" in str(ei.value)
+            # ... saying why, so that a router never takes it for a call its own pause broke
+            assert ("pdserve-failure", "draining") in tuple(ei.value.trailing_metadata())
             # ... and the request in flight still finishes, complete.
             tokens, final = fut.result(timeout=120)
         assert len(tokens[0]) == 400 and final.usage.completion_tokens == 400
