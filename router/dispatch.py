@@ -21,11 +21,13 @@ Failure rules:
   ``stall_timeout_s`` counts as a failure; the request deadline bounds everything (504).
 - Closing the event generator (client gone, stop string) cancels the request's stream, which
   aborts the request on D.
-- A call to D that broke with no word from D on why, in an attempt that began before a
-  noticeable pause of this router itself (SIGSTOP, a paused VM: ``shared/pauses.py``) ended
-  less than ``RESUME_GRACE_S`` ago, does not exclude or cool D down (once per D and request,
-  not counted against ``max_retries``): keepalive gave the silent router up, D was healthy.
-  The retry is routed as usual, D included. The stall timers do not count the pause either.
+- A call to D that broke with no word from D on why (no ``pdserve-failure``), in an attempt
+  that began (or rode a mux call opened) before a noticeable pause of this router itself
+  (SIGSTOP, a paused VM: ``shared/pauses.py``), or within ``RESUME_SETTLE_S`` after it, while
+  that pause was noticed less than ``RESUME_GRACE_S`` ago, does not cool D down nor count
+  against ``max_retries`` (once per D and request): keepalive gave the silent router up, D
+  was healthy. The retry prefers another healthy D and comes back to this one when it is
+  the last. The stall timers do not count the pause either.
 """
 
 from __future__ import annotations
@@ -411,9 +413,10 @@ class GenerationStream:
 
     def _after_own_pause(self, worker_id: str, e: _Retryable) -> bool:
         """Whether a failure of ``worker_id`` is this router's pause's doing: the call broke
-        with no word from the worker (``transport``), a noticeable pause of the router ended
-        after the attempt began and less than ``RESUME_GRACE_S`` ago, and it is the first
-        such for this request on that worker (a second one is the worker's)."""
+        with no word from the worker (``transport``), a noticeable pause of the router was
+        noticed less than ``RESUME_GRACE_S`` ago and after the attempt (or the mux call it
+        rode) began, or at most ``RESUME_SETTLE_S`` before it, and it is the first such for
+        this request on that worker (a second one is the worker's)."""
         pauses = getattr(self.d.pool, "pauses", None)
         if not e.transport or worker_id in self._forgiven or pauses is None:
             return False
