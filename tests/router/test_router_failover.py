@@ -425,3 +425,38 @@ def test_a_call_broken_by_the_routers_own_pause_does_not_blame_the_worker(
     else:
         assert resp.status_code >= 500, resp.text
         assert not pool.healthy("decode")  # the worker's own failure cooled it down
+
+
+def test_a_retry_after_the_routers_own_pause_prefers_another_worker(
+    make_worker, make_router, router_config
+):
+    """The forgiven retry (see above) goes to another healthy decode worker when there is one
+    (the first may have died during the pause), and the first is not cooled down."""
+    import threading
+
+    from shared.pauses import NOTICEABLE_S
+
+    first = make_worker("first", fail_requests=1, fail_code="UNAVAILABLE", fail_delay=4.0)
+    other = make_worker("other", report_waiting=3)
+    r = make_router(router_config)
+    r.wait_workers(2)
+    r.wait_waiting("other", 3)  # so the first one is picked first
+    pool = r.ctx.dispatcher.pool
+    out: list[httpx.Response] = []
+    body = {"model": MODEL_NAME, "prompt": "after a pause", "max_tokens": 3, "ignore_eos": True}
+    sender = threading.Thread(
+        target=lambda: out.append(httpx.post(f"{r.url}/v1/completions", json=body, timeout=60))
+    )
+    sender.start()
+    t0 = time.monotonic()
+    while pool.inflight("first") == 0:  # the attempt is on the first worker: pause now
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.01)
+    _pause_router(r, NOTICEABLE_S + 1.0)
+    sender.join(60)
+    (resp,) = out
+    assert resp.status_code == 200, resp.text
+    assert r.metric("pdserve:router_retries_total") == 1
+    assert other.stats().prefix_cache_queries == 1  # the retry went to the other worker
+    assert first.stats().prefix_cache_queries == 0
+    assert {w.worker_id for w in pool.healthy("decode")} == {"first", "other"}  # no cooldown
