@@ -71,8 +71,10 @@ class PauseLog:
         self._warned_at: float | None = None
         self._unwarned = 0  # pauses since the last warning
 
-    def check(self) -> None:
-        """Tick the meter; record a noticeable pause that ended now."""
+    def check(self) -> float:
+        """Tick the meter; record (and warn of, at most once per ``WARN_EVERY_S``) a
+        noticeable pause that ended now. Returns the seconds paused since the last tick,
+        noticeable or not."""
         paused = self._meter.tick()
         if paused >= NOTICEABLE_S:
             now = self._wall()
@@ -89,6 +91,7 @@ class PauseLog:
                     else "",
                 )
                 self._warned_at, self._unwarned = now, 0
+        return paused
 
     def paused_since(self, t0: float) -> float:
         """Seconds of noticeable pauses after ``t0`` (``time.monotonic``)."""

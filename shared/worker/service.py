@@ -30,7 +30,7 @@ from shared.config import ConfigError, EngineArgs, float_at_least, port_number
 from shared.engine import EngineCore, InvalidRequestError
 from shared.engine.connector import connector_for_role
 from shared.engine.outputs import EngineCoreOutput
-from shared.pauses import NOTICEABLE_S, WARN_EVERY_S, PauseMeter
+from shared.pauses import PauseLog
 from shared.ports import host_port
 from shared.prom import freeze_startup_heap
 from shared.proto.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
@@ -531,7 +531,7 @@ async def _watch_hang(
     runtime: WorkerRuntime,
     health_servicer,
     period_s: float = 0.5,
-    pauses: PauseMeter | None = None,
+    pauses: PauseLog | None = None,
 ) -> None:
     """Liveness that tells the truth: when no engine step finished for
     ``--engine-hang-timeout`` while work is queued, turn NOT_SERVING, let the lease lapse
@@ -539,32 +539,22 @@ async def _watch_hang(
     resumes them elsewhere, a decode worker prefills locally); turn SERVING again once a step
     finishes. A worker of several ranks hung ``HANG_EXIT_FACTOR`` times as long exits.
 
-    Time the whole process was paused (``PauseMeter``) is not a hang: a worker stopped for
+    Time the whole process was paused (``PauseLog``, ticked here) is not a hang: a worker stopped for
     longer than the timeout in the middle of a step, then continued, would otherwise fail
     everything in flight on resume (and a worker of several ranks exit) before the step it
     was in could finish."""
     limit = runtime.args.engine_hang_timeout
     exit_after = _hang_exit_after(runtime, limit)
-    pauses = pauses or PauseMeter(period_s)
+    pauses = pauses or PauseLog(period_s)
     forgiven = 0.0  # paused seconds inside the current stall
     last_raw = 0.0
-    warned_at: float | None = None
     while True:
         await asyncio.sleep(period_s)
-        paused = pauses.tick()
+        paused = pauses.check()
         raw = runtime.loop.stalled_for()
         if raw < last_raw:
             forgiven = 0.0  # the engine progressed: this stall began after those pauses
         last_raw = raw
-        if paused >= NOTICEABLE_S and (
-            warned_at is None or time.monotonic() - warned_at >= WARN_EVERY_S
-        ):
-            warned_at = time.monotonic()
-            logger.warning(
-                "this process did not run for %.1f s (stopped, or its machine paused): "
-                "not counted as an engine hang",
-                paused,
-            )
         forgiven = min(raw, forgiven + paused)
         stalled = raw - forgiven
         if exit_after is not None and stalled > exit_after:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared.pauses import PauseMeter
+from shared.pauses import PauseLog, PauseMeter
 from shared.worker import service
 
 PERIOD = 0.5
@@ -79,7 +79,9 @@ def _watch(steps: list[tuple[float, float]], world: int = 1, turns: int = 30) ->
     rt = _Runtime(clocks, world)
 
     async def run() -> None:
-        task = asyncio.ensure_future(service._watch_hang(rt, _Health(), 0.0, pauses=meter))
+        task = asyncio.ensure_future(
+            service._watch_hang(rt, _Health(), 0.0, pauses=PauseLog(PERIOD, meter=meter))
+        )
         while rt.turns < turns:
             await asyncio.sleep(0)
         task.cancel()
