@@ -8,7 +8,8 @@ kernel for steps of at most 16 rows, ``F.linear`` above: the default before prep
 element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE and SiLU x mul:
 the default on a CPU with AVX512-BF16 before ``onecall``); ``onecall`` (``fused`` with a decode
 step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``: the default now;
-every other path runs with ``--enforce-eager``). Each measurement builds a fresh engine, admits ``B``
+every other path runs with ``--enforce-eager``); ``avx2`` (the AVX2 + FMA kernel on the plain
+weights for every row count: the default on a CPU whose oneDNN has no bf16). Each measurement builds a fresh engine, admits ``B``
 prompts of ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps``
 engine steps (one token per sequence each). With ``--shared-prefix N --prefix-groups P``
 prompt ``i`` is the ``N``-token prefix of group ``i % P`` and its own random tokens after it
@@ -104,7 +105,7 @@ def time_decode_steps(
     return ms
 
 
-PATHS = ("plain", "small", "onednn", "fused", "onecall", "base", "head_onednn")
+PATHS = ("plain", "small", "onednn", "fused", "onecall", "base", "head_onednn", "avx2")
 _baseline_ext = None  # the extension built from --baseline-source (path "base")
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
@@ -135,7 +136,11 @@ def step_ms(
         for name in FUSED:
             setattr(cpu_paged, name, None)
     os.environ[cpu_linear.PATH_ENV] = (
-        "onednn" if path in ("onednn", "fused", *one_call) else "torch"
+        "onednn"
+        if path in ("onednn", "fused", *one_call)
+        else "avx2"
+        if path == "avx2"
+        else "torch"
     )
     # head_onednn: onecall with the LM head on oneDNN's logits + argmax_rows (before the AMX
     # head); base: the baseline build has no AMX head either

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 PATH_ENV = "PDSERVE_CPU_LINEAR"
-PATHS = ("auto", "onednn", "torch")
+PATHS = ("auto", "onednn", "avx2", "torch")
 HEAD_ENV = "PDSERVE_CPU_LM_HEAD"
 HEAD_PATHS = ("auto", "amx", "avx512", "onednn")
 
@@ -108,9 +108,11 @@ def plan_for(
         return LinearPlan("torch", f"{PATH_ENV}=torch")
     if dtype not in (torch.bfloat16,):
         return LinearPlan("torch", f"{str(dtype).removeprefix('torch.')} weights (MKL sgemm)")
-    if not onednn_bf16():
-        return LinearPlan("torch", "oneDNN has no bf16 on this CPU or torch build")
     f = features or CpuFeatures.detect()
+    if requested == "avx2" or (requested == "auto" and not onednn_bf16()):
+        return _avx2_plan(requested, f)
+    if not onednn_bf16():
+        return LinearPlan("torch", f"oneDNN has no bf16 on {f.describe()} with this torch build")
     if requested == "onednn":
         return LinearPlan("onednn", f"{PATH_ENV}=onednn on {f.describe()}")
     if f.amx_bf16:
@@ -118,6 +120,23 @@ def plan_for(
     if f.avx512_bf16:
         return LinearPlan("onednn", f"oneDNN AVX512-BF16, prepacked ({f.describe()})")
     return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
+
+
+def _avx2_plan(requested: str, f: CpuFeatures) -> LinearPlan:
+    """The plan where oneDNN has no bf16, or where ``avx2`` was asked for: the AVX2 + FMA
+    kernel on the plain weights where it was built and the CPU has both, else ``F.linear``."""
+    from kernels import cpu_paged
+
+    if f.avx2 and cpu_paged.avx2_linear_available():
+        how = f"{PATH_ENV}=avx2" if requested == "avx2" else "no bf16 dot products"
+        return LinearPlan(
+            "avx2", f"AVX2 + FMA kernel, bf16 widened to fp32 ({how}; {f.describe()})"
+        )
+    if requested == "avx2":
+        return LinearPlan(
+            "torch", f"{PATH_ENV}=avx2, but the kernel is not built on {f.describe()}"
+        )
+    return LinearPlan("torch", f"oneDNN has no bf16 on {f.describe()} with this torch build")
 
 
 def head_request(requested: str | None = None) -> str:

@@ -164,6 +164,46 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return ext.linear_bf16(x.contiguous(), weight.contiguous())
 
 
+def avx2_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` through the AVX2 + FMA kernel (``linear_bf16_avx2``: bf16 widened to
+    fp32 on load, fp32 FMAs) for a bf16 CPU ``x [M, K]`` and ``weight [N, K]``, K % 8 == 0, any
+    M and N; else ``None``. The bf16 path of a CPU without bf16 dot products (the ``avx2``
+    linear plan), where torch's bf16 matmul has no native kernel: 4-7x faster than it from one
+    row to a 1,024-token prefill on a Zen 3 EPYC (docs/benchmarks.md, "bf16 on a CPU with AVX2
+    only")."""
+    ext = _avx2_ext()
+    if (
+        ext is None
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or weight.dim() != 2
+        or x.shape[1] % 8
+    ):
+        return None
+    return ext.linear_bf16_avx2(x.contiguous(), weight.contiguous())
+
+
+_avx2_gemm: bool | None = None
+
+
+def _avx2_ext():
+    """The extension when it was built with AVX2 and FMA (``linear_bf16_avx2``), else ``None``."""
+    global _avx2_gemm
+    ext = _load()
+    if ext is None:
+        return None
+    if _avx2_gemm is None:
+        _avx2_gemm = bool(ext.avx2_gemm_supported())
+    return ext if _avx2_gemm else None
+
+
+def avx2_linear_available() -> bool:
+    """Whether :func:`avx2_linear` can run here (the extension, built with AVX2 and FMA)."""
+    return _avx2_ext() is not None
+
+
 def _bf16_ext():
     """The extension when it was built with AVX512-BF16 (its bf16 kernels), else ``None``."""
     global _bf16_gemm

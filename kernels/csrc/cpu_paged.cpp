@@ -113,8 +113,10 @@ static inline void amx_pv(const uint16_t* pm, const uint32_t* const* vb, int nu,
 #endif
 static std::atomic<bool> g_decode_amx{false};
 
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX512F__
 // 16 consecutive K/V elements as fp32 lanes.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const at::BFloat16* p) {
@@ -1196,6 +1198,111 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 #else
   TORCH_CHECK(false, "linear_bf16 needs AVX512-BF16");
+#endif
+}
+
+// The same product on a CPU with AVX2 and FMA but no bf16 dot products (Zen 2/3, Haswell to
+// Cascade Lake): a bf16 value is the top half of an fp32 one, so eight weights become eight
+// floats by a widening load and a 16-bit shift, then fp32 FMAs. x is widened once per call
+// (fp32 [M, K]); 4 weight rows at a time (2 KB for K = 256, in L1 while the x rows pass over
+// them), 2 x rows per pass: 8 accumulators of 8 partial sums, reduced 4 at a time by
+// hsum4_avx2. fp32 accumulation, bf16 output rounded to nearest even like torch's. K a
+// multiple of 8; any M and N.
+static bool avx2_gemm_supported() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 bf16x8_f32(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// [sum(a), sum(b), sum(c), sum(d)] of four 8-lane vectors
+static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+#endif
+
+at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M,K] and w [N,K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "linear_bf16_avx2 takes bf16 tensors");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "x and w must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 8 == 0, "K must be a multiple of 8");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // x widened to fp32 once: every weight block reads it again
+  std::vector<float> xf(static_cast<size_t>(M * K));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < M * K; i += 8) _mm256_storeu_ps(xf.data() + i, bf16x8_f32(xp + i));
+  const float* xfp = xf.data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // blocks of 4 weight rows, 16 blocks (64 rows) a task; within a task x passes in chunks of
+  // 32 rows (32 KB of fp32 at K = 256, in L1) over the task's weight rows (in L2)
+  const int64_t NB = (N + 3) / 4, MC = 32;
+  at::parallel_for(0, (NB + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+    alignas(16) float o0[4], o1[4];
+    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t mc = 0; mc < M; mc += MC)
+    for (int64_t nb = t * 16; nb < std::min(NB, t * 16 + 16); ++nb) {
+      const int64_t mend = std::min(M, mc + MC);
+      const int64_t n0 = nb * 4, nr = std::min<int64_t>(4, N - n0);
+      // a partial last block reads its last row again (its results are not written)
+      const uint16_t* w0 = wp + n0 * K;
+      const uint16_t* w1 = wp + (n0 + std::min<int64_t>(1, nr - 1)) * K;
+      const uint16_t* w2 = wp + (n0 + std::min<int64_t>(2, nr - 1)) * K;
+      const uint16_t* w3 = wp + (n0 + std::min<int64_t>(3, nr - 1)) * K;
+      int64_t m = mc;
+      for (; m + 2 <= mend; m += 2) {
+        const float* x0 = xfp + m * K;
+        const float* x1 = x0 + K;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        for (int64_t k = 0; k < K; k += 8) {
+          const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+          __m256 f = bf16x8_f32(w0 + k);
+          a00 = _mm256_fmadd_ps(u, f, a00); a10 = _mm256_fmadd_ps(v, f, a10);
+          f = bf16x8_f32(w1 + k);
+          a01 = _mm256_fmadd_ps(u, f, a01); a11 = _mm256_fmadd_ps(v, f, a11);
+          f = bf16x8_f32(w2 + k);
+          a02 = _mm256_fmadd_ps(u, f, a02); a12 = _mm256_fmadd_ps(v, f, a12);
+          f = bf16x8_f32(w3 + k);
+          a03 = _mm256_fmadd_ps(u, f, a03); a13 = _mm256_fmadd_ps(v, f, a13);
+        }
+        _mm_store_ps(o0, hsum4_avx2(a00, a01, a02, a03));
+        _mm_store_ps(o1, hsum4_avx2(a10, a11, a12, a13));
+        for (int64_t j = 0; j < nr; ++j) {
+          yp[m * N + n0 + j] = at::BFloat16(o0[j]);
+          yp[(m + 1) * N + n0 + j] = at::BFloat16(o1[j]);
+        }
+      }
+      if (m < mend) {
+        const float* x0 = xfp + m * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+          const __m256 u = _mm256_loadu_ps(x0 + k);
+          a0 = _mm256_fmadd_ps(u, bf16x8_f32(w0 + k), a0);
+          a1 = _mm256_fmadd_ps(u, bf16x8_f32(w1 + k), a1);
+          a2 = _mm256_fmadd_ps(u, bf16x8_f32(w2 + k), a2);
+          a3 = _mm256_fmadd_ps(u, bf16x8_f32(w3 + k), a3);
+        }
+        _mm_store_ps(o0, hsum4_avx2(a0, a1, a2, a3));
+        for (int64_t j = 0; j < nr; ++j) yp[m * N + n0 + j] = at::BFloat16(o0[j]);
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "linear_bf16_avx2 needs AVX2 and FMA");
 #endif
 }
 
@@ -2707,6 +2814,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cut_rows", &cut_rows, nogil,
         "per row exp((x - max) / T) cut by top-k, top-p and min-p, unnormalised (CPU)");
   m.def("linear_bf16", &linear_bf16, nogil, "x @ w.T for bf16 with few rows (AVX512-BF16)");
+  m.def("avx2_gemm_supported", &avx2_gemm_supported, "whether linear_bf16_avx2 was built");
+  m.def("linear_bf16_avx2", &linear_bf16_avx2, nogil,
+        "x @ w.T for bf16 on AVX2 + FMA (bf16 widened to fp32, fp32 FMAs)");
   m.def("prefill_bf16", &prefill_bf16, nogil, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
   m.def("prefill_amx_available", &prefill_amx_available,
         "whether the AMX prefill tile was built and the process may use AMX tiles");

@@ -469,7 +469,13 @@ class LlamaForCausalLM(nn.Module):
         """Reorder every dense projection's weight (and the LM head's) for ``plan``'s kernel;
         the packed weight replaces the plain one. The LM head of a whole (unsharded) model goes
         to the one-pass projection where ``cpu_linear.head_kernel`` names one. Returns the bytes
-        packed."""
+        packed. The ``avx2`` plan packs nothing: every projection and the LM head go to the
+        AVX2 + FMA kernel on their plain weights."""
+        if plan.path == "avx2":
+            self.small_linear = cpu_paged.avx2_linear
+            for m in self.modules():
+                if isinstance(m, Linear):
+                    m.small = cpu_paged.avx2_linear
         if not plan.packed:
             return 0
         total = 0

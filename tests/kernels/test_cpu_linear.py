@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_paged
 from kernels.cpu_linear import CpuFeatures, plan_for
 
 CPU = torch.device("cpu")
@@ -54,9 +54,41 @@ def test_fp32_cuda_and_the_override_keep_f_linear(monkeypatch):
 @pytest.mark.unit
 def test_no_onednn_bf16_keeps_f_linear_even_when_forced(monkeypatch):
     monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
-    for requested in ("auto", "onednn"):
+    monkeypatch.setattr(cpu_paged, "avx2_linear_available", lambda: False)
+    for requested in ("auto", "onednn", "avx2"):
         plan = plan_for(torch.bfloat16, CPU, requested, features=AMX)
-        assert plan.path == "torch" and "oneDNN has no bf16" in plan.reason
+        assert plan.path == "torch" and not plan.packed
+    assert "oneDNN has no bf16" in plan_for(torch.bfloat16, CPU, "auto", features=AMX).reason
+    assert "kernel is not built" in plan_for(torch.bfloat16, CPU, "avx2", features=AMX).reason
+
+
+@pytest.mark.unit
+def test_without_onednn_bf16_the_avx2_kernel_takes_bf16(monkeypatch):
+    """A CPU whose oneDNN has no bf16 (AVX2 only: Zen 2/3, Haswell to Cascade Lake) runs bf16
+    projections in the AVX2 + FMA kernel where it was built, unpacked; ``torch`` and
+    ``onednn`` still keep ``F.linear``; ``avx2`` asks for it anywhere it runs."""
+    monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
+    monkeypatch.setattr(cpu_paged, "avx2_linear_available", lambda: True)
+    plan = plan_for(torch.bfloat16, CPU, features=HASWELL)
+    assert plan.path == "avx2" and not plan.packed and "no bf16 dot products" in plan.reason
+    assert plan_for(torch.bfloat16, CPU, "torch", features=HASWELL).path == "torch"
+    assert plan_for(torch.bfloat16, CPU, "onednn", features=HASWELL).path == "torch"
+    assert plan_for(torch.float32, CPU, features=HASWELL).path == "torch"  # token-exact sgemm
+    no_avx2 = CpuFeatures("Atom", amx_bf16=False, avx512_bf16=False, avx512=False, avx2=False)
+    assert plan_for(torch.bfloat16, CPU, features=no_avx2).path == "torch"
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)
+    forced = plan_for(torch.bfloat16, CPU, "avx2", features=AMX)
+    assert forced.path == "avx2" and "PDSERVE_CPU_LINEAR=avx2" in forced.reason
+    assert plan_for(torch.bfloat16, CPU, features=AMX).path == "onednn"  # auto: unchanged
+
+
+@pytest.mark.unit
+def test_this_cpu_without_onednn_bf16_plans_the_avx2_kernel(monkeypatch):
+    monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    if cpu_linear.onednn_bf16() or not cpu_paged.avx2_linear_available():
+        pytest.skip("this CPU's oneDNN has bf16, or the AVX2 kernel is not built here")
+    assert plan_for(torch.bfloat16, CPU).path == "avx2"
 
 
 @pytest.mark.unit
@@ -151,6 +183,60 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
             assert torch.equal(packed.greedy_tokens(h), cpu_paged.argmax_rows(logits))
     else:
         assert packed.greedy_tokens(torch.zeros(1, cfg.hidden_size).bfloat16()) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
+def test_an_avx2_model_keeps_its_weights_and_computes_the_same(monkeypatch, make_model, arch):
+    """The ``avx2`` plan packs nothing: every projection and the LM head (tied or not) go to
+    the AVX2 + FMA kernel on their plain weights, and the logits are F.linear's within bf16
+    rounding."""
+    from kernels import get_backend
+    from shared.config import EngineArgs
+    from shared.models.llama import AttentionMetadata, Linear
+    from shared.models.loader import load_model
+
+    if not cpu_paged.avx2_linear_available():
+        pytest.skip("the AVX2 + FMA kernel is not built on this CPU")
+    cfg = EngineArgs(model=str(make_model("tiny", arch)), dtype="bfloat16").create_model_config()
+    backend = get_backend("torch")
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
+    plain = load_model(cfg, "cpu", backend)
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "avx2")
+    fast = load_model(cfg, "cpu", backend)
+    linears = [m for m in fast.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is None and m.weight is not None for m in linears)
+    assert all(m.small is cpu_paged.avx2_linear for m in linears)
+    assert fast.small_linear is cpu_paged.avx2_linear  # a tied head's product too
+    assert all(
+        m.small is not cpu_paged.avx2_linear for m in plain.modules() if isinstance(m, Linear)
+    )
+    calls = []
+    real = cpu_paged.avx2_linear
+
+    def counting(x, w):
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    for m in linears:
+        m.small = counting
+    fast.small_linear = counting
+    n = 40
+    shape = (4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(shape, dtype=torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        decode_only=False,
+    )
+    ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a = plain.compute_logits(plain(ids, torch.arange(n), kv.clone(), meta)).float()
+        b = fast.compute_logits(fast(ids, torch.arange(n), kv.clone(), meta)).float()
+    assert len(calls) == len(linears) + (arch == "qwen2")  # every projection and the head
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()
 
 
 def test_the_lm_head_setting_is_checked(monkeypatch):

@@ -459,6 +459,37 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
     assert (got.float() - exact).abs().max() <= 1.5 * torch_err + 1e-6
 
 
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(1, 32000, 256), (2, 768, 256), (3, 13, 8), (17, 1376, 256), (33, 256, 688), (70, 70, 64)],
+)
+def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
+    """The AVX2 + FMA kernel (bf16 widened to fp32): one bf16 rounding of an fp32 sum, any M
+    and N (odd rows, a partial last block of 4 weight rows, more than one 32-row chunk)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    got = cpu_paged.avx2_linear(x, w)
+    if got is None:
+        pytest.skip("the AVX2 + FMA kernel is not built on this CPU")
+    exact = x.float() @ w.float().T
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    bound = exact.abs() * 2.0**-8 + 1e-3 * exact.abs().max()
+    assert ((got.float() - exact).abs() <= bound).all()
+    # nearly every output is the exact product rounded once (fp32 summation order aside)
+    assert (got == exact.bfloat16()).float().mean() >= 0.99
+
+
+def test_avx2_linear_declines_what_it_does_not_cover():
+    x = torch.randn(4, 256).bfloat16()
+    assert cpu_paged.avx2_linear(x.float(), torch.randn(32, 256)) is None  # fp32
+    assert cpu_paged.avx2_linear(x, torch.randn(32, 256)) is None  # fp32 weight
+    assert cpu_paged.avx2_linear(x[:, :250], torch.randn(32, 250).bfloat16()) is None  # K % 8
+    assert cpu_paged.avx2_linear(x.unsqueeze(0), torch.randn(32, 256).bfloat16()) is None  # 3-D
+    if cpu_paged.avx2_linear_available():  # no rows: an empty product, not a crash
+        assert cpu_paged.avx2_linear(x[:0], torch.randn(32, 256).bfloat16()).shape == (0, 32)
+
+
 def test_small_linear_declines_what_it_does_not_cover():
     x = torch.randn(4, 256).bfloat16()
     assert cpu_paged.small_linear(x.float(), torch.randn(32, 256)) is None  # fp32
