@@ -430,6 +430,18 @@ def _merged(ups: list[pb.MuxUp]) -> list[pb.MuxUp]:
     return out
 
 
+def _send_after_end(e: BaseException) -> bool:
+    """Whether ``e`` is grpc's error for a message sent on a call the other side had already
+    ended (a worker closing its calls, or gone): its C core fails the send before the call's
+    own status is read, and grpc reports INTERNAL "Internal error from Core". The reader sees
+    the same end as EOF; both must end the requests alike (UNAVAILABLE), whichever is first."""
+    return (
+        isinstance(e, grpc.aio.AioRpcError)
+        and e.code() == grpc.StatusCode.INTERNAL
+        and e.details() == "Internal error from Core"
+    )
+
+
 class MuxClient:
     """The router's ``GenerateMux`` call to one decode worker, shared by its requests.
 
@@ -517,7 +529,10 @@ class MuxClient:
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - any write failure ends the shared call
-            self._fail(call, e)  # the reader sees the same failure; whichever comes first
+            if _send_after_end(e):  # the worker ended the call: what the reader sees as EOF
+                self._fail(call, ConnectionError(f"a send failed: {e.details()}"))
+            else:
+                self._fail(call, e)  # the reader sees the same failure; whichever comes first
 
     async def _read(self, call: Any) -> None:
         first = True

@@ -320,3 +320,50 @@ def test_requests_started_together_are_merged_up_to_the_token_bound():
     assert [[r.request_id for r in u.start] for u in out] == [["a", "big"], ["big2", "b"]]
     assert [list(u.cancel) for u in out] == [["old"], []]
     assert _merged(ups[:1]) == ups[:1]
+
+
+class _SendFailsCall:
+    """A shared call whose worker ended it as the router sent: ``write`` fails as grpc's C core
+    fails a send on an ended call, and ``read`` has not seen the end yet."""
+
+    def __init__(self) -> None:
+        self.ended = asyncio.Event()
+        self.cancelled = False
+
+    async def write(self, up: pb.MuxUp) -> None:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "Internal error from Core",
+        )
+
+    async def read(self):
+        await self.ended.wait()
+        return grpc.aio.EOF
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.ended.set()
+
+
+@pytest.mark.unit
+def test_a_send_on_a_call_the_worker_ended_fails_its_requests_as_the_end_does():
+    """A worker closing its calls (a drain) ends a call the router has just opened; the
+    router's send then fails in grpc's core (INTERNAL "Internal error from Core") before its
+    reader sees the end (EOF, UNAVAILABLE). Which of the two came first decided the code the
+    requests got: the test above failed now and then under load with INTERNAL."""
+
+    async def scenario():
+        call = _SendFailsCall()
+        mux = MuxClient(lambda: call, "d:1")
+        m = mux.start(pb.GenerateRequest(request_id="r1"))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await asyncio.wait_for(m.read(), 5)
+        await mux.close()
+        return ei.value, call.cancelled
+
+    err, cancelled = _run(scenario)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "ended" in err.details() and "a send failed" in err.details()
+    assert cancelled
