@@ -42,7 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import grpc
 
@@ -430,7 +430,7 @@ def _merged(ups: list[pb.MuxUp]) -> list[pb.MuxUp]:
     return out
 
 
-def _send_after_end(e: BaseException) -> bool:
+def _send_after_end(e: BaseException) -> TypeGuard[grpc.aio.AioRpcError]:
     """Whether ``e`` is grpc's error for a message sent on a call the other side had already
     ended (a worker closing its calls, or gone): its C core fails the send before the call's
     own status is read, and grpc reports INTERNAL "Internal error from Core". The reader sees
