@@ -9,7 +9,8 @@ element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE an
 the default on a CPU with AVX512-BF16 before ``onecall``); ``onecall`` (``fused`` with a decode
 step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``: the default now;
 every other path runs with ``--enforce-eager``); ``avx2`` (the AVX2 + FMA kernel on the plain
-weights for every row count: the default on a CPU whose oneDNN has no bf16). Each measurement builds a fresh engine, admits ``B``
+weights for every row count, with the C++ element-wise ops: the default on a CPU whose oneDNN
+has no bf16). Each measurement builds a fresh engine, admits ``B``
 prompts of ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps``
 engine steps (one token per sequence each). With ``--shared-prefix N --prefix-groups P``
 prompt ``i`` is the ``N``-token prefix of group ``i % P`` and its own random tokens after it
@@ -132,7 +133,7 @@ def step_ms(
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
     one_call = ("onecall", "base", "head_onednn")  # the default step, and its before-variants
-    if path not in ("fused", *one_call):
+    if path not in ("fused", "avx2", *one_call):
         for name in FUSED:
             setattr(cpu_paged, name, None)
     os.environ[cpu_linear.PATH_ENV] = (

@@ -7,7 +7,8 @@ compiles ``kernels/csrc/cpu_paged.cpp`` (once per source, torch version and CPU 
 kernel that walks the block table and runs an online softmax over each block where it lies,
 parallel over sequences (every KV head of one in a pass, each 16-token group's rows fetched
 ahead in address order; over (sequence, KV head) when sequences are fewer than twice the
-threads) with ``at::parallel_for``, on ``vdpbf16ps`` for bf16; sequences whose tables begin
+threads) with ``at::parallel_for``, on ``vdpbf16ps`` for bf16 (fp32 on 16-lane AVX-512 or, on a
+CPU with AVX2 only, 8-lane vectors for the other dtypes and CPUs); sequences whose tables begin
 with the same blocks (a shared prompt prefix) share an item that reads those blocks once for
 all of them.
 A step's multi-token prefill chunks over a bf16 pool go to the bf16 prefill kernel (AMX tiles
@@ -18,8 +19,10 @@ it once); the rest (fp8 pools, fp32) go through the reference's loop over gather
 ``attend_prefill`` (that kernel on one chunk for bf16 queries, SDPA otherwise). ``write_kv`` stores a layer's
 new K/V rows in one C++ call (the reference's for fp8 pools). Also here, for bf16 on an
 AVX512-BF16 CPU: ``small_linear`` (a matmul for a decode step's few rows, which unpacked
-projections offer their input to), the fused element-wise ops a layer offers its tensors to
-(``rms_norm``, ``rope``, ``silu_mul``); and a row argmax for greedy sampling.
+projections offer their input to); on a CPU with AVX2 and FMA, ``avx2_linear`` (the ``avx2``
+linear plan's matmul, any row count); on any CPU the fused element-wise ops a layer offers its
+bf16 tensors to (``rms_norm``, ``rope``, ``silu_mul``: vector forms with AVX512-BF16, one element
+at a time elsewhere); and a row argmax for greedy sampling.
 
 Same signatures and contracts as ``kernels/reference.py``. ``available()`` says whether the
 extension built; ``get_backend("cpp")`` falls back to the reference with a warning if not.
@@ -226,12 +229,22 @@ def _bf16_kernels(x: torch.Tensor, multiple: int) -> object:
 # ---- the element-wise parts of a bf16 layer, fused (each returns None where it does not apply)
 
 
+def _fused_kernels(x: torch.Tensor, multiple: int) -> object:
+    """The extension for the fused element-wise ops on a bf16 CPU tensor whose last dimension
+    is a multiple of ``multiple``, else ``None``: vector forms where it was built with
+    AVX512-BF16, one element at a time elsewhere (still one pass instead of torch's 3-10 ops,
+    which are most of a small decode step on a CPU without AVX512-BF16)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % multiple:
+        return None
+    return _load()
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(RMSNorm(x + residual), x + residual)`` for a bf16 ``[T, H]`` ``x`` in one pass (the
     sum rounded to bf16 first, as ``x + residual`` would be), else ``None``."""
-    ext = _bf16_kernels(x, 16)
+    ext = _fused_kernels(x, 16)
     if ext is None or x.dim() != 2 or weight.dtype != torch.bfloat16:
         return None
     r = None if residual is None else residual.contiguous()
@@ -248,7 +261,7 @@ def rope(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Rotate-half RoPE of bf16 ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` from fp32 tables, else
     ``None``."""
-    ext = _bf16_kernels(q, 32)
+    ext = _fused_kernels(q, 32)
     if ext is None or k.dtype != torch.bfloat16 or cos.dtype != torch.float32:
         return None
     qo, ko = ext.rope_bf16(q, k, cos, sin, positions.long().contiguous())
@@ -257,7 +270,7 @@ def rope(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` for a bf16 ``[T, 2I]`` (gate columns first), else ``None``."""
-    ext = _bf16_kernels(gate_up, 32)
+    ext = _fused_kernels(gate_up, 32)
     if ext is None or gate_up.dim() != 2:
         return None
     return ext.silu_mul_bf16(gate_up.contiguous())

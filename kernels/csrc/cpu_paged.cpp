@@ -385,6 +385,160 @@ static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeo
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The fp32 decode step on a CPU with AVX2 but no AVX-512 (f32_step's arithmetic on 8-lane
+// vectors): a 16-token group's scores as two vectors of 8, each a transpose-and-add of 8
+// per-token partial-dot vectors (hsum8x8), the softmax on those two, P @ V by broadcasts.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#ifdef __F16C__
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+template <typename T> struct HasLoad8 : std::false_type {};
+template <> struct HasLoad8<float> : std::true_type {};
+template <> struct HasLoad8<at::BFloat16> : std::true_type {};
+#ifdef __F16C__
+template <> struct HasLoad8<at::Half> : std::true_type {};
+#endif
+
+// e^x for 8 lanes, x <= 0: exp512's reduction and polynomial, 2^n put in the exponent bits
+// (n >= -126 after the clamp, so the biased exponent stays positive).
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// r[i] = sum of the 8 lanes of v[i], for 8 vectors at once
+static inline __m256 hsum8x8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+static inline float hadd8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename KT, int V, int G>
+static inline void f32_step_avx2(const Member& mb, const KT* rows, int64_t ntok, int64_t s_tok,
+                                 int64_t s_vk, int64_t h0, int64_t nh, const float* vscale,
+                                 float* sbuf) {
+  constexpr int64_t D = V * 8;
+  __m256 q[G * V];
+  __m256 a[G * V];
+  __m256 part[G * 16];  // [g][t]: per-token partial dot products of a 16-token group
+  // lane t of half j is token 8 j + t: valid where below ntok
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 valid[2] = {
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(ntok)), lane)),
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(ntok) - 8), lane))};
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const KT* kb = rows + (h0 + hh) * D;
+    const KT* vb = kb + s_vk;
+    const float* qh = static_cast<const float*>(mb.q) + hh * G * D;
+    float* ah = mb.acc + hh * G * D;
+    float* mh = mb.m + hh * G;
+    float* lh = mb.l + hh * G;
+    for (int64_t i = 0; i < G * V; ++i) {
+      q[i] = _mm256_loadu_ps(qh + i * 8);
+      a[i] = _mm256_loadu_ps(ah + i * 8);
+    }
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < ntok) {
+        const KT* kt = kb + t * s_tok;
+        __m256 kr[V];
+        for (int64_t v = 0; v < V; ++v) kr[v] = load8(kt + v * 8);
+        for (int64_t g = 0; g < G; ++g) {
+          __m256 d = _mm256_mul_ps(q[g * V], kr[0]);
+          for (int64_t v = 1; v < V; ++v) d = _mm256_fmadd_ps(q[g * V + v], kr[v], d);
+          part[g * 16 + t] = d;
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) part[g * 16 + t] = _mm256_setzero_ps();
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 s0 = _mm256_blendv_ps(ninf, hsum8x8(part + g * 16), valid[0]);
+      const __m256 s1 = _mm256_blendv_ps(ninf, hsum8x8(part + g * 16 + 8), valid[1]);
+      const float mnew = std::max(mh[g], hmax8(_mm256_max_ps(s0, s1)));
+      const float corr = std::exp(mh[g] - mnew);
+      const __m256 mv = _mm256_set1_ps(mnew);
+      const __m256 e0 = _mm256_and_ps(exp256(_mm256_sub_ps(s0, mv)), valid[0]);
+      const __m256 e1 = _mm256_and_ps(exp256(_mm256_sub_ps(s1, mv)), valid[1]);
+      lh[g] = lh[g] * corr + hadd8(_mm256_add_ps(e0, e1));
+      mh[g] = mnew;
+      _mm256_storeu_ps(sbuf + g * 16, e0);
+      _mm256_storeu_ps(sbuf + g * 16 + 8, e1);
+      const __m256 c = _mm256_set1_ps(corr);
+      for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm256_mul_ps(a[g * V + v], c);
+    }
+    const __m256 vs = _mm256_set1_ps(vscale[hh]);
+    for (int64_t t = 0; t < ntok; ++t) {
+      const KT* vt = vb + t * s_tok;
+      __m256 vr[V];
+      for (int64_t v = 0; v < V; ++v) vr[v] = _mm256_mul_ps(load8(vt + v * 8), vs);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(sbuf[g * 16 + t]);
+        for (int64_t v = 0; v < V; ++v) a[g * V + v] = _mm256_fmadd_ps(p, vr[v], a[g * V + v]);
+      }
+    }
+    for (int64_t i = 0; i < G * V; ++i) _mm256_storeu_ps(ah + i * 8, a[i]);
+  }
+}
+
+template <typename KT>
+static bool f32_item_dispatch_avx2(int64_t V, int64_t G, const KT* kvp, const WalkGeometry& w,
+                                   Member* mem, int64_t nmem, int64_t shared, int64_t h0,
+                                   int64_t nh, const float* vscale, float* sbuf, bool ahead) {
+  const int64_t s_vk = w.s_kv;
+#define PDS_CASE(VV, GG)                                                                     \
+  if (V == VV && G == GG) {                                                                  \
+    auto step = [&](const Member& mb, const KT* rows, int64_t ntok) {                        \
+      f32_step_avx2<KT, VV, GG>(mb, rows, ntok, w.s_tok, s_vk, h0, nh, vscale, sbuf);        \
+    };                                                                                       \
+    walk_item<KT>(kvp, w, mem, nmem, shared, ahead, step, [&](const KT* rows, int64_t ntok) { \
+      for (int64_t i = 0; i < nmem; ++i) step(mem[i], rows, ntok);                           \
+    });                                                                                      \
+    return true;                                                                             \
+  }
+#define PDS_GROUPS(VV) PDS_CASE(VV, 1) PDS_CASE(VV, 2) PDS_CASE(VV, 4) PDS_CASE(VV, 5) \
+                       PDS_CASE(VV, 6) PDS_CASE(VV, 7) PDS_CASE(VV, 8)
+  PDS_GROUPS(4) PDS_GROUPS(8) PDS_GROUPS(16)
+#undef PDS_GROUPS
+#undef PDS_CASE
+  return false;
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // a + b as written: _mm512_add_ps is a plain vector add, which -ffast-math may reassociate
 // into another tree (other bits); the explicitly rounded form is left as it is.
@@ -1013,6 +1167,12 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kv, int64_t layer
         done = done || D % 16 == 0 && (BS % 16 == 0 || BS < 16) && fits &&
                f32_item_dispatch<KT>(D / 16, G, kvp, geo, mem.data(), nmem, it.shared, h0, HC,
                                      vsc.data(), sbuf.data(), ahead);
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (HasLoad8<KT>::value) {
+        done = done || D % 8 == 0 && (BS % 16 == 0 || BS < 16) && fits &&
+               f32_item_dispatch_avx2<KT>(D / 8, G, kvp, geo, mem.data(), nmem, it.shared, h0,
+                                          HC, vsc.data(), sbuf.data(), ahead);
       }
 #endif
       for (int64_t k = 0; k < nmem && !done; ++k) {  // portable: each member over its blocks
@@ -1804,18 +1964,27 @@ static inline __m512 rnd_bf16(__m512 x) {  // x rounded to bf16 precision, back 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
 static inline void st_bf16(uint16_t* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, to_bf16(x)); }
+#endif
 static const uint16_t* u16(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 static uint16_t* u16m(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
-#endif
+// The portable forms (any CPU without AVX512-BF16): one element at a time, the same roundings
+// (at::BFloat16's round to nearest even, as the vector forms' conversions).
+static inline float bf_f(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline uint16_t f_bf(float f) { return at::BFloat16(f).x; }
+static inline float bf_rnd(float f) { return bf_f(f_bf(f)); }
 
 // RMSNorm of x [T, H] (after x += residual, rounded to bf16, when residual is given):
 // w * bf16(x * rsqrt(mean(x^2) + eps)). Returns (normed, the sum) (the sum is x itself
 // without a residual). H a multiple of 16.
 std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                       const at::Tensor& w, double eps) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x [T,H] bf16");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(H % 16 == 0 && w.numel() == H && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
@@ -1832,6 +2001,7 @@ std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<a
   uint16_t* op = u16m(out);
   uint16_t* sp = add ? u16m(sum) : nullptr;
   const float fe = float(eps), invh = 1.f / float(H);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* xr = xp + t * H;
@@ -1852,10 +2022,27 @@ std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<a
         st_bf16(orow + i, _mm512_mul_ps(ld_bf16(wp + i), rnd_bf16(_mm512_mul_ps(ld_bf16(src + i), iv))));
     }
   });
-  return {out, sum};
 #else
-  TORCH_CHECK(false, "rms_norm_bf16 needs AVX512-BF16");
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* xr = xp + t * H;
+      uint16_t* orow = op + t * H;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        float v = bf_f(xr[i]);
+        if (add) {
+          v = bf_rnd(v + bf_f(rp[t * H + i]));
+          sp[t * H + i] = f_bf(v);
+        }
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss * invh + fe);
+      const uint16_t* src = add ? sp + t * H : xr;
+      for (int64_t i = 0; i < H; ++i) orow[i] = f_bf(bf_f(wp[i]) * bf_rnd(bf_f(src[i]) * inv));
+    }
+  });
 #endif
+  return {out, sum};
 }
 
 // Rotate-half RoPE of q [T, Hq, D] and k [T, Hkv, D] at positions [T] with fp32 cos / sin
@@ -1863,7 +2050,6 @@ std::vector<at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<a
 // product and the sum rounded to bf16. Returns new (q, k). D a multiple of 32.
 std::vector<at::Tensor> rope_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                   const at::Tensor& sin, const at::Tensor& positions) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
               "q [T,Hq,D], k [T,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16, "bf16 q, k");
@@ -1886,6 +2072,7 @@ std::vector<at::Tensor> rope_bf16(const at::Tensor& q, const at::Tensor& k, cons
   uint16_t* qw = u16m(qo);
   uint16_t* kw = u16m(ko);
   const int64_t P = cos.size(0);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
   const __m512 neg = _mm512_set1_ps(-1.f);
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -1916,22 +2103,45 @@ std::vector<at::Tensor> rope_bf16(const at::Tensor& q, const at::Tensor& k, cons
       }
     }
   });
-  return {qo, ko};
 #else
-  TORCH_CHECK(false, "rope_bf16 needs AVX512-BF16");
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = pos[t];
+      TORCH_CHECK(p >= 0 && p < P, "position out of the rotary table");
+      const float* cr = cp + p * D;
+      const float* sr = snp + p * D;
+      for (int which = 0; which < 2; ++which) {
+        const int64_t H = which ? Hk : Hq;
+        const uint16_t* src = (which ? ki : qi) + t * H * D;
+        uint16_t* dst = (which ? kw : qw) + t * H * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const uint16_t* x = src + h * D;
+          uint16_t* y = dst + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float lo = bf_f(x[i]), hi = bf_f(x[half + i]);
+            const float a0 = bf_rnd(lo * bf_rnd(cr[i])), b0 = bf_rnd(-hi * bf_rnd(sr[i]));
+            const float a1 = bf_rnd(hi * bf_rnd(cr[half + i])), b1 = bf_rnd(lo * bf_rnd(sr[half + i]));
+            y[i] = f_bf(a0 + b0);
+            y[half + i] = f_bf(a1 + b1);
+          }
+        }
+      }
+    }
+  });
 #endif
+  return {qo, ko};
 }
 
 // silu(gate) * up for gu [T, 2I] (gate columns first, as gate_up_proj lays them out):
 // bf16(bf16(silu(g)) * u). I a multiple of 16.
 at::Tensor silu_mul_bf16(const at::Tensor& gu) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
   TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kBFloat16 && gu.is_contiguous() &&
                   gu.size(1) % 32 == 0, "gu [T, 2I] bf16, I % 16 == 0");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto out = at::empty({T, I}, gu.options());
   const uint16_t* g = u16(gu);
   uint16_t* o = u16m(out);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
   const __m512 one = _mm512_set1_ps(1.f);
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
@@ -1942,10 +2152,16 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
         st_bf16(o + t * I + i, _mm512_mul_ps(sl, u));
       }
   });
-  return out;
 #else
-  TORCH_CHECK(false, "silu_mul_bf16 needs AVX512-BF16");
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = bf_f(g[t * 2 * I + i]), u = bf_f(g[t * 2 * I + I + i]);
+        o[t * I + i] = f_bf(bf_rnd(x / (1.f + std::exp(-x))) * u);
+      }
+  });
 #endif
+  return out;
 }
 
 // Row-wise argmax (first index of the maximum, as torch.argmax), for greedy sampling straight
@@ -2824,7 +3040,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal prefill attention of a step's multi-token chunks from the block pool, bf16");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm (after a residual add), bf16 (AVX512-BF16)");
   m.def("rope_bf16", &rope_bf16, "rotate-half RoPE of q and k, bf16 (AVX512-BF16)");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, bf16 (AVX512-BF16)");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up, bf16 (AVX512-BF16, else portable)");
   m.def("amx_linear_available", &amx_linear_available,
         "whether the AMX projection was built and may use the tile registers");
   m.def("amx_pack_linear", &amx_pack_linear, "an [N, K] bf16 weight in amx_linear's tile layout");
