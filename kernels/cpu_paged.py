@@ -171,9 +171,9 @@ def avx2_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight.T`` through the AVX2 + FMA kernel (``linear_bf16_avx2``: bf16 widened to
     fp32 on load, fp32 FMAs) for a bf16 CPU ``x [M, K]`` and ``weight [N, K]``, K % 8 == 0, any
     M and N; else ``None``. The bf16 path of a CPU without bf16 dot products (the ``avx2``
-    linear plan), where torch's bf16 matmul has no native kernel: 4-7x faster than it from one
-    row to a 1,024-token prefill on a Zen 3 EPYC (docs/benchmarks.md, "bf16 on a CPU with AVX2
-    only")."""
+    linear plan), where torch's bf16 matmul has no native kernel: 2-4x faster than it at one
+    row, 4-6.5x from 4 rows to a 1,024-token prefill on a Zen 3 EPYC (docs/benchmarks.md, "bf16
+    on a CPU with AVX2 only")."""
     ext = _avx2_ext()
     if (
         ext is None

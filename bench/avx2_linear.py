@@ -1,0 +1,81 @@
+"""bf16 projections on a CPU with AVX2 only: torch's bf16 ``F.linear`` (oneDNN has no bf16
+there, so torch falls back to a generic loop), the C++ AVX2 + FMA kernel
+(``kernels/cpu_paged.py::avx2_linear``, the ``avx2`` linear plan), and fp32 after widening both
+operands (MKL's sgemm: what a bf16-in-fp32 path would cost, the widening included), in one
+process, per row count and thread count.
+
+Each figure is the time of one pass over the small model's five projection shapes (qkv 768 x
+256, gate_up 1376 x 256, down 256 x 688, o 256 x 256, LM head 32000 x 256), summed, each shape
+averaged over ``max(3, 3000 / rows)`` calls after one warm-up. It first checks the kernel
+against the exact product (one bf16 rounding of an fp32 sum) on a few odd shapes.
+
+    python bench/avx2_linear.py [--rows 1,4,16,64,256,1024] [--threads 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import cpu_paged
+
+SHAPES = [(768, 256), (1376, 256), (256, 688), (256, 256), (32000, 256)]
+
+
+def check() -> None:
+    for m, n, k in [(1, 768, 256), (3, 13, 8), (17, 256, 688), (64, 32000, 256)]:
+        x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        got = cpu_paged.avx2_linear(x, w)
+        assert got is not None
+        exact = x.float() @ w.float().T
+        same = float((got == exact.bfloat16()).float().mean())
+        print(
+            f"[avx2_linear] {m} x {n} x {k}: {same:.4%} of outputs the exact product rounded once"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,4,16,64,256,1024")
+    ap.add_argument("--threads", default="1,2")
+    a = ap.parse_args()
+    if not cpu_paged.avx2_linear_available():
+        sys.exit("the AVX2 + FMA kernel is not built on this CPU")
+    torch.manual_seed(0)
+    check()
+    print("| threads | rows | torch bf16 ms | avx2 kernel ms | fp32 widened ms | kernel / torch |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for th in (int(t) for t in a.threads.split(",")):
+        torch.set_num_threads(th)
+        for m in (int(r) for r in a.rows.split(",")):
+            tot = {"bf16": 0.0, "avx2": 0.0, "f32": 0.0}
+            for n, k in SHAPES:
+                w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
+                fns = {
+                    "bf16": lambda x=x, w=w: F.linear(x, w),
+                    "avx2": lambda x=x, w=w: cpu_paged.avx2_linear(x, w),
+                    "f32": lambda x=x, w=w: F.linear(x.float(), w.float()).bfloat16(),
+                }
+                for name, f in fns.items():
+                    f()
+                    calls = max(3, 3000 // m)
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        f()
+                    tot[name] += (time.perf_counter() - t0) / calls * 1e3
+            print(
+                f"| {th} | {m} | {tot['bf16']:.3f} | {tot['avx2']:.3f} | {tot['f32']:.3f} | "
+                f"{tot['avx2'] / tot['bf16']:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
