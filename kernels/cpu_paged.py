@@ -221,9 +221,12 @@ def _bf16_ext():
 def _bf16_kernels(x: torch.Tensor, multiple: int) -> object:
     """The extension's bf16 kernels for a bf16 CPU tensor whose last dimension is a multiple of
     ``multiple``, else ``None``: the gate of every bf16 kernel here."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % multiple:
-        return None
-    return _bf16_ext()
+    return _bf16_ext() if _bf16_rows(x, multiple) else None
+
+
+def _bf16_rows(x: torch.Tensor, multiple: int) -> bool:
+    """Whether ``x`` is a bf16 CPU tensor whose last dimension is a multiple of ``multiple``."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % multiple == 0
 
 
 # ---- the element-wise parts of a bf16 layer, fused (each returns None where it does not apply)
@@ -234,9 +237,7 @@ def _fused_kernels(x: torch.Tensor, multiple: int) -> object:
     is a multiple of ``multiple``, else ``None``: vector forms where it was built with
     AVX512-BF16, one element at a time elsewhere (still one pass instead of torch's 3-10 ops,
     which are most of a small decode step on a CPU without AVX512-BF16)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % multiple:
-        return None
-    return _load()
+    return _load() if _bf16_rows(x, multiple) else None
 
 
 def rms_norm(

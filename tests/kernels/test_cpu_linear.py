@@ -120,6 +120,24 @@ def test_packed_linear_is_the_product_within_bf16_rounding(m, n, k, bias):
     assert (got.float() - exact).abs().max() <= 1.5 * (ref - exact).abs().max() + 1e-6
 
 
+def _one_prefill(cfg, n: int):
+    """(ids, an empty bf16 KV pool, metadata) for one sequence's ``n``-token prefill in 4
+    blocks of 16: the inputs both model tests compare two loads of a model on."""
+    from shared.models.llama import AttentionMetadata
+
+    shape = (4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(shape, dtype=torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        decode_only=False,
+    )
+    ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    return ids, kv, meta
+
+
 @pytest.mark.parametrize("head", ["onednn", "amx", "avx512"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
 def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
@@ -127,7 +145,7 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
 ):
     from kernels import cpu_paged, get_backend
     from shared.config import EngineArgs
-    from shared.models.llama import AttentionMetadata, Linear
+    from shared.models.llama import Linear
     from shared.models.loader import load_model
     from shared.models.quantization import weight_bytes
 
@@ -161,16 +179,7 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
     assert weight_bytes(packed) == weight_bytes(plain)  # the same bytes a step reads
 
     n = 40
-    shape = (4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
-    kv = torch.zeros(shape, dtype=torch.bfloat16)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        decode_only=False,
-    )
-    ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    ids, kv, meta = _one_prefill(cfg, n)
     with torch.inference_mode():
         a = plain.compute_logits(plain(ids, torch.arange(n), kv.clone(), meta)).float()
         b = packed.compute_logits(packed(ids, torch.arange(n), kv.clone(), meta)).float()
@@ -192,7 +201,7 @@ def test_an_avx2_model_keeps_its_weights_and_computes_the_same(monkeypatch, make
     rounding."""
     from kernels import get_backend
     from shared.config import EngineArgs
-    from shared.models.llama import AttentionMetadata, Linear
+    from shared.models.llama import Linear
     from shared.models.loader import load_model
 
     if not cpu_paged.avx2_linear_available():
@@ -221,16 +230,7 @@ def test_an_avx2_model_keeps_its_weights_and_computes_the_same(monkeypatch, make
         m.small = counting
     fast.small_linear = counting
     n = 40
-    shape = (4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
-    kv = torch.zeros(shape, dtype=torch.bfloat16)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        decode_only=False,
-    )
-    ids = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    ids, kv, meta = _one_prefill(cfg, n)
     with torch.inference_mode():
         a = plain.compute_logits(plain(ids, torch.arange(n), kv.clone(), meta)).float()
         b = fast.compute_logits(fast(ids, torch.arange(n), kv.clone(), meta)).float()
