@@ -28,6 +28,7 @@ MAX_M = 1 << 62  # every call: see the module docstring
 _lock = threading.Lock()
 _ext: object = None
 _failed: str | None = None
+NOT_THIS_CPU = "this CPU has no AVX512-BF16"  # built, but the binary says the CPU cannot run it
 
 
 def extension() -> object:
@@ -42,7 +43,7 @@ def extension() -> object:
                 if ext.supported():
                     _ext = ext
                 else:
-                    _failed = "this CPU has no AVX512-BF16"
+                    _failed = NOT_THIS_CPU
                     logger.info("quantized C++ kernels off: %s; torch's kernels serve", _failed)
             except Exception as e:  # noqa: BLE001 - no compiler: torch's kernels serve
                 _failed = f"{type(e).__name__}: {e}"

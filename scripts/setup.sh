@@ -101,6 +101,26 @@ if [ "$PRINT_INDEX" = 1 ]; then
   exit 0
 fi
 
+# The system tools the tests drive (apt-get, when root) install in the background while pip
+# works (a minute or more each on a fresh machine); the end of this script waits for them.
+apt_pid=
+if [ "$WANT_TEST" = 1 ]; then
+  missing=()
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v chromedriver >/dev/null || missing+=(chromium-driver)
+  command -v docker-compose >/dev/null || missing+=(docker-compose)
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "[setup] apt-get install ${missing[*]} (in the background, log: /tmp/pdserve-apt.log)"
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") \
+        >/tmp/pdserve-apt.log 2>&1 &
+      apt_pid=$!
+    else
+      echo "[setup] missing system tools: ${missing[*]} (install them to run the browser and compose tests)"
+    fi
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
   $PY -m venv .venv
@@ -120,10 +140,23 @@ if [ ! -f "$stamp" ]; then
       pip_install "torch==$TORCH_VERSION" || true
     fi
   fi
+  # The C++ CPU kernels compile (a minute or two on 2 cores) while pip installs the rest:
+  # they need only torch and ninja. Whoever loads one meanwhile waits for this build
+  # (kernels/prebuild.py); a failed build leaves the runtime on torch's kernels, as before.
+  build_pid=
+  if pip_install "ninja>=1.11" && .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "[setup] building the C++ CPU kernels in the background (log: .venv/prebuild.log)"
+    .venv/bin/python -m kernels.prebuild >.venv/prebuild.log 2>&1 &
+    build_pid=$!
+  fi
   extras="engine,nixl"
   [ "$WANT_TEST" = 1 ] && extras="engine,nixl,test,dev"
   echo "[setup] installing pdserve[$extras]"
   .venv/bin/pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+  if [ -n "$build_pid" ]; then
+    wait "$build_pid" || true
+    sed 's/^/[setup] /' .venv/prebuild.log | grep '^\[setup\] \[prebuild\]' || true
+  fi
   cuda=$(.venv/bin/python -c "import torch, shared.engine, router; print(torch.version.cuda or '')")
   cuda=${cuda##*$'\n'}  # the last line: anything printed on import comes before it
   if [ -n "$cuda" ] && ! has_gpu; then
@@ -137,18 +170,10 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-if [ "$WANT_TEST" = 1 ]; then
-  missing=()
-  command -v chromium >/dev/null || missing+=(chromium)
-  command -v chromedriver >/dev/null || missing+=(chromium-driver)
-  command -v docker-compose >/dev/null || missing+=(docker-compose)
-  if [ ${#missing[@]} -gt 0 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      echo "[setup] apt-get install ${missing[*]}"
-      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >/tmp/pdserve-apt.log 2>&1 \
-        || { echo "[setup] apt-get failed, see /tmp/pdserve-apt.log"; exit 1; }
-    else
-      echo "[setup] missing system tools: ${missing[*]} (install them to run the browser and compose tests)"
-    fi
+# the system tools' apt-get ran in the background since the start: done by now, or waited for
+if [ -n "$apt_pid" ]; then
+  if ! wait "$apt_pid"; then
+    echo "[setup] apt-get failed, see /tmp/pdserve-apt.log"
+    exit 1
   fi
 fi

@@ -63,3 +63,55 @@ def test_two_checkouts_of_one_kernel_build_in_directories_of_their_own(tmp_path)
         p.write_text("int f() { return 1; }\n")
     assert extension_name("x", a, ["-O2"]) != extension_name("x", b, ["-O2"])
     assert extension_name("x", a, ["-O2"]) == extension_name("x", a, ["-O2"])
+
+
+@pytest.mark.integration  # builds (or loads the cached build of) both extensions
+def test_prebuild_builds_both_extensions_and_reports_them(capsys):
+    """``python -m kernels.prebuild`` (run by scripts/setup.sh while pip installs the rest)."""
+    from kernels import prebuild
+
+    assert prebuild.main([]) == 0
+    out = capsys.readouterr().out
+    assert "[prebuild] pdserve_cpu_paged: ready" in out, out
+    assert "[prebuild] pdserve_quant_cpu: ready" in out, out
+    assert cpu_paged.available()
+
+
+@pytest.mark.unit
+def test_prebuild_reports_a_failed_build_and_fails_only_when_strict(monkeypatch, capsys):
+    from kernels import prebuild, quant_cpu
+
+    def broken():
+        raise RuntimeError("no compiler")
+
+    # a fresh module state: the real extension may already be loaded in this process
+    monkeypatch.setattr(cpu_paged, "_ext", None)
+    monkeypatch.setattr(cpu_paged, "_failed", None)
+    monkeypatch.setattr(cpu_paged, "_build", broken)
+    monkeypatch.setattr(quant_cpu, "_ext", None)
+    monkeypatch.setattr(quant_cpu, "_failed", quant_cpu.NOT_THIS_CPU)
+    assert prebuild.main([]) == 0  # reported, left to the runtime's fallback
+    out = capsys.readouterr().out
+    assert "[prebuild] pdserve_cpu_paged: failed: RuntimeError: no compiler" in out, out
+    assert "[prebuild] pdserve_quant_cpu: ready" in out, out  # built; the CPU just lacks bf16
+    assert prebuild.main(["--strict"]) == 1
+
+
+@pytest.mark.unit
+def test_prebuild_reports_a_build_the_loader_swallowed(monkeypatch, capsys):
+    """cpu_paged._build catches the compiler's error itself (the runtime falls back) and
+    returns None: prebuild still says it failed, with the loader's reason."""
+    from kernels import prebuild, quant_cpu
+
+    def swallowed():
+        monkeypatch.setattr(cpu_paged, "_failed", "CalledProcessError: g++ exited 1")
+        return None
+
+    monkeypatch.setattr(cpu_paged, "_failed", None)
+    monkeypatch.setattr(cpu_paged, "_build", swallowed)
+    monkeypatch.setattr(quant_cpu, "_ext", None)
+    monkeypatch.setattr(quant_cpu, "_failed", "OSError: no headers")
+    assert prebuild.main(["--strict"]) == 1
+    out = capsys.readouterr().out
+    assert "pdserve_cpu_paged: failed: CalledProcessError: g++ exited 1" in out, out
+    assert "pdserve_quant_cpu: failed: OSError: no headers" in out, out
