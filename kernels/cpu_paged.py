@@ -424,6 +424,17 @@ def amx_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, tiles: bool = True
     return ext.amx_argmax_bf16(x.contiguous(), packed, int(n), bool(tiles))
 
 
+def fp32_vectors() -> str | None:
+    """The vectors the extension's fp32 kernels use where it has no bf16 dot products
+    (``-march=native``: this CPU's): ``"AVX-512"``, ``"AVX2"`` (with FMA) or ``None``."""
+    flags = set(cpp_build.cpu_flags().split())
+    if "avx512f" in flags:
+        return "AVX-512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return None
+
+
 PREFILL_ENV = "PDSERVE_CPU_PREFILL"
 PREFILL_PATHS = ("auto", "amx", "avx512")
 _prefill_amx: bool | None = None
@@ -445,12 +456,11 @@ def prefill_uses_amx() -> bool:
         if want == "amx" and not can:
             raise RuntimeError(f"{PREFILL_ENV}=amx: this CPU or build has no AMX tiles")
         _prefill_amx = can and want != "avx512"
-        logger.info(
-            "bf16 prefill attention on %s (%s=%s)",
-            "AMX tiles" if _prefill_amx else "AVX512-BF16 dot products",
-            PREFILL_ENV,
-            want,
-        )
+        if ext is None:  # attend_prefill's gate sends every chunk to torch
+            on = "torch's SDPA (no AVX512-BF16 in this CPU or build)"
+        else:
+            on = "AMX tiles" if _prefill_amx else "AVX512-BF16 dot products"
+        logger.info("bf16 prefill attention on %s (%s=%s)", on, PREFILL_ENV, want)
     return _prefill_amx
 
 
@@ -479,11 +489,13 @@ def decode_uses_amx() -> bool:
         if probe is not None:
             on = bool(ext.set_decode_amx(on))
         _decode_amx = on
+        if _bf16_ext() is None:
+            where = f"fp32 FMAs on {fp32_vectors()}" if fp32_vectors() else "a portable C++ loop"
+            what = f"{where} (no AVX512-BF16 in this CPU or build)"
+        else:
+            what = "AMX tiles" if on else "AVX512-BF16 dot products"
         logger.info(
-            "bf16 decode attention over shared prefixes on %s (%s=%s)",
-            "AMX tiles" if on else "AVX512-BF16 dot products",
-            DECODE_ENV,
-            want,
+            "bf16 decode attention over shared prefixes on %s (%s=%s)", what, DECODE_ENV, want
         )
     return _decode_amx
 

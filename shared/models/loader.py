@@ -83,7 +83,15 @@ def load_model(
         raise ModelLoadError(f"no *.safetensors weight files in {cfg.path}")
     with torch.device("meta"):
         model = cls(cfg, backend, shard)
-    model = model.to_empty(device=device).to(dtype)
+    # storage for every parameter, uninitialized, in the model's dtype (floating ones; the
+    # weights overwrite it). Not ``to_empty``: its empty_like of a meta tensor goes through
+    # torch's Python refs, which import sympy and torch's symbolic shapes (half a second of
+    # every worker's start-up, for nothing).
+    model = model._apply(
+        lambda t: torch.empty(
+            t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device
+        )
+    )
     # Buffers (rotary tables) were on meta: rebuild them on the device in fp32.
     from shared.models.llama import Rotary, rope_settings, rotary_positions
 

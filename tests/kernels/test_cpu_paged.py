@@ -762,3 +762,39 @@ def test_fused_ops_decline_fp32():
     assert cpu_paged.silu_mul(torch.randn(4, 64)) is None
     q = torch.randn(2, 4, 32)
     assert cpu_paged.rope(q, q, torch.ones(8, 32), torch.ones(8, 32), torch.arange(2)) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ("fpu sse2 avx avx2 fma f16c", "fp32 FMAs on AVX2"),  # Zen 2/3, Haswell to Comet Lake
+        ("fpu avx2 fma avx512f avx512bw", "fp32 FMAs on AVX-512"),  # Skylake-SP, Ice Lake
+        ("fpu sse2 sse4_2", "a portable C++ loop"),
+    ],
+)
+def test_the_attention_paths_logged_without_avx512_bf16_are_the_ones_that_run(
+    monkeypatch, caplog, flags, says
+):
+    """On an AVX2-only EPYC the worker logged "bf16 prefill attention on AVX512-BF16 dot
+    products" and the same for decode: the choice between AMX and ``vdpbf16ps`` was logged
+    even where neither exists. Prefill there is torch's SDPA (``attend_prefill``'s gate) and
+    decode the extension's fp32 kernels."""
+    import logging
+    from types import SimpleNamespace
+
+    from kernels import cpp_build
+
+    fake = SimpleNamespace(decode_amx_available=lambda: False, set_decode_amx=lambda on: on)
+    monkeypatch.setattr(cpu_paged, "_bf16_ext", lambda: None)
+    monkeypatch.setattr(cpu_paged, "_build", lambda: fake)
+    monkeypatch.setattr(cpu_paged, "_prefill_amx", None)
+    monkeypatch.setattr(cpu_paged, "_decode_amx", None)
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: flags)
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_paged"):
+        assert cpu_paged.prefill_uses_amx() is False
+        assert cpu_paged.decode_uses_amx() is False
+    text = caplog.text
+    assert "AVX512-BF16 dot products" not in text and "AMX tiles" not in text, text
+    assert "bf16 prefill attention on torch's SDPA" in text, text
+    assert f"bf16 decode attention over shared prefixes on {says}" in text, text
