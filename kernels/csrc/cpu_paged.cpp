@@ -1387,6 +1387,102 @@ static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
+
+// An outer-product block: R rows of a (fp32, row stride lda; R <= 6) times a k-major panel of
+// 16 columns (b[k * 16 + j]) into c (fp32, R x 16, row stride ldc): per k two panel loads, R
+// broadcasts and 2R FMAs into 2R accumulators that stay in registers for the whole K block;
+// c starts at zero on the first K block and is read back on the next ones.
+template <int R>
+static inline void outer_avx2(const float* a, int64_t lda, const float* b, int64_t kc, float* c,
+                              int64_t ldc, bool first) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);
+    acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * 16), b1 = _mm256_loadu_ps(b + k * 16 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_broadcast_ss(a + r * lda + k);
+      acc[r][0] = _mm256_fmadd_ps(v, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(v, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
+static void outer_avx2_rows(int64_t rows, const float* a, int64_t lda, const float* b,
+                            int64_t kc, float* c, int64_t ldc, bool first) {
+  switch (rows) {
+    case 6: outer_avx2<6>(a, lda, b, kc, c, ldc, first); break;
+    case 5: outer_avx2<5>(a, lda, b, kc, c, ldc, first); break;
+    case 4: outer_avx2<4>(a, lda, b, kc, c, ldc, first); break;
+    case 3: outer_avx2<3>(a, lda, b, kc, c, ldc, first); break;
+    case 2: outer_avx2<2>(a, lda, b, kc, c, ldc, first); break;
+    default: outer_avx2<1>(a, lda, b, kc, c, ldc, first); break;
+  }
+}
+
+// From how many rows of x linear_bf16_avx2 takes the blocked path (PDSERVE_AVX2_BLOCKED_ROWS,
+// read once; default 16).
+static int64_t avx2_blocked_rows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("PDSERVE_AVX2_BLOCKED_ROWS");
+    return v ? std::atoll(v) : int64_t{16};
+  }();
+  return rows;
+}
+
+// The product for many rows of x, computed transposed (y^T = w x^T) so that both operands are
+// laid out once and no horizontal sums remain: x is widened into k-major panels of 16 rows
+// (xT[p][k][16], rows past M zero) once per call; each task (64 weight rows) widens a K block
+// of 256 of its rows to fp32 as they are (64 KB, in L2) and meets every panel of the chunk
+// (96 rows of x; a panel is 16 KB, in L1) 6 weight rows at a time (outer_avx2). Partial sums
+// wait in an fp32 tile (64 x 96) until the last K block rounds them to bf16, once.
+static void linear_avx2_blocked(const uint16_t* xp, const uint16_t* wp, at::BFloat16* yp,
+                                int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t NT = 64, MC = 96, KC = 256;
+  const int64_t MP = (M + 15) / 16;
+  std::vector<float> xt(static_cast<size_t>(MP * K * 16), 0.f);
+  at::parallel_for(0, MP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = 0; i < std::min<int64_t>(16, M - p * 16); ++i) {
+        const uint16_t* src = xp + (p * 16 + i) * K;
+        float* dst = xt.data() + p * K * 16 + i;
+        for (int64_t k = 0; k < K; ++k) dst[k * 16] = c10::detail::f32_from_bits(src[k]);
+      }
+  });
+  at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wf(static_cast<size_t>(NT * KC));
+    std::vector<float> tile(static_cast<size_t>(NT * MC));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NT, nn = std::min(NT, N - n0);
+      for (int64_t mc = 0; mc < M; mc += MC) {
+        const int64_t mm = std::min(MC, M - mc);
+        for (int64_t kc = 0; kc < K; kc += KC) {
+          const int64_t kk = std::min(KC, K - kc);
+          for (int64_t j = 0; j < nn; ++j) {
+            const uint16_t* src = wp + (n0 + j) * K + kc;
+            float* dst = wf.data() + j * KC;
+            for (int64_t k = 0; k < kk; k += 8) _mm256_storeu_ps(dst + k, bf16x8_f32(src + k));
+          }
+          for (int64_t p = 0; p * 16 < mm; ++p) {
+            const float* panel = xt.data() + ((mc / 16) + p) * K * 16 + kc * 16;
+            for (int64_t j = 0; j < nn; j += 6)
+              outer_avx2_rows(std::min<int64_t>(6, nn - j), wf.data() + j * KC, KC, panel, kk,
+                              tile.data() + j * MC + p * 16, MC, kc == 0);
+          }
+        }
+        for (int64_t m = 0; m < mm; ++m)
+          for (int64_t j = 0; j < nn; ++j)
+            yp[(mc + m) * N + n0 + j] = at::BFloat16(tile[j * MC + m]);
+      }
+    }
+  });
+}
 #endif
 
 at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
@@ -1399,9 +1495,14 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(K % 8 == 0, "K must be a multiple of 8");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (M >= avx2_blocked_rows()) {
+    linear_avx2_blocked(xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                        y.data_ptr<at::BFloat16>(), M, N, K);
+    return y;
+  }
   // x widened to fp32 once: every weight block reads it again
   std::vector<float> xf(static_cast<size_t>(M * K));
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < M * K; i += 8) _mm256_storeu_ps(xf.data() + i, bf16x8_f32(xp + i));
   const float* xfp = xf.data();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());

@@ -461,11 +461,25 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
 
 @pytest.mark.parametrize(
     "m,n,k",
-    [(1, 32000, 256), (2, 768, 256), (3, 13, 8), (17, 1376, 256), (33, 256, 688), (70, 70, 64)],
+    [
+        (1, 32000, 256),
+        (2, 768, 256),
+        (3, 13, 8),
+        (15, 70, 64),
+        # from 16 rows, the blocked path: partial panels of 16 rows, partial groups of 6 and
+        # tasks of 64 weight rows, K blocks of 256 with a partial last one, chunks of 96 rows
+        (16, 64, 8),
+        (17, 1376, 256),
+        (33, 256, 688),
+        (70, 70, 64),
+        (97, 131, 520),
+        (200, 7, 264),
+    ],
 )
 def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
     """The AVX2 + FMA kernel (bf16 widened to fp32): one bf16 rounding of an fp32 sum, any M
-    and N (odd rows, a partial last block of 4 weight rows, more than one 32-row chunk)."""
+    and N, on both of its paths (dot products of 4 weight rows x 2 rows of x below 16 rows,
+    outer-product blocks from 16)."""
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
