@@ -20,6 +20,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import IO
@@ -56,6 +58,7 @@ def build(prefix: str, source: Path, flags: list[str]):  # type: ignore[no-untyp
     """Build (or load the cached build of) ``source``; raises what the compiler raises."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
+    _ninja_on_path()
     name = extension_name(prefix, source, flags)
     directory = Path(_get_build_directory(name, verbose=False))  # torch's own: caches shared
     directory.mkdir(parents=True, exist_ok=True)
@@ -73,6 +76,17 @@ def build(prefix: str, source: Path, flags: list[str]):  # type: ignore[no-untyp
             build_directory=str(directory),
             verbose=bool(os.environ.get("PDSERVE_VERBOSE_BUILD")),
         )  # the flock goes with the file's close (or this process's death)
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from ``PATH``; the one pdserve's ``[engine]`` extra installs sits
+    beside this interpreter (``.venv/bin``), which is not on ``PATH`` unless the venv was
+    activated (``make up`` runs ``.venv/bin/pdserve``): without a system ninja every build
+    then failed and the workers ran torch's kernels. Puts that directory on ``PATH`` (this
+    process's and its children's) where no ninja is found otherwise."""
+    here = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (here / "ninja").exists():
+        os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def _flock(f: IO[str], name: str) -> None:

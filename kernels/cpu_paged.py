@@ -490,7 +490,12 @@ def decode_uses_amx() -> bool:
             on = bool(ext.set_decode_amx(on))
         _decode_amx = on
         if _bf16_ext() is None:
-            where = f"fp32 FMAs on {fp32_vectors()}" if fp32_vectors() else "a portable C++ loop"
+            vec = fp32_vectors()
+            # (the vector walk covers head sizes 32 / 64 / 128 and the usual query groups
+            # over fp32, bf16 and fp16 pools; other shapes and fp8 pools take the loop)
+            where = (
+                f"fp32 FMAs on {vec}, else a portable C++ loop" if vec else "a portable C++ loop"
+            )
             what = f"{where} (no AVX512-BF16 in this CPU or build)"
         else:
             what = "AMX tiles" if on else "AVX512-BF16 dot products"

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         t.join()
     failed = False
     for name in builds:
-        what = results[name]
+        what = results.get(name, "failed: its build thread ended without a word")
         print(f"[prebuild] {name}: {what}", flush=True)
         failed = failed or what.startswith("failed")
     return 1 if (failed and a.strict) else 0

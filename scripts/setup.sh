@@ -104,6 +104,14 @@ fi
 # The system tools the tests drive (apt-get, when root) install in the background while pip
 # works (a minute or more each on a fresh machine); the end of this script waits for them.
 apt_pid=
+build_pid=
+# an early exit (set -e) stops the kernel build and waits for apt-get (a killed apt-get could
+# leave dpkg's lock to the next try); on the normal path both were waited for already
+finish_background() {
+  if [ -n "$build_pid" ]; then kill "$build_pid" 2>/dev/null || true; fi
+  if [ -n "$apt_pid" ]; then wait "$apt_pid" 2>/dev/null || true; fi
+}
+trap finish_background EXIT
 if [ "$WANT_TEST" = 1 ]; then
   missing=()
   command -v chromium >/dev/null || missing+=(chromium)
@@ -143,7 +151,6 @@ if [ ! -f "$stamp" ]; then
   # The C++ CPU kernels compile (a minute or two on 2 cores) while pip installs the rest:
   # they need only torch and ninja. Whoever loads one meanwhile waits for this build
   # (kernels/prebuild.py); a failed build leaves the runtime on torch's kernels, as before.
-  build_pid=
   if pip_install "ninja>=1.11" && .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "[setup] building the C++ CPU kernels in the background (log: .venv/prebuild.log)"
     .venv/bin/python -m kernels.prebuild >.venv/prebuild.log 2>&1 &
@@ -155,6 +162,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
   if [ -n "$build_pid" ]; then
     wait "$build_pid" || true
+    build_pid=
     sed 's/^/[setup] /' .venv/prebuild.log | grep '^\[setup\] \[prebuild\]' || true
   fi
   cuda=$(.venv/bin/python -c "import torch, shared.engine, router; print(torch.version.cuda or '')")
@@ -173,7 +181,9 @@ fi
 # the system tools' apt-get ran in the background since the start: done by now, or waited for
 if [ -n "$apt_pid" ]; then
   if ! wait "$apt_pid"; then
+    apt_pid=
     echo "[setup] apt-get failed, see /tmp/pdserve-apt.log"
     exit 1
   fi
+  apt_pid=
 fi

@@ -115,3 +115,29 @@ def test_prebuild_reports_a_build_the_loader_swallowed(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "pdserve_cpu_paged: failed: CalledProcessError: g++ exited 1" in out, out
     assert "pdserve_quant_cpu: failed: OSError: no headers" in out, out
+
+
+@pytest.mark.unit
+def test_the_venvs_ninja_is_found_without_an_activated_venv(monkeypatch, tmp_path):
+    """torch runs ``ninja`` from PATH; pip puts the ``[engine]`` extra's ninja in .venv/bin,
+    which `make up` (``.venv/bin/pdserve up``) never puts on PATH: on a machine without a system
+    ninja every build failed and the workers ran torch's kernels instead."""
+    from kernels import cpp_build
+
+    bindir = tmp_path / "venv-bin"
+    bindir.mkdir()
+    (bindir / "ninja").write_text("#!/bin/sh\n")
+    (bindir / "ninja").chmod(0o755)
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    monkeypatch.setattr(sys, "executable", str(bindir / "python"))
+    monkeypatch.setenv("PATH", str(empty))
+    cpp_build._ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(bindir)
+    # a ninja found on PATH already is left alone
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{empty}")
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    monkeypatch.setattr(sys, "executable", str(other / "python"))
+    cpp_build._ninja_on_path()
+    assert os.environ["PATH"] == f"{bindir}{os.pathsep}{empty}"
