@@ -6,6 +6,7 @@
 #include <atomic>
 #include <type_traits>
 #include <unordered_map>
+#include <memory>
 #include <vector>
 #include <cstring>
 
@@ -1446,12 +1447,18 @@ static void linear_avx2_blocked(const uint16_t* xp, const uint16_t* wp, at::BFlo
                                 int64_t M, int64_t N, int64_t K) {
   constexpr int64_t NT = 64, MC = 96, KC = 256;
   const int64_t MP = (M + 15) / 16;
-  std::vector<float> xt(static_cast<size_t>(MP * K * 16), 0.f);
+  // every element is written below, each panel by the thread that fills it (no serial
+  // zero-fill of the whole buffer first: only the last panel's rows past M are zeros)
+  std::unique_ptr<float[]> xt(new float[static_cast<size_t>(MP * K * 16)]);
   at::parallel_for(0, MP, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = 0; i < std::min<int64_t>(16, M - p * 16); ++i) {
+      for (int64_t i = 0; i < 16; ++i) {
+        float* dst = xt.get() + p * K * 16 + i;
+        if (p * 16 + i >= M) {
+          for (int64_t k = 0; k < K; ++k) dst[k * 16] = 0.f;
+          continue;
+        }
         const uint16_t* src = xp + (p * 16 + i) * K;
-        float* dst = xt.data() + p * K * 16 + i;
         for (int64_t k = 0; k < K; ++k) dst[k * 16] = c10::detail::f32_from_bits(src[k]);
       }
   });
@@ -1470,7 +1477,7 @@ static void linear_avx2_blocked(const uint16_t* xp, const uint16_t* wp, at::BFlo
             for (int64_t k = 0; k < kk; k += 8) _mm256_storeu_ps(dst + k, bf16x8_f32(src + k));
           }
           for (int64_t p = 0; p * 16 < mm; ++p) {
-            const float* panel = xt.data() + ((mc / 16) + p) * K * 16 + kc * 16;
+            const float* panel = xt.get() + ((mc / 16) + p) * K * 16 + kc * 16;
             for (int64_t j = 0; j < nn; j += 6)
               outer_avx2_rows(std::min<int64_t>(6, nn - j), wf.data() + j * KC, KC, panel, kk,
                               tile.data() + j * MC + p * 16, MC, kc == 0);
