@@ -9,8 +9,9 @@ element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE an
 the default on a CPU with AVX512-BF16 before ``onecall``); ``onecall`` (``fused`` with a decode
 step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``: the default now;
 every other path runs with ``--enforce-eager``); ``avx2`` (the AVX2 + FMA kernel on the plain
-weights for every row count, with the C++ element-wise ops: the default on a CPU whose oneDNN
-has no bf16). Each measurement builds a fresh engine, admits ``B``
+weights for every row count, with the C++ element-wise ops, layer by layer); ``avx2_onecall``
+(``avx2`` with the decoder layers in one C++ call: the default on a CPU whose oneDNN has no
+bf16). Each measurement builds a fresh engine, admits ``B``
 prompts of ``--prompt-len`` random tokens, runs until all are decoding, then times ``--steps``
 engine steps (one token per sequence each). With ``--shared-prefix N --prefix-groups P``
 prompt ``i`` is the ``N``-token prefix of group ``i % P`` and its own random tokens after it
@@ -106,7 +107,17 @@ def time_decode_steps(
     return ms
 
 
-PATHS = ("plain", "small", "onednn", "fused", "onecall", "base", "head_onednn", "avx2")
+PATHS = (
+    "plain",
+    "small",
+    "onednn",
+    "fused",
+    "onecall",
+    "base",
+    "head_onednn",
+    "avx2",
+    "avx2_onecall",
+)
 _baseline_ext = None  # the extension built from --baseline-source (path "base")
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
@@ -132,15 +143,16 @@ def step_ms(
         for name, fallback in OLDER.items():  # an op the baseline's build lacks: what it did
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
-    one_call = ("onecall", "base", "head_onednn")  # the default step, and its before-variants
+    # the default step, and its before-variants
+    one_call = ("onecall", "base", "head_onednn", "avx2_onecall")
     if path not in ("fused", "avx2", *one_call):
         for name in FUSED:
             setattr(cpu_paged, name, None)
     os.environ[cpu_linear.PATH_ENV] = (
         "onednn"
-        if path in ("onednn", "fused", *one_call)
+        if path in ("onednn", "fused", "onecall", "base", "head_onednn")
         else "avx2"
-        if path == "avx2"
+        if path in ("avx2", "avx2_onecall")
         else "torch"
     )
     # head_onednn: onecall with the LM head on oneDNN's logits + argmax_rows (before the AMX

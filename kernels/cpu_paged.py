@@ -292,10 +292,13 @@ def decode_layers(
     weights: list[torch.Tensor],
     layers: list[int],
     qkv_bias: bool,
+    linear: str = "packed",
 ) -> torch.Tensor:
     """A decode step's decoder layers in one C++ call (``decode_layers_bf16``); the caller
-    (``LlamaForCausalLM.plan_decode``) has checked that every op it makes applies."""
-    ext = _bf16_ext()
+    (``LlamaForCausalLM.plan_decode``) has checked that every op it makes applies. ``linear``:
+    ``"packed"`` (``weights`` hold oneDNN's packed projections) or ``"avx2"`` (the plain bf16
+    weights, through ``linear_bf16_avx2``)."""
+    ext = _bf16_ext() if linear == "packed" else _avx2_ext()
     assert ext is not None
     hq, hkv, d = heads
     return ext.decode_layers_bf16(
@@ -315,12 +318,19 @@ def decode_layers(
         weights,
         layers,
         qkv_bias,
+        _DECODE_LINEARS[linear],
     )
 
 
-def decode_layers_available() -> bool:
-    """Whether :func:`decode_layers` can run here (the extension, built with AVX512-BF16)."""
-    return _bf16_ext() is not None
+_DECODE_LINEARS = {"packed": 0, "avx2": 1}  # decode_layers_bf16's ``linear`` argument
+
+
+def decode_layers_available(linear: str = "packed") -> bool:
+    """Whether :func:`decode_layers` can run here with ``linear``'s projections: ``"packed"``
+    where the extension was built with AVX512-BF16 (oneDNN's packed bf16 primitive), ``"avx2"``
+    where it was built with AVX2 and FMA."""
+    ext = _bf16_ext() if linear == "packed" else _avx2_ext()
+    return ext is not None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

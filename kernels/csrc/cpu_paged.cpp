@@ -3080,35 +3080,47 @@ static at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
 }
 
 // The decoder layers of one decode step in one call: shared/models/llama.py's layer loop for a
-// bf16 model whose projections are all packed and whose element-wise ops are the fused bf16
-// kernels above, with the same ops in the same order (so the same bits), minus the Python
-// between them. ``w`` holds 7 tensors per layer: input-norm weight, packed qkv, qkv bias (read
-// only when ``qkv_bias``), packed o, post-attention-norm weight, packed gate_up, packed down;
-// ``layers`` the pool index of each layer. Returns the residual stream after the last layer.
+// bf16 model whose projections all take one of the CPU linear plans' kernels and whose
+// element-wise ops are the fused bf16 kernels above, with the same ops in the same order (so
+// the same bits), minus the Python between them. ``linear`` names the projections' kernel:
+// 0 oneDNN's packed primitive (the bias fused into it), 1 linear_bf16_avx2 on the plain
+// weights (the bias added after, as cpu_linear.linear does). ``w`` holds 7 tensors per layer:
+// input-norm weight, qkv (packed or plain), qkv bias (read only when ``qkv_bias``), o,
+// post-attention-norm weight, gate_up, down; ``layers`` the pool index of each layer. Returns
+// the residual stream after the last layer.
 at::Tensor decode_layers_bf16(at::Tensor x, const at::Tensor& positions, at::Tensor& kv,
                               const at::Tensor& slots, const at::Tensor& tables,
                               const at::Tensor& lens, double scale, const at::Tensor& cos,
                               const at::Tensor& sin, int64_t hq, int64_t hkv, int64_t d,
                               double eps, const std::vector<at::Tensor>& w,
-                              const std::vector<int64_t>& layers, bool qkv_bias) {
+                              const std::vector<int64_t>& layers, bool qkv_bias,
+                              int64_t linear) {
   TORCH_CHECK(w.size() == 7 * layers.size(), "7 weights per layer");
+  TORCH_CHECK(linear == 0 || linear == 1, "linear must be 0 (packed) or 1 (avx2)");
+  TORCH_CHECK(linear == 0 || avx2_gemm_supported(), "linear_bf16_avx2 was not built here");
   const int64_t t = x.size(0), qs = hq * d, ks = hkv * d;
   const c10::optional<at::Tensor> none;
+  // one projection, as kernels/cpu_linear.py::linear makes it for the plan
+  auto proj = [&](const at::Tensor& a, const at::Tensor& wt, const c10::optional<at::Tensor>& b) {
+    if (linear == 0) return packed_linear(a, wt, b);
+    at::Tensor y = linear_bf16_avx2(a.contiguous(), wt);
+    return b.has_value() ? at::add(y, *b) : y;
+  };
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor* lw = &w[7 * l];
     at::Tensor h = rms_norm_bf16(x.contiguous(), none, lw[0], eps)[0];
-    at::Tensor qkv = packed_linear(h, lw[1], qkv_bias ? c10::optional<at::Tensor>(lw[2]) : none);
+    at::Tensor qkv = proj(h, lw[1], qkv_bias ? c10::optional<at::Tensor>(lw[2]) : none);
     at::Tensor q = qkv.narrow(1, 0, qs).view({t, hq, d});
     at::Tensor k = qkv.narrow(1, qs, ks).view({t, hkv, d});
     at::Tensor v = qkv.narrow(1, qs + ks, ks).view({t, hkv, d});
     std::vector<at::Tensor> qk = rope_bf16(q, k, cos, sin, positions);
     write_kv(qk[1], v, kv, layers[l], slots);
     at::Tensor o = paged_decode(qk[0].contiguous(), kv, layers[l], tables, lens, scale, none, none);
-    at::Tensor a = packed_linear(o.reshape({t, qs}), lw[3], none);
+    at::Tensor a = proj(o.reshape({t, qs}), lw[3], none);
     std::vector<at::Tensor> nt = rms_norm_bf16(a.contiguous(), x.contiguous(), lw[4], eps);
-    at::Tensor gu = packed_linear(nt[0], lw[5], none);
+    at::Tensor gu = proj(nt[0], lw[5], none);
     at::Tensor m = silu_mul_bf16(gu.contiguous());
-    x = at::add(nt[1], packed_linear(m, lw[6], none));
+    x = at::add(nt[1], proj(m, lw[6], none));
   }
   return x;
 }
@@ -3123,7 +3135,7 @@ at::Tensor decode_layers_bf16(at::Tensor x, const at::Tensor& positions, at::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("decode_layers_bf16", &decode_layers_bf16, nogil,
-        "a decode step's decoder layers in one call (bf16, packed projections, fused ops)");
+        "a decode step's decoder layers in one call (bf16, packed or AVX2 projections, fused ops)");
   m.def("paged_decode", &paged_decode, nogil, "paged decode attention (CPU)");
   m.def("decode_amx_available", &decode_amx_available,
         "whether decode attention can run shared groups on AMX tiles here");

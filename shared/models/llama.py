@@ -40,6 +40,29 @@ class Linear(nn.Linear):
         return cpu_linear.linear(x, self.weight, self.bias, self.packed, self.small)
 
 
+def _takes(lin: Linear, kind: str) -> bool:
+    """Whether projection ``lin`` runs on the one-call decode step's ``kind`` of kernel
+    (``"packed"``: oneDNN's packed primitive; ``"avx2"``: the AVX2 kernel on the plain bf16
+    weight, for every row count, as ``cpu_paged.avx2_linear`` takes it)."""
+    if kind == "packed":
+        return lin.packed is not None
+    w = lin.weight
+    return (
+        lin.packed is None
+        and lin.small is cpu_paged.avx2_linear
+        and w is not None
+        and w.dtype == torch.bfloat16
+        and w.shape[1] % 8 == 0
+    )
+
+
+def _projection(lin: Linear, kind: str) -> torch.Tensor:
+    """The weight the one-call decode step reads for ``lin`` (checked by :func:`_takes`)."""
+    w = lin.packed if kind == "packed" else lin.weight
+    assert w is not None
+    return w
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention inputs built by the model runner."""
@@ -374,9 +397,10 @@ class LlamaForCausalLM(nn.Module):
     def plan_decode(self) -> bool:
         """Run a decode step's decoder layers as one C++ call (``kernels/cpu_paged.py::
         decode_layers``) from now on, when the backend has it and every op of the Python layer
-        loop would take the path that call makes (packed projections, the fused bf16 RMSNorm,
-        RoPE and SiLU x mul, one rank); ``--enforce-eager`` keeps the Python loop. The loader
-        calls it once, after packing the weights. Returns whether the call is used."""
+        loop would take the path that call makes (every projection packed for oneDNN, or every
+        one on the ``avx2`` plan's kernel; the fused bf16 RMSNorm, RoPE and SiLU x mul; one
+        rank); ``--enforce-eager`` keeps the Python loop. The loader calls it once, after
+        packing the weights. Returns whether the call is used."""
         self._decode_plan = self._build_decode_plan()
         return self._decode_plan is not None
 
@@ -384,10 +408,12 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         be = self.layers[0].self_attn.backend if len(self.layers) else None
         run = getattr(be, "decode_layers", None)
+        # the projections' kernel: oneDNN's packed primitive, or the avx2 plan's on plain weights
+        kind = "avx2" if self.small_linear is cpu_paged.avx2_linear else "packed"
         if (
             cfg.enforce_eager
             or run is None
-            or not be.decode_layers_available()  # type: ignore[union-attr]
+            or not be.decode_layers_available(kind)  # type: ignore[union-attr]
             or self.shard.tp_size != 1
             or cfg.hidden_size % 16
             or cfg.head_dim % 32
@@ -403,17 +429,17 @@ class LlamaForCausalLM(nn.Module):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             if (
-                any(type(lin) is not Linear or lin.packed is None for lin in lins)
+                any(type(lin) is not Linear or not _takes(lin, kind) for lin in lins)
                 or any(lin.bias is not None for lin in lins[1:])  # it adds only a q/k/v bias
                 or any(n.fused is None or n.weight.dtype != torch.bfloat16 for n in norms)
                 or m.fused is None
                 or (2 * m.inter) % 32
             ):
                 return None
-            assert a.qkv_proj.packed is not None  # for mypy: checked above
-            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else a.qkv_proj.packed
-            weights += [norms[0].weight, a.qkv_proj.packed, bias, a.o_proj.packed]
-            weights += [norms[1].weight, m.gate_up_proj.packed, m.down_proj.packed]
+            qkv, o, gu, down = (_projection(lin, kind) for lin in lins)
+            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else qkv
+            weights += [norms[0].weight, qkv, bias, o]
+            weights += [norms[1].weight, gu, down]
             eps.update(n.eps for n in norms)
         if len(eps) != 1 or len(biases) != 1:
             return None
@@ -428,6 +454,7 @@ class LlamaForCausalLM(nn.Module):
             weights=weights,
             layers=[layer.self_attn.layer for layer in self.layers],
             qkv_bias=biases.pop(),
+            linear=kind,
         )
         return plan
 

@@ -1,19 +1,19 @@
 """The decode step's decoder layers in one C++ call (``kernels/cpu_paged.py::decode_layers``,
 ``LlamaForCausalLM.plan_decode``) give the same bits as the Python layer loop it replaces
-(``--enforce-eager``), for Llama and Qwen2 (q/k/v biases), in a bf16 engine on the CPU."""
+(``--enforce-eager``), for Llama and Qwen2 (q/k/v biases), in a bf16 engine on the CPU: with
+oneDNN's packed projections (a CPU with AVX512-BF16) and with the ``avx2`` plan's kernel on the
+plain weights (any CPU with AVX2 and FMA)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_paged
+from kernels import cpu_linear, cpu_paged
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    not cpu_paged.decode_layers_available(),
-    reason="the CPU extension was not built with AVX512-BF16 on this machine",
-)
+# the linear plan asked for (PDSERVE_CPU_LINEAR) -> the one-call step's projection kernel
+KINDS = {"onednn": "packed", "avx2": "avx2"}
 
 
 def _run(model_dir, eager: bool):
@@ -35,10 +35,18 @@ def _run(model_dir, eager: bool):
     return got, model._decode_plan
 
 
+@pytest.mark.parametrize("path", sorted(KINDS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_one_call_decode_layers_match_the_python_loop_bit_for_bit(make_model, arch):
+def test_one_call_decode_layers_match_the_python_loop_bit_for_bit(
+    make_model, monkeypatch, arch, path
+):
+    kind = KINDS[path]
+    if not cpu_paged.decode_layers_available(kind):
+        pytest.skip(f"the CPU extension has no {kind} projections on this machine")
+    monkeypatch.setenv(cpu_linear.PATH_ENV, path)
     model_dir = make_model("tiny", arch)
     fused, plan = _run(model_dir, eager=False)
     eager, no_plan = _run(model_dir, eager=True)
     assert plan is not None and no_plan is None  # the fused path ran, and only there
+    assert plan.keywords["linear"] == kind  # on the projections asked for
     assert fused == eager
