@@ -126,12 +126,29 @@ def plan_for(
     return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
 
 
+BLOCKED_ROWS_ENV = "PDSERVE_AVX2_BLOCKED_ROWS"  # read by the C++ kernel (atoll), checked here
+
+
+def _check_blocked_rows() -> None:
+    """``PDSERVE_AVX2_BLOCKED_ROWS`` (from how many rows of x the AVX2 kernel takes its
+    outer-product blocks; default 16) is a positive integer when set: the kernel parses it with
+    ``atoll``, which would read ``"abc"`` as 0 (every call blocked: right results, a slower
+    decode) without a word. ``ValueError`` names it (the loader's ``ConfigError``)."""
+    raw = os.environ.get(BLOCKED_ROWS_ENV, "").strip()
+    if raw and not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ValueError(
+            f"{BLOCKED_ROWS_ENV}={raw!r}: expected an integer >= 1 (the row count from which "
+            "the AVX2 linear kernel takes its outer-product blocks; default 16)"
+        )
+
+
 def _avx2_plan(requested: str, f: CpuFeatures) -> LinearPlan:
     """The plan where oneDNN has no bf16, or where ``avx2`` was asked for: the AVX2 + FMA
     kernel on the plain weights where it was built and the CPU has both, else ``F.linear``."""
     from kernels import cpu_paged
 
     if f.avx2 and cpu_paged.avx2_linear_available():
+        _check_blocked_rows()
         how = f"{PATH_ENV}=avx2" if requested == "avx2" else "no bf16 dot products"
         return LinearPlan(
             "avx2", f"AVX2 + FMA kernel, bf16 widened to fp32 ({how}; {f.describe()})"

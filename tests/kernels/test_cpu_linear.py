@@ -84,6 +84,26 @@ def test_without_onednn_bf16_the_avx2_kernel_takes_bf16(monkeypatch):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "1.5", "16 rows", "\u0661\u0666"])
+def test_a_bad_blocked_rows_setting_is_refused_where_the_avx2_plan_is_made(monkeypatch, raw):
+    """The C++ kernel reads PDSERVE_AVX2_BLOCKED_ROWS with atoll: "abc" would be 0 rows (every
+    call blocked) without a word; the plan refuses it, so the worker stops at start-up."""
+    monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
+    monkeypatch.setattr(cpu_paged, "avx2_linear_available", lambda: True)
+    monkeypatch.setenv(cpu_linear.BLOCKED_ROWS_ENV, raw)
+    with pytest.raises(ValueError, match="PDSERVE_AVX2_BLOCKED_ROWS"):
+        plan_for(torch.bfloat16, CPU, features=HASWELL)
+    for ok in ("1", "16", " 64 ", "1000000000", ""):
+        monkeypatch.setenv(cpu_linear.BLOCKED_ROWS_ENV, ok)
+        assert plan_for(torch.bfloat16, CPU, features=HASWELL).path == "avx2"
+    # another plan never reads it
+    monkeypatch.setenv(cpu_linear.BLOCKED_ROWS_ENV, raw)
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)
+    assert plan_for(torch.bfloat16, CPU, features=AMX).path == "onednn"
+
+
+@pytest.mark.unit
 def test_this_cpu_without_onednn_bf16_plans_the_avx2_kernel(monkeypatch):
     monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
     if cpu_linear.onednn_bf16() or not cpu_paged.avx2_linear_available():
