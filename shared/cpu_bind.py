@@ -41,6 +41,9 @@ SPILL_ENV = "PDSERVE_CPU_SPILL_BIND"
 # a lone worker's steps of more than this many tokens (prefill chunks) also take the cores kept
 # for the router and Redis; shorter ones (decode steps) stay on the worker's own
 SPILL_STEP_TOKENS = 256
+# ... or of more than this many where a step's compute per token is heavy (the avx2 linear
+# plan: ModelRunner, model_runner.small_step_tokens)
+SMALL_STEP_TOKENS = 4
 
 
 class CpuBindError(ValueError):
@@ -137,8 +140,8 @@ class CpuPlan:
         ]
         if self.spill and parts:
             parts[0] += (
-                f" (steps of more than {SPILL_STEP_TOKENS} tokens also on CPU "
-                f"{format_cpu_list(self.spill)})"
+                f" (steps of more than {SPILL_STEP_TOKENS} tokens, or {SMALL_STEP_TOKENS} where"
+                f" the projections are heavy, also on CPU {format_cpu_list(self.spill)})"
             )
         rest = f"CPU {format_cpu_list(self.others)}" if self.others else "any CPU"
         return (

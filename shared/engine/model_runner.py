@@ -30,7 +30,13 @@ from shared.config import (
     env_int,
     usable_cores,
 )
-from shared.cpu_bind import SPILL_STEP_TOKENS, bound_cpus, format_cpu_list, spill_cpus
+from shared.cpu_bind import (
+    SMALL_STEP_TOKENS,
+    SPILL_STEP_TOKENS,
+    bound_cpus,
+    format_cpu_list,
+    spill_cpus,
+)
 from shared.engine.request import Logprob
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler_output import (
@@ -233,7 +239,6 @@ class _Dispatched:
     dropped: set[str] = field(default_factory=set)
 
 
-SMALL_STEP_TOKENS = 4
 PROMPT_LOGPROB_ROWS = 256  # rows per log_softmax pass (a 2,048-token chunk: 8 passes)
 
 
@@ -263,21 +268,26 @@ def prompt_logprobs(
     return out
 
 
-def small_step_tokens(device: torch.device, threads: int) -> int:
+def small_step_tokens(device: torch.device, threads: int, heavy: bool = False) -> int:
     """Steps of at most this many tokens run on one thread (0: never). On a CPU whose every
     core the worker's threads take (the router and the clients then share them), a decode step
     of a few sequences loses more waiting for its second thread's core than it gains from it:
     vLLM's c=1 workload ran 0.71x vLLM's throughput with 2 threads and 0.96x like this
     (docs/benchmarks.md, "Topology"). Not for a worker bound to cores of its own
-    (``shared/cpu_bind.py``): nothing else runs there. ``PDSERVE_SMALL_STEP_TOKENS`` overrides
-    (0: off)."""
+    (``shared/cpu_bind.py``): nothing else runs there. A lone worker with spill CPUs keeps
+    steps of up to ``SPILL_STEP_TOKENS`` (decode steps) on its own; with ``heavy`` projections
+    (the ``avx2`` linear plan: bf16 widened to fp32 FMAs, a decode step 3-4x the compute of
+    one on bf16 dot products, the router's share of the second core the same) only steps of
+    up to ``SMALL_STEP_TOKENS``: vLLM's r256_n64 / c16 ran 1.13x / 1.10x with that on a Zen 3
+    EPYC (docs/benchmarks.md, "Decode steps on both cores where the projections are heavy").
+    ``PDSERVE_SMALL_STEP_TOKENS`` overrides (0: off)."""
     env = env_int("PDSERVE_SMALL_STEP_TOKENS", -1)
     if env >= 0:
         return env
     if device.type != "cpu" or threads < 2:
         return 0
     if spill_cpus():  # a lone worker's cores plus the router's for long steps only
-        return SPILL_STEP_TOKENS
+        return SMALL_STEP_TOKENS if heavy else SPILL_STEP_TOKENS
     if bound_cpus() is not None:
         return 0
     return SMALL_STEP_TOKENS if threads >= usable_cores() else 0
@@ -385,6 +395,8 @@ class ModelRunner:
         if seed is not None:
             torch.manual_seed(seed)
         self.model = load_model(model_config, device, self.backend, self.shard)
+        if self.model.heavy_projections():  # known once the linear plan is made
+            self._small_step_tokens = small_step_tokens(self.device, self._threads, heavy=True)
         q = model_config.quantization
         logger.info(
             "model weights: %.1f MiB read per decode step (%s)%s",

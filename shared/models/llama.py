@@ -409,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
         be = self.layers[0].self_attn.backend if len(self.layers) else None
         run = getattr(be, "decode_layers", None)
         # the projections' kernel: oneDNN's packed primitive, or the avx2 plan's on plain weights
-        kind = "avx2" if self.small_linear is cpu_paged.avx2_linear else "packed"
+        kind = "avx2" if self.heavy_projections() else "packed"
         if (
             cfg.enforce_eager
             or run is None
@@ -457,6 +457,12 @@ class LlamaForCausalLM(nn.Module):
             linear=kind,
         )
         return plan
+
+    def heavy_projections(self) -> bool:
+        """Whether the projections run on the ``avx2`` plan's kernel (bf16 widened to fp32
+        FMAs on a CPU without bf16 dot products): a step's compute per token is then 3-4x what
+        it is on AVX512-BF16 or AMX (``ModelRunner``'s thread rule reads it)."""
+        return self.small_linear is cpu_paged.avx2_linear
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None
