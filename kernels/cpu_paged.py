@@ -301,6 +301,8 @@ def decode_layers(
     ext = _bf16_ext() if linear == "packed" else _avx2_ext()
     assert ext is not None
     hq, hkv, d = heads
+    # packed: the 16-argument form every build has (a bench's baseline may predate ``linear``)
+    kind = () if linear == "packed" else (_DECODE_LINEARS[linear],)
     return ext.decode_layers_bf16(
         x.contiguous(),
         positions.long().contiguous(),
@@ -318,7 +320,7 @@ def decode_layers(
         weights,
         layers,
         qkv_bias,
-        _DECODE_LINEARS[linear],
+        *kind,
     )
 
 

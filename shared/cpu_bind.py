@@ -15,7 +15,8 @@ does the same for its workers and the router, under the same names with ``PDSERV
   ``0-3`` pins the whole process to those CPUs when it starts (:func:`bind_from_env`).
 * ``PDSERVE_CPU_SPILL_BIND`` (set by ``auto`` when one worker rank is all there is, e.g.
   colocated on 2 cores): CPUs that worker's steps of more than ``SPILL_STEP_TOKENS`` tokens
-  (prefill chunks) also run on, one more torch thread each: the engine thread widens itself to
+  (prefill chunks; more than ``HEAVY_SPILL_STEP_TOKENS`` where its projections run on the
+  ``avx2`` linear plan, whose decode steps carry 3-4x the compute) also run on, one more torch thread each: the engine thread widens itself to
   them for such a step and narrows back after (``ModelRunner``), so the threads it starts then
   may run there; everything else in the worker stays on its own CPUs. A long prompt's prefill
   then has both cores while the router, which shares the second, has little to stream.
@@ -43,7 +44,7 @@ SPILL_ENV = "PDSERVE_CPU_SPILL_BIND"
 SPILL_STEP_TOKENS = 256
 # ... or of more than this many where a step's compute per token is heavy (the avx2 linear
 # plan: ModelRunner, model_runner.small_step_tokens)
-SMALL_STEP_TOKENS = 4
+HEAVY_SPILL_STEP_TOKENS = 4
 
 
 class CpuBindError(ValueError):
@@ -140,7 +141,7 @@ class CpuPlan:
         ]
         if self.spill and parts:
             parts[0] += (
-                f" (steps of more than {SPILL_STEP_TOKENS} tokens, or {SMALL_STEP_TOKENS} where"
+                f" (steps of more than {SPILL_STEP_TOKENS} tokens, or {HEAVY_SPILL_STEP_TOKENS} where"
                 f" the projections are heavy, also on CPU {format_cpu_list(self.spill)})"
             )
         rest = f"CPU {format_cpu_list(self.others)}" if self.others else "any CPU"

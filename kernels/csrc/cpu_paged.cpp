@@ -3136,6 +3136,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("decode_layers_bf16", &decode_layers_bf16, nogil,
         "a decode step's decoder layers in one call (bf16, packed or AVX2 projections, fused ops)");
+  // the form of the builds before ``linear`` (packed projections), which the Python side calls
+  // for them, so a bench's baseline extension built from older source takes the same call
+  m.def(
+      "decode_layers_bf16",
+      [](at::Tensor x, const at::Tensor& positions, at::Tensor& kv, const at::Tensor& slots,
+         const at::Tensor& tables, const at::Tensor& lens, double scale, const at::Tensor& cos,
+         const at::Tensor& sin, int64_t hq, int64_t hkv, int64_t d, double eps,
+         const std::vector<at::Tensor>& w, const std::vector<int64_t>& layers, bool qkv_bias) {
+        return decode_layers_bf16(std::move(x), positions, kv, slots, tables, lens, scale, cos,
+                                  sin, hq, hkv, d, eps, w, layers, qkv_bias, 0);
+      },
+      nogil, "decode_layers_bf16 with packed projections");
   m.def("paged_decode", &paged_decode, nogil, "paged decode attention (CPU)");
   m.def("decode_amx_available", &decode_amx_available,
         "whether decode attention can run shared groups on AMX tiles here");

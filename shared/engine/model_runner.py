@@ -31,7 +31,7 @@ from shared.config import (
     usable_cores,
 )
 from shared.cpu_bind import (
-    SMALL_STEP_TOKENS,
+    HEAVY_SPILL_STEP_TOKENS,
     SPILL_STEP_TOKENS,
     bound_cpus,
     format_cpu_list,
@@ -239,6 +239,7 @@ class _Dispatched:
     dropped: set[str] = field(default_factory=set)
 
 
+SMALL_STEP_TOKENS = 4
 PROMPT_LOGPROB_ROWS = 256  # rows per log_softmax pass (a 2,048-token chunk: 8 passes)
 
 
@@ -278,7 +279,7 @@ def small_step_tokens(device: torch.device, threads: int, heavy: bool = False) -
     steps of up to ``SPILL_STEP_TOKENS`` (decode steps) on its own; with ``heavy`` projections
     (the ``avx2`` linear plan: bf16 widened to fp32 FMAs, a decode step 3-4x the compute of
     one on bf16 dot products, the router's share of the second core the same) only steps of
-    up to ``SMALL_STEP_TOKENS``: vLLM's r256_n64 / c16 ran 1.13x / 1.10x with that on a Zen 3
+    up to ``HEAVY_SPILL_STEP_TOKENS``: vLLM's r256_n64 / c16 ran 1.13x / 1.10x with that on a Zen 3
     EPYC (docs/benchmarks.md, "Decode steps on both cores where the projections are heavy").
     ``PDSERVE_SMALL_STEP_TOKENS`` overrides (0: off)."""
     env = env_int("PDSERVE_SMALL_STEP_TOKENS", -1)
@@ -287,7 +288,7 @@ def small_step_tokens(device: torch.device, threads: int, heavy: bool = False) -
     if device.type != "cpu" or threads < 2:
         return 0
     if spill_cpus():  # a lone worker's cores plus the router's for long steps only
-        return SMALL_STEP_TOKENS if heavy else SPILL_STEP_TOKENS
+        return HEAVY_SPILL_STEP_TOKENS if heavy else SPILL_STEP_TOKENS
     if bound_cpus() is not None:
         return 0
     return SMALL_STEP_TOKENS if threads >= usable_cores() else 0

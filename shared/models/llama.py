@@ -52,6 +52,7 @@ def _takes(lin: Linear, kind: str) -> bool:
         and lin.small is cpu_paged.avx2_linear
         and w is not None
         and w.dtype == torch.bfloat16
+        and w.is_contiguous()  # the C++ call takes it as it is (avx2_linear copies it)
         and w.shape[1] % 8 == 0
     )
 
@@ -459,10 +460,24 @@ class LlamaForCausalLM(nn.Module):
         return plan
 
     def heavy_projections(self) -> bool:
-        """Whether the projections run on the ``avx2`` plan's kernel (bf16 widened to fp32
-        FMAs on a CPU without bf16 dot products): a step's compute per token is then 3-4x what
-        it is on AVX512-BF16 or AMX (``ModelRunner``'s thread rule reads it)."""
-        return self.small_linear is cpu_paged.avx2_linear
+        """Whether the decoder layers' projections all run on the ``avx2`` plan's kernel (bf16
+        widened to fp32 FMAs where oneDNN has no bf16): a step's compute per token is then 3-4x
+        what it is on AVX512-BF16 or AMX (``ModelRunner``'s thread rule reads it). Quantized
+        layers (their own kernels) are not."""
+        lins = [
+            lin
+            for layer in self.layers
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        return bool(lins) and all(
+            type(lin) is Linear and lin.packed is None and lin.small is cpu_paged.avx2_linear
+            for lin in lins
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from kernels import cpu_linear, cpu_paged
-from shared.cpu_bind import BIND_ENV, SMALL_STEP_TOKENS, SPILL_ENV, SPILL_STEP_TOKENS
+from shared.cpu_bind import BIND_ENV, SPILL_ENV
 from shared.engine import LLM
-from shared.engine.model_runner import small_step_tokens
 from shared.engine.sampling_params import SamplingParams
 from tests.engine.helpers import hf_greedy, mismatches
 
@@ -149,27 +148,6 @@ def test_spill_with_small_steps_off_takes_both_cpus_for_every_step(tiny_llama, m
     monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "0")
     seen = _spilled_steps(tiny_llama, monkeypatch)
     assert seen == {(2, frozenset({home, spill}))}
-
-
-def test_a_lone_workers_steps_spill_from_fewer_tokens_where_projections_are_heavy(monkeypatch):
-    """With spill CPUs a lone worker keeps decode steps (up to 256 tokens) on its own CPU;
-    where its projections are heavy (the avx2 linear plan: bf16 widened to fp32 FMAs) only
-    steps of up to 4 tokens: the rest take the router's CPU too. The override still wins."""
-    home, spill = (
-        sorted(os.sched_getaffinity(0))[:2] if len(os.sched_getaffinity(0)) > 1 else (0, 1)
-    )
-    monkeypatch.setenv(BIND_ENV, str(home))
-    monkeypatch.setenv(SPILL_ENV, str(spill))
-    monkeypatch.delenv("PDSERVE_SMALL_STEP_TOKENS", raising=False)
-    cpu = torch.device("cpu")
-    assert small_step_tokens(cpu, 2) == SPILL_STEP_TOKENS == 256
-    assert small_step_tokens(cpu, 2, heavy=True) == SMALL_STEP_TOKENS == 4
-    assert small_step_tokens(cpu, 1, heavy=True) == 0  # one thread: nothing to narrow
-    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "32")
-    assert small_step_tokens(cpu, 2, heavy=True) == 32
-    monkeypatch.delenv(SPILL_ENV)  # not a lone bound worker: the rule does not change
-    monkeypatch.delenv("PDSERVE_SMALL_STEP_TOKENS")
-    assert small_step_tokens(cpu, 2, heavy=True) == small_step_tokens(cpu, 2)
 
 
 def test_the_runner_reads_heavy_projections_from_the_linear_plan(tiny_llama, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from shared.cli import launcher
 from shared.cli.launcher import cluster_args, resolve_topology
-from shared.cpu_bind import BIND_ENV
+from shared.cpu_bind import BIND_ENV, HEAVY_SPILL_STEP_TOKENS, SPILL_ENV, SPILL_STEP_TOKENS
 from shared.engine.model_runner import SMALL_STEP_TOKENS, small_step_tokens
 
 pytestmark = pytest.mark.unit
@@ -89,3 +89,26 @@ def test_worker_threads_split_the_cores_over_every_rank(monkeypatch, argv, ranks
         assert flag in prefill_argv and flag not in decode_argv
     for flag in cluster.args.decode_arg:
         assert flag in decode_argv and flag not in prefill_argv
+
+
+def test_a_lone_workers_steps_spill_from_fewer_tokens_where_projections_are_heavy(monkeypatch):
+    """With spill CPUs a lone worker keeps decode steps (up to 256 tokens) on its own CPU;
+    where its projections are heavy (the avx2 linear plan: bf16 widened to fp32 FMAs) only
+    steps of up to 4 tokens: the rest take the router's CPU too. The override still wins, and
+    a worker that is not a lone bound one keeps its rule whatever its projections."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv(BIND_ENV, "0")
+    monkeypatch.setenv(SPILL_ENV, "1")
+    monkeypatch.delenv("PDSERVE_SMALL_STEP_TOKENS", raising=False)
+    cpu = torch.device("cpu")
+    assert small_step_tokens(cpu, 2) == SPILL_STEP_TOKENS == 256
+    assert small_step_tokens(cpu, 2, heavy=True) == HEAVY_SPILL_STEP_TOKENS == 4
+    assert small_step_tokens(cpu, 1, heavy=True) == 0  # one thread: nothing to narrow
+    monkeypatch.setenv("PDSERVE_SMALL_STEP_TOKENS", "32")
+    assert small_step_tokens(cpu, 2, heavy=True) == 32
+    monkeypatch.delenv("PDSERVE_SMALL_STEP_TOKENS")
+    monkeypatch.delenv(SPILL_ENV)  # bound, no spill CPUs: every step on its own cores
+    assert small_step_tokens(cpu, 2, heavy=True) == small_step_tokens(cpu, 2) == 0
+    monkeypatch.delenv(BIND_ENV)  # unbound, its threads take every core: the few-token rule
+    assert small_step_tokens(cpu, 2, heavy=True) == small_step_tokens(cpu, 2)
+    assert small_step_tokens(cpu, 2) == SMALL_STEP_TOKENS
