@@ -165,15 +165,19 @@ def test_quantized_gemm_releases_the_gil():
     )
 
 
-def test_the_one_call_decode_step_releases_the_gil(make_model, monkeypatch):
+@pytest.mark.parametrize("path,kind", [("onednn", "packed"), ("avx2", "avx2")])
+def test_the_one_call_decode_step_releases_the_gil(make_model, monkeypatch, path, kind):
     """The engine's own call of ``decode_layers_bf16`` (a bf16 engine on the tiny model),
-    recorded and replayed."""
-    if not cpu_paged.decode_layers_available():
-        pytest.skip("the CPU extension was not built with AVX512-BF16 on this machine")
+    recorded and replayed: with oneDNN's packed projections (its 16-argument form) and with the
+    avx2 plan's."""
+    if not cpu_paged.decode_layers_available(kind):
+        pytest.skip(f"the CPU extension has no {kind} projections on this machine")
+    from kernels import cpu_linear
     from shared.engine.llm import LLM
     from shared.engine.sampling_params import SamplingParams
 
-    ext = cpu_paged._bf16_ext()
+    monkeypatch.setenv(cpu_linear.PATH_ENV, path)
+    ext = cpu_paged._bf16_ext() if kind == "packed" else cpu_paged._avx2_ext()
     real = ext.decode_layers_bf16
     calls: list[tuple[object, ...]] = []
 
