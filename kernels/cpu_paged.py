@@ -298,7 +298,7 @@ def decode_layers(
     (``LlamaForCausalLM.plan_decode``) has checked that every op it makes applies. ``linear``:
     ``"packed"`` (``weights`` hold oneDNN's packed projections) or ``"avx2"`` (the plain bf16
     weights, through ``linear_bf16_avx2``)."""
-    ext = _bf16_ext() if linear == "packed" else _avx2_ext()
+    ext = _decode_ext(linear)
     assert ext is not None
     hq, hkv, d = heads
     # packed: the 16-argument form every build has (a bench's baseline may predate ``linear``)
@@ -331,8 +331,12 @@ def decode_layers_available(linear: str = "packed") -> bool:
     """Whether :func:`decode_layers` can run here with ``linear``'s projections: ``"packed"``
     where the extension was built with AVX512-BF16 (oneDNN's packed bf16 primitive), ``"avx2"``
     where it was built with AVX2 and FMA."""
-    ext = _bf16_ext() if linear == "packed" else _avx2_ext()
-    return ext is not None
+    return _decode_ext(linear) is not None
+
+
+def _decode_ext(linear: str):
+    """The extension when it can run :func:`decode_layers` with ``linear``'s projections."""
+    return _bf16_ext() if linear == "packed" else _avx2_ext()
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

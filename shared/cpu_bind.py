@@ -16,8 +16,8 @@ does the same for its workers and the router, under the same names with ``PDSERV
 * ``PDSERVE_CPU_SPILL_BIND`` (set by ``auto`` when one worker rank is all there is, e.g.
   colocated on 2 cores): CPUs that worker's steps of more than ``SPILL_STEP_TOKENS`` tokens
   (prefill chunks; more than ``HEAVY_SPILL_STEP_TOKENS`` where its projections run on the
-  ``avx2`` linear plan, whose decode steps carry 3-4x the compute) also run on, one more torch thread each: the engine thread widens itself to
-  them for such a step and narrows back after (``ModelRunner``), so the threads it starts then
+  ``avx2`` linear plan, whose decode steps carry 3-4x the compute) also run on, one more
+  torch thread each: the engine thread widens itself to them for such a step and narrows back after (``ModelRunner``), so the threads it starts then
   may run there; everything else in the worker stays on its own CPUs. A long prompt's prefill
   then has both cores while the router, which shares the second, has little to stream.
 

@@ -375,7 +375,6 @@ class ModelRunner:
             elif self.world_size > 1:  # the node's cores split between its ranks
                 torch.set_num_threads(max(1, usable_cores() // pc.local_world_size))
         self._threads = self._threads_now = torch.get_num_threads()
-        self._small_step_tokens = small_step_tokens(self.device, self._threads)
         self._spill_kv_tokens = spill_kv_tokens()
         # with spill CPUs (shared/cpu_bind.py) short steps run on the worker's own CPUs, one
         # thread each, the engine thread pinned there; long steps widen it to the spill CPUs
@@ -396,8 +395,9 @@ class ModelRunner:
         if seed is not None:
             torch.manual_seed(seed)
         self.model = load_model(model_config, device, self.backend, self.shard)
-        if self.model.heavy_projections():  # known once the linear plan is made
-            self._small_step_tokens = small_step_tokens(self.device, self._threads, heavy=True)
+        # known once the model's linear plan is made
+        heavy = self.model.heavy_projections()
+        self._small_step_tokens = small_step_tokens(self.device, self._threads, heavy)
         q = model_config.quantization
         logger.info(
             "model weights: %.1f MiB read per decode step (%s)%s",

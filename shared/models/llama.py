@@ -298,6 +298,11 @@ class DecoderLayer(nn.Module):
             bias=llama_bias and bool(hf.get("mlp_bias", False)),
         )
 
+    def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """The layer's qkv, o, gate_up and down projections, in that order."""
+        a, m = self.self_attn, self.mlp
+        return (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+
     def forward(self, positions, x, kv_cache, meta):
         h, x = self.post_attention_layernorm.add_forward(
             self.self_attn(positions, self.input_layernorm(x), kv_cache, meta), x
@@ -428,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            lins = layer.projections()
             if (
                 any(type(lin) is not Linear or not _takes(lin, kind) for lin in lins)
                 or any(lin.bias is not None for lin in lins[1:])  # it adds only a q/k/v bias
@@ -464,16 +469,7 @@ class LlamaForCausalLM(nn.Module):
         widened to fp32 FMAs where oneDNN has no bf16): a step's compute per token is then 3-4x
         what it is on AVX512-BF16 or AMX (``ModelRunner``'s thread rule reads it). Quantized
         layers (their own kernels) are not."""
-        lins = [
-            lin
-            for layer in self.layers
-            for lin in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
+        lins = [lin for layer in self.layers for lin in layer.projections()]
         return bool(lins) and all(
             type(lin) is Linear and lin.packed is None and lin.small is cpu_paged.avx2_linear
             for lin in lins
