@@ -1,5 +1,6 @@
-"""bf16 prefill attention: the AVX512-BF16 kernel (``kernels/cpu_paged.py::attend_prefill``)
-against torch's flash SDPA, per chunk and inside the engine, interleaved in one run.
+"""bf16 prefill attention: the C++ prefill tiles this CPU runs (``kernels/cpu_paged.py``:
+AVX512-BF16, AMX, AVX2; ``prefill_path``) against torch's flash SDPA, per chunk and inside the
+engine, interleaved in one run.
 
 1. per chunk: one sequence's causal chunk over its context, the small model's heads (8 query,
    4 KV, head size 32) and a larger layout (32 / 8 / 128), ms per call and the error of each
@@ -8,11 +9,10 @@ against torch's flash SDPA, per chunk and inside the engine, interleaved in one 
    generated, prefix caching off) with the kernel and with SDPA;
 3. ``--paged``: a whole step's chunks from the block pool in one call (``paged_prefill_bf16``,
    each block packed once for every sequence holding it) against the per-sequence loop over
-   gathered K/V it replaced (same tile arithmetic, so the outputs are checked equal), on the
-   AVX512-BF16 tile and, where the CPU has it, the AMX tile, on steps shaped like vLLM's
-   prefix_repetition and random workloads; and the engine's time to prefill ``--prompts``
-   prefix_repetition prompts (4 x 1,024 shared + 64 own tokens, prefix caching on) before
-   (loop, AVX512-BF16) and now (the default).
+   gathered K/V it replaced (same tile arithmetic, so the outputs are checked equal), on each
+   tile the CPU runs, on steps shaped like vLLM's prefix_repetition and random workloads; and
+   the engine's time to prefill ``--prompts`` prefix_repetition prompts (4 x 1,024 shared + 64
+   own tokens, prefix caching on) before (loop, the CPU's first tile) and now (the default).
 
     python bench/prefill_attention.py --model DIR [--lens 256,1088] [--prompts 16] [--threads 1]
     python bench/prefill_attention.py --model DIR --paged --prompts 64 [--threads 1]
@@ -45,10 +45,25 @@ def _ms(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+_TILE_NAMES = {"avx512": "AVX512-BF16", "amx": "AMX", "avx2": "AVX2"}
+
+
+def tiles_here() -> list[str]:
+    """The C++ prefill tiles this CPU and build run, in :func:`cpu_paged.prefill_path`'s names."""
+    ext, bf16 = cpu_paged._load(), cpu_paged._bf16_ext()
+    have = []
+    if bf16 is not None:
+        have.append("avx512")
+        if bf16.prefill_amx_available():
+            have.append("amx")
+    if ext is not None and getattr(ext, "prefill_avx2_available", bool)():
+        have.append("avx2")
+    return have
+
+
 def chunk_table(reps: int) -> None:
-    """Per chunk: SDPA against each tile this CPU runs (AVX512-BF16; AMX where present)."""
-    amx = bool(cpu_paged._bf16_ext().prefill_amx_available())
-    tiles = [("AVX512-BF16", False)] + ([("AMX", True)] if amx else [])
+    """Per chunk: SDPA against each tile this CPU runs."""
+    tiles = [(_TILE_NAMES[t], t) for t in tiles_here()]
     head = " | ".join(f"{n} ms | {n} / SDPA" for n, _ in tiles)
     print(f"| chunk (query, context, Hq / Hkv / D) | SDPA ms | {head} | max error SDPA / tiles |")
     print("|---|---:|" + "---:|---:|" * len(tiles) + "---|")
@@ -78,9 +93,9 @@ def chunk_table(reps: int) -> None:
 
 
 def engine_prefill_ms(model: str, length: int, prompts: int, kernel: bool) -> float:
-    orig = cpu_paged.attend_prefill
+    orig = cpu_paged._prefill_path
     if not kernel:
-        cpu_paged.attend_prefill = reference._attend
+        cpu_paged._prefill_path = "sdpa"
     try:
         llm = LLM(model, kv_cache_memory="512MiB", enable_prefix_caching=False)
         rng = random.Random(length)
@@ -94,7 +109,7 @@ def engine_prefill_ms(model: str, length: int, prompts: int, kernel: bool) -> fl
         llm.generate(batch, sp)
         return (time.perf_counter() - t0) * 1e3
     finally:
-        cpu_paged.attend_prefill = orig
+        cpu_paged._prefill_path = orig
 
 
 def _loop_attention(q, kv, layer, tables, lens, qsl, scale, k_scale=None, v_scale=None):
@@ -142,25 +157,24 @@ PAGED_SHAPES = [
 ]
 
 
-def _isa(amx: bool, fn):
+def _isa(tile: str, fn):
     def run(*args):
-        old = cpu_paged._prefill_amx
-        cpu_paged._prefill_amx = amx
+        old = cpu_paged._prefill_path
+        cpu_paged._prefill_path = tile
         try:
             return fn(*args)
         finally:
-            cpu_paged._prefill_amx = old
+            cpu_paged._prefill_path = old
 
     return run
 
 
-def paged_table(reps: int, amx: bool) -> None:
+def paged_table(reps: int, tiles: list[str]) -> None:
+    first = tiles[0]
     paths = [
-        ("loop, AVX512-BF16 (before)", _isa(False, _loop_attention)),
-        ("paged, AVX512-BF16", _isa(False, cpu_paged.paged_attention)),
+        (f"loop, {_TILE_NAMES[first]} (before)", _isa(first, _loop_attention)),
+        *((f"paged, {_TILE_NAMES[t]}", _isa(t, cpu_paged.paged_attention)) for t in tiles),
     ]
-    if amx:
-        paths.append(("paged, AMX", _isa(True, cpu_paged.paged_attention)))
     print(
         "| step (chunks), 4 layers | "
         + " | ".join(f"{n} ms" for n, _ in paths)
@@ -169,7 +183,7 @@ def paged_table(reps: int, amx: bool) -> None:
     print("|---|" + "---:|" * (len(paths) + 1))
     for name, shape in PAGED_SHAPES:
         q, kv, tables, lens, qsl, sc = paged_step(*shape)
-        for isa in [False, True] if amx else [False]:
+        for isa in tiles:
             a_out = _isa(isa, _loop_attention)(q, kv, 0, tables, lens, qsl, sc)
             b_out = _isa(isa, cpu_paged.paged_attention)(q, kv, 0, tables, lens, qsl, sc)
             if not torch.equal(a_out, b_out):
@@ -188,11 +202,12 @@ def paged_table(reps: int, amx: bool) -> None:
 
 def engine_prefixrep_ms(model: str, prompts: int, before: bool) -> float:
     """Prefill of ``prompts`` prefix_repetition prompts; ``before``: the per-sequence loop on
-    AVX512-BF16 (the path before the paged kernel), else the default (paged, ISA by CPU)."""
-    orig, orig_isa = cpu_paged.paged_attention, cpu_paged._prefill_amx
+    the CPU's first tile (the path before the paged kernel), else the default (paged, tile by
+    CPU)."""
+    orig, orig_isa = cpu_paged.paged_attention, cpu_paged._prefill_path
     if before:
         cpu_paged.paged_attention = _loop_attention
-        cpu_paged._prefill_amx = False
+        cpu_paged._prefill_path = tiles_here()[0]
     try:
         llm = LLM(model, kv_cache_memory="512MiB", enable_prefix_caching=True)
         rng = random.Random(7)
@@ -209,13 +224,12 @@ def engine_prefixrep_ms(model: str, prompts: int, before: bool) -> float:
         llm.generate(batch, sp)
         return (time.perf_counter() - t0) * 1e3
     finally:
-        cpu_paged.paged_attention, cpu_paged._prefill_amx = orig, orig_isa
+        cpu_paged.paged_attention, cpu_paged._prefill_path = orig, orig_isa
 
 
 def paged_main(args) -> None:
-    amx = cpu_paged.prefill_uses_amx()
-    print(f"default prefill tile here: {'AMX' if amx else 'AVX512-BF16'}")
-    paged_table(args.reps, amx)
+    print(f"default prefill attention here: {cpu_paged.prefill_path()}")
+    paged_table(args.reps, tiles_here())
     print()
     print("| prompts (prefix_repetition 4 x 1,024 + 64) | before ms | now ms | now / before |")
     print("|---|---:|---:|---:|")
@@ -241,8 +255,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--paged", action="store_true", help="the paged step kernel against the loop")
     args = ap.parse_args()
-    if cpu_paged._bf16_ext() is None:
-        print("this CPU has no AVX512-BF16 (or the extension did not build): nothing to compare")
+    if not tiles_here():
+        print(
+            "no C++ prefill tile on this CPU (or the extension did not build): nothing to compare"
+        )
         return 1
     torch.set_num_threads(args.threads)
     os.environ["PDSERVE_NUM_THREADS"] = str(args.threads)

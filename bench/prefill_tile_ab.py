@@ -1,6 +1,6 @@
 """The paged bf16 prefill kernel (``paged_prefill_bf16``), this tree's against the extension
-built from ``--baseline-source``, interleaved in one process, on each tile the CPU has (AMX,
-AVX512-BF16), on ``bench/prefill_attention.py``'s step shapes of vLLM's prefix_repetition and
+built from ``--baseline-source``, interleaved in one process, on each tile the CPU and both
+builds have (AMX, AVX512-BF16, AVX2), on ``bench/prefill_attention.py``'s step shapes of vLLM's prefix_repetition and
 random workloads (the small model's heads: 8 query, 4 KV, head size 32, 4 layers). Prints the
 median ms per step of each and the largest output difference between the two::
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.prefill_attention import PAGED_SHAPES, paged_step
+from bench.prefill_attention import PAGED_SHAPES, paged_step, tiles_here
 from kernels import cpp_build, cpu_paged
 
 LAYERS = 4  # paged_step's model: 8 query / 4 KV heads of 32, 4 layers
@@ -34,20 +34,22 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     old = cpp_build.build("pdserve_pf_base", Path(a.baseline_source), cpu_paged._FLAGS)
-    new = cpu_paged._bf16_ext()
-    if new is None:
-        print("no AVX512-BF16 build here: nothing to compare")
+    new = cpu_paged._load()
+    # tiles both builds have (a baseline older than the AVX2 tile takes a bool: 0 / 1 only)
+    tiles = [t for t in tiles_here() if t != "avx2" or hasattr(old, "prefill_avx2_available")]
+    if not tiles:
+        print("no prefill tile both builds run here: nothing to compare")
         return
     cases = {name: paged_step(*shape) for name, shape in PAGED_SHAPES}
     print(f"{a.threads} thread(s), ms per step (4 layers), median of {a.rounds}")
-    tiles = [True, False] if new.prefill_amx_available() else [False]
-    for amx in tiles:
-        print("AMX tile" if amx else "AVX512-BF16 tile")
+    for tile in tiles:
+        code = cpu_paged._PREFILL_TILE[tile]
+        print(f"{tile} tile")
         for name, (q, kv, bt, lens, qsl, sc) in cases.items():
 
-            def step(ext, q=q, kv=kv, bt=bt, lens=lens, qsl=qsl, sc=sc, amx=amx):
+            def step(ext, q=q, kv=kv, bt=bt, lens=lens, qsl=qsl, sc=sc, code=code):
                 return [
-                    ext.paged_prefill_bf16(q, kv, layer, bt, lens, qsl, sc, amx)
+                    ext.paged_prefill_bf16(q, kv, layer, bt, lens, qsl, sc, code)
                     for layer in range(LAYERS)
                 ]
 

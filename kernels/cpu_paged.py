@@ -12,7 +12,8 @@ CPU with AVX2 only, 8-lane vectors for the other dtypes and CPUs); sequences who
 with the same blocks (a shared prompt prefix) share an item that reads those blocks once for
 all of them.
 A step's multi-token prefill chunks over a bf16 pool go to the bf16 prefill kernel (AMX tiles
-where the CPU has AMX-BF16, else AVX512-BF16 dot products: ``prefill_uses_amx``) in one call
+where the CPU has AMX-BF16, else AVX512-BF16 dot products, else fp32 FMAs on AVX2:
+``prefill_path``) in one call
 that reads the blocks in place (``paged_prefill_bf16``: each 16-key unit of a block
 packed once for every chunk whose table holds it, so chunks after a shared cached prefix pack
 it once); the rest (fp8 pools, fp32) go through the reference's loop over gathered K/V to
@@ -452,32 +453,61 @@ def fp32_vectors() -> str | None:
 
 
 PREFILL_ENV = "PDSERVE_CPU_PREFILL"
-PREFILL_PATHS = ("auto", "amx", "avx512")
-_prefill_amx: bool | None = None
+PREFILL_PATHS = ("auto", "amx", "avx512", "avx2", "sdpa")
+# the C++ entry points' tile codes (``PfIsa`` in csrc/cpu_paged.cpp)
+_PREFILL_TILE = {"avx512": 0, "amx": 1, "avx2": 2}
+_PREFILL_SAYS = {
+    "amx": "AMX tiles",
+    "avx512": "AVX512-BF16 dot products",
+    "avx2": "fp32 FMAs on AVX2 (bf16 widened in registers)",
+    "sdpa": "torch's SDPA",
+}
+_prefill_path: str | None = None
 
 
-def prefill_uses_amx() -> bool:
-    """Whether bf16 prefill attention runs on AMX tiles: ``auto`` (``PDSERVE_CPU_PREFILL``,
-    default) picks them where the CPU has AMX-BF16 and the extension built the AMX tile (on
-    this kind of CPU torch's own SDPA, on AMX, also beats the AVX512-BF16 dot products), else
-    the AVX512-BF16 kernel; ``amx`` / ``avx512`` force one (``amx`` where it cannot run is an
-    error). Read once; logged at first use."""
-    global _prefill_amx
-    if _prefill_amx is None:
+def prefill_path() -> str:
+    """Which kernel runs bf16 prefill attention: ``auto`` (``PDSERVE_CPU_PREFILL``, default)
+    takes AMX tiles where the CPU has AMX-BF16 and the extension built the AMX tile (on this
+    kind of CPU torch's own SDPA, on AMX, also beats the AVX512-BF16 dot products), else the
+    AVX512-BF16 tile, else, on a CPU with AVX2 and FMA only, the AVX2 tile (fp32 FMAs on bf16
+    widened in registers), else torch's SDPA; ``amx`` / ``avx512`` / ``avx2`` / ``sdpa`` force
+    one (one that cannot run here is an error). Read once; logged at first use."""
+    global _prefill_path
+    if _prefill_path is None:
         want = (os.environ.get(PREFILL_ENV) or "auto").lower()
         if want not in PREFILL_PATHS:
             raise ValueError(f"{PREFILL_ENV}={want!r}: expected one of {', '.join(PREFILL_PATHS)}")
-        ext = _bf16_ext()
-        can = ext is not None and bool(ext.prefill_amx_available())
-        if want == "amx" and not can:
-            raise RuntimeError(f"{PREFILL_ENV}=amx: this CPU or build has no AMX tiles")
-        _prefill_amx = can and want != "avx512"
-        if ext is None:  # attend_prefill's gate sends every chunk to torch
-            on = "torch's SDPA (no AVX512-BF16 in this CPU or build)"
+        ext, bf16 = _load(), _bf16_ext()
+        here = {
+            "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
+            "avx512": bf16 is not None,
+            # (getattr: an extension built from an older source, as the benches load)
+            "avx2": ext is not None and bool(getattr(ext, "prefill_avx2_available", bool)()),
+            "sdpa": True,
+        }
+        if want == "auto":
+            path = next(p for p in ("amx", "avx512", "avx2", "sdpa") if here[p])
+        elif not here[want]:
+            raise RuntimeError(
+                f"{PREFILL_ENV}={want}: this CPU or build has no {_PREFILL_SAYS[want]}"
+            )
         else:
-            on = "AMX tiles" if _prefill_amx else "AVX512-BF16 dot products"
-        logger.info("bf16 prefill attention on %s (%s=%s)", on, PREFILL_ENV, want)
-    return _prefill_amx
+            path = want
+        _prefill_path = path
+        logger.info("bf16 prefill attention on %s (%s=%s)", _PREFILL_SAYS[path], PREFILL_ENV, want)
+    return _prefill_path
+
+
+def _prefill_kernels(q: torch.Tensor, kv_dtype: torch.dtype) -> tuple[object, int] | None:
+    """The extension and the tile code for a bf16 prefill over bf16 K/V with a head size that
+    is a multiple of 32, at most 256, where :func:`prefill_path` names a C++ tile; else
+    ``None`` (torch's SDPA)."""
+    if not _bf16_rows(q, 32) or kv_dtype != torch.bfloat16 or q.shape[-1] > 256:
+        return None
+    path = prefill_path()
+    if path == "sdpa":
+        return None
+    return _load(), _PREFILL_TILE[path]
 
 
 DECODE_ENV = "PDSERVE_CPU_DECODE"
@@ -525,13 +555,15 @@ def attend_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
 ) -> torch.Tensor:
     """One sequence's causal prefill chunk (``reference._attend``'s contract: q ``[Tq, Hq, D]``,
-    k / v ``[Tk, Hkv, D]``, row i sees keys ``<= offset + i``): the AVX512-BF16 kernel for bf16
-    with a head size that is a multiple of 32 (at most 256), else torch's SDPA."""
-    ext = _bf16_kernels(q, 32)
-    if ext is None or k.dtype != torch.bfloat16 or q.shape[-1] > 256:
+    k / v ``[Tk, Hkv, D]``, row i sees keys ``<= offset + i``): the C++ prefill tile
+    (:func:`prefill_path`) for bf16 with a head size that is a multiple of 32 (at most 256),
+    else torch's SDPA."""
+    kernels = _prefill_kernels(q, k.dtype)
+    if kernels is None:
         return reference._attend(q, k, v, scale, offset)
-    return ext.prefill_bf16(
-        q.contiguous(), k.contiguous(), v.contiguous(), int(offset), scale, prefill_uses_amx()
+    ext, tile = kernels
+    return ext.prefill_bf16(  # type: ignore[attr-defined]
+        q.contiguous(), k.contiguous(), v.contiguous(), int(offset), scale, tile
     )
 
 
@@ -556,9 +588,10 @@ def paged_attention(
         return paged_decode_attention(
             query, kv_cache, layer, block_tables, seq_lens, scale, k_scale, v_scale
         )
-    ext = _bf16_kernels(query, 32)
-    if ext is not None and kv_cache.dtype == torch.bfloat16 and query.shape[-1] <= 256:
-        out = ext.paged_prefill_bf16(
+    kernels = _prefill_kernels(query, kv_cache.dtype)
+    if kernels is not None:
+        ext, tile = kernels
+        out = ext.paged_prefill_bf16(  # type: ignore[attr-defined]
             query.contiguous(),
             kv_cache,
             layer,
@@ -566,7 +599,7 @@ def paged_attention(
             seq_lens.contiguous(),
             query_start_loc.contiguous(),
             float(scale),
-            prefill_uses_amx(),
+            tile,
         )
         if bool(single.any()):
             rows = single.nonzero().squeeze(1)

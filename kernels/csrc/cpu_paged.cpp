@@ -386,6 +386,23 @@ static bool f32_item_dispatch(int64_t V, int64_t G, const KT* kvp, const WalkGeo
 }
 #endif
 
+#ifdef __AVX2__
+// max / sum of the 8 lanes of v (the AVX2 decode step's and the AVX2 prefill tile's)
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+static inline float hadd8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // The fp32 decode step on a CPU with AVX2 but no AVX-512 (f32_step's arithmetic on 8-lane
 // vectors): a 16-token group's scores as two vectors of 8, each a transpose-and-add of 8
@@ -432,20 +449,6 @@ static inline __m256 hsum8x8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-static inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
-
-static inline float hadd8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
 }
 
 template <typename KT, int V, int G>
@@ -1574,7 +1577,8 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
 #endif
 }
 
-// Causal attention of prefill chunks, bf16, on AVX512-BF16 dot products. Query row i of a
+// Causal attention of prefill chunks, bf16, on AVX512-BF16 dot products (pf_tile), AMX tiles
+// (pf_tile_amx) or, on a CPU with neither, AVX2 FMAs (pf_tile_avx2). Query row i of a
 // chunk sees keys <= offset + i. K and V are repacked in units of 16 consecutive keys per KV
 // head: K into 16-key x 2-dim pairs (one vdpbf16ps gives 16 keys' partial scores), V into
 // 2-key x 16-dim pairs (one gives 16 output dims over 2 keys); keys past the context are zero.
@@ -1587,9 +1591,12 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
 // gives the same bits as the contiguous one on the gathered K/V.
 static constexpr int PF_ROWS = 8, PF_KEYS = 64, PF_MAXD = 256, PF_UNIT = 16;
 static constexpr int PF_QK_ROWS = 4;  // rows of a tile whose scores are computed together
+// Which tile prefill_bf16 / paged_prefill_bf16 run (the Python side passes the code; a bool
+// from older callers reads as 0 / 1).
+enum PfIsa : int64_t { PF_AVX512 = 0, PF_AMX = 1, PF_AVX2 = 2 };
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // One unit of one KV head: 16 * D uint32 (K: D/2 pairs x 16 keys, then V: 8 key pairs x D).
+// Plain C++: every tile reads this layout.
 static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* const* vrow,
                                 int64_t D, uint32_t* dst) {
   const int64_t P2 = D / 2;
@@ -1605,6 +1612,8 @@ static inline void pf_pack_unit(const uint16_t* const* krow, const uint16_t* con
       vd[t2 * D + d] = (ra ? uint32_t(ra[d]) : 0u) | (rb ? uint32_t(rb[d]) << 16 : 0u);
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 
 // A tile's online-softmax step over a chunk of 64 keys (4 units of 16), in three parts so that
 // the rows' running maxima and rescale factors come out for every row at once (vertical
@@ -1740,6 +1749,184 @@ static inline void pf_tile(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t
     for (int64_t c = 0; c < C16; ++c) {
       const __m256bh o16 = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16), (__m256i)o16);
+    }
+  }
+}
+#endif
+
+// The same tile on AVX2 + FMA, for CPUs without bf16 dot products (built wherever the compiler
+// targets AVX2 and FMA, so AVX-512 hosts test it too). It reads pf_pack_unit's layout: a
+// 32-bit word holds two bf16 values, and each is an fp32 by itself once moved to the word's
+// top half (the low one: shift left 16) or its low half cleared (the high one: and
+// 0xffff0000), one integer op each, no conversion. Scores in fp32 from products of bf16 values
+// (exact in fp32, so only the order of the sums differs from the AVX-512 tile), the online
+// softmax in base 2 as pf_tile's, P rounded to bf16 (to nearest even) for P V, O in fp32 in a
+// buffer between chunks, one rounding of the output. Each K or V load serves four rows (eight
+// FMAs), with 8 accumulators, 4 widened vectors and 2 broadcasts in the 16 registers.
+#if defined(__AVX2__) && defined(__FMA__)
+#define PF_HAVE_AVX2 1
+
+// 2^x for 8 lanes, x <= 0: exp2_p4's reduction and polynomial, 2^n put in the exponent bits.
+static inline __m256 exp2_p4_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(9.6181291076e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108665e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650696e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718056e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// x rounded to bf16 precision (to nearest, ties to even), kept in fp32; x finite.
+static inline __m256i rnd_bf16_bits_avx2(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+}
+static inline __m256 rnd_bf16_avx2(__m256 x) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(rnd_bf16_bits_avx2(x), _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// The low / high bf16 of each 32-bit word of w as fp32 lanes.
+static inline __m256 pf_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+static inline __m256 pf_hi(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+template <typename UnitFn>
+static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D,
+                                int64_t hq, int64_t r0, int64_t nr, int64_t offset, float sc,
+                                const UnitFn& unit) {
+  const int64_t P2 = D / 2;
+  alignas(32) float qf[PF_ROWS][PF_MAXD];  // the rows' queries in fp32
+  alignas(32) float acc[PF_ROWS][PF_MAXD];  // O, unnormalised
+  alignas(32) float sp[PF_ROWS][PF_KEYS];  // a chunk's scores, then its probabilities
+  float m[PF_ROWS], l[PF_ROWS], alpha[PF_ROWS];
+  const float csc = sc * 1.44269504089f;  // scores to base-2 units
+  const int ng = int((nr + PF_QK_ROWS - 1) / PF_QK_ROWS), nrows = ng * PF_QK_ROWS;
+  // rows past nr repeat row nr - 1 (their results are not written out)
+  for (int i = 0; i < nrows; ++i) {
+    const uint16_t* qrow = qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D;
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf[i] + d, bf16x8_f32(qrow + d));
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[i] + d, _mm256_setzero_ps());
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+  }
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t last = offset + r0 + nr - 1;  // the tile's last visible key
+  for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
+    const int64_t j0 = ch * PF_KEYS;
+    const uint32_t* ku[4];
+    for (int b = 0; b < 4; ++b) ku[b] = unit(j0 / PF_UNIT + b);
+    const int nu = int(std::min<int64_t>(4, (last - j0) / PF_UNIT + 1));  // units with a visible key
+    // S = Q K^T: four rows x one unit (16 keys) at a time, each K word vector widened once
+    for (int g = 0; g < ng; ++g) {
+      const float* q0 = qf[g * PF_QK_ROWS];
+      for (int b = 0; b < nu; ++b) {
+        __m256 s[PF_QK_ROWS][2];
+        for (int i = 0; i < PF_QK_ROWS; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+        const uint32_t* kp = ku[b];
+        for (int64_t p = 0; p < P2; ++p) {
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + p * 16));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + p * 16 + 8));
+          const __m256 e0 = pf_lo(w0), e1 = pf_lo(w1), o0 = pf_hi(w0), o1 = pf_hi(w1);
+          for (int i = 0; i < PF_QK_ROWS; ++i) {
+            const __m256 qe = _mm256_broadcast_ss(q0 + i * PF_MAXD + 2 * p);
+            const __m256 qo = _mm256_broadcast_ss(q0 + i * PF_MAXD + 2 * p + 1);
+            s[i][0] = _mm256_fmadd_ps(qe, e0, s[i][0]);
+            s[i][1] = _mm256_fmadd_ps(qe, e1, s[i][1]);
+            s[i][0] = _mm256_fmadd_ps(qo, o0, s[i][0]);
+            s[i][1] = _mm256_fmadd_ps(qo, o1, s[i][1]);
+          }
+        }
+        for (int i = 0; i < PF_QK_ROWS; ++i) {
+          _mm256_store_ps(sp[g * PF_QK_ROWS + i] + b * 16, s[i][0]);
+          _mm256_store_ps(sp[g * PF_QK_ROWS + i] + b * 16 + 8, s[i][1]);
+        }
+      }
+    }
+    // the online softmax, row by row: scores of keys past the row's limit (or in units not
+    // computed) are hidden; P rounded to bf16 in place of the scores, 0 where hidden
+    for (int i = 0; i < nrows; ++i) {
+      const int64_t vis = offset + r0 + std::min<int64_t>(i, nr - 1) - j0 + 1;  // visible keys
+      float* row = sp[i];
+      if (vis <= 0) {  // nothing of this chunk visible to the row
+        alpha[i] = 1.f;
+        for (int v = 0; v < PF_KEYS / 8; ++v) _mm256_store_ps(row + v * 8, _mm256_setzero_ps());
+        continue;
+      }
+      const int nv = int(std::min<int64_t>(2 * nu, (vis + 7) / 8));  // vectors with a visible key
+      __m256 keep[PF_KEYS / 8];
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (int v = 0; v < nv; ++v) {
+        keep[v] = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(int(vis - 8 * v)), iota));
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                                _mm256_load_ps(row + v * 8), keep[v]));
+      }
+      const float mnew = std::max(m[i], hmax8(mx) * csc);
+      alpha[i] = std::exp2(m[i] - mnew);  // 0 on the row's first chunk (m = -inf)
+      m[i] = mnew;
+      const __m256 mv = _mm256_set1_ps(mnew), cv = _mm256_set1_ps(csc);
+      __m256 psum = _mm256_setzero_ps();
+      for (int v = 0; v < PF_KEYS / 8; ++v) {
+        __m256 pr = _mm256_setzero_ps();
+        if (v < nv)
+          pr = _mm256_and_ps(keep[v], exp2_p4_avx2(_mm256_fmsub_ps(_mm256_load_ps(row + v * 8), cv, mv)));
+        psum = _mm256_add_ps(psum, pr);
+        _mm256_store_ps(row + v * 8, rnd_bf16_avx2(pr));
+      }
+      l[i] = l[i] * alpha[i] + hadd8(psum);
+    }
+    // O = O * alpha + P V: four rows x 16 output dims at a time over the chunk's key pairs,
+    // each V word vector (two keys' values of 8 dims) widened once for the four rows
+    const int64_t nt2 = std::min<int64_t>(PF_KEYS / 2, (last - j0) / 2 + 1);
+    for (int g = 0; g < ng; ++g) {
+      const int i0 = g * PF_QK_ROWS;
+      for (int64_t c0 = 0; c0 < D; c0 += 16) {
+        __m256 a[PF_QK_ROWS][2];
+        for (int i = 0; i < PF_QK_ROWS; ++i) {
+          const __m256 av = _mm256_set1_ps(alpha[i0 + i]);
+          a[i][0] = _mm256_mul_ps(_mm256_load_ps(acc[i0 + i] + c0), av);
+          a[i][1] = _mm256_mul_ps(_mm256_load_ps(acc[i0 + i] + c0 + 8), av);
+        }
+        for (int64_t t2 = 0; t2 < nt2; ++t2) {
+          const uint32_t* vrow = ku[t2 / 8] + 8 * D + (t2 % 8) * D + c0;
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + 8));
+          const __m256 e0 = pf_lo(w0), e1 = pf_lo(w1), o0 = pf_hi(w0), o1 = pf_hi(w1);
+          for (int i = 0; i < PF_QK_ROWS; ++i) {
+            const __m256 pe = _mm256_broadcast_ss(sp[i0 + i] + 2 * t2);
+            const __m256 po = _mm256_broadcast_ss(sp[i0 + i] + 2 * t2 + 1);
+            a[i][0] = _mm256_fmadd_ps(pe, e0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(pe, e1, a[i][1]);
+            a[i][0] = _mm256_fmadd_ps(po, o0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(po, o1, a[i][1]);
+          }
+        }
+        for (int i = 0; i < PF_QK_ROWS; ++i) {
+          _mm256_store_ps(acc[i0 + i] + c0, a[i][0]);
+          _mm256_store_ps(acc[i0 + i] + c0 + 8, a[i][1]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < nr; ++i) {
+    const __m256 inv = _mm256_set1_ps(1.f / l[i]);
+    uint16_t* orow = ob + ((r0 + i) * Hq + hq) * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i lo = _mm256_srli_epi32(
+          rnd_bf16_bits_avx2(_mm256_mul_ps(_mm256_load_ps(acc[i] + d), inv)), 16);
+      const __m256i hi = _mm256_srli_epi32(
+          rnd_bf16_bits_avx2(_mm256_mul_ps(_mm256_load_ps(acc[i] + d + 8), inv)), 16);
+      // packus works within 128-bit lanes: [lo0-3 hi0-3 lo4-7 hi4-7], put back in order
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + d), packed);
     }
   }
 }
@@ -1886,10 +2073,46 @@ static void pf_run_items(int64_t n, bool amx, const Fn& fn) {
   });
 }
 
+// Whether this build has the AVX2 prefill tile (pf_tile_avx2).
+static bool prefill_avx2_available() {
+#ifdef PF_HAVE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Refuses a tile this CPU or build cannot run.
+static void pf_check_isa(int64_t isa) {
+  TORCH_CHECK(isa == PF_AVX512 || isa == PF_AMX || isa == PF_AVX2, "unknown prefill tile ", isa);
+  TORCH_CHECK(isa != PF_AMX || prefill_amx_available(), "no AMX tiles on this CPU or build");
+  TORCH_CHECK(isa != PF_AVX2 || prefill_avx2_available(), "no AVX2 prefill tile in this build");
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
+  TORCH_CHECK(isa != PF_AVX512, "no AVX512-BF16 prefill tile in this build");
+#endif
+}
+
+// One tile of rows on the chosen kernel (pf_check_isa has vouched for it).
+template <typename UnitFn>
+static inline void pf_tile_isa(int64_t isa, const uint16_t* qb, uint16_t* ob, int64_t Hq, int64_t D,
+                               int64_t hq, int64_t r0, int64_t nr, int64_t offset, float sc,
+                               const UnitFn& unit) {
+#ifdef PF_HAVE_AMX
+  if (isa == PF_AMX) return pf_tile_amx(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
+#endif
+#ifdef PF_HAVE_AVX2
+  if (isa == PF_AVX2) return pf_tile_avx2(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  pf_tile(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
+#endif
+}
+
 // One sequence's chunk: q [Tq, Hq, D], k / v [Tk, Hkv, D] (its whole context, contiguous).
 at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        int64_t offset, double scale, bool amx) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+                        int64_t offset, double scale, int64_t isa) {
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(PF_HAVE_AVX2)
+  pf_check_isa(isa);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [Tq,Hq,D], k/v [Tk,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "prefill_bf16 takes bf16 tensors");
@@ -1918,21 +2141,17 @@ at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tens
   auto out = at::empty_like(q);
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  TORCH_CHECK(!amx || prefill_amx_available(), "no AMX tiles on this CPU or build");
-  const int64_t rows = amx ? 16 : PF_ROWS, ntiles = (Tq + rows - 1) / rows;
+  const int64_t rows = isa == PF_AMX ? 16 : PF_ROWS, ntiles = (Tq + rows - 1) / rows;
   const float sc = float(scale);
-  pf_run_items(Hq * ntiles, amx, [&](int64_t w) {
+  pf_run_items(Hq * ntiles, isa == PF_AMX, [&](int64_t w) {
     const int64_t hq = w / ntiles, r0 = (w % ntiles) * rows, nr = std::min<int64_t>(rows, Tq - r0);
     const uint32_t* base = packed.data() + (hq / G) * nunits * UW;
     auto unit = [&](int64_t u) { return base + u * UW; };
-#ifdef PF_HAVE_AMX
-    if (amx) return pf_tile_amx(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
-#endif
-    pf_tile(qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
+    pf_tile_isa(isa, qb, ob, Hq, D, hq, r0, nr, offset, sc, unit);
   });
   return out;
 #else
-  TORCH_CHECK(false, "prefill_bf16 needs AVX512-BF16");
+  TORCH_CHECK(false, "prefill_bf16 needs AVX512-BF16 or AVX2 and FMA");
 #endif
 }
 
@@ -1946,8 +2165,9 @@ at::Tensor prefill_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // row tile) go to the threads longest first from a shared counter.
 at::Tensor paged_prefill_bf16(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                               const at::Tensor& tables, const at::Tensor& lens,
-                              const at::Tensor& qsl, double scale, bool amx) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+                              const at::Tensor& qsl, double scale, int64_t isa) {
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(PF_HAVE_AVX2)
+  pf_check_isa(isa);
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "q must be [T,Hq,D] and kv [NB,L,2,BS,Hkv,D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16,
               "paged_prefill_bf16 takes bf16 q and KV");
@@ -1978,8 +2198,7 @@ at::Tensor paged_prefill_bf16(const at::Tensor& q, const at::Tensor& kv, int64_t
   std::unordered_map<int64_t, int32_t> shared;
   const bool whole = BS % PF_UNIT == 0;
   const int64_t upb = whole ? BS / PF_UNIT : 0;
-  TORCH_CHECK(!amx || prefill_amx_available(), "no AMX tiles on this CPU or build");
-  const int64_t rows = amx ? 16 : PF_ROWS;
+  const int64_t rows = isa == PF_AMX ? 16 : PF_ROWS;
   struct Item { int64_t seq, hq, r0, nr, cost; };
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
@@ -2041,21 +2260,17 @@ at::Tensor paged_prefill_bf16(const at::Tensor& q, const at::Tensor& kv, int64_t
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   uint16_t* ob = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float sc = float(scale);
-  pf_run_items(int64_t(items.size()), amx, [&](int64_t w) {
+  pf_run_items(int64_t(items.size()), isa == PF_AMX, [&](int64_t w) {
     const Item& it = items[w];
     const int64_t q0 = qp[it.seq], tq = qp[it.seq + 1] - q0, offset = lp[it.seq] - tq;
     const int32_t* sl = slots[it.seq].data();
     const uint32_t* base = packed.data() + (it.hq / G) * UW;
     auto unit = [&](int64_t u) { return base + int64_t(sl[u]) * Hkv * UW; };
-#ifdef PF_HAVE_AMX
-    if (amx)
-      return pf_tile_amx(qb + q0 * Hq * D, ob + q0 * Hq * D, Hq, D, it.hq, it.r0, it.nr, offset, sc, unit);
-#endif
-    pf_tile(qb + q0 * Hq * D, ob + q0 * Hq * D, Hq, D, it.hq, it.r0, it.nr, offset, sc, unit);
+    pf_tile_isa(isa, qb + q0 * Hq * D, ob + q0 * Hq * D, Hq, D, it.hq, it.r0, it.nr, offset, sc, unit);
   });
   return out;
 #else
-  TORCH_CHECK(false, "paged_prefill_bf16 needs AVX512-BF16");
+  TORCH_CHECK(false, "paged_prefill_bf16 needs AVX512-BF16 or AVX2 and FMA");
 #endif
 }
 
@@ -3165,7 +3380,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx2_gemm_supported", &avx2_gemm_supported, "whether linear_bf16_avx2 was built");
   m.def("linear_bf16_avx2", &linear_bf16_avx2, nogil,
         "x @ w.T for bf16 on AVX2 + FMA (bf16 widened to fp32, fp32 FMAs)");
-  m.def("prefill_bf16", &prefill_bf16, nogil, "causal prefill attention of one sequence, bf16 (AVX512-BF16)");
+  m.def("prefill_bf16", &prefill_bf16, nogil,
+        "causal prefill attention of one sequence, bf16 (tile 0 AVX512-BF16, 1 AMX, 2 AVX2)");
+  m.def("prefill_avx2_available", &prefill_avx2_available,
+        "whether the AVX2 + FMA prefill tile was built (CPUs without bf16 dot products)");
   m.def("prefill_amx_available", &prefill_amx_available,
         "whether the AMX prefill tile was built and the process may use AMX tiles");
   m.def("paged_prefill_bf16", &paged_prefill_bf16, nogil,

@@ -231,7 +231,7 @@ def _plan_prefill(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> N
     if dtype != torch.bfloat16 or device != "cpu" or not len(model.layers):
         return
     backend = model.layers[0].self_attn.backend
-    for name in ("prefill_uses_amx", "decode_uses_amx"):
+    for name in ("prefill_path", "decode_uses_amx"):
         choose = getattr(backend, name, None)
         if choose is None:
             continue

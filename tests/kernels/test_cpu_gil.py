@@ -119,22 +119,41 @@ def _needs_bf16():
     return ext
 
 
-def test_small_linear_and_prefill_attention_release_the_gil():
+def test_small_linear_releases_the_gil():
     ext = _needs_bf16()
     x, w = torch.randn(16, 256).bfloat16(), torch.randn(4096, 256).bfloat16()
     assert _ran_beside(lambda: ext.linear_bf16(x, w))
+
+
+def _prefill_tile(name: str) -> int:
+    """The code of prefill tile ``name`` where this build and CPU can run it, else a skip."""
+    ext = cpu_paged._load()
+    here = {
+        "avx512": cpu_paged._bf16_ext() is not None,
+        "amx": cpu_paged._bf16_ext() is not None and bool(ext.prefill_amx_available()),
+        "avx2": bool(ext.prefill_avx2_available()),
+    }
+    if not here[name]:
+        pytest.skip(f"no {name} prefill tile here")
+    return cpu_paged._PREFILL_TILE[name]
+
+
+@pytest.mark.parametrize("name", ["avx512", "amx", "avx2"])
+def test_prefill_attention_releases_the_gil(name):
+    tile, ext = _prefill_tile(name), cpu_paged._load()
     g = torch.Generator().manual_seed(1)
     q = torch.randn(512, 8, 32, generator=g).bfloat16()
     k = torch.randn(512, 4, 32, generator=g).bfloat16()
-    assert _ran_beside(lambda: ext.prefill_bf16(q, k, k, 0, 0.2, False))
+    assert _ran_beside(lambda: ext.prefill_bf16(q, k, k, 0, 0.2, tile))
 
 
-def test_paged_prefill_releases_the_gil():
-    ext = _needs_bf16()
+@pytest.mark.parametrize("name", ["avx512", "amx", "avx2"])
+def test_paged_prefill_releases_the_gil(name):
+    tile, ext = _prefill_tile(name), cpu_paged._load()
     _, kv, tables, lens, scale = _decode_case(torch.bfloat16, seqs=2, ctx=512)
     q = torch.randn(1024, 8, 64).bfloat16()  # both sequences' 512 tokens as prefill chunks
     qsl = torch.tensor([0, 512, 1024], dtype=torch.int32)
-    assert _ran_beside(lambda: ext.paged_prefill_bf16(q, kv, 0, tables, lens, qsl, scale, False))
+    assert _ran_beside(lambda: ext.paged_prefill_bf16(q, kv, 0, tables, lens, qsl, scale, tile))
 
 
 @pytest.mark.parametrize("tiles", [True, False])

@@ -305,22 +305,30 @@ def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
     from shared.config import ConfigError
     from shared.engine import LLM
 
-    if cpu_paged._bf16_ext() is None:
-        pytest.skip("no AVX512-BF16 build: the C++ prefill tiles do not apply")
-    monkeypatch.setattr(cpu_paged, "_prefill_amx", None)  # chosen afresh by this load
+    ext = cpu_paged._load()
+    if ext is None:
+        pytest.skip("the C++ extension does not build here")
+    bf16 = cpu_paged._bf16_ext()
+    here = {
+        "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
+        "avx512": bf16 is not None,
+        "avx2": bool(ext.prefill_avx2_available()),
+        "sdpa": True,
+    }
+    monkeypatch.setattr(cpu_paged, "_prefill_path", None)  # chosen afresh by this load
     monkeypatch.setenv(cpu_paged.PREFILL_ENV, "sse")
     with pytest.raises(ConfigError, match="PDSERVE_CPU_PREFILL='sse': expected one of auto"):
         LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
-    for setting in ("avx512", "amx", "auto"):
-        monkeypatch.setattr(cpu_paged, "_prefill_amx", None)
+    for setting in ("avx512", "amx", "avx2", "sdpa", "auto"):
+        monkeypatch.setattr(cpu_paged, "_prefill_path", None)
         monkeypatch.setenv(cpu_paged.PREFILL_ENV, setting)
-        amx_here = bool(cpu_paged._bf16_ext().prefill_amx_available())
-        if setting == "amx" and not amx_here:
-            with pytest.raises(ConfigError, match="no AMX tiles"):
+        if setting != "auto" and not here[setting]:
+            with pytest.raises(ConfigError, match="this CPU or build has no"):
                 LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
             continue
         LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
-        assert cpu_paged._prefill_amx is (amx_here and setting != "avx512")
+        best = next(p for p in ("amx", "avx512", "avx2", "sdpa") if here[p])
+        assert cpu_paged._prefill_path == (best if setting == "auto" else setting)
 
 
 def test_a_bad_decode_setting_fails_the_start_and_a_good_one_reaches_the_kernel(

@@ -515,17 +515,46 @@ def test_small_linear_declines_what_it_does_not_cover():
     assert cpu_paged.small_linear(x, torch.randn(40, 256).bfloat16()) is None  # N % 16
 
 
-@pytest.fixture(params=["avx512", "amx"])
+def _prefill_tiles_here() -> dict[str, bool]:
+    ext, bf16 = cpu_paged._load(), cpu_paged._bf16_ext()
+    return {
+        "avx512": bf16 is not None,
+        "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
+        "avx2": ext is not None and bool(ext.prefill_avx2_available()),
+    }
+
+
+@pytest.fixture(params=["avx512", "amx", "avx2"])
 def prefill_isa(request, monkeypatch):
-    """Each bf16 prefill tile this machine can run: AVX512-BF16 dot products, AMX tiles."""
-    ext = cpu_paged._bf16_ext()
-    if ext is None:
-        pytest.skip("this CPU has no AVX512-BF16")
-    amx = request.param == "amx"
-    if amx and not ext.prefill_amx_available():
-        pytest.skip("this CPU has no AMX tiles")
-    monkeypatch.setattr(cpu_paged, "_prefill_amx", amx)
+    """Each bf16 prefill tile this machine can run: AVX512-BF16 dot products, AMX tiles, fp32
+    FMAs on AVX2 (built wherever the compiler targets AVX2, so AVX-512 hosts test it too)."""
+    if not _prefill_tiles_here()[request.param]:
+        pytest.skip(f"no {request.param} prefill tile on this CPU or build")
+    monkeypatch.setattr(cpu_paged, "_prefill_path", request.param)
     return request.param
+
+
+def _needs_prefill_tile():
+    if cpu_paged.prefill_path() == "sdpa":
+        pytest.skip("no C++ prefill tile here")
+
+
+def test_a_prefill_tile_this_build_lacks_is_refused_not_run():
+    """Each entry point refuses a tile code it was not built with (or that is unknown) instead
+    of returning an output no tile wrote."""
+    ext = cpu_paged._load()
+    if ext is None:
+        pytest.skip("the C++ extension does not build here")
+    here = _prefill_tiles_here()
+    g = torch.Generator().manual_seed(3)
+    q, kv, tables, lens, qsl = _prefill_step(g, 16, 8, 4, 32, [20], [20], [None])
+    k = torch.randn(20, 4, 32, generator=g).bfloat16()
+    missing = [n for n, ok in here.items() if not ok]
+    for code in [cpu_paged._PREFILL_TILE[n] for n in missing] + [3, -1]:
+        with pytest.raises(RuntimeError, match="prefill tile|no AMX tiles|needs AVX"):
+            ext.prefill_bf16(q, k, k, 0, 0.1, code)
+        with pytest.raises(RuntimeError, match="prefill tile|no AMX tiles|needs AVX"):
+            ext.paged_prefill_bf16(q, kv, 0, tables, lens, qsl, 0.1, code)
 
 
 @pytest.mark.parametrize(
@@ -622,8 +651,8 @@ def test_paged_prefill_has_the_bits_of_the_gathered_kernel(bs, hq, hkv, d, prefi
         chunk_rows = torch.cat(
             [torch.arange(qsl[s], qsl[s + 1]) for s in range(len(q_lens)) if q_lens[s] > 1]
         )
-        direct = cpu_paged._bf16_ext().paged_prefill_bf16(
-            q, kv, layer, tables, lens, qsl, scale, prefill_isa == "amx"
+        direct = cpu_paged._load().paged_prefill_bf16(
+            q, kv, layer, tables, lens, qsl, scale, cpu_paged._PREFILL_TILE[prefill_isa]
         )
         assert torch.equal(direct[chunk_rows], want[chunk_rows])
     # (the torch reference's decode rows read whole blocks: its pool gets zeros for the NaN)
@@ -634,8 +663,7 @@ def test_paged_prefill_has_the_bits_of_the_gathered_kernel(bs, hq, hkv, d, prefi
 
 
 def test_paged_prefill_refuses_bad_tables():
-    if cpu_paged._bf16_ext() is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+    _needs_prefill_tile()
     g = torch.Generator().manual_seed(1)
     q, kv, tables, lens, qsl = _prefill_step(g, 16, 8, 4, 32, [20], [20], [None], nb=8)
     tables[0, 1] = 99  # past the pool
@@ -670,8 +698,7 @@ def test_paged_prefill_checks_every_block_of_a_unit_with_small_blocks():
     """With blocks of 8 tokens a 16-key unit spans two blocks: a bad id in any block the
     context uses is refused, not only a unit's first (in a child process: past the pool by
     2**30 blocks the unchecked read crashed)."""
-    if cpu_paged._bf16_ext() is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+    _needs_prefill_tile()
     proc = _run_child(_BAD_PREFILL_BS8)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
     lines = proc.stdout.splitlines()
@@ -792,23 +819,29 @@ def test_the_attention_paths_logged_without_avx512_bf16_are_the_ones_that_run(
 ):
     """On an AVX2-only EPYC the worker logged "bf16 prefill attention on AVX512-BF16 dot
     products" and the same for decode: the choice between AMX and ``vdpbf16ps`` was logged
-    even where neither exists. Prefill there is torch's SDPA (``attend_prefill``'s gate) and
-    decode the extension's fp32 kernels."""
+    even where neither exists. Prefill there is the AVX2 tile where the build has AVX2 (torch's
+    SDPA where it has no vectors at all) and decode the extension's fp32 kernels."""
     import logging
     from types import SimpleNamespace
 
     from kernels import cpp_build
 
-    fake = SimpleNamespace(decode_amx_available=lambda: False, set_decode_amx=lambda on: on)
+    avx2 = "avx2" in flags.split()
+    fake = SimpleNamespace(
+        decode_amx_available=lambda: False,
+        set_decode_amx=lambda on: on,
+        prefill_avx2_available=lambda: avx2,
+    )
     monkeypatch.setattr(cpu_paged, "_bf16_ext", lambda: None)
     monkeypatch.setattr(cpu_paged, "_build", lambda: fake)
-    monkeypatch.setattr(cpu_paged, "_prefill_amx", None)
+    monkeypatch.setattr(cpu_paged, "_prefill_path", None)
     monkeypatch.setattr(cpu_paged, "_decode_amx", None)
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: flags)
     with caplog.at_level(logging.INFO, logger="kernels.cpu_paged"):
-        assert cpu_paged.prefill_uses_amx() is False
+        assert cpu_paged.prefill_path() == ("avx2" if avx2 else "sdpa")
         assert cpu_paged.decode_uses_amx() is False
     text = caplog.text
     assert "AVX512-BF16 dot products" not in text and "AMX tiles" not in text, text
-    assert "bf16 prefill attention on torch's SDPA" in text, text
+    prefill = "fp32 FMAs on AVX2" if avx2 else "torch's SDPA"
+    assert f"bf16 prefill attention on {prefill}" in text, text
     assert f"bf16 decode attention over shared prefixes on {says}" in text, text
