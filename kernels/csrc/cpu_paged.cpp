@@ -1814,7 +1814,7 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
     const uint16_t* qrow = qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D;
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf[i] + d, bf16x8_f32(qrow + d));
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[i] + d, _mm256_setzero_ps());
-    m[i] = -INFINITY;
+    m[i] = -1e30f;  // finite (-ffast-math assumes no infinities in scalar code): 2^(m - x) is 0
     l[i] = 0.f;
   }
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -1870,7 +1870,7 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
                                                 _mm256_load_ps(row + v * 8), keep[v]));
       }
       const float mnew = std::max(m[i], hmax8(mx) * csc);
-      alpha[i] = std::exp2(m[i] - mnew);  // 0 on the row's first chunk (m = -inf)
+      alpha[i] = std::exp2(m[i] - mnew);  // 0 on the row's first chunk
       m[i] = mnew;
       const __m256 mv = _mm256_set1_ps(mnew), cv = _mm256_set1_ps(csc);
       __m256 psum = _mm256_setzero_ps();

@@ -107,6 +107,11 @@ class WorkerSpec:
     parallel: ParallelConfig
 
 
+# How long start-up waits, after a peer's connection closed, for a rank process of this node
+# to show as exited (it closes its sockets a moment before its exit status exists).
+EXIT_GRACE_S = 2.0
+
+
 class RankDiedError(RuntimeError):
     """A rank process of this worker exited; the worker cannot step any more."""
 
@@ -504,10 +509,23 @@ class MultiprocExecutor:
             if isinstance(err, RuntimeError) and not isinstance(
                 err, (CommTimeoutError, RankDiedError)
             ):
+                named = comm_error(err, "start-up", INIT_TIMEOUT_S)
+                if isinstance(named, RankDiedError):
+                    self._await_an_exit(EXIT_GRACE_S)
                 self._check_start()  # a rank that exited says more than its closed socket
-                raise comm_error(err, "start-up", INIT_TIMEOUT_S) from err
+                raise named from err
             raise err
         return box.pop("value")
+
+    def _await_an_exit(self, grace_s: float) -> None:
+        """A peer's connection closed: the rank is on its way out, but its socket closes
+        before the kernel has its exit status, and gloo's error can reach this thread in
+        between. Wait (at most ``grace_s``) until one of this node's rank processes has
+        exited, so that :meth:`_check_start` names it (the rank and its exit code) instead of
+        the closed socket. A rank of another node never shows here: the wait runs out."""
+        deadline = time.monotonic() + grace_s
+        while all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _start_error(self) -> BaseException | None:
         """The helper thread's error, its frames' locals dropped: they hold the process

@@ -243,6 +243,54 @@ def test_a_rank_that_exits_at_start_up_fails_it_at_once_and_leaves_nothing(
     assert res["left_after_restart"] == []
 
 
+class _ExitingRank:
+    """A rank process's interface over a process that exits with 18 after ``delay_s``."""
+
+    name = "rank1"
+
+    def __init__(self, delay_s: float) -> None:
+        code = f"import os, time; time.sleep({delay_s}); os._exit(18)"
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+
+def test_a_closed_connection_at_start_up_names_the_rank_that_is_exiting():
+    """The CI run of the test above once got "a peer rank's connection closed" instead of
+    "rank1 (pid ...) exited with 18": the exiting rank's socket closes a moment before its exit
+    status exists, and gloo's error reached rank 0 in between. Here the gap is made 0.3 s: the
+    start's collective fails with a closed connection while the rank still runs."""
+    import time
+
+    from shared.engine.distributed import MultiprocExecutor, RankDiedError
+
+    class _Store:
+        def check(self, keys):
+            return False
+
+    ex = object.__new__(MultiprocExecutor)
+    ex.procs, ex._store, ex._died = [_ExitingRank(0.3)], _Store(), None
+    ex._starter, ex._start_box = None, {}
+
+    def collective():
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+
+    try:
+        with pytest.raises(
+            RankDiedError, match=r"rank1 \(pid \d+\) exited with 18 during start-up"
+        ):
+            ex._watched(collective, time.monotonic() + 30)
+    finally:
+        ex.procs[0].proc.kill()
+        ex.procs[0].proc.wait()
+
+
 ALONE = """
 import json, os, time
 from shared.engine import LLM
