@@ -26,7 +26,7 @@ from shared.engine.sampling_params import SamplingParams
 
 
 def run(model: str, amx: bool, prompts: int, length: int, out_len: int) -> float:
-    cpu_paged._prefill_amx = amx
+    cpu_paged._prefill_path = "amx" if amx else "avx512"
     llm = LLM(model, kv_cache_memory="1GiB")
     rng = random.Random(0)
     batch = [

@@ -469,8 +469,8 @@ def prefill_path() -> str:
     """Which kernel runs bf16 prefill attention: ``auto`` (``PDSERVE_CPU_PREFILL``, default)
     takes AMX tiles where the CPU has AMX-BF16 and the extension built the AMX tile (on this
     kind of CPU torch's own SDPA, on AMX, also beats the AVX512-BF16 dot products), else the
-    AVX512-BF16 tile, else, on a CPU with AVX2 and FMA only, the AVX2 tile (fp32 FMAs on bf16
-    widened in registers), else torch's SDPA; ``amx`` / ``avx512`` / ``avx2`` / ``sdpa`` force
+    AVX512-BF16 tile, else, on a CPU with AVX2 and FMA (but no AVX512-BF16), the AVX2 tile
+    (fp32 FMAs on bf16 widened in registers), else torch's SDPA; ``amx`` / ``avx512`` / ``avx2`` / ``sdpa`` force
     one (one that cannot run here is an error). Read once; logged at first use."""
     global _prefill_path
     if _prefill_path is None:

@@ -244,13 +244,15 @@ def test_a_rank_that_exits_at_start_up_fails_it_at_once_and_leaves_nothing(
 
 
 class _ExitingRank:
-    """A rank process's interface over a process that exits with 18 after ``delay_s``."""
+    """A rank process's interface over a process that exits with 18 ``delay_s`` after it has
+    said it runs (so the interpreter's start, slow on a busy host, is not part of the gap)."""
 
     name = "rank1"
 
     def __init__(self, delay_s: float) -> None:
-        code = f"import os, time; time.sleep({delay_s}); os._exit(18)"
-        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        code = f"import os, time; print('up', flush=True); time.sleep({delay_s}); os._exit(18)"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == b"up\n"
         self.pid = self.proc.pid
 
     def is_alive(self) -> bool:
@@ -289,6 +291,7 @@ def test_a_closed_connection_at_start_up_names_the_rank_that_is_exiting():
     finally:
         ex.procs[0].proc.kill()
         ex.procs[0].proc.wait()
+        ex.procs[0].proc.stdout.close()
 
 
 ALONE = """
