@@ -81,7 +81,7 @@ def _load():
     ext = _build()
     if ext is not None and _decode_amx is None:
         try:
-            decode_uses_amx()
+            decode_uses_amx(announce=False)  # a bf16 model's load logs the choice
         except (ValueError, RuntimeError):
             pass  # a bad PDSERVE_CPU_DECODE: the model's load reports it (off until then)
     return ext
@@ -513,15 +513,18 @@ def _prefill_kernels(q: torch.Tensor, kv_dtype: torch.dtype) -> tuple[object, in
 DECODE_ENV = "PDSERVE_CPU_DECODE"
 DECODE_PATHS = ("auto", "amx", "avx512")
 _decode_amx: bool | None = None
+_decode_said: str | None = None  # the choice's log line, until logged
 
 
-def decode_uses_amx() -> bool:
+def decode_uses_amx(announce: bool = True) -> bool:
     """Whether bf16 decode attention runs the groups of a shared prefix on AMX tiles: ``auto``
     (``PDSERVE_CPU_DECODE``, default) where the CPU has AMX-BF16 and the extension built the
     tile step, else on ``vdpbf16ps``; ``amx`` / ``avx512`` force one (``amx`` where it cannot
     run is an error). On tiles, a member of a shared prefix gets its output within bf16
-    rounding of its walk alone instead of the same bits. Read once; logged at first use."""
-    global _decode_amx
+    rounding of its walk alone instead of the same bits. Read once (when the extension loads);
+    logged once, at the first call that ``announce``s it: a bf16 model's load (the extension's
+    own load does not, so an fp32 model's start says nothing of bf16 attention)."""
+    global _decode_amx, _decode_said
     if _decode_amx is None:
         want = (os.environ.get(DECODE_ENV) or "auto").lower()
         if want not in DECODE_PATHS:
@@ -545,9 +548,10 @@ def decode_uses_amx() -> bool:
             what = f"{where} (no AVX512-BF16 in this CPU or build)"
         else:
             what = "AMX tiles" if on else "AVX512-BF16 dot products"
-        logger.info(
-            "bf16 decode attention over shared prefixes on %s (%s=%s)", what, DECODE_ENV, want
-        )
+        _decode_said = f"bf16 decode attention over shared prefixes on {what} ({DECODE_ENV}={want})"
+    if announce and _decode_said is not None:
+        logger.info("%s", _decode_said)
+        _decode_said = None
     return _decode_amx
 
 

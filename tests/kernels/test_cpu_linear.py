@@ -331,6 +331,31 @@ def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
         assert cpu_paged._prefill_path == (best if setting == "auto" else setting)
 
 
+def test_only_a_bf16_model_says_which_bf16_attention_kernels_it_runs(
+    monkeypatch, make_model, caplog
+):
+    """An fp32 model's start logged "bf16 decode attention over shared prefixes on ..." (the
+    extension's load chose, and logged, the bf16 decode path): a line about kernels the model
+    never runs. Now the choice is logged by a bf16 model's load, with the prefill line."""
+    import logging
+
+    from kernels import cpu_paged
+    from shared.engine import LLM
+
+    if cpu_paged._load() is None:
+        pytest.skip("the C++ extension does not build here")
+    for name in ("_decode_amx", "_prefill_path"):  # chosen afresh by these loads
+        monkeypatch.setattr(cpu_paged, name, None)
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_paged"):
+        LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB")
+    assert "bf16" not in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_paged"):
+        LLM(str(make_model("tiny", "llama")), kv_cache_memory="16MiB", dtype="bfloat16")
+    assert "bf16 decode attention over shared prefixes on" in caplog.text, caplog.text
+    assert "bf16 prefill attention on" in caplog.text, caplog.text
+
+
 def test_a_bad_decode_setting_fails_the_start_and_a_good_one_reaches_the_kernel(
     monkeypatch, make_model
 ):
