@@ -1806,15 +1806,16 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
   alignas(32) float qf[PF_ROWS][PF_MAXD];  // the rows' queries in fp32
   alignas(32) float acc[PF_ROWS][PF_MAXD];  // O, unnormalised
   alignas(32) float sp[PF_ROWS][PF_KEYS];  // a chunk's scores, then its probabilities
-  float m[PF_ROWS], l[PF_ROWS], alpha[PF_ROWS];
+  alignas(32) float m[PF_ROWS], alpha[PF_ROWS];
+  float l[PF_ROWS];
   const float csc = sc * 1.44269504089f;  // scores to base-2 units
   const int ng = int((nr + PF_QK_ROWS - 1) / PF_QK_ROWS), nrows = ng * PF_QK_ROWS;
+  for (int i = 0; i < PF_ROWS; ++i) m[i] = -1e30f;  // finite under -ffast-math: 2^(m - x) ~ 0
   // rows past nr repeat row nr - 1 (their results are not written out)
   for (int i = 0; i < nrows; ++i) {
     const uint16_t* qrow = qb + ((r0 + std::min<int64_t>(i, nr - 1)) * Hq + hq) * D;
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(qf[i] + d, bf16x8_f32(qrow + d));
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[i] + d, _mm256_setzero_ps());
-    m[i] = -1e30f;  // finite (-ffast-math assumes no infinities in scalar code): 2^(m - x) is 0
     l[i] = 0.f;
   }
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -1850,34 +1851,49 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
         }
       }
     }
-    // the online softmax, row by row: scores of keys past the row's limit (or in units not
-    // computed) are hidden; P rounded to bf16 in place of the scores, 0 where hidden
-    for (int i = 0; i < nrows; ++i) {
+    // the online softmax in three passes, as pf_tile's: each row's max over its visible
+    // scores (keys past the row's limit, or in units not computed, are hidden: only the last
+    // vector a row reads can be partly so); every row's new running max and rescale factor at
+    // once (one vector 2^x instead of a scalar exp2 per row); then each row's probabilities,
+    // rounded to bf16 in place of its scores, 0 where hidden.
+    alignas(32) float mxs[PF_ROWS];
+    int nvs[PF_ROWS];
+    for (int i = 0; i < PF_ROWS; ++i) {
       const int64_t vis = offset + r0 + std::min<int64_t>(i, nr - 1) - j0 + 1;  // visible keys
-      float* row = sp[i];
-      if (vis <= 0) {  // nothing of this chunk visible to the row
-        alpha[i] = 1.f;
-        for (int v = 0; v < PF_KEYS / 8; ++v) _mm256_store_ps(row + v * 8, _mm256_setzero_ps());
-        continue;
-      }
-      const int nv = int(std::min<int64_t>(2 * nu, (vis + 7) / 8));  // vectors with a visible key
-      __m256 keep[PF_KEYS / 8];
+      nvs[i] = i < nrows && vis > 0 ? int(std::min<int64_t>(2 * nu, (vis + 7) / 8)) : 0;
+      mxs[i] = -1e30f;  // nothing visible: the running max stays
+      if (nvs[i] == 0) continue;
+      const float* row = sp[i];
       __m256 mx = _mm256_set1_ps(-INFINITY);
-      for (int v = 0; v < nv; ++v) {
-        keep[v] = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(int(vis - 8 * v)), iota));
-        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                _mm256_load_ps(row + v * 8), keep[v]));
+      for (int v = 0; v < nvs[i]; ++v) {
+        __m256 sv = _mm256_load_ps(row + v * 8);
+        if (vis < 8 * (v + 1))
+          sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                    _mm256_set1_epi32(int(vis - 8 * v)), iota)));
+        mx = _mm256_max_ps(mx, sv);
       }
-      const float mnew = std::max(m[i], hmax8(mx) * csc);
-      alpha[i] = std::exp2(m[i] - mnew);  // 0 on the row's first chunk
-      m[i] = mnew;
-      const __m256 mv = _mm256_set1_ps(mnew), cv = _mm256_set1_ps(csc);
+      mxs[i] = hmax8(mx) * csc;
+    }
+    {
+      const __m256 mold = _mm256_load_ps(m), mnew = _mm256_max_ps(mold, _mm256_load_ps(mxs));
+      // 2^-126 (exp2_p4_avx2's floor) on a row's first chunk, where its O and l are still 0
+      _mm256_store_ps(alpha, exp2_p4_avx2(_mm256_sub_ps(mold, mnew)));
+      _mm256_store_ps(m, mnew);
+    }
+    const __m256 cv = _mm256_set1_ps(csc);
+    for (int i = 0; i < nrows; ++i) {
+      const int64_t vis = offset + r0 + std::min<int64_t>(i, nr - 1) - j0 + 1;
+      float* row = sp[i];
+      const __m256 mv = _mm256_set1_ps(m[i]);
       __m256 psum = _mm256_setzero_ps();
       for (int v = 0; v < PF_KEYS / 8; ++v) {
         __m256 pr = _mm256_setzero_ps();
-        if (v < nv)
-          pr = _mm256_and_ps(keep[v], exp2_p4_avx2(_mm256_fmsub_ps(_mm256_load_ps(row + v * 8), cv, mv)));
+        if (v < nvs[i]) {
+          pr = exp2_p4_avx2(_mm256_fmsub_ps(_mm256_load_ps(row + v * 8), cv, mv));
+          if (vis < 8 * (v + 1))
+            pr = _mm256_and_ps(pr, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                       _mm256_set1_epi32(int(vis - 8 * v)), iota)));
+        }
         psum = _mm256_add_ps(psum, pr);
         _mm256_store_ps(row + v * 8, rnd_bf16_avx2(pr));
       }
