@@ -50,15 +50,8 @@ _TILE_NAMES = {"avx512": "AVX512-BF16", "amx": "AMX", "avx2": "AVX2"}
 
 def tiles_here() -> list[str]:
     """The C++ prefill tiles this CPU and build run, in :func:`cpu_paged.prefill_path`'s names."""
-    ext, bf16 = cpu_paged._load(), cpu_paged._bf16_ext()
-    have = []
-    if bf16 is not None:
-        have.append("avx512")
-        if bf16.prefill_amx_available():
-            have.append("amx")
-    if ext is not None and getattr(ext, "prefill_avx2_available", bool)():
-        have.append("avx2")
-    return have
+    here = cpu_paged.prefill_paths_here()
+    return [t for t in ("avx512", "amx", "avx2") if here[t]]
 
 
 def chunk_table(reps: int) -> None:

@@ -465,26 +465,32 @@ _PREFILL_SAYS = {
 _prefill_path: str | None = None
 
 
+def prefill_paths_here() -> dict[str, bool]:
+    """Which of :data:`PREFILL_PATHS`' kernels (less ``auto``) this CPU and build can run."""
+    ext, bf16 = _load(), _bf16_ext()
+    return {
+        "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
+        "avx512": bf16 is not None,
+        # (getattr: an extension built from an older source, as the benches load)
+        "avx2": ext is not None and bool(getattr(ext, "prefill_avx2_available", bool)()),
+        "sdpa": True,
+    }
+
+
 def prefill_path() -> str:
     """Which kernel runs bf16 prefill attention: ``auto`` (``PDSERVE_CPU_PREFILL``, default)
     takes AMX tiles where the CPU has AMX-BF16 and the extension built the AMX tile (on this
     kind of CPU torch's own SDPA, on AMX, also beats the AVX512-BF16 dot products), else the
     AVX512-BF16 tile, else, on a CPU with AVX2 and FMA (but no AVX512-BF16), the AVX2 tile
-    (fp32 FMAs on bf16 widened in registers), else torch's SDPA; ``amx`` / ``avx512`` / ``avx2`` / ``sdpa`` force
-    one (one that cannot run here is an error). Read once; logged at first use."""
+    (fp32 FMAs on bf16 widened in registers), else torch's SDPA; ``amx`` / ``avx512`` /
+    ``avx2`` / ``sdpa`` force one (one that cannot run here is an error). Read once; logged at
+    first use."""
     global _prefill_path
     if _prefill_path is None:
         want = (os.environ.get(PREFILL_ENV) or "auto").lower()
         if want not in PREFILL_PATHS:
             raise ValueError(f"{PREFILL_ENV}={want!r}: expected one of {', '.join(PREFILL_PATHS)}")
-        ext, bf16 = _load(), _bf16_ext()
-        here = {
-            "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
-            "avx512": bf16 is not None,
-            # (getattr: an extension built from an older source, as the benches load)
-            "avx2": ext is not None and bool(getattr(ext, "prefill_avx2_available", bool)()),
-            "sdpa": True,
-        }
+        here = prefill_paths_here()
         if want == "auto":
             path = next(p for p in ("amx", "avx512", "avx2", "sdpa") if here[p])
         elif not here[want]:

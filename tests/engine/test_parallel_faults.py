@@ -243,24 +243,19 @@ def test_a_rank_that_exits_at_start_up_fails_it_at_once_and_leaves_nothing(
     assert res["left_after_restart"] == []
 
 
-class _ExitingRank:
-    """A rank process's interface over a process that exits with 18 ``delay_s`` after it has
-    said it runs (so the interpreter's start, slow on a busy host, is not part of the gap)."""
+def _exiting_rank(delay_s: float):
+    """A :class:`RankProcess` (its watch methods) over a process that exits with 18
+    ``delay_s`` after it has said it runs (so the interpreter's start, slow on a busy host, is
+    not part of the gap)."""
+    from shared.engine.distributed import RankProcess
 
-    name = "rank1"
-
-    def __init__(self, delay_s: float) -> None:
-        code = f"import os, time; print('up', flush=True); time.sleep({delay_s}); os._exit(18)"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-        assert self.proc.stdout is not None and self.proc.stdout.readline() == b"up\n"
-        self.pid = self.proc.pid
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.poll()
+    rank = object.__new__(RankProcess)
+    rank.rank, rank.name = 1, "rank1"
+    code = f"import os, time; print('up', flush=True); time.sleep({delay_s}); os._exit(18)"
+    rank.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert rank.proc.stdout is not None and rank.proc.stdout.readline() == b"up\n"
+    rank.pid = rank.proc.pid
+    return rank
 
 
 def test_a_closed_connection_at_start_up_names_the_rank_that_is_exiting():
@@ -277,7 +272,7 @@ def test_a_closed_connection_at_start_up_names_the_rank_that_is_exiting():
             return False
 
     ex = object.__new__(MultiprocExecutor)
-    ex.procs, ex._store, ex._died = [_ExitingRank(0.3)], _Store(), None
+    ex.procs, ex._store, ex._died = [_exiting_rank(0.3)], _Store(), None
     ex._starter, ex._start_box = None, {}
 
     def collective():

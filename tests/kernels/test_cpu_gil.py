@@ -127,13 +127,7 @@ def test_small_linear_releases_the_gil():
 
 def _prefill_tile(name: str) -> int:
     """The code of prefill tile ``name`` where this build and CPU can run it, else a skip."""
-    ext = cpu_paged._load()
-    here = {
-        "avx512": cpu_paged._bf16_ext() is not None,
-        "amx": cpu_paged._bf16_ext() is not None and bool(ext.prefill_amx_available()),
-        "avx2": bool(ext.prefill_avx2_available()),
-    }
-    if not here[name]:
+    if not cpu_paged.prefill_paths_here()[name]:
         pytest.skip(f"no {name} prefill tile here")
     return cpu_paged._PREFILL_TILE[name]
 

@@ -305,16 +305,9 @@ def test_a_bad_prefill_tile_setting_fails_the_start(monkeypatch, make_model):
     from shared.config import ConfigError
     from shared.engine import LLM
 
-    ext = cpu_paged._load()
-    if ext is None:
+    if cpu_paged._load() is None:
         pytest.skip("the C++ extension does not build here")
-    bf16 = cpu_paged._bf16_ext()
-    here = {
-        "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
-        "avx512": bf16 is not None,
-        "avx2": bool(ext.prefill_avx2_available()),
-        "sdpa": True,
-    }
+    here = cpu_paged.prefill_paths_here()
     monkeypatch.setattr(cpu_paged, "_prefill_path", None)  # chosen afresh by this load
     monkeypatch.setenv(cpu_paged.PREFILL_ENV, "sse")
     with pytest.raises(ConfigError, match="PDSERVE_CPU_PREFILL='sse': expected one of auto"):

@@ -515,20 +515,11 @@ def test_small_linear_declines_what_it_does_not_cover():
     assert cpu_paged.small_linear(x, torch.randn(40, 256).bfloat16()) is None  # N % 16
 
 
-def _prefill_tiles_here() -> dict[str, bool]:
-    ext, bf16 = cpu_paged._load(), cpu_paged._bf16_ext()
-    return {
-        "avx512": bf16 is not None,
-        "amx": bf16 is not None and bool(bf16.prefill_amx_available()),
-        "avx2": ext is not None and bool(ext.prefill_avx2_available()),
-    }
-
-
 @pytest.fixture(params=["avx512", "amx", "avx2"])
 def prefill_isa(request, monkeypatch):
     """Each bf16 prefill tile this machine can run: AVX512-BF16 dot products, AMX tiles, fp32
     FMAs on AVX2 (built wherever the compiler targets AVX2, so AVX-512 hosts test it too)."""
-    if not _prefill_tiles_here()[request.param]:
+    if not cpu_paged.prefill_paths_here()[request.param]:
         pytest.skip(f"no {request.param} prefill tile on this CPU or build")
     monkeypatch.setattr(cpu_paged, "_prefill_path", request.param)
     return request.param
@@ -545,7 +536,7 @@ def test_a_prefill_tile_this_build_lacks_is_refused_not_run():
     ext = cpu_paged._load()
     if ext is None:
         pytest.skip("the C++ extension does not build here")
-    here = _prefill_tiles_here()
+    here = cpu_paged.prefill_paths_here()
     g = torch.Generator().manual_seed(3)
     q, kv, tables, lens, qsl = _prefill_step(g, 16, 8, 4, 32, [20], [20], [None])
     k = torch.randn(20, 4, 32, generator=g).bfloat16()
