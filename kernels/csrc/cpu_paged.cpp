@@ -1792,6 +1792,12 @@ static inline __m256 rnd_bf16_avx2(__m256 x) {
       _mm256_and_si256(rnd_bf16_bits_avx2(x), _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 
+// The lanes of the v-th vector of a score row whose keys are visible (vis keys are), all ones.
+static inline __m256 pf_vis_mask(int64_t vis, int v) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(vis - 8 * v)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
 // The low / high bf16 of each 32-bit word of w as fp32 lanes.
 static inline __m256 pf_lo(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
 static inline __m256 pf_hi(__m256i w) {
@@ -1818,7 +1824,6 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
     for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[i] + d, _mm256_setzero_ps());
     l[i] = 0.f;
   }
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t last = offset + r0 + nr - 1;  // the tile's last visible key
   for (int64_t ch = 0; ch * PF_KEYS <= last; ++ch) {
     const int64_t j0 = ch * PF_KEYS;
@@ -1858,18 +1863,18 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
     // rounded to bf16 in place of its scores, 0 where hidden.
     alignas(32) float mxs[PF_ROWS];
     int nvs[PF_ROWS];
+    int64_t vis[PF_ROWS];  // each row's visible keys in this chunk
     for (int i = 0; i < PF_ROWS; ++i) {
-      const int64_t vis = offset + r0 + std::min<int64_t>(i, nr - 1) - j0 + 1;  // visible keys
-      nvs[i] = i < nrows && vis > 0 ? int(std::min<int64_t>(2 * nu, (vis + 7) / 8)) : 0;
+      vis[i] = offset + r0 + std::min<int64_t>(i, nr - 1) - j0 + 1;
+      nvs[i] = i < nrows && vis[i] > 0 ? int(std::min<int64_t>(2 * nu, (vis[i] + 7) / 8)) : 0;
       mxs[i] = -1e30f;  // nothing visible: the running max stays
       if (nvs[i] == 0) continue;
       const float* row = sp[i];
       __m256 mx = _mm256_set1_ps(-INFINITY);
       for (int v = 0; v < nvs[i]; ++v) {
         __m256 sv = _mm256_load_ps(row + v * 8);
-        if (vis < 8 * (v + 1))
-          sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                    _mm256_set1_epi32(int(vis - 8 * v)), iota)));
+        if (vis[i] < 8 * (v + 1))
+          sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, pf_vis_mask(vis[i], v));
         mx = _mm256_max_ps(mx, sv);
       }
       mxs[i] = hmax8(mx) * csc;
@@ -1882,7 +1887,6 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
     }
     const __m256 cv = _mm256_set1_ps(csc);
     for (int i = 0; i < nrows; ++i) {
-      const int64_t vis = offset + r0 + std::min<int64_t>(i, nr - 1) - j0 + 1;
       float* row = sp[i];
       const __m256 mv = _mm256_set1_ps(m[i]);
       __m256 psum = _mm256_setzero_ps();
@@ -1890,9 +1894,7 @@ static inline void pf_tile_avx2(const uint16_t* qb, uint16_t* ob, int64_t Hq, in
         __m256 pr = _mm256_setzero_ps();
         if (v < nvs[i]) {
           pr = exp2_p4_avx2(_mm256_fmsub_ps(_mm256_load_ps(row + v * 8), cv, mv));
-          if (vis < 8 * (v + 1))
-            pr = _mm256_and_ps(pr, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                       _mm256_set1_epi32(int(vis - 8 * v)), iota)));
+          if (vis[i] < 8 * (v + 1)) pr = _mm256_and_ps(pr, pf_vis_mask(vis[i], v));
         }
         psum = _mm256_add_ps(psum, pr);
         _mm256_store_ps(row + v * 8, rnd_bf16_avx2(pr));
