@@ -24,7 +24,8 @@ blocks.
 
 ``--baseline-source FILE`` adds the path ``base``: ``onecall`` (the default step; ``fused``
 before 2026-12-03) with the C++ extension built from
-FILE instead of ``kernels/csrc/cpu_paged.cpp`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
+FILE instead of ``kernels/csrc/cpu_paged.cpp`` (``avx2_base``: ``avx2_onecall`` with it, for a CPU
+whose oneDNN has no bf16) (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp
 > FILE``), interleaved with the others in the same process, for a kernel's before / after.
 """
 
@@ -117,7 +118,9 @@ PATHS = (
     "head_onednn",
     "avx2",
     "avx2_onecall",
+    "avx2_base",
 )
+BASE_PATHS = ("base", "avx2_base")  # the paths that run the --baseline-source build
 _baseline_ext = None  # the extension built from --baseline-source (path "base")
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
@@ -138,13 +141,13 @@ def step_ms(
     saved = {name: getattr(cpu_paged, name) for name in ("_SMALL_M", "_ext", *FUSED, *OLDER)}
     if path == "plain":
         cpu_paged._SMALL_M = 0
-    if path == "base":
+    if path in BASE_PATHS:
         cpu_paged._ext = _baseline_ext
         for name, fallback in OLDER.items():  # an op the baseline's build lacks: what it did
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
     # the default step, and its before-variants
-    one_call = ("onecall", "base", "head_onednn", "avx2_onecall")
+    one_call = ("onecall", "base", "head_onednn", "avx2_onecall", "avx2_base")
     if path not in ("fused", "avx2", *one_call):
         for name in FUSED:
             setattr(cpu_paged, name, None)
@@ -152,7 +155,7 @@ def step_ms(
         "onednn"
         if path in ("onednn", "fused", "onecall", "base", "head_onednn")
         else "avx2"
-        if path in ("avx2", "avx2_onecall")
+        if path in ("avx2", "avx2_onecall", "avx2_base")
         else "torch"
     )
     # head_onednn: onecall with the LM head on oneDNN's logits + argmax_rows (before the AMX
@@ -213,8 +216,8 @@ def main() -> int:
     paths = args.paths.split(",")
     if unknown := set(paths) - set(PATHS):
         ap.error(f"unknown paths {sorted(unknown)}")
-    if ("base" in paths) != (args.baseline_source is not None):
-        ap.error("the path 'base' and --baseline-source go together")
+    if any(p in BASE_PATHS for p in paths) != (args.baseline_source is not None):
+        ap.error("the paths 'base' / 'avx2_base' and --baseline-source go together")
     if args.baseline_source:
         global _baseline_ext
         src = Path(args.baseline_source).resolve()

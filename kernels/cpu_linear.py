@@ -127,19 +127,31 @@ def plan_for(
 
 
 BLOCKED_ROWS_ENV = "PDSERVE_AVX2_BLOCKED_ROWS"  # read by the C++ kernel (atoll), checked here
+PREFETCH_ROWS_ENV = "PDSERVE_AVX2_PREFETCH_ROWS"  # likewise
+
+#: name -> (smallest value, what it sets): the AVX2 kernel's settings, which it parses with
+#: ``atoll`` (``"abc"`` would read as 0 without a word: every call blocked, or no prefetch)
+_AVX2_SETTINGS = {
+    BLOCKED_ROWS_ENV: (
+        1,
+        "the row count from which the AVX2 linear kernel takes its outer-product blocks; "
+        "default 16",
+    ),
+    PREFETCH_ROWS_ENV: (
+        0,
+        "how many weight rows ahead the AVX2 linear kernel's few-row path prefetches; "
+        "default 8, 0: none",
+    ),
+}
 
 
-def _check_blocked_rows() -> None:
-    """``PDSERVE_AVX2_BLOCKED_ROWS`` (from how many rows of x the AVX2 kernel takes its
-    outer-product blocks; default 16) is a positive integer when set: the kernel parses it with
-    ``atoll``, which would read ``"abc"`` as 0 (every call blocked: right results, a slower
-    decode) without a word. ``ValueError`` names it (the loader's ``ConfigError``)."""
-    raw = os.environ.get(BLOCKED_ROWS_ENV, "").strip()
-    if raw and not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
-        raise ValueError(
-            f"{BLOCKED_ROWS_ENV}={raw!r}: expected an integer >= 1 (the row count from which "
-            "the AVX2 linear kernel takes its outer-product blocks; default 16)"
-        )
+def _check_avx2_settings() -> None:
+    """Each of the AVX2 kernel's settings, when set, is an integer at or above its smallest
+    value; ``ValueError`` names the one that is not (the loader's ``ConfigError``)."""
+    for name, (least, what) in _AVX2_SETTINGS.items():
+        raw = os.environ.get(name, "").strip()
+        if raw and not (raw.isascii() and raw.isdigit() and int(raw) >= least):
+            raise ValueError(f"{name}={raw!r}: expected an integer >= {least} ({what})")
 
 
 def _avx2_plan(requested: str, f: CpuFeatures) -> LinearPlan:
@@ -148,7 +160,7 @@ def _avx2_plan(requested: str, f: CpuFeatures) -> LinearPlan:
     from kernels import cpu_paged
 
     if f.avx2 and cpu_paged.avx2_linear_available():
-        _check_blocked_rows()
+        _check_avx2_settings()
         how = f"{PATH_ENV}=avx2" if requested == "avx2" else "no bf16 dot products"
         return LinearPlan(
             "avx2", f"AVX2 + FMA kernel, bf16 widened to fp32 ({how}; {f.describe()})"

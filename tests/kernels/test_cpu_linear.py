@@ -84,21 +84,35 @@ def test_without_onednn_bf16_the_avx2_kernel_takes_bf16(monkeypatch):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("raw", ["abc", "0", "-1", "1.5", "16 rows", "\u0661\u0666"])
-def test_a_bad_blocked_rows_setting_is_refused_where_the_avx2_plan_is_made(monkeypatch, raw):
-    """The C++ kernel reads PDSERVE_AVX2_BLOCKED_ROWS with atoll: "abc" would be 0 rows (every
-    call blocked) without a word; the plan refuses it, so the worker stops at start-up."""
+@pytest.mark.parametrize(
+    ("env", "bad", "good"),
+    [
+        (
+            cpu_linear.BLOCKED_ROWS_ENV,
+            ["abc", "0", "-1", "1.5", "16 rows", "\u0661\u0666"],
+            ["1", "16"],
+        ),
+        (cpu_linear.PREFETCH_ROWS_ENV, ["abc", "-1", "1.5", "8 rows", "\u0668"], ["0", "8"]),
+    ],
+)
+def test_a_bad_avx2_kernel_setting_is_refused_where_the_avx2_plan_is_made(
+    monkeypatch, env, bad, good
+):
+    """The C++ kernel reads PDSERVE_AVX2_BLOCKED_ROWS / PDSERVE_AVX2_PREFETCH_ROWS with atoll:
+    "abc" would be 0 (every call blocked; no prefetch) without a word; the plan refuses it,
+    so the worker stops at start-up."""
     monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
     monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: False)
     monkeypatch.setattr(cpu_paged, "avx2_linear_available", lambda: True)
-    monkeypatch.setenv(cpu_linear.BLOCKED_ROWS_ENV, raw)
-    with pytest.raises(ValueError, match="PDSERVE_AVX2_BLOCKED_ROWS"):
-        plan_for(torch.bfloat16, CPU, features=HASWELL)
-    for ok in ("1", "16", " 64 ", "1000000000", ""):
-        monkeypatch.setenv(cpu_linear.BLOCKED_ROWS_ENV, ok)
+    for raw in bad:
+        monkeypatch.setenv(env, raw)
+        with pytest.raises(ValueError, match=env):
+            plan_for(torch.bfloat16, CPU, features=HASWELL)
+    for ok in (*good, " 64 ", "1000000000", ""):
+        monkeypatch.setenv(env, ok)
         assert plan_for(torch.bfloat16, CPU, features=HASWELL).path == "avx2"
     # another plan never reads it
-    monkeypatch.setenv(cpu_linear.BLOCKED_ROWS_ENV, raw)
+    monkeypatch.setenv(env, bad[0])
     monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)
     assert plan_for(torch.bfloat16, CPU, features=AMX).path == "onednn"
 
