@@ -121,7 +121,7 @@ PATHS = (
     "avx2_base",
 )
 BASE_PATHS = ("base", "avx2_base")  # the paths that run the --baseline-source build
-_baseline_ext = None  # the extension built from --baseline-source (path "base")
+_baseline_ext = None  # the extension built from --baseline-source (BASE_PATHS)
 FUSED = ("rms_norm", "rope", "silu_mul")  # the backend ops the model takes when present
 OLDER = {"write_kv": reference.write_kv}  # C++ ops added later, and what the model did before
 

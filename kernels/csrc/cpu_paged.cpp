@@ -1430,23 +1430,24 @@ static void outer_avx2_rows(int64_t rows, const float* a, int64_t lda, const flo
   }
 }
 
+// An integer setting of the AVX2 linear kernel from the environment, or dflt where unset
+// (atoll; kernels/cpu_linear.py refuses a malformed value at start-up).
+static int64_t avx2_env_rows(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  return v ? std::atoll(v) : dflt;
+}
+
 // From how many rows of x linear_bf16_avx2 takes the blocked path (PDSERVE_AVX2_BLOCKED_ROWS,
 // read once; default 16).
 static int64_t avx2_blocked_rows() {
-  static const int64_t rows = [] {
-    const char* v = std::getenv("PDSERVE_AVX2_BLOCKED_ROWS");
-    return v ? std::atoll(v) : int64_t{16};
-  }();
+  static const int64_t rows = avx2_env_rows("PDSERVE_AVX2_BLOCKED_ROWS", 16);
   return rows;
 }
 
 // How many weight rows ahead linear_bf16_avx2's few-row path asks for its weights
 // (PDSERVE_AVX2_PREFETCH_ROWS, read once; default 8, two blocks of 4; 0: no software prefetch).
 static int64_t avx2_prefetch_rows() {
-  static const int64_t rows = [] {
-    const char* v = std::getenv("PDSERVE_AVX2_PREFETCH_ROWS");
-    return v ? std::max<int64_t>(0, std::atoll(v)) : int64_t{8};
-  }();
+  static const int64_t rows = std::max<int64_t>(0, avx2_env_rows("PDSERVE_AVX2_PREFETCH_ROWS", 8));
   return rows;
 }
 
@@ -1550,7 +1551,7 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
       const uint16_t* w3 = wp + (n0 + std::min<int64_t>(3, nr - 1)) * K;
       if (mc == 0 && ahead > 0 && n0 + ahead < N)
         for (const char* p = reinterpret_cast<const char*>(w0 + ahead * K),
-                        *e = std::min(wend, p + 4 * K * 2);
+                        *e = std::min(wend, p + 4 * K * sizeof(uint16_t));
              p < e; p += 64)
           _mm_prefetch(p, _MM_HINT_T0);
       int64_t m = mc;
