@@ -1386,6 +1386,63 @@ static inline __m256 bf16x8_f32(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// x rounded to bf16 precision (to nearest, ties to even), kept in fp32; x finite.
+static inline __m256i rnd_bf16_bits_avx2(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+}
+
+// Eight fp32 lanes as bf16, rounded as at::BFloat16 rounds (to nearest, ties to even; a NaN
+// becomes 0x7FC0).
+static inline __m128i f32x8_bf16_avx2(__m256 x) {
+  __m256i r = _mm256_srli_epi32(rnd_bf16_bits_avx2(x), 16);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  // packus works within 128-bit lanes: [0-3 0-3 | 4-7 4-7]; quadwords 0 and 2 in order
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+// y[m * ldy + j] = bf16(t[j * ldt + m]) for j < nn, m < mm: a tile of fp32 sums kept one
+// weight row per row, written out as rows of y, 8 x 8 blocks transposed in registers. Reads
+// whole blocks: t must hold nn rounded up to 8 rows of mm rounded up to 8 values (any value
+// past nn / mm is read, never written).
+static void tile_to_bf16_avx2(const float* t, int64_t ldt, int64_t nn, int64_t mm,
+                              at::BFloat16* y, int64_t ldy) {
+  uint16_t* yb = reinterpret_cast<uint16_t*>(y);
+  for (int64_t j0 = 0; j0 < nn; j0 += 8)
+    for (int64_t m0 = 0; m0 < mm; m0 += 8) {
+      __m256 r[8], s[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(t + (j0 + i) * ldt + m0);
+      for (int i = 0; i < 8; i += 2) {
+        s[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        s[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(s[i], s[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(s[i], s[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(s[i + 1], s[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(s[i + 1], s[i + 3], 0xEE);
+      }
+      __m128i o[8];  // o[m]: bf16 of rows j0..j0+7 at column m0 + m
+      for (int i = 0; i < 4; ++i) {
+        o[i] = f32x8_bf16_avx2(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        o[i + 4] = f32x8_bf16_avx2(_mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      }
+      const int64_t jn = std::min<int64_t>(8, nn - j0), mn = std::min<int64_t>(8, mm - m0);
+      if (jn == 8) {
+        for (int64_t i = 0; i < mn; ++i)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(yb + (m0 + i) * ldy + j0), o[i]);
+      } else {
+        alignas(16) uint16_t part[8];
+        for (int64_t i = 0; i < mn; ++i) {
+          _mm_store_si128(reinterpret_cast<__m128i*>(part), o[i]);
+          std::memcpy(yb + (m0 + i) * ldy + j0, part, jn * sizeof(uint16_t));
+        }
+      }
+    }
+}
+
 // [sum(a), sum(b), sum(c), sum(d)] of four 8-lane vectors
 static inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -1497,9 +1554,7 @@ static void linear_avx2_blocked(const uint16_t* xp, const uint16_t* wp, at::BFlo
                               tile.data() + j * MC + p * 16, MC, kc == 0);
           }
         }
-        for (int64_t m = 0; m < mm; ++m)
-          for (int64_t j = 0; j < nn; ++j)
-            yp[(mc + m) * N + n0 + j] = at::BFloat16(tile[j * MC + m]);
+        tile_to_bf16_avx2(tile.data(), MC, nn, mm, yp + mc * N + n0, N);
       }
     }
   });
@@ -1555,6 +1610,43 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
              p < e; p += 64)
           _mm_prefetch(p, _MM_HINT_T0);
       int64_t m = mc;
+      // four rows of x at a time against two weight rows, twice (8 accumulators, 4 rows of x
+      // in registers): each weight vector widened once per 4 rows instead of once per 2 (the
+      // widening takes the same vector pipes as the FMAs); the same per-product order of
+      // summation as below, so the same bits
+      for (; m + 4 <= mend; m += 4) {
+        const float* x0 = xfp + m * K;
+        const float* x1 = x0 + K;
+        const float* x2 = x1 + K;
+        const float* x3 = x2 + K;
+        for (int half = 0; half < 2; ++half) {
+          const uint16_t* wa = half ? w2 : w0;
+          const uint16_t* wb = half ? w3 : w1;
+          __m256 a0a = _mm256_setzero_ps(), a0b = a0a, a1a = a0a, a1b = a0a;
+          __m256 a2a = a0a, a2b = a0a, a3a = a0a, a3b = a0a;
+          for (int64_t k = 0; k < K; k += 8) {
+            const __m256 u0 = _mm256_loadu_ps(x0 + k), u1 = _mm256_loadu_ps(x1 + k);
+            const __m256 u2 = _mm256_loadu_ps(x2 + k), u3 = _mm256_loadu_ps(x3 + k);
+            __m256 f = bf16x8_f32(wa + k);
+            a0a = _mm256_fmadd_ps(u0, f, a0a); a1a = _mm256_fmadd_ps(u1, f, a1a);
+            a2a = _mm256_fmadd_ps(u2, f, a2a); a3a = _mm256_fmadd_ps(u3, f, a3a);
+            f = bf16x8_f32(wb + k);
+            a0b = _mm256_fmadd_ps(u0, f, a0b); a1b = _mm256_fmadd_ps(u1, f, a1b);
+            a2b = _mm256_fmadd_ps(u2, f, a2b); a3b = _mm256_fmadd_ps(u3, f, a3b);
+          }
+          // [row m, m + 1] x [weight a, b], then rows m + 2, m + 3
+          _mm_store_ps(o0, hsum4_avx2(a0a, a0b, a1a, a1b));
+          _mm_store_ps(o1, hsum4_avx2(a2a, a2b, a3a, a3b));
+          for (int64_t jj = 0; jj < 2; ++jj) {
+            const int64_t j = 2 * half + jj;
+            if (j >= nr) break;
+            yp[m * N + n0 + j] = at::BFloat16(o0[jj]);
+            yp[(m + 1) * N + n0 + j] = at::BFloat16(o0[2 + jj]);
+            yp[(m + 2) * N + n0 + j] = at::BFloat16(o1[jj]);
+            yp[(m + 3) * N + n0 + j] = at::BFloat16(o1[2 + jj]);
+          }
+        }
+      }
       for (; m + 2 <= mend; m += 2) {
         const float* x0 = xfp + m * K;
         const float* x1 = x0 + K;
@@ -1803,12 +1895,6 @@ static inline __m256 exp2_p4_avx2(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// x rounded to bf16 precision (to nearest, ties to even), kept in fp32; x finite.
-static inline __m256i rnd_bf16_bits_avx2(__m256 x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-}
 static inline __m256 rnd_bf16_avx2(__m256 x) {
   return _mm256_castsi256_ps(
       _mm256_and_si256(rnd_bf16_bits_avx2(x), _mm256_set1_epi32(int(0xFFFF0000u))));

@@ -466,6 +466,10 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
         (2, 768, 256),
         (3, 13, 8),
         (15, 70, 64),
+        # four rows of x at a time against two weight rows, then pairs and a single row
+        (4, 70, 64),
+        (7, 131, 256),
+        (13, 1376, 256),
         # from 16 rows, the blocked path: partial panels of 16 rows, partial groups of 6 and
         # tasks of 64 weight rows, K blocks of 256 with a partial last one, chunks of 96 rows
         (16, 64, 8),
@@ -478,8 +482,8 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
 )
 def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
     """The AVX2 + FMA kernel (bf16 widened to fp32): one bf16 rounding of an fp32 sum, any M
-    and N, on both of its paths (dot products of 4 weight rows x 2 rows of x below 16 rows,
-    outer-product blocks from 16)."""
+    and N, on both of its paths (dot products of 4 weight rows x 4, 2 or 1 rows of x below 16
+    rows, outer-product blocks from 16, their sums rounded 8 x 8 at a time)."""
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -492,6 +496,36 @@ def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
     assert ((got.float() - exact).abs() <= bound).all()
     # nearly every output is the exact product rounded once (fp32 summation order aside)
     assert (got == exact.bfloat16()).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("m", [4, 16, 21])
+def test_avx2_linear_rounds_like_torch(m):
+    """The AVX2 kernel rounds its fp32 sums to bf16 as torch does, on the few-row path (4
+    rows) and in the blocked path's 8 x 8 transposed blocks (16 rows; 21: partial blocks):
+    ties to even, NaN, overflow to infinity. Each row's sum is exact in fp32 (two terms), so
+    the result is fixed."""
+    k, n = 64, 19
+    x = torch.zeros(m, k)
+    w = torch.zeros(n, k)
+    w[:, 0] = 1.0
+    w[:, 1] = torch.arange(n, dtype=torch.float32) + 1  # output column j adds (j + 1) x[:, 1]
+    x[:, 0] = 1.0
+    x[:, 1] = 2.0**-8  # 1 + (j + 1) 2^-8: ties between bf16 neighbours for odd j + 1
+    x[1, :] = float("nan")  # a row of NaN
+    x[2, 0], x[2, 1] = 3.0e38, 3.0e38  # overflows: +inf
+    x[3, 0], x[3, 1] = -3.0e38, -3.0e38  # -inf
+    xb, wb = x.bfloat16(), w.bfloat16()
+    got = cpu_paged.avx2_linear(xb, wb)
+    if got is None:
+        pytest.skip("the AVX2 + FMA kernel is not built on this CPU")
+    want = (xb.double() @ wb.double().T).float().bfloat16()  # exact sums, rounded once
+    assert torch.isnan(got[1]).all()
+    assert (got[2] == float("inf")).all() and (got[3] == float("-inf")).all()
+    keep = torch.ones(m, dtype=torch.bool)
+    keep[1] = False
+    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
+    # the ties went to even: 1 + 2^-8 -> 1, 1 + 3 2^-8 -> 1 + 2^-6
+    assert got[0, 0].item() == 1.0 and got[0, 2].item() == 1.0 + 2.0**-6
 
 
 def test_avx2_linear_declines_what_it_does_not_cover():
