@@ -10,6 +10,13 @@ averaged over ``max(3, 3000 / rows)`` calls after one warm-up. It first checks t
 against the exact product (one bf16 rounding of an fp32 sum) on a few odd shapes.
 
     python bench/avx2_linear.py [--rows 1,4,16,64,256,1024] [--threads 1,2]
+
+``--baseline-source FILE`` (e.g. ``git show REV:kernels/csrc/cpu_paged.cpp > FILE``) times
+this tree's kernel against the one built from FILE instead, per shape and row count, the two
+alternating in ``--rounds`` rounds (the best round of each kept, GFLOP/s), and checks that both
+give the same bits::
+
+    python bench/avx2_linear.py --baseline-source /tmp/base.cpp --rows 4,8,12,16,64 --threads 1
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_paged
+from kernels import cpp_build, cpu_paged
 
 SHAPES = [(768, 256), (1376, 256), (256, 688), (256, 256), (32000, 256)]
 
@@ -41,15 +48,59 @@ def check() -> None:
         )
 
 
+def against_baseline(source: Path, rows: list[int], threads: list[int], rounds: int) -> None:
+    """This tree's kernel against ``source``'s, shape by shape (see the module docstring)."""
+    base = cpp_build.build("pdserve_cpu_paged_base", source.resolve(), cpu_paged._FLAGS)
+    new = cpu_paged._avx2_ext()
+    print("| threads | shape (N x K) | rows | base GFLOP/s | this GFLOP/s | time, this / base |")
+    print("|---:|---|---:|---:|---:|---:|")
+    differ = 0
+    for th in threads:
+        torch.set_num_threads(th)
+        for n, k in SHAPES:
+            # enough distinct weights to pass through memory, as in a step (40 MB)
+            ws = [torch.randn(n, k).bfloat16() for _ in range(max(1, 40_000_000 // (n * k * 2)))]
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                a, b = base.linear_bf16_avx2(x, ws[0]), new.linear_bf16_avx2(x, ws[0])
+                differ += int(not torch.equal(a.view(torch.int16), b.view(torch.int16)))
+                calls = max(20, int(2e8 / (2 * m * n * k)))
+                best = {"base": float("inf"), "this": float("inf")}
+                for _ in range(rounds):
+                    for name, ext in (("base", base), ("this", new)):
+                        ext.linear_bf16_avx2(x, ws[-1])
+                        t0 = time.perf_counter()
+                        for i in range(calls):
+                            ext.linear_bf16_avx2(x, ws[i % len(ws)])
+                        best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+                gf = {name: 2 * m * n * k / t / 1e9 for name, t in best.items()}
+                print(
+                    f"| {th} | {n} x {k} | {m} | {gf['base']:.1f} | {gf['this']:.1f} | "
+                    f"{best['this'] / best['base']:.2f} |",
+                    flush=True,
+                )
+    print(f"[avx2_linear] outputs that differ from the baseline's bits: {differ} shapes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,16,64,256,1024")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--baseline-source", type=Path, default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline-source")
     a = ap.parse_args()
     if not cpu_paged.avx2_linear_available():
         sys.exit("the AVX2 + FMA kernel is not built on this CPU")
     torch.manual_seed(0)
     check()
+    if a.baseline_source is not None:
+        against_baseline(
+            a.baseline_source,
+            [int(r) for r in a.rows.split(",")],
+            [int(t) for t in a.threads.split(",")],
+            a.rounds,
+        )
+        return
     print("| threads | rows | torch bf16 ms | avx2 kernel ms | fp32 widened ms | kernel / torch |")
     print("|---:|---:|---:|---:|---:|---:|")
     for th in (int(t) for t in a.threads.split(",")):
