@@ -1561,6 +1561,53 @@ static void linear_avx2_blocked(const uint16_t* xp, const uint16_t* wp, at::BFlo
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One row of x (fp32) against four weight rows (bf16): the four dot products into o, each
+// summed in 8 lanes along k, then hsum4_avx2. Its own function, as dot_x4_w2_avx2.
+__attribute__((noinline)) static void dot_x1_w4_avx2(const float* x0, int64_t K,
+                                                     const uint16_t* w0, const uint16_t* w1,
+                                                     const uint16_t* w2, const uint16_t* w3,
+                                                     float* o) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 u = _mm256_loadu_ps(x0 + k);
+    a0 = _mm256_fmadd_ps(u, bf16x8_f32(w0 + k), a0);
+    a1 = _mm256_fmadd_ps(u, bf16x8_f32(w1 + k), a1);
+    a2 = _mm256_fmadd_ps(u, bf16x8_f32(w2 + k), a2);
+    a3 = _mm256_fmadd_ps(u, bf16x8_f32(w3 + k), a3);
+  }
+  _mm_store_ps(o, hsum4_avx2(a0, a1, a2, a3));
+}
+
+// Rows 0-3 of x (fp32, row stride K) against the weight rows wa and wb (bf16): the eight dot
+// products into o as [x row 0: a, b, row 1: a, b, row 2: ..., row 3: ...]. Each weight
+// vector is widened once for four rows of x (the widening takes the vector pipes the FMAs
+// need); each product is summed in the same order as linear_bf16_avx2's 2-row and 1-row
+// blocks (8 lanes along k, then hsum4_avx2), so the same bits. Not inlined: inlined, it
+// slowed the one-row block of the same loop by 5-10 % (code placement).
+__attribute__((noinline)) static void dot_x4_w2_avx2(const float* x0, int64_t K,
+                                                     const uint16_t* wa, const uint16_t* wb,
+                                                     float* o) {
+  const float* x1 = x0 + K;
+  const float* x2 = x1 + K;
+  const float* x3 = x2 + K;
+  __m256 a0a = _mm256_setzero_ps(), a0b = a0a, a1a = a0a, a1b = a0a;
+  __m256 a2a = a0a, a2b = a0a, a3a = a0a, a3b = a0a;
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 u0 = _mm256_loadu_ps(x0 + k), u1 = _mm256_loadu_ps(x1 + k);
+    const __m256 u2 = _mm256_loadu_ps(x2 + k), u3 = _mm256_loadu_ps(x3 + k);
+    __m256 f = bf16x8_f32(wa + k);
+    a0a = _mm256_fmadd_ps(u0, f, a0a); a1a = _mm256_fmadd_ps(u1, f, a1a);
+    a2a = _mm256_fmadd_ps(u2, f, a2a); a3a = _mm256_fmadd_ps(u3, f, a3a);
+    f = bf16x8_f32(wb + k);
+    a0b = _mm256_fmadd_ps(u0, f, a0b); a1b = _mm256_fmadd_ps(u1, f, a1b);
+    a2b = _mm256_fmadd_ps(u2, f, a2b); a3b = _mm256_fmadd_ps(u3, f, a3b);
+  }
+  _mm256_store_ps(o, _mm256_set_m128(hsum4_avx2(a2a, a2b, a3a, a3b),
+                                     hsum4_avx2(a0a, a0b, a1a, a1b)));
+}
+#endif
+
 at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
 #if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M,K] and w [N,K]");
@@ -1610,42 +1657,14 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
              p < e; p += 64)
           _mm_prefetch(p, _MM_HINT_T0);
       int64_t m = mc;
-      // four rows of x at a time against two weight rows, twice (8 accumulators, 4 rows of x
-      // in registers): each weight vector widened once per 4 rows instead of once per 2 (the
-      // widening takes the same vector pipes as the FMAs); the same per-product order of
-      // summation as below, so the same bits
+      // four rows of x at a time against two weight rows, twice (dot_x4_w2_avx2)
       for (; m + 4 <= mend; m += 4) {
-        const float* x0 = xfp + m * K;
-        const float* x1 = x0 + K;
-        const float* x2 = x1 + K;
-        const float* x3 = x2 + K;
-        for (int half = 0; half < 2; ++half) {
-          const uint16_t* wa = half ? w2 : w0;
-          const uint16_t* wb = half ? w3 : w1;
-          __m256 a0a = _mm256_setzero_ps(), a0b = a0a, a1a = a0a, a1b = a0a;
-          __m256 a2a = a0a, a2b = a0a, a3a = a0a, a3b = a0a;
-          for (int64_t k = 0; k < K; k += 8) {
-            const __m256 u0 = _mm256_loadu_ps(x0 + k), u1 = _mm256_loadu_ps(x1 + k);
-            const __m256 u2 = _mm256_loadu_ps(x2 + k), u3 = _mm256_loadu_ps(x3 + k);
-            __m256 f = bf16x8_f32(wa + k);
-            a0a = _mm256_fmadd_ps(u0, f, a0a); a1a = _mm256_fmadd_ps(u1, f, a1a);
-            a2a = _mm256_fmadd_ps(u2, f, a2a); a3a = _mm256_fmadd_ps(u3, f, a3a);
-            f = bf16x8_f32(wb + k);
-            a0b = _mm256_fmadd_ps(u0, f, a0b); a1b = _mm256_fmadd_ps(u1, f, a1b);
-            a2b = _mm256_fmadd_ps(u2, f, a2b); a3b = _mm256_fmadd_ps(u3, f, a3b);
-          }
-          // [row m, m + 1] x [weight a, b], then rows m + 2, m + 3
-          _mm_store_ps(o0, hsum4_avx2(a0a, a0b, a1a, a1b));
-          _mm_store_ps(o1, hsum4_avx2(a2a, a2b, a3a, a3b));
-          for (int64_t jj = 0; jj < 2; ++jj) {
-            const int64_t j = 2 * half + jj;
-            if (j >= nr) break;
-            yp[m * N + n0 + j] = at::BFloat16(o0[jj]);
-            yp[(m + 1) * N + n0 + j] = at::BFloat16(o0[2 + jj]);
-            yp[(m + 2) * N + n0 + j] = at::BFloat16(o1[jj]);
-            yp[(m + 3) * N + n0 + j] = at::BFloat16(o1[2 + jj]);
-          }
-        }
+        alignas(32) float q[16];  // [pair of weight rows][row of x][weight row of the pair]
+        dot_x4_w2_avx2(xfp + m * K, K, w0, w1, q);
+        dot_x4_w2_avx2(xfp + m * K, K, w2, w3, q + 8);
+        for (int64_t j = 0; j < nr; ++j)
+          for (int64_t r = 0; r < 4; ++r)
+            yp[(m + r) * N + n0 + j] = at::BFloat16(q[(j / 2) * 8 + r * 2 + j % 2]);
       }
       for (; m + 2 <= mend; m += 2) {
         const float* x0 = xfp + m * K;
@@ -1671,16 +1690,7 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
         }
       }
       if (m < mend) {
-        const float* x0 = xfp + m * K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = 0; k < K; k += 8) {
-          const __m256 u = _mm256_loadu_ps(x0 + k);
-          a0 = _mm256_fmadd_ps(u, bf16x8_f32(w0 + k), a0);
-          a1 = _mm256_fmadd_ps(u, bf16x8_f32(w1 + k), a1);
-          a2 = _mm256_fmadd_ps(u, bf16x8_f32(w2 + k), a2);
-          a3 = _mm256_fmadd_ps(u, bf16x8_f32(w3 + k), a3);
-        }
-        _mm_store_ps(o0, hsum4_avx2(a0, a1, a2, a3));
+        dot_x1_w4_avx2(xfp + m * K, K, w0, w1, w2, w3, o0);
         for (int64_t j = 0; j < nr; ++j) yp[m * N + n0 + j] = at::BFloat16(o0[j]);
       }
     }
