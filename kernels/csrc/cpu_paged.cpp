@@ -1584,7 +1584,7 @@ __attribute__((noinline)) static void dot_x1_w4_avx2(const float* x0, int64_t K,
 // vector is widened once for four rows of x (the widening takes the vector pipes the FMAs
 // need); each product is summed in the same order as linear_bf16_avx2's 2-row and 1-row
 // blocks (8 lanes along k, then hsum4_avx2), so the same bits. Not inlined: inlined, it
-// slowed the one-row block of the same loop by 5-10 % (code placement).
+// slowed the one-row block of the same loop by 4-11 % (code placement).
 __attribute__((noinline)) static void dot_x4_w2_avx2(const float* x0, int64_t K,
                                                      const uint16_t* wa, const uint16_t* wb,
                                                      float* o) {
