@@ -38,6 +38,7 @@ from bench.compare_vllm import (
     code_version,
     ensure_model,
     loadavg,
+    sigterm_as_exit,
     vllm_bench,
     wait_quiet,
     warmup,
@@ -183,6 +184,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with sigterm_as_exit():  # a killed A/B still stops the cluster it started
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     a = parse_args(argv)
     model = str(ensure_model(a.model_dir))
     names = list(a.variants)

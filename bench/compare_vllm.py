@@ -44,6 +44,7 @@ The server start/stop helpers here are reused by ``bench/interference.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -54,6 +55,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -1534,7 +1536,29 @@ def setup_mismatch(saved: dict | None, want: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (``kill``, a ``timeout`` around the run) ends the run as Ctrl-C does: the
+    ``finally`` blocks still resume and stop every server it started. Python's default action
+    ends the process at once, which left an interleaved run's servers SIGSTOPped, and their
+    ports taken, until someone found them."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
+    with sigterm_as_exit():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     a = parse_args(argv)
     tag = a.tag or ("quick" if a.quick else "full")
     if a.workloads:

@@ -261,3 +261,30 @@ def test_a_saved_interleaved_half_is_not_reused_by_a_run_on_its_own():
     assert cv.setup_mismatch(dict(want), {**want, "interleaved": False}) is None  # older halves
     why = cv.setup_mismatch({**want, "interleaved": True}, {**want, "interleaved": False})
     assert why == "it ran interleaved"
+
+
+def test_sigterm_stops_every_server_of_an_interleaved_run(interleave, monkeypatch):
+    """A SIGTERM in the middle of an interleaved run (a ``kill``, a ``timeout`` around it) ends
+    it as Ctrl-C does: every server is resumed and stopped. Before, the default action ended the
+    process at once and left the paused systems SIGSTOPped, holding their ports."""
+    import os
+    import signal
+
+    real = cv.vllm_bench
+    count = {"runs": 0}
+
+    def bench_then_term(*args, **kw):
+        count["runs"] += 1
+        if count["runs"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kw)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cv, "vllm_bench", bench_then_term)
+    with pytest.raises(SystemExit) as exc, cv.sigterm_as_exit():
+        interleave.run()
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert [e[1] for e in interleave.events if e[0] == "stop"] == list(interleave.servers)
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
+    # the second run never started: the signal ended the run at once
+    assert len([e for e in interleave.events if e[0] == "run"]) == 1
