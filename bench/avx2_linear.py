@@ -17,11 +17,16 @@ alternating in ``--rounds`` rounds (the best round of each kept, GFLOP/s), and c
 give the same bits::
 
     python bench/avx2_linear.py --baseline-source /tmp/base.cpp --rows 4,8,12,16,64 --threads 1
+
+``--model DIR`` takes the five shapes from a Hugging Face config instead (e.g. the ``medium``
+preset's: qkv 2048 x 1024, gate_up 5632 x 1024, down 1024 x 2816, o 1024 x 1024, LM head
+32000 x 1024).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -34,6 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import cpp_build, cpu_paged
 
 SHAPES = [(768, 256), (1376, 256), (256, 688), (256, 256), (32000, 256)]
+
+
+def model_shapes(model_dir: Path) -> list[tuple[int, int]]:
+    """(N, K) of a Llama-style model's projections: qkv, gate_up, down, o, LM head."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    i = cfg["intermediate_size"]
+    return [((heads + 2 * kv) * d, h), (2 * i, h), (h, i), (h, heads * d), (cfg["vocab_size"], h)]
 
 
 def check() -> None:
@@ -88,7 +103,10 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--baseline-source", type=Path, default=None)
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline-source")
+    ap.add_argument("--model", type=Path, default=None, help="shapes of this model's config")
     a = ap.parse_args()
+    if a.model is not None:
+        SHAPES[:] = model_shapes(a.model.expanduser())
     if not cpu_paged.avx2_linear_available():
         sys.exit("the AVX2 + FMA kernel is not built on this CPU")
     torch.manual_seed(0)

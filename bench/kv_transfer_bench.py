@@ -19,6 +19,7 @@ one at a time, latency-bound). It prints median GB/s and the median per-round ra
     python -m bench.kv_transfer_bench                       # defaults: 1,16,256 blocks, window 1
     python -m bench.kv_transfer_bench --window 8 --rounds 5
     python -m bench.kv_transfer_bench --transport nixl --rounds 7
+    python -m bench.kv_transfer_bench --model ~/.cache/pdserve/compare/medium-llama  # its block
     python -m bench.kv_transfer_bench --ucx-option TCP_TX_SEG_SIZE=64k --progress-spin-us 50
 
 This is a measurement script, not a test: it asserts only that every transfer completed.
@@ -62,6 +63,24 @@ class Measurement:
     @property
     def us_per_transfer(self) -> float:
         return self.seconds / self.transfers * 1e6
+
+
+def geometry_of(model_dir: str | None) -> dict:
+    """The KV block geometry of a Hugging Face model directory (bf16, 16-token blocks, as the
+    services run it); the small model's when ``model_dir`` is None."""
+    if model_dir is None:
+        return dict(BLOCK_GEOMETRY)
+    with open(f"{model_dir}/config.json") as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    return {
+        "model": str(model_dir),
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "num_layers": cfg["num_hidden_layers"],
+        "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    }
 
 
 def _slot_ids(slot: int, k: int) -> list[int]:
@@ -150,7 +169,7 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
 def _receiver_main(pipe, num_blocks: int, opts: dict) -> None:
     from kvtransfer import KVGeometry, create_receiver
 
-    geometry = KVGeometry(**BLOCK_GEOMETRY)
+    geometry = KVGeometry(**opts["geometry"])
     bb = geometry.block_bytes
     pool = np.zeros(num_blocks * bb, dtype=np.uint8)
     receiver = create_receiver(
@@ -285,7 +304,7 @@ def _run_raw(
 def run(args: argparse.Namespace) -> list[dict]:
     from kvtransfer import KVGeometry, create_sender
 
-    geometry = KVGeometry(**BLOCK_GEOMETRY)
+    geometry = KVGeometry(**geometry_of(args.model))
     bb = geometry.block_bytes
     sizes = [int(s) for s in args.blocks.split(",")]
     num_blocks = max(sizes) * args.window
@@ -295,6 +314,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "ucx_options": ucx_options,
         "spin_us": args.progress_spin_us,
         "transport": args.transport,
+        "geometry": geometry_of(args.model),
     }
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -381,6 +401,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(
         f"kvtransfer over {args.transport} vs raw TCP socket, 2 processes on one host, "
+        f"block {results[0]['bytes_per_transfer'] // results[0]['blocks'] // 1024} KiB, "
         f"window={args.window}, "
         f"checksums={'off' if args.no_checksums else 'on'}, rounds={args.rounds} "
         f"(medians; ratios are medians of per-round ratios)"
@@ -410,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="1,16,256", help="comma-separated transfer sizes in blocks")
     ap.add_argument("--window", type=int, default=1, help="transfers in flight at once")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face model directory whose KV block to move (default: the small "
+        "model's 32 KiB block)",
+    )
     ap.add_argument("--transport", choices=("ucx", "nixl"), default="ucx")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bytes-per-round", type=int, default=64 << 20)

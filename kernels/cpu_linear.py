@@ -128,6 +128,7 @@ def plan_for(
 
 BLOCKED_ROWS_ENV = "PDSERVE_AVX2_BLOCKED_ROWS"  # read by the C++ kernel (atoll), checked here
 PREFETCH_ROWS_ENV = "PDSERVE_AVX2_PREFETCH_ROWS"  # likewise
+WHOLE_K_BYTES_ENV = "PDSERVE_AVX2_WHOLE_K_BYTES"  # likewise
 
 #: name -> (smallest value, what it sets): the AVX2 kernel's settings, which it parses with
 #: ``atoll`` (``"abc"`` would read as 0 without a word: every call blocked, or no prefetch)
@@ -141,6 +142,11 @@ _AVX2_SETTINGS = {
         0,
         "how many weight rows ahead the AVX2 linear kernel's few-row path prefetches; "
         "default 8, 0: none",
+    ),
+    WHOLE_K_BYTES_ENV: (
+        0,
+        "up to how many bytes of widened x the AVX2 linear kernel's blocked path runs each "
+        "weight row group over the whole K; default 4194304, 0: never",
     ),
 }
 

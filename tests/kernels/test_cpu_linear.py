@@ -93,12 +93,14 @@ def test_without_onednn_bf16_the_avx2_kernel_takes_bf16(monkeypatch):
             ["1", "16"],
         ),
         (cpu_linear.PREFETCH_ROWS_ENV, ["abc", "-1", "1.5", "8 rows", "\u0668"], ["0", "8"]),
+        (cpu_linear.WHOLE_K_BYTES_ENV, ["abc", "-1", "4MB", "1e6"], ["0", "4194304"]),
     ],
 )
 def test_a_bad_avx2_kernel_setting_is_refused_where_the_avx2_plan_is_made(
     monkeypatch, env, bad, good
 ):
-    """The C++ kernel reads PDSERVE_AVX2_BLOCKED_ROWS / PDSERVE_AVX2_PREFETCH_ROWS with atoll:
+    """The C++ kernel reads PDSERVE_AVX2_BLOCKED_ROWS / PDSERVE_AVX2_PREFETCH_ROWS /
+    PDSERVE_AVX2_WHOLE_K_BYTES with atoll:
     "abc" would be 0 (every call blocked; no prefetch) without a word; the plan refuses it,
     so the worker stops at start-up."""
     monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)

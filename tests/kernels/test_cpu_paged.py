@@ -471,13 +471,16 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
         (7, 131, 256),
         (13, 1376, 256),
         # from 16 rows, the blocked path: partial panels of 16 rows, partial groups of 6 and
-        # tasks of 64 weight rows, K blocks of 256 with a partial last one, chunks of 96 rows
+        # tasks of 64 weight rows; K above one block of 256 with x's panels in cache (up to
+        # 4 MB): the whole K per group of weight rows
         (16, 64, 8),
         (17, 1376, 256),
         (33, 256, 688),
         (70, 70, 64),
         (97, 131, 520),
         (200, 7, 264),
+        # past 4 MB of panels: K blocks of 256 with a partial last one, chunks of 96 rows
+        (1100, 24, 1000),
     ],
 )
 def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
@@ -496,6 +499,42 @@ def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
     assert ((got.float() - exact).abs() <= bound).all()
     # nearly every output is the exact product rounded once (fp32 summation order aside)
     assert (got == exact.bfloat16()).float().mean() >= 0.99
+
+
+def test_avx2_linear_whole_k_gives_the_k_blocks_bits(tmp_path):
+    """The blocked path's two loop orders (whole K per group of weight rows where x's panels
+    fit in cache, K blocks of 256 past that or with PDSERVE_AVX2_WHOLE_K_BYTES=0) sum every
+    product in the same order: the same bits. The setting is read once per process, so the
+    K-block results come from a child process."""
+    import os
+
+    if cpu_paged.avx2_linear(torch.zeros(1, 8).bfloat16(), torch.zeros(1, 8).bfloat16()) is None:
+        pytest.skip("the AVX2 + FMA kernel is not built on this CPU")
+    shapes = [(16, 70, 264), (33, 256, 688), (64, 131, 1032), (97, 19, 520)]
+    code = (
+        "import sys, torch\n"
+        "from kernels import cpu_paged\n"
+        "out = []\n"
+        f"for m, n, k in {shapes!r}:\n"
+        "    g = torch.Generator().manual_seed(m * n + k)\n"
+        "    x = torch.randn(m, k, generator=g).bfloat16()\n"
+        "    w = torch.randn(n, k, generator=g).bfloat16()\n"
+        "    out.append(cpu_paged.avx2_linear(x, w))\n"
+        "torch.save(out, sys.argv[1])\n"
+    )
+    results = {}
+    for label, setting in (("whole", None), ("blocks", "0")):
+        env = dict(os.environ)
+        env.pop("PDSERVE_AVX2_WHOLE_K_BYTES", None)
+        if setting is not None:
+            env["PDSERVE_AVX2_WHOLE_K_BYTES"] = setting
+        path = tmp_path / f"{label}.pt"
+        subprocess.run(
+            [sys.executable, "-c", code, str(path)], env=env, check=True, timeout=300, cwd=ROOT
+        )
+        results[label] = torch.load(path)
+    for (m, n, k), a, b in zip(shapes, results["whole"], results["blocks"]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (m, n, k)
 
 
 @pytest.mark.parametrize("m", [4, 16, 21])
