@@ -146,7 +146,8 @@ _AVX2_SETTINGS = {
     WHOLE_K_BYTES_ENV: (
         0,
         "up to how many bytes of widened x the AVX2 linear kernel's blocked path runs each "
-        "weight row group over the whole K; default 4194304, 0: never",
+        "weight row group over the whole K; default a quarter of the L3 within 1-8 MiB, "
+        "0: never",
     ),
 }
 

@@ -1509,8 +1509,21 @@ static int64_t avx2_prefetch_rows() {
 }
 
 // Up to how many bytes of widened x panels linear_avx2_blocked takes the whole K per weight
-// row group (see there): PDSERVE_AVX2_WHOLE_K_BYTES, read once; default 4 MB; 0: never.
-static const int64_t kAvx2WholeKPanelBytes = avx2_env_rows("PDSERVE_AVX2_WHOLE_K_BYTES", 4 << 20);
+// row group (see there): PDSERVE_AVX2_WHOLE_K_BYTES, read once; 0: never. Default a quarter
+// of the L3 the OS reports, within 1-8 MB (a VM may report the whole socket's L3). Measured
+// on a Zen 3 core with 32 MB of L3: 11.5 MB of panels still 0.91x the K blocks' time, 17 MB
+// 1.05x, 23 MB 1.49x.
+static int64_t avx2_whole_k_bytes() {
+  static const int64_t bytes = [] {
+    int64_t dflt = 4 << 20;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (l3 > 0) dflt = std::clamp<int64_t>(l3 / 4, 1 << 20, 8 << 20);
+#endif
+    return avx2_env_rows("PDSERVE_AVX2_WHOLE_K_BYTES", dflt);
+  }();
+  return bytes;
+}
 
 // The product for many rows of x, computed transposed (y^T = w x^T) so that both operands are
 // laid out once and no horizontal sums remain: x is widened into k-major panels of 16 rows
@@ -1537,15 +1550,15 @@ static void linear_avx2_blocked(const uint16_t* xp, const uint16_t* wp, at::BFlo
         for (int64_t k = 0; k < K; ++k) dst[k * 16] = c10::detail::f32_from_bits(src[k]);
       }
   });
-  if (K > KC && MP * K * 16 * static_cast<int64_t>(sizeof(float)) <= kAvx2WholeKPanelBytes) {
-    // Rows of x whose panels fit in cache (up to 4 MB: decode at batch 16-256 and prefill
-    // chunks of up to 1,024 tokens at hidden 1,024), K above one block: each task widens 6
-    // weight rows over the whole K at a time (24 KB at K = 1,024, in L1) right before they meet
-    // every panel, and the products run over the whole K in registers. Widening a K block of
-    // 64 rows at a time (below) reads the weights in 512-byte runs between the FMA phases: at
-    // 16 rows of a 1,024-wide model that path ran at 55 GFLOP/s of the FMAs' ~90, this one at
-    // 66. Same order of summation either way (a K block resumes from the stored partial sum),
-    // so the same bits. Past the cache (2,048 x 2,816: 23 MB of panels) it is 1.5x slower.
+  if (K > KC && MP * K * 16 * static_cast<int64_t>(sizeof(float)) <= avx2_whole_k_bytes()) {
+    // Rows of x whose panels fit in cache (avx2_whole_k_bytes: up to 8 MB, decode at any batch
+    // and prefill chunks of up to 2,048 tokens at hidden 1,024) and K above one block of 256:
+    // each task widens 6 weight rows over the whole K at a time (24 KB at K = 1,024, in L1)
+    // right before they meet every panel, and the products run over the whole K in registers.
+    // Widening a K block of 64 rows at a time (below) reads the weights in 512-byte runs
+    // between the FMA phases: at 16 rows of a 1,024-wide model that path ran at 55 GFLOP/s of
+    // the FMAs' ~90, this one at 66. Same order of summation either way (a K block resumes
+    // from the stored partial sum), so the same bits.
     const int64_t ldt = MP * 16;
     at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> wf(static_cast<size_t>(6 * K));

@@ -471,16 +471,16 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
         (7, 131, 256),
         (13, 1376, 256),
         # from 16 rows, the blocked path: partial panels of 16 rows, partial groups of 6 and
-        # tasks of 64 weight rows; K above one block of 256 with x's panels in cache (up to
-        # 4 MB): the whole K per group of weight rows
+        # tasks of 64 weight rows; K above one block of 256 with x's panels in cache (at most
+        # 1-8 MB, by the L3's size): the whole K per group of weight rows
         (16, 64, 8),
         (17, 1376, 256),
         (33, 256, 688),
         (70, 70, 64),
         (97, 131, 520),
         (200, 7, 264),
-        # past 4 MB of panels: K blocks of 256 with a partial last one, chunks of 96 rows
-        (1100, 24, 1000),
+        # past 8 MB of panels: K blocks of 256 with a partial last one, chunks of 96 rows
+        (2100, 9, 1000),
     ],
 )
 def test_avx2_linear_matches_fp32_within_bf16_rounding(m, n, k):
