@@ -73,8 +73,9 @@ def against_baseline(source: Path, rows: list[int], threads: list[int], rounds: 
     for th in threads:
         torch.set_num_threads(th)
         for n, k in SHAPES:
-            # enough distinct weights to pass through memory, as in a step (40 MB)
-            ws = [torch.randn(n, k).bfloat16() for _ in range(max(1, 40_000_000 // (n * k * 2)))]
+            # enough distinct weights to pass through memory, as in a step (96 MB: three times a
+            # 32 MB L3, so no shape stays in cache from one call to the next)
+            ws = [torch.randn(n, k).bfloat16() for _ in range(max(1, 96_000_000 // (n * k * 2)))]
             for m in rows:
                 x = torch.randn(m, k).bfloat16()
                 a, b = base.linear_bf16_avx2(x, ws[0]), new.linear_bf16_avx2(x, ws[0])

@@ -1501,8 +1501,9 @@ static int64_t avx2_blocked_rows() {
   return rows;
 }
 
-// How many weight rows ahead linear_bf16_avx2's few-row path asks for its weights
-// (PDSERVE_AVX2_PREFETCH_ROWS, read once; default 8, two blocks of 4; 0: no software prefetch).
+// How many weight rows ahead linear_bf16_avx2's few-row path asks for its weights where they
+// are short (K <= 1,024) (PDSERVE_AVX2_PREFETCH_ROWS, read once; default 8, two blocks of 4;
+// 0: no software prefetch).
 static int64_t avx2_prefetch_rows() {
   static const int64_t rows = std::max<int64_t>(0, avx2_env_rows("PDSERVE_AVX2_PREFETCH_ROWS", 8));
   return rows;
@@ -1683,9 +1684,11 @@ at::Tensor linear_bf16_avx2(const at::Tensor& x, const at::Tensor& w) {
   // block asks for the 4 weight rows avx2_prefetch_rows() on (the block two on) as it starts:
   // at these row counts the weights stream from memory once, and one core's hardware prefetch
   // alone kept too few lines in flight (an LM head of 32,000 x 256 at one row: 8 -> 16 GB/s on
-  // a Zen 3 EPYC whose one-core read bandwidth is ~20)
+  // a Zen 3 EPYC whose one-core read bandwidth is ~20). Rows of short weight rows only (K up
+  // to 1,024: 2 KB): on longer ones the hardware prefetcher does better alone (one row of x,
+  // K = 2,048: 14-17 -> 16-19 GB/s without it; K = 5,632: 20-24 -> 27-29), so they get none.
   const int64_t NB = (N + 3) / 4, MC = 32;
-  const int64_t ahead = avx2_prefetch_rows();
+  const int64_t ahead = K <= 1024 ? avx2_prefetch_rows() : 0;
   const char* wend = reinterpret_cast<const char*>(wp + N * K);
   at::parallel_for(0, (NB + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
     alignas(16) float o0[4], o1[4];
