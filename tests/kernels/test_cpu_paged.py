@@ -470,6 +470,7 @@ def test_small_linear_matches_fp32_within_bf16_rounding(m, n, k):
         (4, 70, 64),
         (7, 131, 256),
         (13, 1376, 256),
+        (3, 40, 1032),  # weight rows past 2 KB: no software prefetch
         # from 16 rows, the blocked path: partial panels of 16 rows, partial groups of 6 and
         # tasks of 64 weight rows; K above one block of 256 with x's panels in cache (at most
         # 1-8 MB, by the L3's size): the whole K per group of weight rows
