@@ -7,8 +7,10 @@ kernel for steps of at most 16 rows, ``F.linear`` above: the default before prep
 ``onednn`` (weights reordered once at load, ``kernels/cpu_linear.py``), each with torch's
 element-wise ops; ``fused`` (``onednn`` with the C++ RMSNorm / residual, RoPE and SiLU x mul:
 the default on a CPU with AVX512-BF16 before ``onecall``); ``onecall`` (``fused`` with a decode
-step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``: the default now;
-every other path runs with ``--enforce-eager``); ``avx2`` (the AVX2 + FMA kernel on the plain
+step's decoder layers in one C++ call, ``kernels/cpu_paged.py::decode_layers``, the
+projections on oneDNN: ``PDSERVE_CPU_LINEAR=onednn``; every other path runs with
+``--enforce-eager``); ``amx_onecall`` (the one call with the projections on the AMX walk, the
+``amx`` plan: the default on a CPU with AMX tiles); ``avx2`` (the AVX2 + FMA kernel on the plain
 weights for every row count, with the C++ element-wise ops, layer by layer); ``avx2_onecall``
 (``avx2`` with the decoder layers in one C++ call: the default on a CPU whose oneDNN has no
 bf16). Each measurement builds a fresh engine, admits ``B``
@@ -119,6 +121,7 @@ PATHS = (
     "avx2",
     "avx2_onecall",
     "avx2_base",
+    "amx_onecall",
 )
 BASE_PATHS = ("base", "avx2_base")  # the paths that run the --baseline-source build
 _baseline_ext = None  # the extension built from --baseline-source (BASE_PATHS)
@@ -147,12 +150,14 @@ def step_ms(
             if not hasattr(_baseline_ext, name):
                 setattr(cpu_paged, name, fallback)
     # the default step, and its before-variants
-    one_call = ("onecall", "base", "head_onednn", "avx2_onecall", "avx2_base")
+    one_call = ("onecall", "base", "head_onednn", "avx2_onecall", "avx2_base", "amx_onecall")
     if path not in ("fused", "avx2", *one_call):
         for name in FUSED:
             setattr(cpu_paged, name, None)
     os.environ[cpu_linear.PATH_ENV] = (
-        "onednn"
+        "amx"
+        if path == "amx_onecall"
+        else "onednn"
         if path in ("onednn", "fused", "onecall", "base", "head_onednn")
         else "avx2"
         if path in ("avx2", "avx2_onecall", "avx2_base")

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 PATH_ENV = "PDSERVE_CPU_LINEAR"
-PATHS = ("auto", "onednn", "avx2", "torch")
+PATHS = ("auto", "amx", "onednn", "avx2", "torch")
 HEAD_ENV = "PDSERVE_CPU_LM_HEAD"
 HEAD_PATHS = ("auto", "amx", "avx512", "onednn")
 
@@ -92,7 +92,8 @@ class LinearPlan:
 
     @property
     def packed(self) -> bool:
-        return self.path == "onednn"
+        """Whether the weights are repacked at load (oneDNN's layout, or the AMX tiles')."""
+        return self.path in ("onednn", "amx")
 
 
 def plan_for(
@@ -119,11 +120,28 @@ def plan_for(
         return LinearPlan("torch", f"oneDNN has no bf16 on {f.describe()} with this torch build")
     if requested == "onednn":
         return LinearPlan("onednn", f"{PATH_ENV}=onednn on {f.describe()}")
+    if requested in ("auto", "amx") and f.amx_bf16 and _amx_walk():
+        how = f"{PATH_ENV}=amx" if requested == "amx" else "AMX-BF16"
+        return LinearPlan(
+            "amx",
+            f"AMX tiles, each weight packed once and streamed once a call ({how}; {f.describe()})",
+        )
+    if requested == "amx":
+        return LinearPlan(
+            "onednn", f"{PATH_ENV}=amx, but no AMX tiles here: oneDNN ({f.describe()})"
+        )
     if f.amx_bf16:
         return LinearPlan("onednn", f"oneDNN AMX-BF16 tiles, prepacked ({f.describe()})")
     if f.avx512_bf16:
         return LinearPlan("onednn", f"oneDNN AVX512-BF16, prepacked ({f.describe()})")
     return LinearPlan("torch", f"no bf16 dot products on {f.describe()}")
+
+
+def _amx_walk() -> bool:
+    """Whether the extension's AMX projection (``cpu_paged.amx_proj``) runs here."""
+    from kernels import cpu_paged
+
+    return cpu_paged.amx_linear_available()
 
 
 BLOCKED_ROWS_ENV = "PDSERVE_AVX2_BLOCKED_ROWS"  # read by the C++ kernel (atoll), checked here
@@ -241,9 +259,18 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
     small=None,
+    tiles_n: int | None = None,
 ) -> torch.Tensor:
-    """One projection: the packed primitive when the weight is packed, else the small-batch
-    kernel where it applies (``small`` returns ``None`` where it does not), else ``F.linear``."""
+    """One projection: with ``tiles_n`` (the output width) the AMX projection on
+    ``cpu_paged.amx_pack``'s layout, else the packed primitive when the weight is packed, else
+    the small-batch kernel where it applies (``small`` returns ``None`` where it does not),
+    else ``F.linear``."""
+    if packed is not None and tiles_n is not None:
+        from kernels import cpu_paged
+
+        y = cpu_paged.amx_proj(x.reshape(-1, x.shape[-1]), packed, tiles_n)
+        y = y.reshape(*x.shape[:-1], tiles_n)
+        return y if bias is None else y + bias
     if packed is not None:
         return packed_linear(x, packed, bias)
     assert weight is not None

@@ -297,8 +297,9 @@ def decode_layers(
 ) -> torch.Tensor:
     """A decode step's decoder layers in one C++ call (``decode_layers_bf16``); the caller
     (``LlamaForCausalLM.plan_decode``) has checked that every op it makes applies. ``linear``:
-    ``"packed"`` (``weights`` hold oneDNN's packed projections) or ``"avx2"`` (the plain bf16
-    weights, through ``linear_bf16_avx2``)."""
+    ``"packed"`` (``weights`` hold oneDNN's packed projections), ``"avx2"`` (the plain bf16
+    weights, through ``linear_bf16_avx2``) or ``"amx"`` (:func:`amx_pack`'s tiles, every
+    projection's N a multiple of 32, through :func:`amx_proj`)."""
     ext = _decode_ext(linear)
     assert ext is not None
     hq, hkv, d = heads
@@ -325,18 +326,20 @@ def decode_layers(
     )
 
 
-_DECODE_LINEARS = {"packed": 0, "avx2": 1}  # decode_layers_bf16's ``linear`` argument
+_DECODE_LINEARS = {"packed": 0, "avx2": 1, "amx": 2}  # decode_layers_bf16's ``linear``
 
 
 def decode_layers_available(linear: str = "packed") -> bool:
     """Whether :func:`decode_layers` can run here with ``linear``'s projections: ``"packed"``
     where the extension was built with AVX512-BF16 (oneDNN's packed bf16 primitive), ``"avx2"``
-    where it was built with AVX2 and FMA."""
+    where it was built with AVX2 and FMA, ``"amx"`` where :func:`amx_linear_available`."""
     return _decode_ext(linear) is not None
 
 
 def _decode_ext(linear: str):
     """The extension when it can run :func:`decode_layers` with ``linear``'s projections."""
+    if linear == "amx":
+        return _bf16_ext() if amx_linear_available() else None
     return _bf16_ext() if linear == "packed" else _avx2_ext()
 
 
@@ -430,6 +433,15 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, tiles: bool = True
     ext = _bf16_ext()
     assert ext is not None
     return ext.amx_linear_bf16(x.contiguous(), packed, int(n), bool(tiles))
+
+
+def amx_proj(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """A layer's projection on AMX tiles (the ``amx`` linear plan): ``x @ weight.T`` (bf16
+    ``[M, n]``) from ``packed = amx_pack(weight)``, the same sums as :func:`amx_linear` with
+    the output stored plainly (the next op reads it at once). Needs :func:`amx_linear_available`."""
+    ext = _bf16_ext()
+    assert ext is not None
+    return ext.amx_proj_bf16(x, packed, int(n))
 
 
 def amx_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, tiles: bool = True) -> torch.Tensor:

@@ -3064,6 +3064,10 @@ static inline void al_prefetch(const uint16_t* t0, const uint16_t* t1) {
 // The fp32 sums of output columns [32 nb, 32 nb + 32) for every row tile of xp ([Mp, K] bf16,
 // Mp a multiple of 16), for each block nb in [nb0, nb1): epi(m0, rows, n0, cb), cb a 32 x 32
 // (row stride 32) fp32 block of which the first ``rows`` rows are set.
+// rows of x (padded) past which al_run takes al_blocks_kb where K is more than one slice (at
+// K <= 256 a row pair's x is 16 KiB and stays in L1 through a group anyway)
+constexpr int64_t AL_WALK_ROWS = 64;
+
 template <typename Epi>
 static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t* wp, int64_t nb0,
                       int64_t nb1, const Epi& epi) {
@@ -3121,6 +3125,82 @@ static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t*
       _tile_stored(0, cb, 128);
       _tile_stored(1, cb + 16, 128);
       epi(m0, two ? 32 : 16, nb * 32, cb);
+    }
+  }
+}
+
+// al_blocks' contract for many rows (a prefill chunk): there every tile of a step came from L2
+// (a row pair's 32 x K of x and the group's blocks both past L1), and the walk was bound by
+// it (1.12x oneDNN's time at 2,048 rows of a 1,024-wide model's projections). Here K goes in
+// slices of 256: a row pair's slice of x (16 KiB) stays in L1 while it meets every block of a
+// group of 8 (the group's slice, 128 KiB, in L2 for all the pairs of a chunk of 256 rows), and
+// each 32 x 32 block's fp32 sums wait in an L2 buffer between slices (stored and reloaded as
+// tiles: exact). Each output is still one accumulator over K in order from zero: the same bits
+// as al_blocks (tests/kernels/test_amx_linear.py). The epilogue runs per group once its sums
+// are whole, each row's columns in increasing order. 0.93-0.99x oneDNN's time at 256-2,048
+// rows (docs/benchmarks.md, "The layers' projections on the AMX walk").
+template <typename Epi>
+static void al_blocks_kb(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t* wp,
+                         int64_t nb0, int64_t nb1, const Epi& epi) {
+  const int64_t KT = K / 32;
+  const int stride = int(K * sizeof(uint16_t));
+  const int64_t block = 2 * KT * 512;
+  constexpr int64_t KC = 8, group = 8, chunk = 256;  // K tiles a slice, blocks a group, rows
+  at::Tensor buf = at::empty({chunk / 32 * group * 1024}, at::kFloat);  // 64-byte aligned
+  float* cbuf = buf.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < Mp; r0 += chunk) {
+    const int64_t re = std::min(Mp, r0 + chunk);
+    for (int64_t g0 = nb0; g0 < nb1; g0 += group) {
+      const int64_t gn = std::min(group, nb1 - g0);
+      for (int64_t kc0 = 0; kc0 < KT; kc0 += KC) {
+        const int64_t kce = std::min(KT, kc0 + KC);
+        for (int64_t m0 = r0; m0 < re; m0 += 32) {
+          const bool two = m0 + 16 < Mp;
+          const uint16_t* a0 = xp + m0 * K;
+          for (int64_t j = 0; j < gn; ++j) {
+            const int64_t nb = g0 + j;
+            const uint16_t* b0 = wp + nb * block;
+            const uint16_t* b1 = b0 + KT * 512;
+            float* c = cbuf + (((m0 - r0) / 32) * group + j) * 1024;
+            const bool pf = m0 == r0 && j + 1 < gn;
+            if (kc0 == 0) {
+              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            } else {
+              _tile_loadd(0, c, 128); _tile_loadd(1, c + 16, 128);
+              if (two) { _tile_loadd(2, c + 512, 128); _tile_loadd(3, c + 528, 128); }
+            }
+            if (two) {
+              for (int64_t kt = kc0; kt < kce; ++kt) {
+                if (pf) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
+                _tile_loadd(4, a0 + kt * 32, stride);
+                _tile_loadd(5, a0 + 16 * K + kt * 32, stride);
+                _tile_loadd(6, b0 + kt * 512, 64);
+                _tile_loadd(7, b1 + kt * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              }
+              _tile_stored(2, c + 512, 128);
+              _tile_stored(3, c + 528, 128);
+            } else {
+              for (int64_t kt = kc0; kt < kce; ++kt) {
+                if (pf) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
+                _tile_loadd(4, a0 + kt * 32, stride);
+                _tile_loadd(6, b0 + kt * 512, 64);
+                _tile_loadd(7, b1 + kt * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+              }
+            }
+            _tile_stored(0, c, 128);
+            _tile_stored(1, c + 16, 128);
+          }
+        }
+      }
+      for (int64_t m0 = r0; m0 < re; m0 += 32)
+        for (int64_t j = 0; j < gn; ++j)
+          epi(m0, m0 + 16 < Mp ? 32 : 16, (g0 + j) * 32, cbuf + (((m0 - r0) / 32) * group + j) * 1024);
     }
   }
 }
@@ -3247,7 +3327,10 @@ static void al_run(const at::Tensor& x, const at::Tensor& wp, bool tiles, int64_
     const int64_t Mp = xp.size(0);
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
     al_parallel(NB, parts, [&](int64_t t, int64_t nb0, int64_t nb1) {
-      fn(t, Mp, [&](const auto& epi) { al_blocks(xs, Mp, K, ws, nb0, nb1, epi); });
+      fn(t, Mp, [&](const auto& epi) {
+        if (Mp > AL_WALK_ROWS && K > 256) al_blocks_kb(xs, Mp, K, ws, nb0, nb1, epi);
+        else al_blocks(xs, Mp, K, ws, nb0, nb1, epi);
+      });
     });
 #endif
     return;
@@ -3331,8 +3414,11 @@ at::Tensor amx_pack_linear(const at::Tensor& w) {
 }
 
 // y = x w^T, bf16 [M, N], for x [M, K] bf16 and wp = amx_pack_linear(w) of w [N, K]; on AMX
-// tiles, or (tiles = false) on AVX512-BF16 dot products.
-at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool tiles) {
+// tiles, or (tiles = false) on AVX512-BF16 dot products. ``stream``: whole aligned lines of y
+// go past the cache (the LM head's logits, read once later); a layer's projection, whose
+// output the next op reads at once, stores them plainly.
+static at::Tensor al_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool tiles,
+                            bool stream) {
   al_check(x, wp, N);
   al_check_kernel(tiles);
   const int64_t M = x.size(0);
@@ -3352,7 +3438,7 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N,
         const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(cb + r * 32 + 16),
                                                         _mm512_load_ps(cb + r * 32));
         uint16_t* dst = ys + (m0 + r) * N + n0;
-        if (left >= 32 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+        if (stream && left >= 32 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
         else _mm512_mask_storeu_epi16(dst, keep, v);
       }
     });
@@ -3360,6 +3446,17 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N,
   });
 #endif
   return y;
+}
+
+at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool tiles) {
+  return al_linear(x, wp, N, tiles, true);
+}
+
+// A layer's projection on AMX tiles (the ``amx`` linear plan): x [M, K] bf16 (any row stride
+// of 1-element columns is made contiguous), wp = amx_pack_linear(w), N = w.size(0); y [M, N]
+// stored plainly (in cache for the op after it).
+at::Tensor amx_proj_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+  return al_linear(x.contiguous(), wp, N, true, false);
 }
 
 // argmax_rows(amx_linear_bf16(x, wp, N, tiles)) without the logits: [M] int64.
@@ -3486,7 +3583,9 @@ static at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
 // element-wise ops are the fused bf16 kernels above, with the same ops in the same order (so
 // the same bits), minus the Python between them. ``linear`` names the projections' kernel:
 // 0 oneDNN's packed primitive (the bias fused into it), 1 linear_bf16_avx2 on the plain
-// weights (the bias added after, as cpu_linear.linear does). ``w`` holds 7 tensors per layer:
+// weights, 2 amx_proj_bf16 on amx_pack_linear's tiles (the bias added after, as
+// cpu_linear.linear does, for both; under 2 a weight left in oneDNN's packed layout, K not a
+// multiple of 32, takes oneDNN's primitive as under 0). ``w`` holds 7 tensors per layer:
 // input-norm weight, qkv (packed or plain), qkv bias (read only when ``qkv_bias``), o,
 // post-attention-norm weight, gate_up, down; ``layers`` the pool index of each layer. Returns
 // the residual stream after the last layer.
@@ -3498,14 +3597,19 @@ at::Tensor decode_layers_bf16(at::Tensor x, const at::Tensor& positions, at::Ten
                               const std::vector<int64_t>& layers, bool qkv_bias,
                               int64_t linear) {
   TORCH_CHECK(w.size() == 7 * layers.size(), "7 weights per layer");
-  TORCH_CHECK(linear == 0 || linear == 1, "linear must be 0 (packed) or 1 (avx2)");
-  TORCH_CHECK(linear == 0 || avx2_gemm_supported(), "linear_bf16_avx2 was not built here");
+  TORCH_CHECK(linear >= 0 && linear <= 2, "linear must be 0 (packed), 1 (avx2) or 2 (amx)");
+  TORCH_CHECK(linear != 1 || avx2_gemm_supported(), "linear_bf16_avx2 was not built here");
+  TORCH_CHECK(linear != 2 || amx_linear_available(), "no AMX tiles on this CPU or build");
   const int64_t t = x.size(0), qs = hq * d, ks = hkv * d;
   const c10::optional<at::Tensor> none;
   // one projection, as kernels/cpu_linear.py::linear makes it for the plan
   auto proj = [&](const at::Tensor& a, const at::Tensor& wt, const c10::optional<at::Tensor>& b) {
-    if (linear == 0) return packed_linear(a, wt, b);
-    at::Tensor y = linear_bf16_avx2(a.contiguous(), wt);
+    // amx: a projection whose K is not a multiple of 32 keeps oneDNN's packed (opaque) weight
+    if (linear == 0 || (linear == 2 && wt.is_mkldnn())) return packed_linear(a, wt, b);
+    // amx: a tiled projection's N is a multiple of 32 (the caller checks), so wt's 16-column
+    // tile count gives it
+    at::Tensor y = linear == 2 ? amx_proj_bf16(a, wt, wt.size(0) * 16)
+                               : linear_bf16_avx2(a.contiguous(), wt);
     return b.has_value() ? at::add(y, *b) : y;
   };
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -3583,6 +3687,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack_linear", &amx_pack_linear, "an [N, K] bf16 weight in amx_linear's tile layout");
   m.def("dp_linear_available", &dp_linear_available,
         "whether amx_linear_bf16 / amx_argmax_bf16 run without tiles (AVX512-BF16)");
+  m.def("amx_proj_bf16", &amx_proj_bf16, nogil,
+        "a layer's projection on AMX tiles from amx_pack_linear's layout (y stored plainly)");
   m.def("amx_linear_bf16", &amx_linear_bf16, nogil,
         "x @ w.T from the packed weight, read once (bf16; AMX tiles or AVX512-BF16)");
   m.def("amx_argmax_bf16", &amx_argmax_bf16, nogil,

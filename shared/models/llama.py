@@ -35,17 +35,23 @@ class Linear(nn.Linear):
 
     small: object = None  # the backend's small_linear, set by the model
     packed: torch.Tensor | None = None  # set by prepack_linears
+    tiles: bool = False  # ``packed`` is cpu_paged.amx_pack's layout (the ``amx`` plan)
+    tiles_n: int = 0  # then the weight's row count (the output width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.bias, self.packed, self.small)
+        n = self.tiles_n if self.tiles else None
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed, self.small, n)
 
 
 def _takes(lin: Linear, kind: str) -> bool:
     """Whether projection ``lin`` runs on the one-call decode step's ``kind`` of kernel
-    (``"packed"``: oneDNN's packed primitive; ``"avx2"``: the AVX2 kernel on the plain bf16
-    weight, for every row count, as ``cpu_paged.avx2_linear`` takes it)."""
+    (``"packed"``: oneDNN's packed primitive; ``"amx"``: the AMX projection on the tiles'
+    layout, N a multiple of 32, or oneDNN's where K kept it there; ``"avx2"``: the AVX2 kernel on the plain bf16 weight, for every
+    row count, as ``cpu_paged.avx2_linear`` takes it)."""
     if kind == "packed":
-        return lin.packed is not None
+        return lin.packed is not None and not lin.tiles
+    if kind == "amx":  # a projection left on oneDNN (K not a multiple of 32) rides along
+        return lin.packed is not None and (not lin.tiles or lin.tiles_n % 32 == 0)
     w = lin.weight
     return (
         lin.packed is None
@@ -59,7 +65,7 @@ def _takes(lin: Linear, kind: str) -> bool:
 
 def _projection(lin: Linear, kind: str) -> torch.Tensor:
     """The weight the one-call decode step reads for ``lin`` (checked by :func:`_takes`)."""
-    w = lin.packed if kind == "packed" else lin.weight
+    w = lin.packed if kind in ("packed", "amx") else lin.weight
     assert w is not None
     return w
 
@@ -414,8 +420,12 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         be = self.layers[0].self_attn.backend if len(self.layers) else None
         run = getattr(be, "decode_layers", None)
-        # the projections' kernel: oneDNN's packed primitive, or the avx2 plan's on plain weights
-        kind = "avx2" if self.heavy_projections() else "packed"
+        # the projections' kernel: oneDNN's packed primitive, the amx plan's tiles, or the avx2
+        # plan's kernel on plain weights
+        tiles = [
+            getattr(lin, "tiles", False) for layer in self.layers for lin in layer.projections()
+        ]
+        kind = "avx2" if self.heavy_projections() else "amx" if any(tiles) else "packed"
         if (
             cfg.enforce_eager
             or run is None
@@ -540,7 +550,11 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.register_parameter("weight", None)
         for m in self.modules():
             if isinstance(m, Linear) and m.packed is None and m.weight is not None:
-                m.packed = cpu_linear.pack(m.weight)
+                w = m.weight
+                # the amx plan: the tiles' layout where K allows it (a multiple of 32), else oneDNN
+                m.tiles = plan.path == "amx" and w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0
+                m.tiles_n = w.shape[0]
+                m.packed = cpu_paged.amx_pack(w) if m.tiles else cpu_linear.pack(w)
                 total += m.weight.numel() * m.weight.element_size()
                 del m.weight
                 m.register_parameter("weight", None)

@@ -1,8 +1,9 @@
 """The decode step's decoder layers in one C++ call (``kernels/cpu_paged.py::decode_layers``,
 ``LlamaForCausalLM.plan_decode``) give the same bits as the Python layer loop it replaces
 (``--enforce-eager``), for Llama and Qwen2 (q/k/v biases), in a bf16 engine on the CPU: with
-oneDNN's packed projections (a CPU with AVX512-BF16) and with the ``avx2`` plan's kernel on the
-plain weights (any CPU with AVX2 and FMA)."""
+oneDNN's packed projections (a CPU with AVX512-BF16), with the ``amx`` plan's AMX walk (a CPU
+with AMX tiles) and with the ``avx2`` plan's kernel on the plain weights (any CPU with AVX2 and
+FMA)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 
 # the linear plan asked for (PDSERVE_CPU_LINEAR) -> the one-call step's projection kernel
-KINDS = {"onednn": "packed", "avx2": "avx2"}
+KINDS = {"onednn": "packed", "avx2": "avx2", "amx": "amx"}
 
 
 def _run(model_dir, eager: bool):

@@ -77,6 +77,36 @@ def test_each_rows_output_does_not_depend_on_the_others(tiles):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m,n,k", [(300, 200, 2816), (65, 1000, 1056), (530, 96, 256)])
+def test_many_rows_take_the_k_slices_with_the_bits_of_the_row_pairs_walk(m, n, k, threads):
+    """Past 64 rows the tiles walk K in slices of 256, the fp32 sums waiting between slices
+    (``al_blocks_kb``); up to 64 rows the row pairs walk the whole K (``al_blocks``). Each
+    output is the same one accumulator over K in order either way: the rows in slices of 64
+    give the same bits, through the partial K slice (K = 1,056, 2,816), the partial column
+    block and group (N = 200, 1,000), the second chunk of 256 rows and an odd row tile (65,
+    530); the fused argmax and the plainly stored layer projection (``amx_proj``) too."""
+    if not cpu_paged.amx_linear_available():
+        pytest.skip("no AMX tiles on this CPU or build")
+    x, w = _case(m, n, k, seed=3)
+    packed = cpu_paged.amx_pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = cpu_paged.amx_linear(x, packed, n, True)
+        pieces = torch.cat(
+            [cpu_paged.amx_linear(x[i : i + 64], packed, n, True) for i in range(0, m, 64)]
+        )
+        assert torch.equal(whole, pieces)
+        assert torch.equal(cpu_paged.amx_proj(x, packed, n), whole)
+        assert torch.equal(cpu_paged.amx_argmax(x, packed, n, True), cpu_paged.argmax_rows(whole))
+    finally:
+        torch.set_num_threads(before)
+    exact = x.float() @ w.float().T
+    bound = exact.abs() * 2.0**-8 + 2e-3 * exact.abs().max()
+    assert ((whole.float() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_ties_go_to_the_first_index_within_and_across_thread_ranges(threads, tiles):
     """Equal logits: copies of one weight row at columns in the same 16-column lane, in other
     lanes, and in the other thread's half of the columns; the first copy must win."""

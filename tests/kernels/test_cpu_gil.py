@@ -178,11 +178,11 @@ def test_quantized_gemm_releases_the_gil():
     )
 
 
-@pytest.mark.parametrize("path,kind", [("onednn", "packed"), ("avx2", "avx2")])
+@pytest.mark.parametrize("path,kind", [("onednn", "packed"), ("avx2", "avx2"), ("amx", "amx")])
 def test_the_one_call_decode_step_releases_the_gil(make_model, monkeypatch, path, kind):
     """The engine's own call of ``decode_layers_bf16`` (a bf16 engine on the tiny model),
-    recorded and replayed: with oneDNN's packed projections (its 16-argument form) and with the
-    avx2 plan's."""
+    recorded and replayed: with oneDNN's packed projections (its 16-argument form), the amx
+    plan's and the avx2 plan's."""
     if not cpu_paged.decode_layers_available(kind):
         pytest.skip(f"the CPU extension has no {kind} projections on this machine")
     from kernels import cpu_linear
@@ -190,7 +190,7 @@ def test_the_one_call_decode_step_releases_the_gil(make_model, monkeypatch, path
     from shared.engine.sampling_params import SamplingParams
 
     monkeypatch.setenv(cpu_linear.PATH_ENV, path)
-    ext = cpu_paged._bf16_ext() if kind == "packed" else cpu_paged._avx2_ext()
+    ext = cpu_paged._avx2_ext() if kind == "avx2" else cpu_paged._bf16_ext()
     real = ext.decode_layers_bf16
     calls: list[tuple[object, ...]] = []
 

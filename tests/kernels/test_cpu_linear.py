@@ -16,22 +16,43 @@ SKYLAKE = CpuFeatures("Xeon", amx_bf16=False, avx512_bf16=False, avx512=True, av
 HASWELL = CpuFeatures("Core", amx_bf16=False, avx512_bf16=False, avx512=False, avx2=True)
 
 
+@pytest.fixture(autouse=True)
+def _amx_walk_off(monkeypatch):
+    """The plan's decisions, not this machine's: the AMX projection counts as absent unless a
+    test says otherwise (``_amx_walk`` reads the extension on the real CPU)."""
+    monkeypatch.setattr(cpu_linear, "_amx_walk", lambda: False)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    "feats,path,words",
+    "feats,walk,path,words",
     [
-        (AMX, "onednn", "AMX-BF16"),
-        (ZEN4, "onednn", "AVX512-BF16"),
-        (SKYLAKE, "torch", "no bf16 dot products"),
-        (HASWELL, "torch", "no bf16 dot products"),
+        (AMX, True, "amx", "AMX-BF16"),
+        (AMX, False, "onednn", "AMX-BF16"),  # tiles on the CPU, but not in this build
+        (ZEN4, True, "onednn", "AVX512-BF16"),
+        (SKYLAKE, False, "torch", "no bf16 dot products"),
+        (HASWELL, False, "torch", "no bf16 dot products"),
     ],
 )
-def test_the_plan_follows_the_cpus_bf16_units(monkeypatch, feats, path, words):
+def test_the_plan_follows_the_cpus_bf16_units(monkeypatch, feats, walk, path, words):
     monkeypatch.delenv(cpu_linear.PATH_ENV, raising=False)
     monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)  # the decision, not this CPU
+    monkeypatch.setattr(cpu_linear, "_amx_walk", lambda: walk)
     plan = plan_for(torch.bfloat16, CPU, features=feats)
     assert plan.path == path and words in plan.reason
-    assert plan.packed == (path == "onednn")
+    assert plan.packed == (path in ("onednn", "amx"))
+
+
+@pytest.mark.unit
+def test_amx_asked_for_where_it_cannot_run_takes_onednn_and_says_so(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda: True)
+    plan = plan_for(torch.bfloat16, CPU, "amx", features=ZEN4)
+    assert plan.path == "onednn" and "PDSERVE_CPU_LINEAR=amx, but no AMX tiles" in plan.reason
+    monkeypatch.setattr(cpu_linear, "_amx_walk", lambda: True)
+    plan = plan_for(torch.bfloat16, CPU, "amx", features=AMX)
+    assert plan.path == "amx" and "PDSERVE_CPU_LINEAR=amx" in plan.reason
+    assert plan_for(torch.bfloat16, CPU, "onednn", features=AMX).path == "onednn"
+    assert plan_for(torch.float32, CPU, "amx", features=AMX).path == "torch"  # token-exact sgemm
 
 
 @pytest.mark.unit
@@ -228,6 +249,46 @@ def test_a_packed_model_drops_its_plain_weights_and_computes_the_same(
             assert torch.equal(packed.greedy_tokens(h), cpu_paged.argmax_rows(logits))
     else:
         assert packed.greedy_tokens(torch.zeros(1, cfg.hidden_size).bfloat16()) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
+def test_an_amx_model_packs_its_projections_into_tiles_and_computes_the_same(
+    monkeypatch, make_model, arch
+):
+    """The ``amx`` plan (the default where the CPU has AMX tiles): every projection whose K is
+    a multiple of 32 goes into the tiles' layout, its plain weight dropped, and runs on the AMX
+    walk (a bias added after); the logits are F.linear's within bf16 rounding."""
+    from kernels import get_backend
+    from shared.config import EngineArgs
+    from shared.models.llama import Linear
+    from shared.models.loader import load_model
+
+    if not cpu_paged.amx_linear_available():
+        pytest.skip("no AMX tiles here")
+    monkeypatch.setattr(cpu_linear, "_amx_walk", cpu_paged.amx_linear_available)  # this CPU's
+    cfg = EngineArgs(model=str(make_model("tiny", arch)), dtype="bfloat16").create_model_config()
+    backend = get_backend("torch")
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "torch")
+    plain = load_model(cfg, "cpu", backend)
+    monkeypatch.delenv(cpu_linear.PATH_ENV)
+    tiled = load_model(cfg, "cpu", backend)
+    layers = [lin for layer in tiled.layers for lin in layer.projections()]
+    assert layers and all(type(m) is Linear for m in layers)
+    for m in layers:
+        k = m.in_features
+        assert m.weight is None and m.packed is not None and m.tiles == (k % 32 == 0)
+        if m.tiles:
+            assert m.tiles_n == m.out_features
+            assert m.packed.shape == ((m.out_features + 31) // 32 * 2, k // 32, 512)
+    assert any(m.tiles for m in layers)
+    assert tiled.head_packed is not None and tiled.head_tiles  # the head's own walk, as before
+    n = 40
+    ids, kv, meta = _one_prefill(cfg, n)
+    with torch.inference_mode():
+        a = plain.compute_logits(plain(ids, torch.arange(n), kv.clone(), meta)).float()
+        b = tiled.compute_logits(tiled(ids, torch.arange(n), kv.clone(), meta)).float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied LM head
