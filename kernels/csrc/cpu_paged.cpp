@@ -3137,8 +3137,9 @@ static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t*
 // each 32 x 32 block's fp32 sums wait in an L2 buffer between slices (stored and reloaded as
 // tiles: exact). Each output is still one accumulator over K in order from zero: the same bits
 // as al_blocks (tests/kernels/test_amx_linear.py). The epilogue runs per group once its sums
-// are whole, each row's columns in increasing order. 0.93-0.99x oneDNN's time at 256-2,048
-// rows (docs/benchmarks.md, "The layers' projections on the AMX walk").
+// are whole, each row's columns in increasing order. A 1,024-wide model's projections at
+// 128-2,048 rows: 0.90-0.99x oneDNN's time with the head's streaming stores, 0.87-1.09x stored
+// plainly (docs/benchmarks.md, "The layers' projections on the AMX walk").
 template <typename Epi>
 static void al_blocks_kb(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t* wp,
                          int64_t nb0, int64_t nb1, const Epi& epi) {
