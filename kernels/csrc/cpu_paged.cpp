@@ -3061,13 +3061,13 @@ static inline void al_prefetch(const uint16_t* t0, const uint16_t* t1) {
   }
 }
 
-// The fp32 sums of output columns [32 nb, 32 nb + 32) for every row tile of xp ([Mp, K] bf16,
-// Mp a multiple of 16), for each block nb in [nb0, nb1): epi(m0, rows, n0, cb), cb a 32 x 32
-// (row stride 32) fp32 block of which the first ``rows`` rows are set.
 // rows of x (padded) past which al_run takes al_blocks_kb where K is more than one slice (at
 // K <= 256 a row pair's x is 16 KiB and stays in L1 through a group anyway)
 constexpr int64_t AL_WALK_ROWS = 64;
 
+// The fp32 sums of output columns [32 nb, 32 nb + 32) for every row tile of xp ([Mp, K] bf16,
+// Mp a multiple of 16), for each block nb in [nb0, nb1): epi(m0, rows, n0, cb), cb a 32 x 32
+// (row stride 32) fp32 block of which the first ``rows`` rows are set.
 template <typename Epi>
 static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t* wp, int64_t nb0,
                       int64_t nb1, const Epi& epi) {

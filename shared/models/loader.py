@@ -207,7 +207,9 @@ def _prepack(model: LlamaForCausalLM, dtype: torch.dtype, device: str) -> None:
         if isinstance(m, QuantLinear):
             kinds[f"{name.rpartition('.')[2]}: quantized"] += 1
         elif isinstance(m, Linear) and not (m is model.lm_head and model.head_packed is not None):
-            kinds[f"{name.rpartition('.')[2]}: {plan.path}"] += 1
+            # the amx plan leaves a projection whose K is not a multiple of 32 on oneDNN
+            path = "onednn" if plan.path == "amx" and not m.tiles else plan.path
+            kinds[f"{name.rpartition('.')[2]}: {path}"] += 1
     head = plan.path
     if model.head_packed is not None:
         kernel = "AMX tiles" if model.head_tiles else "AVX512-BF16 dot products"

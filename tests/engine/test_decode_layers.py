@@ -51,3 +51,30 @@ def test_one_call_decode_layers_match_the_python_loop_bit_for_bit(
     assert plan is not None and no_plan is None  # the fused path ran, and only there
     assert plan.keywords["linear"] == kind  # on the projections asked for
     assert fused == eager
+
+
+def test_the_amx_one_call_step_takes_projections_left_on_onednn(make_model, monkeypatch, caplog):
+    """The small preset's down_proj has K = 688, not a multiple of 32: the amx plan leaves it in
+    oneDNN's layout, and the one-call step still runs (that weight on oneDNN's primitive inside
+    the call) with the Python loop's bits; the startup log names its path. A first version
+    required every projection in tiles and left such a model on the Python loop."""
+    import logging
+
+    from shared.models.llama import Linear
+
+    if not cpu_paged.decode_layers_available("amx"):
+        pytest.skip("the CPU extension has no amx projections on this machine")
+    monkeypatch.setenv(cpu_linear.PATH_ENV, "amx")
+    model_dir = make_model("small", "llama")
+    with caplog.at_level(logging.INFO, logger="shared.models.loader"):
+        llm = LLM(str(model_dir), enforce_eager=False, max_num_seqs=8, kv_cache_memory="32MiB")
+    model = llm.engine.runner.model
+    downs = [layer.mlp.down_proj for layer in model.layers]
+    assert all(type(d) is Linear and not d.tiles and d.packed is not None for d in downs)
+    assert all(layer.self_attn.qkv_proj.tiles for layer in model.layers)
+    assert model._decode_plan is not None and model._decode_plan.keywords["linear"] == "amx"
+    assert "down_proj: onednn x 4" in caplog.text and "qkv_proj: amx x 4" in caplog.text
+    del llm
+    fused, _ = _run(model_dir, eager=False)
+    eager, _ = _run(model_dir, eager=True)
+    assert fused == eager
