@@ -3065,6 +3065,69 @@ static inline void al_prefetch(const uint16_t* t0, const uint16_t* t1) {
 // K <= 256 a row pair's x is 16 KiB and stays in L1 through a group anyway)
 constexpr int64_t AL_WALK_ROWS = 64;
 
+// K steps [kt0, kt1) of one 32-column block (tiles b0, b1 of amx_pack_linear's layout) for
+// one row pair at a0 (x rows of ``stride`` bytes; ``two``: both 16-row tiles, else the first),
+// into accumulators 0-1 (and 2-3); with ``next0`` the next block's same K slices are
+// prefetched along. Shared by both walks, so their sums are the same instructions in order.
+static inline __attribute__((always_inline)) void al_steps(const uint16_t* a0, int64_t K,
+                                                          int stride, const uint16_t* b0,
+                                                          const uint16_t* b1, int64_t kt0,
+                                                          int64_t kt1, bool two,
+                                                          const uint16_t* next0,
+                                                          const uint16_t* next1) {
+  if (two) {
+    for (int64_t kt = kt0; kt < kt1; ++kt) {
+      if (next0 != nullptr) al_prefetch(next0 + kt * 512, next1 + kt * 512);
+      _tile_loadd(4, a0 + kt * 32, stride);
+      _tile_loadd(5, a0 + 16 * K + kt * 32, stride);
+      _tile_loadd(6, b0 + kt * 512, 64);
+      _tile_loadd(7, b1 + kt * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  } else {
+    for (int64_t kt = kt0; kt < kt1; ++kt) {
+      if (next0 != nullptr) al_prefetch(next0 + kt * 512, next1 + kt * 512);
+      _tile_loadd(4, a0 + kt * 32, stride);
+      _tile_loadd(6, b0 + kt * 512, 64);
+      _tile_loadd(7, b1 + kt * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+  }
+}
+
+// Accumulators 0-1 (and 2-3 with ``two``) zeroed, or to / from a 32 x 32 fp32 block (row
+// stride 32).
+static inline __attribute__((always_inline)) void al_zero(bool two) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+
+static inline __attribute__((always_inline)) void al_load(const float* c, bool two) {
+  _tile_loadd(0, c, 128);
+  _tile_loadd(1, c + 16, 128);
+  if (two) {
+    _tile_loadd(2, c + 16 * 32, 128);
+    _tile_loadd(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+static inline __attribute__((always_inline)) void al_store(float* c, bool two) {
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
 // The fp32 sums of output columns [32 nb, 32 nb + 32) for every row tile of xp ([Mp, K] bf16,
 // Mp a multiple of 16), for each block nb in [nb0, nb1): epi(m0, rows, n0, cb), cb a 32 x 32
 // (row stride 32) fp32 block of which the first ``rows`` rows are set.
@@ -3090,42 +3153,13 @@ static void al_blocks(const uint16_t* xp, int64_t Mp, int64_t K, const uint16_t*
     const uint16_t* b1 = b0 + KT * 512;
     // the next block, a K slice per step of the first row pair, fetched while this one is
     // computed on (a tile load that misses to DRAM stalls the tile unit)
-    const bool ahead = nb + 1 < nb1;
-    {
-      const bool two = m0 + 16 < Mp;
-      const uint16_t* a0 = xp + m0 * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kt = 0; kt < KT; ++kt) {
-          if (ahead && m0 == 0) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
-          _tile_loadd(4, a0 + kt * 32, stride);
-          _tile_loadd(5, a0 + 16 * K + kt * 32, stride);
-          _tile_loadd(6, b0 + kt * 512, 64);
-          _tile_loadd(7, b1 + kt * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(2, cb + 16 * 32, 128);
-        _tile_stored(3, cb + 16 * 32 + 16, 128);
-      } else {
-        for (int64_t kt = 0; kt < KT; ++kt) {
-          if (ahead && m0 == 0) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
-          _tile_loadd(4, a0 + kt * 32, stride);
-          _tile_loadd(6, b0 + kt * 512, 64);
-          _tile_loadd(7, b1 + kt * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-      }
-      _tile_stored(0, cb, 128);
-      _tile_stored(1, cb + 16, 128);
-      epi(m0, two ? 32 : 16, nb * 32, cb);
-    }
+    const bool ahead = nb + 1 < nb1 && m0 == 0;
+    const bool two = m0 + 16 < Mp;
+    al_zero(two);
+    al_steps(xp + m0 * K, K, stride, b0, b1, 0, KT, two, ahead ? b0 + block : nullptr,
+             ahead ? b1 + block : nullptr);
+    al_store(cb, two);
+    epi(m0, two ? 32 : 16, nb * 32, cb);
   }
 }
 
@@ -3164,38 +3198,11 @@ static void al_blocks_kb(const uint16_t* xp, int64_t Mp, int64_t K, const uint16
             const uint16_t* b1 = b0 + KT * 512;
             float* c = cbuf + (((m0 - r0) / 32) * group + j) * 1024;
             const bool pf = m0 == r0 && j + 1 < gn;
-            if (kc0 == 0) {
-              _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            } else {
-              _tile_loadd(0, c, 128); _tile_loadd(1, c + 16, 128);
-              if (two) { _tile_loadd(2, c + 512, 128); _tile_loadd(3, c + 528, 128); }
-            }
-            if (two) {
-              for (int64_t kt = kc0; kt < kce; ++kt) {
-                if (pf) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
-                _tile_loadd(4, a0 + kt * 32, stride);
-                _tile_loadd(5, a0 + 16 * K + kt * 32, stride);
-                _tile_loadd(6, b0 + kt * 512, 64);
-                _tile_loadd(7, b1 + kt * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-              }
-              _tile_stored(2, c + 512, 128);
-              _tile_stored(3, c + 528, 128);
-            } else {
-              for (int64_t kt = kc0; kt < kce; ++kt) {
-                if (pf) al_prefetch(b0 + block + kt * 512, b1 + block + kt * 512);
-                _tile_loadd(4, a0 + kt * 32, stride);
-                _tile_loadd(6, b0 + kt * 512, 64);
-                _tile_loadd(7, b1 + kt * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-              }
-            }
-            _tile_stored(0, c, 128);
-            _tile_stored(1, c + 16, 128);
+            if (kc0 == 0) al_zero(two);
+            else al_load(c, two);
+            al_steps(a0, K, stride, b0, b1, kc0, kce, two, pf ? b0 + block : nullptr,
+                     pf ? b1 + block : nullptr);
+            al_store(c, two);
           }
         }
       }
